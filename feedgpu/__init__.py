@@ -1,0 +1,20 @@
+"""feedgpu: feed GPUs from PyTorch without CPU data stalls.
+
+``import feedgpu`` needs neither a GPU nor NVIDIA DALI; nothing here touches CUDA.
+"""
+from .errors import (ConfigError, DecodeError, FeedgpuError, LoaderTimeout, SampleError, SkipBudgetExceeded,
+                     SourceError, StageError, StateError, WorkerError)
+from .exec.work import Batch
+from .imaging import pil_build
+from .loader import DataLoader
+from .metrics import SkippedSampleWarning
+from .pipeline import Pipeline
+from .sources import DatasetSource, FolderSource, ParquetSource, TarShardSource
+
+__version__ = "0.1.0"
+
+__all__ = sorted([
+    "Batch", "ConfigError", "DataLoader", "DatasetSource", "DecodeError", "FeedgpuError", "FolderSource",
+    "LoaderTimeout", "ParquetSource", "Pipeline", "SampleError", "SkipBudgetExceeded", "SkippedSampleWarning",
+    "SourceError", "StageError", "StateError", "TarShardSource", "WorkerError", "pil_build",
+])

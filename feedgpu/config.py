@@ -1,0 +1,212 @@
+"""Pipeline definitions in YAML: schema, validation with key paths, overrides.
+
+Files are read with ``yaml.safe_load`` (plain data only). Errors name the key as a path
+(``stages[1].scale``) and, where the set is finite, the allowed keys or values.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .errors import ConfigError
+from .stages.decode import IMAGENET_MEAN_PIXEL, PILLOW_MAX_PIXELS
+from .stages.geometry import INTERPOLATIONS
+from .stages.normalize import IMAGENET_MEAN, IMAGENET_STD
+
+Interp = Literal[tuple(INTERPOLATIONS)]  # type: ignore[valid-type]
+Size = Union[Annotated[int, Field(gt=0)], tuple[Annotated[int, Field(gt=0)], Annotated[int, Field(gt=0)]]]
+Byte = Annotated[int, Field(ge=0, le=255)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SourceCfg(_Strict):
+    format: Literal["folder", "tar", "parquet"]
+    path: Union[str, list[str], None] = None
+    image_column: str = "image"
+    label_column: Union[str, None] = "label"
+
+
+class DecodeCfg(_Strict):
+    op: Literal["decode"]
+    exif_orientation: bool = True
+    max_pixels: Annotated[int, Field(gt=0)] = PILLOW_MAX_PIXELS
+    background: tuple[Byte, Byte, Byte] = IMAGENET_MEAN_PIXEL
+
+
+class RandomResizedCropCfg(_Strict):
+    op: Literal["random_resized_crop"]
+    size: Size = 224
+    scale: tuple[Annotated[float, Field(gt=0, le=1)], Annotated[float, Field(gt=0, le=1)]] = (0.08, 1.0)
+    ratio: tuple[Annotated[float, Field(gt=0)], Annotated[float, Field(gt=0)]] = (3 / 4, 4 / 3)
+    interpolation: Interp = "bilinear"
+
+
+class ResizeCenterCropCfg(_Strict):
+    op: Literal["resize_center_crop"]
+    resize: Annotated[int, Field(gt=0)] = 256
+    crop: Size = 224
+    interpolation: Interp = "bilinear"
+
+
+class HorizontalFlipCfg(_Strict):
+    op: Literal["horizontal_flip"]
+    p: Annotated[float, Field(ge=0, le=1)] = 0.5
+
+
+class NormalizeCfg(_Strict):
+    op: Literal["normalize"]
+    mean: tuple[float, float, float] = IMAGENET_MEAN
+    std: tuple[Annotated[float, Field(gt=0)], Annotated[float, Field(gt=0)], Annotated[float, Field(gt=0)]] = IMAGENET_STD
+
+
+class PythonCfg(_Strict):
+    op: Literal["python"]
+    fn: str
+    random: bool = False
+    size: Union[tuple[Annotated[int, Field(gt=0)], Annotated[int, Field(gt=0)]], None] = None
+    name: Union[str, None] = None
+
+
+STAGE_CFGS = {c.model_fields["op"].annotation.__args__[0]: c for c in (
+    DecodeCfg, RandomResizedCropCfg, ResizeCenterCropCfg, HorizontalFlipCfg, NormalizeCfg, PythonCfg)}
+StageCfg = Annotated[Union[tuple(STAGE_CFGS.values())], Field(discriminator="op")]  # type: ignore[valid-type]
+
+
+class LoaderCfg(_Strict):
+    batch_size: Annotated[int, Field(gt=0)] = 256
+    shuffle: bool = True
+    drop_last: bool = False
+    num_workers: Annotated[int, Field(ge=0)] = 2
+    prefetch_factor: Annotated[int, Field(gt=0)] = 2
+    seed: int = 0
+    on_error: Literal["skip", "raise"] = "skip"
+    timeout: Annotated[float, Field(ge=0)] = 0.0
+
+
+class OutputCfg(_Strict):
+    device: Annotated[str, Field(pattern=r"^(auto|cpu|cuda(:\d+)?)$")] = "auto"
+    dtype: Literal["float32", "float16", "uint8"] = "float32"
+    layout: Literal["NCHW", "NHWC"] = "NCHW"
+
+
+class PipelineCfg(_Strict):
+    version: Literal[1] = 1
+    name: str = "pipeline"
+    source: SourceCfg
+    stages: Annotated[list[StageCfg], Field(min_length=1)]  # type: ignore[valid-type]
+    loader: LoaderCfg = LoaderCfg()
+    output: OutputCfg = OutputCfg()
+
+    @model_validator(mode="after")
+    def _output_matches_stages(self):
+        has_norm = any(s.op == "normalize" for s in self.stages)
+        if has_norm and self.output.dtype == "uint8":
+            raise ValueError("output.dtype: 'uint8' cannot follow a normalize stage; allowed: float32, float16")
+        if not has_norm and self.output.dtype != "uint8":
+            raise ValueError(f"output.dtype: {self.output.dtype!r} needs a normalize stage; "
+                             "add one or use dtype: uint8")
+        if not has_norm and self.output.layout != "NHWC":
+            raise ValueError("output.layout: uint8 output is NHWC; allowed: NHWC")
+        return self
+
+
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    """The config model a validation error location points into (for listing allowed keys)."""
+    model: Any = PipelineCfg
+    i = 0
+    while i < len(loc):
+        key = loc[i]
+        if model is PipelineCfg and key == "stages":
+            if i + 2 < len(loc) and loc[i + 2] in STAGE_CFGS:
+                model, i = STAGE_CFGS[loc[i + 2]], i + 3
+                continue
+            return None
+        field = getattr(model, "model_fields", {}).get(key)
+        if field is None:
+            return model
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            model = ann
+            i += 1
+            continue
+        return model
+    return model
+
+
+def _path(loc: tuple) -> str:
+    out = ""
+    skip_tag = False
+    for i, part in enumerate(loc):
+        if skip_tag:
+            skip_tag = False
+            continue
+        if isinstance(part, int):
+            out += f"[{part}]"
+            if i >= 1 and loc[i - 1] == "stages" and i + 1 < len(loc) and loc[i + 1] in STAGE_CFGS:
+                out += f" ({loc[i + 1]})"
+                skip_tag = True
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "(top level)"
+
+
+def format_errors(err: ValidationError, where: str) -> str:
+    lines = [f"{where}: invalid pipeline definition"]
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            model = _model_at(loc[:-1])
+            allowed = sorted(model.model_fields) if model is not None else []
+            msg = f"unknown key {loc[-1]!r}; allowed keys: {', '.join(allowed)}"
+        elif e["type"] == "missing":
+            msg = "required key is missing"
+        lines.append(f"  {_path(loc)}: {msg}")
+    return "\n".join(lines)
+
+
+def merge(base: dict, overrides: dict) -> dict:
+    """Deep-merge ``overrides`` into a copy of ``base`` (mappings merge, anything else replaces).
+    Keys may be dotted paths: ``{"loader.batch_size": 64}``."""
+    out = copy.deepcopy(base)
+    for key, value in overrides.items():
+        parts = str(key).split(".")
+        node = out
+        for p in parts[:-1]:
+            if not isinstance(node.get(p), dict):
+                node[p] = {}
+            node = node[p]
+        last = parts[-1]
+        if isinstance(value, dict) and isinstance(node.get(last), dict):
+            node[last] = merge(node[last], value)
+        else:
+            node[last] = copy.deepcopy(value)
+    return out
+
+
+def load_yaml(path: str | os.PathLike) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such pipeline file") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a pipeline file holds a mapping at the top level")
+    return data
+
+
+def validate(data: dict, where: str = "pipeline") -> PipelineCfg:
+    """Check a pipeline definition. Raises :class:`ConfigError` listing every problem."""
+    try:
+        return PipelineCfg.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_errors(e, where)) from None

@@ -1,0 +1,69 @@
+"""Typed errors raised by feedgpu.
+
+Every error a user can meet derives from :class:`FeedgpuError`, so ``except FeedgpuError``
+catches all of them. Errors about one sample carry its ``key`` (where it came from: a path,
+``shard.tar:member`` or ``file.parquet#row``) and a short ``reason`` that is also the counter
+name in ``loader.stats()["skipped"]``.
+"""
+from __future__ import annotations
+
+
+class FeedgpuError(Exception):
+    """Base class of every feedgpu error."""
+
+
+class ConfigError(FeedgpuError, ValueError):
+    """A pipeline definition or a DataLoader argument is invalid.
+
+    The message names the offending key (as a path such as ``stages[1].scale``) and, where the
+    set is finite, the allowed values.
+    """
+
+
+class SourceError(FeedgpuError):
+    """A data source cannot be opened or indexed (missing path, no samples, unreadable shard)."""
+
+
+class SampleError(FeedgpuError):
+    """One sample cannot be read or decoded.
+
+    Attributes:
+        key: where the sample came from (path, ``shard.tar:member``, ``file.parquet#row``).
+        reason: short machine-readable reason, e.g. ``"empty"``, ``"truncated"``,
+            ``"not an image"``, ``"too many pixels"``, ``"corrupt"``.
+    """
+
+    def __init__(self, key: str, reason: str, detail: str = ""):
+        self.key = key
+        self.reason = reason
+        self.detail = detail
+        msg = f"{key}: {reason}" + (f" ({detail})" if detail else "")
+        super().__init__(msg)
+
+    def __reduce__(self):
+        return (type(self), (self.key, self.reason, self.detail))
+
+
+class DecodeError(SampleError):
+    """The sample's bytes are not a decodable image (empty, truncated, not an image, too large)."""
+
+
+class StageError(FeedgpuError):
+    """A stage failed on a sample for a reason other than bad input (a bug in a user stage,
+    an output of the wrong shape or dtype). Names the stage and the sample."""
+
+
+class WorkerError(FeedgpuError, RuntimeError):
+    """A worker process failed or died; the message carries the worker's traceback."""
+
+
+class SkipBudgetExceeded(FeedgpuError):
+    """More samples were skipped than ``max_skipped`` allows (summary in the message)."""
+
+
+class LoaderTimeout(FeedgpuError, TimeoutError):
+    """No batch arrived within the DataLoader's ``timeout`` seconds."""
+
+
+class StateError(FeedgpuError, ValueError):
+    """A ``state_dict`` does not match this loader (other dataset, batch size or world size)."""

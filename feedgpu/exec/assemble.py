@@ -1,0 +1,104 @@
+"""Fill one batch buffer from a list of sample indices: read, run the per-sample stages, write.
+
+This is the work a pool worker does per task, and what ``num_workers=0`` does in the main
+process. Bad samples (:class:`SampleError`) are skipped and replaced by spares (reported back),
+or raised with ``on_error="raise"``.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from PIL import Image
+
+from ..errors import SampleError, SkipBudgetExceeded, StageError
+from ..sources.base import Source
+from ..stages.base import sample_rng
+from .plan import Plan
+
+
+@dataclass
+class BatchReport:
+    """What a filled batch tells the loader: rows written, skips, seconds per stage."""
+
+    rows: int = 0
+    skipped: list = field(default_factory=list)          # [(key, reason, detail)]
+    stage_seconds: dict = field(default_factory=dict)    # {"read": s, "decode": s, ...}
+
+
+class Assembler:
+    """Runs a plan's CPU part for one batch at a time.
+
+    Args:
+        source: where records come from.
+        plan: stages and specs (see :func:`~feedgpu.exec.plan.make_plan`).
+        seed: base seed; random stages draw from ``sample_rng(seed, epoch, index, position)``.
+        on_error: ``"skip"`` (replace bad samples with spares) or ``"raise"``.
+    """
+
+    def __init__(self, source: Source, plan: Plan, seed: int, on_error: str = "skip"):
+        self.source, self.plan, self.seed, self.on_error = source, plan, int(seed), on_error
+        self.stages = plan.sample_stages
+        self.names = ["read"] + [s.name for s in self.stages] + ["write"]
+        self.writer = None if plan.batch_on_device else plan.batch_stage
+        self.want = (plan.pool_spec.height, plan.pool_spec.width, 3)
+
+    def fill(self, images: np.ndarray, labels: np.ndarray, indices: np.ndarray,
+             spares: np.ndarray, epoch: int) -> BatchReport:
+        """Write ``len(indices)`` samples into ``images[:n]`` / ``labels[:n]``.
+
+        Raises :class:`SampleError` (``on_error="raise"``), :class:`StageError` for a stage
+        bug, and :class:`SkipBudgetExceeded` when the batch runs out of spares.
+        """
+        rep = BatchReport(stage_seconds=dict.fromkeys(self.names, 0.0))
+        spare_iter = iter(spares.tolist())
+        for j, idx in enumerate(indices.tolist()):
+            while True:
+                try:
+                    label = self._one(images, j, idx, epoch, rep.stage_seconds)
+                    break
+                except SampleError as e:
+                    if self.on_error == "raise":
+                        raise
+                    rep.skipped.append((e.key, e.reason, e.detail))
+                    idx = next(spare_iter, None)
+                    if idx is None:
+                        raise SkipBudgetExceeded(
+                            f"{len(rep.skipped)} bad samples in one batch of {len(indices)} used up its "
+                            f"{len(spares)} spares; last: {e}") from None
+            labels[j] = label
+        rep.rows = len(indices)
+        return rep
+
+    def _one(self, images: np.ndarray, j: int, idx: int, epoch: int, secs: dict) -> int:
+        t0 = time.perf_counter()
+        try:
+            rec = self.source.read(idx)
+        except OSError as e:
+            raise SampleError(self.source.key(idx), "unreadable", str(e)) from None
+        t1 = time.perf_counter()
+        secs["read"] += t1 - t0
+        x = rec.payload
+        for pos, st in enumerate(self.stages):
+            rng = None if st.deterministic else sample_rng(self.seed, epoch, idx, pos)
+            try:
+                x = st.apply(x, rng)
+            except SampleError as e:
+                raise type(e)(rec.key, e.reason, e.detail) from None
+            except Exception as e:
+                raise StageError(f"stage {pos} ({st.name}) failed on {rec.key}: {type(e).__name__}: {e}") from e
+            t2 = time.perf_counter()
+            secs[st.name] += t2 - t1
+            t1 = t2
+        arr = np.asarray(x.convert("RGB") if isinstance(x, Image.Image) and x.mode != "RGB" else x)
+        if arr.shape != self.want or arr.dtype != np.uint8:
+            last = self.stages[-1].name if self.stages else "source"
+            raise StageError(f"stage {last!r} gave {arr.dtype} {arr.shape} for {rec.key}; "
+                             f"the batch needs uint8 {self.want}")
+        if self.writer is not None:
+            self.writer.write(images[j], arr)
+        else:
+            images[j] = arr
+        secs["write"] += time.perf_counter() - t1
+        return rec.label

@@ -1,0 +1,73 @@
+"""The planner: where each stage of a pipeline runs and what shape the batch has."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+from ..imaging import pil_label
+from ..spec import BYTES, ImageSpec
+from ..stages.base import BatchStage, SampleStage, Stage
+
+
+@dataclass(frozen=True)
+class Step:
+    stage: Stage
+    where: str          # "cpu pool" (worker processes) or the output device (e.g. "cuda:0")
+    out: ImageSpec
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Stages in order with where they run; ``sample_stages`` run per sample in the CPU pool,
+    ``batch_stage`` (normalize, or None) runs in the pool for CPU output or on the device after
+    the host-to-device copy (so uint8 crosses PCIe, 4x fewer bytes than float32)."""
+
+    steps: tuple[Step, ...]
+    sample_stages: tuple[SampleStage, ...]
+    batch_stage: BatchStage | None
+    batch_on_device: bool
+    pool_spec: ImageSpec     # per-sample spec the pool writes into shared memory
+    out_spec: ImageSpec      # per-sample spec the training loop receives
+    device: str
+
+    def describe(self, batch_size: int) -> list[tuple[str, str, str, str]]:
+        rows = [("source", "cpu pool (read)", "-", BYTES.describe())]
+        for s in self.steps:
+            rows.append((s.stage.name, s.where, "yes" if s.stage.deterministic else "no", s.out.describe()))
+        return rows
+
+
+def make_plan(stages: list[Stage], device: str) -> Plan:
+    """Split ``stages`` into per-sample CPU stages and an optional final batch stage.
+
+    Raises :class:`ConfigError` when a batch stage is not last, no decode comes first, or the
+    image size is not fixed by the end (add a crop stage).
+    """
+    if not stages or stages[0].name != "decode":
+        raise ConfigError("stages: the first stage must be 'decode'")
+    sample: list[SampleStage] = []
+    batch: BatchStage | None = None
+    for i, st in enumerate(stages):
+        if isinstance(st, BatchStage):
+            if i != len(stages) - 1:
+                raise ConfigError(f"stages[{i}] ({st.name}): a batch stage must be the last stage")
+            batch = st
+        elif isinstance(st, SampleStage):
+            sample.append(st)
+        else:
+            raise ConfigError(f"stages[{i}]: {st!r} is not a feedgpu stage")
+    on_device = batch is not None and device != "cpu"
+    pool_where = f"cpu pool ({pil_label()})"
+    spec = BYTES
+    steps = []
+    for st in sample:
+        spec = st.out_spec(spec)
+        steps.append(Step(st, pool_where, spec))
+    pool_spec = spec
+    if not pool_spec.fixed:
+        raise ConfigError("stages: the image size is not fixed at the end of the pipeline; "
+                          "add random_resized_crop or resize_center_crop (batches need one shape)")
+    if batch is not None:
+        spec = batch.out_spec(spec)
+        steps.append(Step(batch, device if on_device else pool_where, spec))
+    return Plan(tuple(steps), tuple(sample), batch, on_device, pool_spec if on_device else spec, spec, device)

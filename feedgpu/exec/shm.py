@@ -1,0 +1,96 @@
+"""Batch buffers in shared memory, handed to the training loop without a copy.
+
+Each slot is an anonymous ``MAP_SHARED`` mapping made before the workers fork, so workers write
+into it and the main process reads it with no pickling and no file names to leak. A slot handed
+to the consumer returns to the free list when the last tensor viewing it is garbage-collected:
+``torch.from_numpy`` keeps the numpy array it wraps alive for as long as any tensor shares its
+storage, and a ``weakref.finalize`` on that array releases the slot.
+"""
+from __future__ import annotations
+
+import mmap
+import threading
+import weakref
+
+import numpy as np
+
+
+class BatchSlots:
+    """``count`` buffers, each holding ``images`` (``batch_size`` x ``sample_shape``, ``dtype``)
+    followed by ``labels`` (int64, ``batch_size``)."""
+
+    def __init__(self, count: int, batch_size: int, sample_shape: tuple, dtype: str):
+        self.batch_size = batch_size
+        self.shape = (batch_size, *sample_shape)
+        self.dtype = np.dtype(dtype)
+        self.image_bytes = int(np.prod(self.shape)) * self.dtype.itemsize
+        self.label_offset = (self.image_bytes + 63) // 64 * 64
+        self.nbytes = self.label_offset + 8 * batch_size
+        self._maps = [mmap.mmap(-1, self.nbytes, flags=mmap.MAP_SHARED) for _ in range(count)]
+        self._free = list(range(count))
+        self._lock = threading.Lock()
+        self.held = 0       # slots the consumer still holds
+
+    def __len__(self) -> int:
+        return len(self._maps)
+
+    def arrays(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """Fresh numpy views (images, labels) of a slot."""
+        mm = self._maps[slot]
+        images = np.ndarray(self.shape, self.dtype, buffer=mm, offset=0)
+        labels = np.ndarray((self.batch_size,), np.int64, buffer=mm, offset=self.label_offset)
+        return images, labels
+
+    def acquire(self) -> int | None:
+        with self._lock:
+            return self._free.pop() if self._free else None
+
+    def release(self, slot: int) -> None:
+        with self._lock:
+            self._free.append(slot)
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def hand_out(self, slot: int, rows: int):
+        """Tensors ``(images[:rows], labels[:rows])`` over the slot; the slot is released when
+        both (and every view of them) are gone."""
+        import torch
+
+        images, labels = self.arrays(slot)
+        images, labels = images[:rows], labels[:rows]
+        remaining = [2]
+        lock = self._lock
+
+        def done(_slots=weakref.ref(self)):
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            s = _slots()
+            if last and s is not None:
+                with lock:
+                    s.held -= 1
+                s.release(slot)
+
+        with lock:
+            self.held += 1
+        weakref.finalize(images, done)
+        weakref.finalize(labels, done)
+        return torch.from_numpy(images), torch.from_numpy(labels)
+
+    def copy_out(self, slot: int, rows: int):
+        """Owned tensor copies of a slot's rows; the slot is released at once."""
+        import torch
+
+        images, labels = self.arrays(slot)
+        out = torch.from_numpy(images[:rows].copy()), torch.from_numpy(labels[:rows].copy())
+        self.release(slot)
+        return out
+
+    def close(self) -> None:
+        # Never mmap.close(): numpy views hold the mapping as their base without a buffer
+        # export, so closing would unmap memory a tensor still reads. Each mapping is unmapped
+        # when its last reference (ours or a view's) goes.
+        self._maps = []
+        self._free = []

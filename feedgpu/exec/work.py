@@ -1,0 +1,111 @@
+"""What one task is, for each kind of dataset, and how its result becomes a batch.
+
+* :class:`PipelineWork`: a feedgpu pipeline. Workers fill a shared-memory slot; the main process
+  hands the slot to the training loop as tensors without a copy.
+* :class:`DatasetWork`: a plain map-style torch Dataset with a ``collate_fn``. Workers return the
+  collated batch; tensors travel through torch's shared-memory reductions, once per batch.
+
+Both seed per batch, from ``(seed, epoch, batch)``: results do not depend on the worker count.
+"""
+from __future__ import annotations
+
+import random
+from typing import Any, Callable, NamedTuple
+
+import numpy as np
+
+from .assemble import Assembler, BatchReport
+from .shm import BatchSlots
+
+
+class Batch(NamedTuple):
+    """A pipeline batch. ``images``: (N, C, H, W) or (N, H, W, C) tensor in the pipeline's
+    dtype; ``labels``: int64 (N,). Unpacks like ``(images, labels)``."""
+
+    images: Any
+    labels: Any
+
+
+class PipelineWork:
+    """Tasks ``(tag, seq, slot, epoch, indices, spares)``; payload: a :class:`BatchReport`."""
+
+    def __init__(self, assembler: Assembler, batch_size: int, inflight: int, keep_views: int = 2):
+        spec = assembler.plan.pool_spec
+        self.assembler = assembler
+        self.keep_views = keep_views
+        self.slots = BatchSlots(inflight + keep_views, batch_size, spec.shape, spec.dtype) if inflight else None
+        self._shape, self._dtype, self._bs = spec.shape, spec.dtype, batch_size
+        self.orphans: dict = {}   # (tag, seq) -> task of an abandoned iteration, still in flight
+
+    def can_submit(self) -> bool:
+        return self.slots.free > 0
+
+    def task(self, tag: int, seq: int, epoch: int, indices: np.ndarray, spares: np.ndarray) -> tuple:
+        return (tag, seq, self.slots.acquire(), epoch, indices, spares)
+
+    def handle(self, task: tuple) -> BatchReport:
+        _, _, slot, epoch, indices, spares = task
+        images, labels = self.slots.arrays(slot)
+        return self.assembler.fill(images, labels, indices, spares, epoch)
+
+    def finish(self, task: tuple, report: BatchReport) -> Batch:
+        slot, rows = task[2], report.rows
+        if self.slots.held < self.keep_views:
+            return Batch(*self.slots.hand_out(slot, rows))
+        return Batch(*self.slots.copy_out(slot, rows))  # the consumer holds many: do not starve the pool
+
+    def discard(self, task: tuple) -> None:
+        self.slots.release(task[2])
+
+    def run_inline(self, seq: int, epoch: int, indices: np.ndarray, spares: np.ndarray) -> tuple[Batch, BatchReport]:
+        import torch
+
+        images = np.empty((self._bs, *self._shape), self._dtype)
+        labels = np.empty(self._bs, np.int64)
+        rep = self.assembler.fill(images, labels, indices, spares, epoch)
+        return Batch(torch.from_numpy(images[:rep.rows]), torch.from_numpy(labels[:rep.rows])), rep
+
+    def close(self) -> None:
+        if self.slots is not None:
+            self.slots.close()
+
+
+def seed_everything(seed: int, epoch: int, batch: int) -> None:
+    """Seed torch, numpy's global RNG and ``random`` from ``(seed, epoch, batch)``."""
+    import torch
+
+    s = int(np.random.SeedSequence([seed & 0xFFFFFFFFFFFFFFFF, epoch, batch]).generate_state(1, np.uint64)[0])
+    torch.manual_seed(s)
+    random.seed(s)
+    np.random.seed(s & 0xFFFFFFFF)
+
+
+class DatasetWork:
+    """Tasks ``(tag, seq, epoch, indices)``; payload: the collated batch."""
+
+    def __init__(self, dataset, collate_fn: Callable, seed: int):
+        self.dataset, self.collate_fn, self.seed = dataset, collate_fn, seed
+        self.orphans: dict = {}
+
+    def can_submit(self) -> bool:
+        return True
+
+    def task(self, tag: int, seq: int, epoch: int, indices: np.ndarray, spares: np.ndarray) -> tuple:
+        return (tag, seq, epoch, indices)
+
+    def handle(self, task: tuple):
+        _, seq, epoch, indices = task
+        seed_everything(self.seed, epoch, seq)
+        return self.collate_fn([self.dataset[i] for i in indices.tolist()])
+
+    def finish(self, task: tuple, payload):
+        return payload
+
+    def discard(self, task: tuple) -> None:
+        pass
+
+    def run_inline(self, seq: int, epoch: int, indices: np.ndarray, spares: np.ndarray):
+        return self.handle((0, seq, epoch, indices)), None
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,456 @@
+"""``feedgpu.DataLoader``: a drop-in replacement for ``torch.utils.data.DataLoader``."""
+from __future__ import annotations
+
+import itertools
+import math
+import time
+import warnings
+from typing import Any, Callable
+
+import numpy as np
+
+from .errors import ConfigError, StateError
+from .exec.assemble import Assembler
+from .exec.process_pool import ProcessPool, unpack_exception
+from .exec.work import DatasetWork, PipelineWork
+from .metrics import LoaderStats
+from .pipeline import Pipeline, resolve_device
+from .sampling import ShardedOrder
+
+STATE_FORMAT = "feedgpu.loader/1"
+_UNSET: Any = object()
+_tags = itertools.count(1)
+
+
+def _dist_rank_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class _UserOrder:
+    """Batches from a user's ``sampler`` or ``batch_sampler``. Resuming replays the sampler for
+    the epoch (after ``set_epoch`` when it has one) and skips the batches already seen, so the
+    sampler must give the same order for the same epoch."""
+
+    def __init__(self, n: int, sampler, batch_sampler, batch_size: int, drop_last: bool, seed: int):
+        self.n, self.sampler, self.batch_sampler = n, sampler, batch_sampler
+        self.batch_size, self.drop_last, self.seed = batch_size, drop_last, seed
+        if batch_sampler is not None:
+            self.num_batches = len(batch_sampler)
+        else:
+            k = len(sampler)
+            self.num_batches = k // batch_size if drop_last else math.ceil(k / batch_size)
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def batches(self, epoch: int):
+        src = self.batch_sampler if self.batch_sampler is not None else self.sampler
+        if hasattr(src, "set_epoch"):
+            src.set_epoch(epoch)
+        if self.batch_sampler is not None:
+            for b in self.batch_sampler:
+                yield np.asarray(list(b), dtype=np.int64)
+            return
+        it = iter(self.sampler)
+        while True:
+            chunk = list(itertools.islice(it, self.batch_size))
+            if not chunk or (self.drop_last and len(chunk) < self.batch_size):
+                return
+            yield np.asarray(chunk, dtype=np.int64)
+
+    def spares(self, epoch: int, b: int, k: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch, b, 1]).integers(0, self.n, size=k)
+
+    def config(self) -> dict:
+        return {"sampler": type(self.batch_sampler or self.sampler).__name__, "n": self.n,
+                "batch_size": self.batch_size, "drop_last": self.drop_last}
+
+
+class DataLoader:
+    """Iterate batches of a feedgpu :class:`Pipeline` or of any map-style torch Dataset.
+
+    Accepts ``torch.utils.data.DataLoader``'s public arguments with the same meaning; for a
+    :class:`Pipeline` the unset ones come from the pipeline (batch size, shuffle, drop_last,
+    workers, prefetch, seed, timeout, on_error, device). feedgpu's own keywords:
+
+    Args:
+        seed: base seed of the order and of random stages. Default: the pipeline's; for a torch
+            Dataset drawn from ``generator`` (or torch's global RNG), as torch does.
+        rank, world_size: shard for distributed training; default from ``torch.distributed`` when
+            it is initialized, else 0 of 1. Every rank gets ``len(loader)`` batches.
+        device: for a pipeline, where batches are delivered (``"cpu"``, ``"cuda[:N]"``, ``"auto"``).
+            On CUDA, batches are copied from pinned buffers on a side stream ``prefetch_factor``
+            batches ahead, and normalize runs on the GPU.
+        on_error: ``"skip"`` or ``"raise"`` for bad samples (pipelines only).
+
+    Yields :class:`~feedgpu.exec.work.Batch` ``(images, labels)`` for pipelines, ``collate_fn``'s
+    output for torch Datasets. Batches from pipelines on the CPU view shared memory without a
+    copy; the memory is reused once every tensor viewing it is gone.
+
+    Raises :class:`ConfigError` for argument combinations it cannot honour: an
+    ``IterableDataset``, ``batch_size=None``, ``collate_fn`` with a pipeline, a
+    ``multiprocessing_context`` other than fork, ``in_order=False``, ``num_workers="auto"``
+    (not yet), and the combinations torch rejects too.
+    """
+
+    def __init__(self, dataset, batch_size: int | None = _UNSET, shuffle: bool | None = None, sampler=None,
+                 batch_sampler=None, num_workers: int = _UNSET, collate_fn: Callable | None = None,
+                 pin_memory: bool = False, drop_last: bool = _UNSET, timeout: float = _UNSET,
+                 worker_init_fn: Callable[[int], None] | None = None, multiprocessing_context=None,
+                 generator=None, *, prefetch_factor: int | None = None, persistent_workers: bool = False,
+                 pin_memory_device: str = "", in_order: bool = True, seed: int | None = None,
+                 rank: int | None = None, world_size: int | None = None, device: str | None = None,
+                 on_error: str | None = None):
+        import torch.utils.data as tud
+
+        if isinstance(dataset, tud.IterableDataset):
+            raise ConfigError("feedgpu.DataLoader needs a map-style dataset or a Pipeline: an IterableDataset "
+                              "has no random access, so shuffling, sharding and exact resume cannot be honoured")
+        if multiprocessing_context not in (None, "fork") and getattr(multiprocessing_context, "_name", None) != "fork":
+            raise ConfigError("multiprocessing_context: feedgpu workers are forked (they inherit the index and "
+                              "shared-memory buffers); only None or 'fork' is allowed")
+        if not in_order:
+            raise ConfigError("in_order=False: feedgpu always delivers batches in order (exact resume needs it)")
+        if pin_memory_device:
+            raise ConfigError("pin_memory_device is deprecated in torch; use device='cuda:N' instead")
+        if batch_size is None:
+            raise ConfigError("batch_size=None (unbatched loading) is not supported; give a batch size")
+        if num_workers == "auto":
+            raise ConfigError("num_workers='auto' needs feedgpu's throughput balancer, which is not in this "
+                              "release; give a number of workers")
+        self.pipeline = dataset if isinstance(dataset, Pipeline) else None
+        p = self.pipeline
+        if batch_sampler is not None:
+            if batch_size is not _UNSET and batch_size != 1 or shuffle or sampler is not None or drop_last is True:
+                raise ConfigError("batch_sampler option is mutually exclusive with batch_size, shuffle, sampler, "
+                                  "and drop_last")
+        if sampler is not None and shuffle:
+            raise ConfigError("sampler option is mutually exclusive with shuffle")
+        if (sampler is not None or batch_sampler is not None) and (rank is not None or world_size is not None):
+            raise ConfigError("rank/world_size shard feedgpu's own sampler; with a custom sampler, shard in the sampler")
+        self.dataset = dataset
+        self.batch_size = int(batch_size if batch_size is not _UNSET else (p.batch_size if p else 1))
+        self.shuffle = bool(shuffle if shuffle is not None else (p.shuffle if p and sampler is None and batch_sampler is None else False))
+        self.drop_last = bool(drop_last if drop_last is not _UNSET else (p.drop_last if p else False))
+        self.num_workers = int(num_workers if num_workers is not _UNSET else (p.num_workers if p else 0))
+        if self.num_workers < 0:
+            raise ConfigError(f"num_workers must be >= 0, got {num_workers}")
+        if self.num_workers == 0 and prefetch_factor is not None:
+            raise ConfigError("prefetch_factor option could only be specified in multiprocessing; "
+                              "let num_workers > 0 to enable multiprocessing")
+        if persistent_workers and self.num_workers == 0:
+            raise ConfigError("persistent_workers option needs num_workers > 0")
+        self.prefetch_factor = int(prefetch_factor if prefetch_factor is not None else (p.prefetch_factor if p else 2))
+        self.timeout = float(timeout if timeout is not _UNSET else (p.timeout if p else 0.0))
+        if self.timeout < 0:
+            raise ConfigError("timeout option should be non-negative")
+        self.persistent_workers = persistent_workers
+        self.worker_init_fn = worker_init_fn
+        self.pin_memory = pin_memory
+        if p is not None:
+            if collate_fn is not None:
+                raise ConfigError("collate_fn cannot be used with a feedgpu Pipeline: batches are assembled in "
+                                  "shared memory by the stages; end the pipeline with a batch stage instead")
+            self.on_error = on_error or p.on_error
+            self.device = resolve_device(device or p.device)
+        else:
+            if on_error is not None or device is not None:
+                raise ConfigError("on_error and device apply to feedgpu Pipelines; for a torch Dataset, errors "
+                                  "raise as in torch and pin_memory moves nothing to the GPU")
+            self.on_error, self.device = "raise", "cpu"
+            self.collate_fn = collate_fn or tud.default_collate
+        if seed is None:
+            if p is not None and generator is None:
+                seed = p.seed
+            else:
+                import torch
+
+                seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+        self.seed = int(seed)
+        n = len(p.source) if p is not None else len(dataset)
+        if sampler is not None or batch_sampler is not None:
+            self._order = _UserOrder(n, sampler, batch_sampler, self.batch_size, self.drop_last, self.seed)
+        else:
+            r, w = _dist_rank_world() if rank is None and world_size is None else (rank or 0, world_size or 1)
+            self._order = ShardedOrder(n, self.batch_size, shuffle=self.shuffle, seed=self.seed, rank=r,
+                                       world_size=w, drop_last=self.drop_last)
+        self._epoch = 0
+        self._start = 0
+        self._position = (0, 0)
+        self._rows_seen = 0
+        self._fingerprint: str | None = None
+        self._pool: ProcessPool | None = None
+        self._work = None
+        self._live = None
+        self._stats = LoaderStats()
+        if self.pin_memory:
+            import torch
+
+            if not torch.cuda.is_available():
+                warnings.warn("pin_memory=True but no CUDA device is available; batches stay in pageable memory",
+                              stacklevel=2)
+                self.pin_memory = False
+
+    # -- torch DataLoader surface --------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use ``epoch`` for the next iteration (its order and its random stages), from its start."""
+        self._epoch, self._start = int(epoch), 0
+        self._position = (self._epoch, 0)
+
+    def __iter__(self):
+        if self._live is not None:
+            self._live.close()
+        it = _EpochIterator(self, self._epoch, self._start)
+        self._start = 0
+        self._live = it
+        if self.pipeline is not None and self.device != "cpu":
+            from .prefetch import CudaPrefetcher
+
+            plan = self.pipeline.plan(self.device)
+            return CudaPrefetcher(it, self.device, plan.batch_stage if plan.batch_on_device else None,
+                                  depth=self.prefetch_factor)
+        return it
+
+    # -- state ------------------------------------------------------------------------------
+    def _source_fingerprint(self) -> str:
+        if self._fingerprint is None:
+            if self.pipeline is not None:
+                self._fingerprint = self.pipeline.source.identity()
+            else:
+                d = self.dataset
+                self._fingerprint = f"{type(d).__module__}.{type(d).__qualname__}:{len(d)}"
+        return self._fingerprint
+
+    def state_dict(self) -> dict:
+        """``{format, fingerprint, epoch, batches_seen, samples_seen, seed, sampler}``: where the
+        training loop is, counted in batches it received (prefetched ones are not counted)."""
+        epoch, b = self._position
+        return {"format": STATE_FORMAT, "fingerprint": self._source_fingerprint(), "epoch": epoch,
+                "batches_seen": b, "samples_seen": self._rows_seen if b else 0, "seed": self.seed,
+                "sampler": self._order.config(), "num_batches": len(self)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from :meth:`state_dict`: the next batch is the one the saved run would have got.
+
+        Raises :class:`StateError` when the state comes from another dataset, batch size, sampler
+        or world size (the differences are listed)."""
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise StateError(f"not a feedgpu loader state (format {STATE_FORMAT!r} expected)")
+        if state["fingerprint"] != self._source_fingerprint():
+            raise StateError("the state was saved for another dataset (source fingerprint differs)")
+        mine, theirs = dict(self._order.config()), dict(state["sampler"])
+        mine.pop("seed", None)
+        theirs.pop("seed", None)
+        diff = {k: (theirs.get(k), mine.get(k)) for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k)}
+        if diff:
+            raise StateError("the state's sampler differs from this loader's: " +
+                             ", ".join(f"{k}: saved {a!r}, here {b!r}" for k, (a, b) in sorted(diff.items())))
+        self.shutdown()  # workers and buffers are rebuilt with the restored seed
+        self.seed = int(state["seed"])
+        if isinstance(self._order, ShardedOrder):
+            c = self._order.config()
+            c.pop("n")
+            c["seed"] = self.seed
+            self._order = ShardedOrder(self._order.n, **c)
+        else:
+            self._order.seed = self.seed
+        epoch, b = int(state["epoch"]), int(state["batches_seen"])
+        if b >= len(self):
+            epoch, b = epoch + 1, 0
+        self._epoch, self._start, self._position = epoch, b, (epoch, b)
+        self._rows_seen = int(state.get("samples_seen", 0))
+
+    # -- observability -------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Counters since the loader was made: batches, samples, rate, consumer wait, seconds per
+        stage (summed over workers), skipped samples by reason and the last skipped keys."""
+        d = self._stats.as_dict()
+        d.update(num_workers=self.num_workers, epoch=self._position[0], batches_seen=self._position[1])
+        return d
+
+    def worker_pids(self) -> list[int]:
+        return self._pool.pids() if self._pool is not None and not self._pool.closed else []
+
+    # -- workers --------------------------------------------------------------------------------
+    def _make_work(self):
+        if self._work is None:
+            inflight = self.num_workers * self.prefetch_factor
+            if self.pipeline is not None:
+                p = self.pipeline
+                asm = Assembler(p.source, p.plan(self.device), self.seed, self.on_error)
+                self._work = PipelineWork(asm, self.batch_size, inflight)
+            else:
+                self._work = DatasetWork(self.dataset, self.collate_fn, self.seed)
+        return self._work
+
+    def _acquire_pool(self) -> ProcessPool:
+        if self._pool is None or self._pool.closed:
+            work = self._make_work()
+            self._pool = ProcessPool(work.handle, self.num_workers, self.worker_init_fn)
+        return self._pool
+
+    def _release_pool(self, force: bool = False) -> None:
+        if self._pool is not None and (force or not self.persistent_workers):
+            self._pool.close()
+            self._pool = None
+            if self._work is not None:
+                self._work.close()
+                self._work = None
+
+    def shutdown(self) -> None:
+        """Stop the workers now (also done at epoch end unless ``persistent_workers``, on errors
+        and at garbage collection)."""
+        if self._live is not None:
+            self._live.close()
+        self._release_pool(force=True)
+
+    def __del__(self):
+        try:
+            self.shutdown()
+        except Exception:
+            pass
+
+
+class _EpochIterator:
+    """One pass over an epoch's batches, from batch ``start``; batches come out in order."""
+
+    def __init__(self, loader: DataLoader, epoch: int, start: int):
+        self.loader, self.epoch, self.next_b = loader, epoch, start
+        self.nb = len(loader)
+        self.tag = next(_tags)
+        self.closed = False
+        self.pending: dict[int, tuple] = {}      # seq -> task (submitted, result not yet used)
+        self.ready: dict[int, tuple] = {}        # seq -> (task, ok, payload)
+        order = loader._order
+        if isinstance(order, ShardedOrder):
+            self._batches = (order.batch(epoch, b) for b in range(start, self.nb))
+        else:
+            self._batches = itertools.islice(order.batches(epoch), start, None)
+        self.submitted = start
+        self.inline = loader.num_workers == 0
+        self.work = loader._make_work()
+        self.pool = None if self.inline else loader._acquire_pool()
+        loader._position = (epoch, start)
+        if start == 0:
+            loader._rows_seen = 0
+        self._fill()
+
+    def _spares(self, b: int, size: int) -> np.ndarray:
+        return self.loader._order.spares(self.epoch, b, max(4, size)) if self.loader.pipeline is not None \
+            else np.zeros(0, np.int64)
+
+    def _fill(self) -> None:
+        limit = self.loader.num_workers * self.loader.prefetch_factor
+        while (self.submitted < self.nb and len(self.pending) + len(self.ready) < limit
+               and self.work.can_submit()):
+            indices = next(self._batches)
+            task = self.work.task(self.tag, self.submitted, self.epoch, indices, self._spares(self.submitted, len(indices)))
+            self.pool.submit(task)
+            self.pending[self.submitted] = task
+            self.submitted += 1
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.closed or self.next_b >= self.nb:
+            self._end(completed=not self.closed)
+            raise StopIteration
+        b = self.next_b
+        t0 = time.perf_counter()
+        try:
+            if self.inline:
+                indices = next(self._batches)
+                batch, report = self.work.run_inline(b, self.epoch, indices, self._spares(b, len(indices)))
+            else:
+                batch, report = self._wait(b)
+        except BaseException:
+            self.close()
+            raise
+        loader = self.loader
+        if report is not None:
+            loader._stats.add_report(report)
+        rows = _rows(batch)
+        loader._stats.delivered(rows, time.perf_counter() - t0)
+        self.next_b = b + 1
+        loader._position = (self.epoch, self.next_b)
+        loader._rows_seen += rows
+        if loader.pin_memory:
+            batch = _pin(batch)
+        if self.next_b >= self.nb:
+            self._end(completed=True)
+        return batch
+
+    def _wait(self, b: int):
+        while b not in self.ready:
+            tag, seq, wid, ok, payload = self.pool.get(self.loader.timeout or None)
+            if tag != self.tag:  # from an abandoned iteration of persistent workers
+                orphan = self.work.orphans.pop((tag, seq), None)
+                if orphan is not None:
+                    self.work.discard(orphan)
+                continue
+            task = self.pending.pop(seq)
+            if not ok:
+                self.work.discard(task)
+                raise unpack_exception(payload, f"while assembling batch {seq} of epoch {self.epoch}")
+            self.ready[seq] = (task, payload)
+        task, payload = self.ready.pop(b)
+        batch = self.work.finish(task, payload)
+        self._fill()
+        report = payload if self.loader.pipeline is not None else None
+        return batch, report
+
+    def _end(self, completed: bool) -> None:
+        if completed and not self.closed:
+            loader = self.loader
+            if loader._position == (self.epoch, self.nb):
+                loader._epoch = self.epoch + 1
+                loader._position = (self.epoch + 1, 0)
+                loader._rows_seen = 0
+        self.close()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for seq, task in self.pending.items():  # results still to come are dropped on arrival
+            self.work.orphans[(self.tag, seq)] = task
+        self.pending.clear()
+        for task, _ in self.ready.values():
+            self.work.discard(task)
+        self.ready.clear()
+        if self.loader._live is self:
+            self.loader._live = None
+        self.loader._release_pool()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _rows(batch) -> int:
+    first = batch[0] if isinstance(batch, (tuple, list)) else (next(iter(batch.values())) if isinstance(batch, dict) else batch)
+    return len(first) if hasattr(first, "__len__") else 1
+
+
+def _pin(batch):
+    import torch
+
+    if isinstance(batch, torch.Tensor):
+        return batch.pin_memory()
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(_pin(x) for x in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_pin(x) for x in batch)
+    if isinstance(batch, dict):
+        return {k: _pin(v) for k, v in batch.items()}
+    return batch

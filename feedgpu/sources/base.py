@@ -1,0 +1,93 @@
+"""The source contract: random access by index to raw records.
+
+A source holds its index in numpy arrays (never one Python object per sample), so worker
+processes forked from the loader share it without copy-on-read growth.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Record:
+    """One raw sample as a source returns it.
+
+    Attributes:
+        payload: encoded image bytes (``bytes`` / ``memoryview``), or for a torch Dataset source
+            whatever the dataset returned as the sample (PIL image, HWC uint8 array, tensor).
+        label: integer class index (-1 when the source has no labels).
+        key: where the sample came from, for messages and skip reports.
+    """
+
+    payload: Any
+    label: int
+    key: str
+
+
+class StringTable:
+    """Many strings in two arrays: one UTF-8 byte blob and int64 offsets (no per-item objects)."""
+
+    def __init__(self, items: Sequence[str]):
+        encoded = [s.encode("utf-8", "surrogateescape") for s in items]
+        self.offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+        if encoded:
+            np.cumsum([len(b) for b in encoded], out=self.offsets[1:])
+        self.blob = np.frombuffer(b"".join(encoded), dtype=np.uint8) if encoded else np.zeros(0, np.uint8)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> str:
+        a, b = self.offsets[i], self.offsets[i + 1]
+        return self.blob[a:b].tobytes().decode("utf-8", "surrogateescape")
+
+    def take(self, keep: np.ndarray) -> "StringTable":
+        return StringTable([self[int(i)] for i in keep])
+
+    def digest(self, h) -> None:
+        h.update(self.offsets.tobytes())
+        h.update(self.blob.tobytes())
+
+
+class Source:
+    """Base class of sources. Subclasses fill ``labels`` (int64 array), ``classes`` and
+    implement :meth:`read` and :meth:`key`.
+
+    Attributes:
+        labels: int64 array, one label per sample (-1 if unknown).
+        classes: class names, index = label.
+        rejected: ``[(key, reason)]`` of samples excluded while indexing (for example empty files).
+    """
+
+    format: str = "base"
+    labels: np.ndarray
+    classes: list[str]
+
+    def __init__(self) -> None:
+        self.rejected: list[tuple[str, str]] = []
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def read(self, index: int) -> Record:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def key(self, index: int) -> str:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def identity(self) -> str:
+        """A stable hex digest of what the source holds (for state and cache fingerprints)."""
+        h = hashlib.blake2b(digest_size=16)
+        h.update(self.format.encode())
+        self._digest(h)
+        return h.hexdigest()
+
+    def _digest(self, h) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return f"{self.format} source, {len(self)} samples, {len(self.classes)} classes"

@@ -1,0 +1,57 @@
+"""The stage contract.
+
+A stage is a small object with a registry ``name``, a ``version`` (bumped when its output
+changes, for cache fingerprints), ``deterministic`` (False when it draws random numbers),
+its parameters (:meth:`config`) and the spec of its output (:meth:`out_spec`).
+
+* :class:`SampleStage` runs on one sample: ``apply(x, rng)`` where ``x`` is a PIL image (RGB)
+  after decode, and ``rng`` is a ``numpy.random.Generator`` seeded from
+  ``(seed, epoch, sample index, stage position)`` for random stages (``None`` otherwise), so the
+  output does not depend on which worker runs it.
+* :class:`BatchStage` turns the fixed-size uint8 HWC images into the batch's final dtype and
+  layout: ``write(dst, img)`` writes one sample into its row of the batch buffer (CPU, numpy),
+  ``apply_batch(x)`` does the same to a whole ``uint8 NHWC`` tensor on any device (used when the
+  stage is placed on the GPU after the copy).
+"""
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import numpy as np
+
+from ..spec import ImageSpec
+
+
+class Stage:
+    name: ClassVar[str] = "stage"
+    version: ClassVar[int] = 1
+    deterministic: ClassVar[bool] = True
+
+    def config(self) -> dict[str, Any]:
+        """Parameters as plain data (for explain, fingerprints and YAML round trips)."""
+        return {}
+
+    def out_spec(self, spec: ImageSpec) -> ImageSpec:
+        return spec
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
+        return f"{type(self).__name__}({args})"
+
+
+class SampleStage(Stage):
+    def apply(self, x: Any, rng: np.random.Generator | None) -> Any:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class BatchStage(Stage):
+    def write(self, dst: np.ndarray, img: np.ndarray) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def apply_batch(self, x):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+def sample_rng(seed: int, epoch: int, index: int, stage_pos: int) -> np.random.Generator:
+    """The generator a random stage draws from for one sample (PCG64 via SeedSequence)."""
+    return np.random.default_rng([seed & 0xFFFFFFFFFFFFFFFF, epoch, index, stage_pos])

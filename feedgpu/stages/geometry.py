@@ -1,0 +1,161 @@
+"""Geometric stages on PIL images: random resized crop, resize + center crop, horizontal flip.
+
+Crops and resizes are fused into one ``Image.resize(size, box=...)`` call, which Pillow-SIMD
+runs with AVX2 kernels.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from PIL import Image
+
+from ..errors import ConfigError
+from ..spec import ImageSpec
+from .base import SampleStage
+
+INTERPOLATIONS = {"nearest": Image.Resampling.NEAREST, "bilinear": Image.Resampling.BILINEAR,
+                  "bicubic": Image.Resampling.BICUBIC, "lanczos": Image.Resampling.LANCZOS,
+                  "box": Image.Resampling.BOX, "hamming": Image.Resampling.HAMMING}
+
+
+def _size2(size, what: str) -> tuple[int, int]:
+    """``int`` or ``[h, w]`` -> ``(h, w)``."""
+    h, w = (size, size) if isinstance(size, int) else tuple(size)
+    if h < 1 or w < 1:
+        raise ConfigError(f"{what}: size must be positive, got {size}")
+    return int(h), int(w)
+
+
+def _resample(name: str):
+    try:
+        return INTERPOLATIONS[name]
+    except KeyError:
+        raise ConfigError(f"interpolation {name!r} is not one of {sorted(INTERPOLATIONS)}") from None
+
+
+def random_resized_crop_params(width: int, height: int, scale, ratio, rng) -> tuple[int, int, int, int]:
+    """torchvision's ``RandomResizedCrop.get_params``: returns ``(top, left, h, w)``.
+
+    Ten attempts at an area fraction uniform in ``scale`` and a log-uniform aspect ratio in
+    ``ratio``; then a center crop clamped to ``ratio`` (torchvision/transforms/transforms.py).
+    """
+    area = width * height
+    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
+    for _ in range(10):
+        target_area = area * rng.uniform(scale[0], scale[1])
+        aspect = math.exp(rng.uniform(log_lo, log_hi))
+        w = int(round(math.sqrt(target_area * aspect)))
+        h = int(round(math.sqrt(target_area / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            top = int(rng.integers(0, height - h + 1))
+            left = int(rng.integers(0, width - w + 1))
+            return top, left, h, w
+    in_ratio = width / height
+    if in_ratio < min(ratio):
+        w = width
+        h = int(round(w / min(ratio)))
+    elif in_ratio > max(ratio):
+        h = height
+        w = int(round(h * max(ratio)))
+    else:
+        w, h = width, height
+    h, w = max(1, min(h, height)), max(1, min(w, width))
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+class RandomResizedCrop(SampleStage):
+    """Crop a random area and aspect ratio, resize it to ``size`` (torchvision's parameters).
+
+    Args:
+        size: output ``int`` (square) or ``[height, width]`` in pixels.
+        scale: range of the crop's area as a fraction of the image (default 0.08-1).
+        ratio: range of the crop's aspect ratio w/h (default 3/4-4/3), sampled log-uniformly.
+        interpolation: one of nearest, bilinear (default), bicubic, lanczos, box, hamming.
+
+    Output: RGB image of exactly ``size``, whatever the input size (1x1 included).
+    """
+
+    name = "random_resized_crop"
+    deterministic = False
+
+    def __init__(self, size=224, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), interpolation: str = "bilinear"):
+        self.size = _size2(size, self.name)
+        self.scale = (float(scale[0]), float(scale[1]))
+        self.ratio = (float(ratio[0]), float(ratio[1]))
+        if not (0 < self.scale[0] <= self.scale[1] <= 1):
+            raise ConfigError(f"{self.name}: scale must satisfy 0 < min <= max <= 1, got {list(scale)}")
+        if not (0 < self.ratio[0] <= self.ratio[1]):
+            raise ConfigError(f"{self.name}: ratio must satisfy 0 < min <= max, got {list(ratio)}")
+        self.interpolation = interpolation
+        self._resample = _resample(interpolation)
+
+    def config(self) -> dict[str, Any]:
+        return {"size": list(self.size), "scale": list(self.scale), "ratio": list(self.ratio),
+                "interpolation": self.interpolation}
+
+    def out_spec(self, spec: ImageSpec) -> ImageSpec:
+        return spec.with_(height=self.size[0], width=self.size[1])
+
+    def apply(self, img: Image.Image, rng) -> Image.Image:
+        top, left, h, w = random_resized_crop_params(img.width, img.height, self.scale, self.ratio, rng)
+        return img.resize((self.size[1], self.size[0]), self._resample, box=(left, top, left + w, top + h))
+
+
+class ResizeCenterCrop(SampleStage):
+    """Validation transform: resize the short side to ``resize``, then center-crop ``crop``.
+
+    Equivalent to torchvision's ``Resize(resize)`` + ``CenterCrop(crop)``, done as one resample
+    of the matching box of the source image.
+
+    Args:
+        resize: short side after resizing, in pixels (default 256).
+        crop: output ``int`` or ``[height, width]`` (default 224); must fit inside the resized image.
+        interpolation: as for :class:`RandomResizedCrop` (default bilinear).
+    """
+
+    name = "resize_center_crop"
+
+    def __init__(self, resize: int = 256, crop=224, interpolation: str = "bilinear"):
+        self.resize = int(resize)
+        self.crop = _size2(crop, self.name)
+        if self.resize < max(self.crop):
+            raise ConfigError(f"{self.name}: resize ({self.resize}) must be >= crop ({max(self.crop)})")
+        self.interpolation = interpolation
+        self._resample = _resample(interpolation)
+
+    def config(self) -> dict[str, Any]:
+        return {"resize": self.resize, "crop": list(self.crop), "interpolation": self.interpolation}
+
+    def out_spec(self, spec: ImageSpec) -> ImageSpec:
+        return spec.with_(height=self.crop[0], width=self.crop[1])
+
+    def apply(self, img: Image.Image, rng=None) -> Image.Image:
+        w, h = img.size
+        # torchvision's Resize truncates the long side: int(resize * long / short).
+        rw, rh = (self.resize, int(self.resize * h / w)) if w <= h else (int(self.resize * w / h), self.resize)
+        ch, cw = self.crop
+        top, left = int(round((rh - ch) / 2.0)), int(round((rw - cw) / 2.0))
+        sx, sy = w / rw, h / rh
+        box = (left * sx, top * sy, (left + cw) * sx, (top + ch) * sy)
+        return img.resize((cw, ch), self._resample, box=box)
+
+
+class HorizontalFlip(SampleStage):
+    """Mirror left-right with probability ``p`` (default 0.5)."""
+
+    name = "horizontal_flip"
+    deterministic = False
+
+    def __init__(self, p: float = 0.5):
+        if not 0.0 <= p <= 1.0:
+            raise ConfigError(f"{self.name}: p must be in [0, 1], got {p}")
+        self.p = float(p)
+
+    def config(self) -> dict[str, Any]:
+        return {"p": self.p}
+
+    def apply(self, img: Image.Image, rng) -> Image.Image:
+        if rng.random() < self.p:
+            return img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        return img
