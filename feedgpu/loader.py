@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import weakref
 import time
 import warnings
 from typing import Any, Callable
@@ -205,18 +206,24 @@ class DataLoader:
         self._position = (self._epoch, 0)
 
     def __iter__(self):
-        if self._live is not None:
-            self._live.close()
-        it = _EpochIterator(self, self._epoch, self._start)
+        self._close_live()
+        on_device = self.pipeline is not None and self.device != "cpu"
+        it = _EpochIterator(self, self._epoch, self._start, deferred_commit=on_device)
         self._start = 0
-        self._live = it
-        if self.pipeline is not None and self.device != "cpu":
+        self._live = weakref.ref(it)  # dropping the iterator (break, del) stops its workers
+        if on_device:
             from .prefetch import CudaPrefetcher
 
             plan = self.pipeline.plan(self.device)
             return CudaPrefetcher(it, self.device, plan.batch_stage if plan.batch_on_device else None,
                                   depth=self.prefetch_factor)
         return it
+
+    def _close_live(self) -> None:
+        it = self._live() if self._live is not None else None
+        if it is not None:
+            it.close()
+        self._live = None
 
     # -- state ------------------------------------------------------------------------------
     def _source_fingerprint(self) -> str:
@@ -307,8 +314,7 @@ class DataLoader:
     def shutdown(self) -> None:
         """Stop the workers now (also done at epoch end unless ``persistent_workers``, on errors
         and at garbage collection)."""
-        if self._live is not None:
-            self._live.close()
+        self._close_live()
         self._release_pool(force=True)
 
     def __del__(self):
@@ -321,8 +327,12 @@ class DataLoader:
 class _EpochIterator:
     """One pass over an epoch's batches, from batch ``start``; batches come out in order."""
 
-    def __init__(self, loader: DataLoader, epoch: int, start: int):
+    def __init__(self, loader: DataLoader, epoch: int, start: int, deferred_commit: bool = False):
         self.loader, self.epoch, self.next_b = loader, epoch, start
+        # With device prefetch, a batch counts as seen when the prefetcher hands it to the
+        # training loop (it calls commit()), not when it leaves the CPU pool.
+        self.deferred = deferred_commit
+        self.uncommitted: list[tuple[int, int]] = []
         self.nb = len(loader)
         self.tag = next(_tags)
         self.closed = False
@@ -361,7 +371,7 @@ class _EpochIterator:
 
     def __next__(self):
         if self.closed or self.next_b >= self.nb:
-            self._end(completed=not self.closed)
+            self.close()
             raise StopIteration
         b = self.next_b
         t0 = time.perf_counter()
@@ -380,13 +390,29 @@ class _EpochIterator:
         rows = _rows(batch)
         loader._stats.delivered(rows, time.perf_counter() - t0)
         self.next_b = b + 1
-        loader._position = (self.epoch, self.next_b)
-        loader._rows_seen += rows
         if loader.pin_memory:
             batch = _pin(batch)
+        if self.deferred:
+            self.uncommitted.append((b, rows))
+        else:
+            self._commit(b, rows)
         if self.next_b >= self.nb:
-            self._end(completed=True)
+            self.close()
         return batch
+
+    def commit(self) -> None:
+        """The oldest batch handed out by this iterator has reached the training loop."""
+        self._commit(*self.uncommitted.pop(0))
+
+    def _commit(self, b: int, rows: int) -> None:
+        loader = self.loader
+        if b + 1 >= self.nb:  # the epoch is complete: the next iteration starts the next one
+            loader._epoch = self.epoch + 1
+            loader._position = (self.epoch + 1, 0)
+            loader._rows_seen = 0
+        else:
+            loader._position = (self.epoch, b + 1)
+            loader._rows_seen += rows
 
     def _wait(self, b: int):
         while b not in self.ready:
@@ -407,15 +433,6 @@ class _EpochIterator:
         report = payload if self.loader.pipeline is not None else None
         return batch, report
 
-    def _end(self, completed: bool) -> None:
-        if completed and not self.closed:
-            loader = self.loader
-            if loader._position == (self.epoch, self.nb):
-                loader._epoch = self.epoch + 1
-                loader._position = (self.epoch + 1, 0)
-                loader._rows_seen = 0
-        self.close()
-
     def close(self) -> None:
         if self.closed:
             return
@@ -426,8 +443,6 @@ class _EpochIterator:
         for task, _ in self.ready.values():
             self.work.discard(task)
         self.ready.clear()
-        if self.loader._live is self:
-            self.loader._live = None
         self.loader._release_pool()
 
     def __del__(self):

@@ -82,6 +82,8 @@ class CudaPrefetcher:
         cur.wait_event(ev)
         d_imgs.record_stream(cur)
         d_labels.record_stream(cur)
+        if hasattr(self.it, "commit"):
+            self.it.commit()  # counts for state_dict() only now that the training loop has it
         self._launch()
         return Batch(d_imgs, d_labels)
 
