@@ -168,6 +168,10 @@ def format_errors(err: ValidationError, where: str) -> str:
             msg = f"unknown key {loc[-1]!r}; allowed keys: {', '.join(allowed)}"
         elif e["type"] == "missing":
             msg = "required key is missing"
+        elif e["type"] == "string_pattern_mismatch" and loc == ("output", "device"):
+            msg = f"got {e['input']!r}; allowed: auto, cpu, cuda, cuda:N"
+        elif "input" in e and not isinstance(e["input"], (dict, list)):
+            msg = f"{msg} (got {e['input']!r})"
         lines.append(f"  {_path(loc)}: {msg}")
     return "\n".join(lines)
 

@@ -304,12 +304,14 @@ class DataLoader:
         return self._pool
 
     def _release_pool(self, force: bool = False) -> None:
+        """Stop the workers unless they persist; ``force`` also frees the batch buffers, which
+        otherwise outlive the pool and serve the next epoch's workers (no new page faults)."""
         if self._pool is not None and (force or not self.persistent_workers):
             self._pool.close()
             self._pool = None
-            if self._work is not None:
-                self._work.close()
-                self._work = None
+        if force and self._work is not None:
+            self._work.close()
+            self._work = None
 
     def shutdown(self) -> None:
         """Stop the workers now (also done at epoch end unless ``persistent_workers``, on errors
@@ -437,8 +439,12 @@ class _EpochIterator:
         if self.closed:
             return
         self.closed = True
-        for seq, task in self.pending.items():  # results still to come are dropped on arrival
-            self.work.orphans[(self.tag, seq)] = task
+        keep_pool = self.loader.persistent_workers
+        for seq, task in self.pending.items():
+            if keep_pool:  # its result still comes and is dropped on arrival
+                self.work.orphans[(self.tag, seq)] = task
+            else:  # the workers are stopped below: nothing writes there any more
+                self.work.discard(task)
         self.pending.clear()
         for task, _ in self.ready.values():
             self.work.discard(task)
