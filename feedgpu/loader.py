@@ -64,7 +64,7 @@ class _UserOrder:
             yield np.asarray(chunk, dtype=np.int64)
 
     def spares(self, epoch: int, b: int, k: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch, b, 1]).integers(0, self.n, size=k)
+        return np.random.default_rng([self.seed & 0xFFFFFFFFFFFFFFFF, epoch, b, 1]).integers(0, self.n, size=k)
 
     def config(self) -> dict:
         return {"sampler": type(self.batch_sampler or self.sampler).__name__, "n": self.n,
@@ -419,17 +419,18 @@ class _EpochIterator:
     def _wait(self, b: int):
         while b not in self.ready:
             tag, seq, wid, ok, payload = self.pool.get(self.loader.timeout or None)
+            if tag is None:  # worker_init_fn failed
+                raise unpack_exception(payload, "in worker_init_fn")
             if tag != self.tag:  # from an abandoned iteration of persistent workers
                 orphan = self.work.orphans.pop((tag, seq), None)
                 if orphan is not None:
                     self.work.discard(orphan)
                 continue
-            task = self.pending.pop(seq)
-            if not ok:
-                self.work.discard(task)
-                raise unpack_exception(payload, f"while assembling batch {seq} of epoch {self.epoch}")
-            self.ready[seq] = (task, payload)
-        task, payload = self.ready.pop(b)
+            self.ready[seq] = (self.pending.pop(seq), ok, payload)
+        task, ok, payload = self.ready.pop(b)
+        if not ok:  # raised in batch order: every earlier batch has been delivered
+            self.work.discard(task)
+            raise unpack_exception(payload, f"while assembling batch {b} of epoch {self.epoch}")
         batch = self.work.finish(task, payload)
         self._fill()
         report = payload if self.loader.pipeline is not None else None
@@ -446,7 +447,7 @@ class _EpochIterator:
             else:  # the workers are stopped below: nothing writes there any more
                 self.work.discard(task)
         self.pending.clear()
-        for task, _ in self.ready.values():
+        for task, _, _ in self.ready.values():
             self.work.discard(task)
         self.ready.clear()
         self.loader._release_pool()

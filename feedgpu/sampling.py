@@ -23,6 +23,8 @@ import numpy as np
 
 from .errors import ConfigError
 
+_SEED_MASK = 0xFFFFFFFFFFFFFFFF  # SeedSequence takes non-negative ints: a negative seed wraps, as in sample_rng
+
 
 class ShardedOrder:
     """The batches of indices one rank reads in one epoch.
@@ -68,7 +70,7 @@ class ShardedOrder:
         """All ``n`` indices in this epoch's order (int64), before sharding."""
         if not self.shuffle:
             return np.arange(self.n, dtype=np.int64)
-        return np.random.default_rng([self.seed, int(epoch)]).permutation(self.n).astype(np.int64)
+        return np.random.default_rng([self.seed & _SEED_MASK, int(epoch)]).permutation(self.n).astype(np.int64)
 
     def shard(self, epoch: int) -> np.ndarray:
         """This rank's indices for ``epoch`` (int64, length ``num_batches * batch_size`` or less)."""
@@ -93,7 +95,7 @@ class ShardedOrder:
         rank's shard with ``default_rng([seed, epoch, rank, b, 1])``, so they are the same
         however many workers run. A replacement repeats a sample of the epoch."""
         mine = self.shard(epoch)
-        rng = np.random.default_rng([self.seed, int(epoch), self.rank, int(b), 1])
+        rng = np.random.default_rng([self.seed & _SEED_MASK, int(epoch), self.rank, int(b), 1])
         return mine[rng.integers(0, len(mine), size=k)]
 
     def config(self) -> dict:

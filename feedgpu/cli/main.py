@@ -81,8 +81,12 @@ def doctor(as_json: bool) -> None:
 
     from ..imaging import pil_build
 
+    try:
+        dali = importlib.util.find_spec("nvidia.dali") is not None
+    except ModuleNotFoundError:  # no "nvidia" namespace package at all
+        dali = False
     info = {"pil": pil_build(), "torch": torch.__version__, "cuda_available": torch.cuda.is_available(),
-            "dali": importlib.util.find_spec("nvidia.dali") is not None}
+            "dali": dali}
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return

@@ -87,7 +87,8 @@ class Assembler:
             except SampleError as e:
                 raise type(e)(rec.key, e.reason, e.detail) from None
             except Exception as e:
-                raise StageError(f"stage {pos} ({st.name}) failed on {rec.key}: {type(e).__name__}: {e}") from e
+                label = getattr(st, "label", st.name)
+                raise StageError(f"stage {pos} ({label}) failed on {rec.key}: {type(e).__name__}: {e}") from e
             t2 = time.perf_counter()
             secs[st.name] += t2 - t1
             t1 = t2

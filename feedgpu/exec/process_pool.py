@@ -90,7 +90,7 @@ class _State:
     def __init__(self, procs, tasks, results):
         self.procs, self.tasks, self.results, self.closed = procs, tasks, results, False
 
-    def close(self, grace_s: float = 5.0) -> None:
+    def close(self, grace_s: float = 1.0) -> None:
         if self.closed:
             return
         self.closed = True

@@ -105,7 +105,16 @@ class DatasetWork:
         pass
 
     def run_inline(self, seq: int, epoch: int, indices: np.ndarray, spares: np.ndarray):
-        return self.handle((0, seq, epoch, indices)), None
+        """In the main process: the training loop's RNG states are restored afterwards."""
+        import torch
+
+        saved = torch.get_rng_state(), np.random.get_state(), random.getstate()
+        try:
+            return self.handle((0, seq, epoch, indices)), None
+        finally:
+            torch.set_rng_state(saved[0])
+            np.random.set_state(saved[1])
+            random.setstate(saved[2])
 
     def close(self) -> None:
         pass

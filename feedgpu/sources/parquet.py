@@ -13,6 +13,7 @@ from collections import OrderedDict
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..errors import SourceError
@@ -56,6 +57,7 @@ class ParquetSource(Source):
         self.cache_bytes = cache_bytes
         fids, rgs, rows, labels = [], [], [], []
         self._meta = []
+        self._rg_starts = []  # per file: first row (in the file) of each row group, for keys
         for fid, path in enumerate(self.files):
             if not os.path.isfile(path):
                 raise SourceError(f"parquet source: {path} is not a file")
@@ -73,12 +75,14 @@ class ParquetSource(Source):
                     raise SourceError(f"parquet source: column {col!r} in {path} is {t}, expected {want}")
             st = os.stat(path)
             self._meta.append((os.path.abspath(path), st.st_size, st.st_mtime_ns))
+            self._rg_starts.append(np.cumsum([0] + [pf.metadata.row_group(rg).num_rows
+                                                    for rg in range(pf.num_row_groups)], dtype=np.int64))
             for rg in range(pf.num_row_groups):
                 n = pf.metadata.row_group(rg).num_rows
                 # Only labels are read here: image bytes stay on disk, so an empty image is
                 # found when it is read (reason "empty"), not while indexing.
-                lab = (np.asarray(pa.compute.fill_null(pf.read_row_group(rg, columns=[label_column])
-                                                       .column(0), -1), dtype=np.int64)
+                lab = (np.asarray(pc.fill_null(pf.read_row_group(rg, columns=[label_column])
+                                               .column(0), -1), dtype=np.int64)
                        if label_column else np.full(n, -1, np.int64))
                 fids.append(np.full(n, fid, np.int32))
                 rgs.append(np.full(n, rg, np.int32))
@@ -97,8 +101,9 @@ class ParquetSource(Source):
         self._pid = os.getpid()
 
     def key(self, index: int) -> str:
+        """``file.parquet#row``: the row's number in its file (counted over all row groups)."""
         fid, rg, r = int(self.file_ids[index]), int(self.row_groups[index]), int(self.rows[index])
-        return f"{self.files[fid]}#rg{rg}:{r}"
+        return f"{self.files[fid]}#{int(self._rg_starts[fid][rg]) + r}"
 
     def _group(self, fid: int, rg: int) -> pa.Array:
         if self._pid != os.getpid():

@@ -1,0 +1,173 @@
+"""Shared fixtures: small real datasets built once per session from ``../shared``.
+
+``shared/`` sits beside the repository (CI clones the repository with ``shared/`` next to it), so
+it is found relative to this file, never through an environment variable.
+"""
+from __future__ import annotations
+
+import io
+import tarfile
+import time
+from pathlib import Path
+
+import psutil
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from feedgpu.convert import folder_to_parquet, folder_to_tar
+from feedgpu.sample_data import build_imagenet_like
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+PHOTOS = SHARED / "data" / "photos"
+CASES = SHARED / "cases" / "images"
+
+#: Images in the main sample dataset (ImageNet-like recipe, 400-640 px, one class per photo).
+N_IMAGES = 120
+
+
+def pytest_configure(config):
+    if not PHOTOS.is_dir() or not CASES.is_dir():
+        raise pytest.UsageError(f"tests need the shared data beside the repository: {PHOTOS} and {CASES}")
+
+
+def case_files() -> list[str]:
+    """Every file in ``shared/cases/images`` (new files are picked up automatically)."""
+    return sorted(p.name for p in CASES.iterdir() if p.is_file())
+
+
+# -- the main sample dataset in three formats ------------------------------------------------------
+@pytest.fixture(scope="session")
+def folder_ds(tmp_path_factory) -> Path:
+    return build_imagenet_like(tmp_path_factory.mktemp("folder") / "train", N_IMAGES, photos_dir=PHOTOS, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tar_ds(folder_ds, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tar")
+    shards = folder_to_tar(folder_ds, out, samples_per_shard=50)
+    assert len(shards) == 3
+    return out
+
+
+@pytest.fixture(scope="session")
+def parquet_ds(folder_ds, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("parquet")
+    # ~8 rows per row group: several files and several row groups per file.
+    files = folder_to_parquet(folder_ds, out, rows_per_file=50, row_group_bytes=8 * 40_000)
+    assert len(files) == 3
+    assert pq.ParquetFile(files[0]).num_row_groups > 1
+    return out
+
+
+@pytest.fixture(scope="session")
+def sources(folder_ds, tar_ds, parquet_ds):
+    """``{format: opened source}`` for the same data."""
+    from feedgpu import FolderSource, ParquetSource, TarShardSource
+
+    return {"folder": FolderSource(folder_ds), "tar": TarShardSource(tar_ds), "parquet": ParquetSource(parquet_ds)}
+
+
+# -- a dataset mixing every hard case with good photos, in every format --------------------------
+N_GOOD = 24
+
+
+def _good_photo_bytes(folder: Path, n: int) -> list[bytes]:
+    files = sorted(folder.rglob("*.jpg"))[:n]
+    return [f.read_bytes() for f in files]
+
+
+def write_cases_dataset(root: Path, good: list[bytes], fmt: str) -> Path:
+    """Class 0 ``cases`` holds every case file (names kept), class 1 ``good`` holds good photos.
+
+    Written by hand (not through feedgpu.convert) so that the zero-byte file reaches the tar
+    shard and the Parquet column too.
+    """
+    items = [(f"cases/{name}", (CASES / name).read_bytes(), 0) for name in case_files()]
+    items += [(f"good/good_{i:03d}.jpg", data, 1) for i, data in enumerate(good)]
+    root.mkdir(parents=True, exist_ok=True)
+    if fmt == "folder":
+        for rel, data, _ in items:
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_bytes(data)
+    elif fmt == "tar":
+        with tarfile.open(root / "cases-000000.tar", "w", format=tarfile.USTAR_FORMAT) as tf:
+            for rel, data, label in items:
+                stem, ext = rel.rsplit(".", 1)
+                # WebDataset keys end at the first dot: keep the full name readable in the key.
+                for name, blob in ((f"{stem}.{ext}", data), (f"{stem}.cls", str(label).encode())):
+                    info = tarfile.TarInfo(name)
+                    info.size = len(blob)
+                    tf.addfile(info, io.BytesIO(blob))
+    elif fmt == "parquet":
+        table = pa.table({"key": [rel for rel, _, _ in items],
+                          "image": pa.array([d for _, d, _ in items], pa.large_binary()),
+                          "label": pa.array([lab for _, _, lab in items], pa.int64())})
+        pq.write_table(table, root / "cases.parquet", row_group_size=10)
+    else:  # pragma: no cover
+        raise ValueError(fmt)
+    return root
+
+
+@pytest.fixture(scope="session")
+def cases_datasets(folder_ds, tmp_path_factory) -> dict[str, Path]:
+    good = _good_photo_bytes(folder_ds, N_GOOD)
+    base = tmp_path_factory.mktemp("cases")
+    return {fmt: write_cases_dataset(base / fmt, good, fmt) for fmt in ("folder", "tar", "parquet")}
+
+
+def open_format(fmt: str, path: Path):
+    import warnings
+
+    from feedgpu.sources import open_source
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the empty file is reported while indexing
+        return open_source(fmt, path)
+
+
+# -- processes ------------------------------------------------------------------------------------
+def alive(pid: int) -> bool:
+    """True while ``pid`` is a running (not zombie) process."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_gone(pids, timeout: float = 10.0) -> list[int]:
+    """Wait until none of ``pids`` runs; return those still running after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    left = [p for p in pids if alive(p)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = [p for p in left if alive(p)]
+    return left
+
+
+def child_pids() -> set[int]:
+    return {c.pid for c in psutil.Process().children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE}
+
+
+@pytest.fixture
+def no_leaked_workers():
+    """Fails the test when it leaves worker processes behind."""
+    before = child_pids()
+    yield
+    left = wait_gone(child_pids() - before, timeout=10.0)
+    assert not left, f"worker processes left behind: {left}"
+
+
+def batches_equal(a, b) -> bool:
+    import torch
+
+    return len(a) == len(b) and all(torch.equal(x.images, y.images) and torch.equal(x.labels, y.labels)
+                                    for x, y in zip(a, b))
+
+
+def clone_all(loader) -> list:
+    """Iterate ``loader`` to the end of its epoch, cloning each batch as it comes."""
+    from feedgpu import Batch
+
+    return [Batch(b.images.clone(), b.labels.clone()) for b in loader]

@@ -1,0 +1,305 @@
+"""Worker processes: errors reach the main process with their traceback; nothing hangs or leaks."""
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import traceback
+
+import numpy as np
+import pytest
+import torch
+import torch.utils.data as tud
+
+from conftest import REPO, alive, wait_gone
+from feedgpu import DataLoader, LoaderTimeout, Pipeline, StageError, WorkerError
+from feedgpu.stages import Decode, PythonStage, RandomResizedCrop, ResizeCenterCrop
+
+pytestmark = pytest.mark.timeout(90)
+
+
+class Painted(tud.Dataset):
+    """Item i: an 8x8 image whose pixels all hold i (so a stage can tell which sample it got)."""
+
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        return np.full((8, 8, 3), i, np.uint8), i
+
+
+def fail_on_seven(img):
+    a = np.asarray(img)
+    if a[0, 0, 0] == 7:
+        raise ValueError("user stage cannot take sample seven")
+    return a
+
+
+def slow(img):
+    time.sleep(0.03)
+    return img
+
+
+def very_slow(img):
+    time.sleep(3)
+    return img
+
+
+def painted_pipeline(fn, **kw) -> Pipeline:
+    opts = dict(batch_size=4, shuffle=False, num_workers=2, device="cpu")
+    opts.update(kw)
+    return Pipeline(Painted(), [Decode(), ResizeCenterCrop(8, 8), PythonStage(fn, name=fn.__name__)], **opts)
+
+
+def folder_pipeline(src, fn=None, **kw) -> Pipeline:
+    opts = dict(batch_size=8, num_workers=2, device="cpu")
+    opts.update(kw)
+    stages = [Decode(), RandomResizedCrop(48)] + ([PythonStage(fn)] if fn else [])
+    return Pipeline(src, stages, **opts)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("on_error", ["skip", "raise"])
+def test_user_stage_error_names_the_sample_and_carries_the_traceback(num_workers, on_error, no_leaked_workers):
+    loader = DataLoader(painted_pipeline(fail_on_seven, num_workers=num_workers, on_error=on_error))
+    got = []
+    with pytest.raises(StageError) as info:
+        for batch in loader:
+            got.append(batch.labels.tolist())
+    assert got in ([], [[0, 1, 2, 3]])  # batch 1 holds sample 7; a bug in a stage is never skipped
+    e = info.value
+    assert "Painted[7]" in str(e) and "ValueError: user stage cannot take sample seven" in str(e)
+    if num_workers:
+        notes = "\n".join(getattr(e, "__notes__", []))
+        assert "raised in feedgpu worker" in notes and "batch 1 of epoch 0" in notes
+        assert "Traceback" in notes and "fail_on_seven" in notes and 'raise ValueError("user stage' in notes
+    else:
+        assert isinstance(e.__cause__, ValueError)
+        assert "fail_on_seven" in "".join(traceback.format_exception(e.__cause__))
+    assert loader.worker_pids() == []
+
+
+def slow_zero_fail_seven(img):
+    a = np.asarray(img)
+    if a[0, 0, 0] == 0:
+        time.sleep(1.0)  # batch 0 finishes after batch 1 has failed
+    if a[0, 0, 0] == 7:
+        raise ValueError("user stage cannot take sample seven")
+    return a
+
+
+def test_a_failed_batch_is_raised_in_order(no_leaked_workers):
+    loader = DataLoader(painted_pipeline(slow_zero_fail_seven))
+    got = []
+    with pytest.raises(StageError, match=r"Painted\[7\]"):
+        for batch in loader:
+            got.append(batch.labels.tolist())
+    assert got == [[0, 1, 2, 3]]
+
+
+def test_error_in_a_torch_dataset_reaches_the_main_process(no_leaked_workers):
+    class Broken(tud.Dataset):
+        def __len__(self):
+            return 20
+
+        def __getitem__(self, i):
+            if i == 13:
+                raise KeyError(f"no record {i}")
+            return i
+
+    loader = DataLoader(Broken(), batch_size=4, num_workers=2)
+    with pytest.raises(KeyError, match="no record 13") as info:
+        list(loader)
+    assert any("Traceback" in n and "__getitem__" in n for n in info.value.__notes__)
+
+
+class Unpicklable(Exception):
+    def __init__(self, a, b):  # pickling an instance fails to rebuild it (one arg stored)
+        super().__init__(f"{a}-{b}")
+
+
+class RaisesUnpicklable(tud.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        raise Unpicklable("odd", "error")
+
+
+def test_unpicklable_worker_error_becomes_worker_error(no_leaked_workers):
+    loader = DataLoader(RaisesUnpicklable(), batch_size=2, num_workers=2)
+    with pytest.raises(WorkerError, match="Unpicklable: odd-error") as info:
+        list(loader)
+    assert any("__getitem__" in n for n in info.value.__notes__)
+
+
+def test_worker_killed_with_sigkill_raises_worker_error(src, no_leaked_workers):
+    loader = DataLoader(folder_pipeline(src, slow), timeout=60)
+    it = iter(loader)
+    next(it)
+    pids = loader.worker_pids()
+    assert len(pids) == 2
+    os.kill(pids[0], signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match=r"died unexpectedly \(signal SIGKILL\)"):
+        for _ in it:
+            pass
+    assert time.monotonic() - t0 < 30
+    assert not wait_gone(pids)
+
+
+def _raising_init(worker_id):
+    raise RuntimeError(f"worker_init_fn cannot start worker {worker_id}")
+
+
+def test_worker_init_fn_error_is_reported(src, no_leaked_workers):
+    loader = DataLoader(folder_pipeline(src), worker_init_fn=_raising_init)
+    with pytest.raises(Exception) as info:
+        list(loader)
+    text = str(info.value) + "".join(getattr(info.value, "__notes__", []))
+    assert "worker_init_fn cannot start worker" in text
+
+
+def test_timeout_raises_loader_timeout(no_leaked_workers):
+    loader = DataLoader(painted_pipeline(very_slow, batch_size=2), timeout=0.5)
+    t0 = time.monotonic()
+    with pytest.raises(LoaderTimeout, match="timeout=0.5"):
+        next(iter(loader))
+    assert time.monotonic() - t0 < 15  # no hang (stopping the busy workers may take their grace period)
+    assert isinstance(LoaderTimeout("x"), TimeoutError)
+
+
+# -- shutdown ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def src(sources):
+    return sources["folder"]
+
+
+def test_workers_stop_after_break_and_del(src, no_leaked_workers):
+    loader = DataLoader(folder_pipeline(src, slow))
+    for i, _ in enumerate(loader):
+        pids = loader.worker_pids()
+        if i == 1:
+            break
+    assert len(pids) == 2
+    del loader, _
+    assert not wait_gone(pids), "workers still running after break + del"
+
+
+def test_workers_stop_after_break_when_the_iterator_is_dropped(src, no_leaked_workers):
+    """Like torch: leaving the loop frees its iterator, which stops non-persistent workers;
+    the loader itself stays usable."""
+    loader = DataLoader(folder_pipeline(src, slow, shuffle=False), batch_size=8)
+    for i, batch in enumerate(loader):
+        pids = loader.worker_pids()
+        if i == 1:
+            break
+    del batch
+    assert not wait_gone(pids)
+    assert loader.worker_pids() == []
+    assert len(list(loader)) == len(loader)
+
+
+def test_workers_stop_after_keyboard_interrupt_in_the_loop_body(src, no_leaked_workers):
+    loader = DataLoader(folder_pipeline(src, slow))
+    with pytest.raises(KeyboardInterrupt):
+        for i, batch in enumerate(loader):
+            pids = loader.worker_pids()
+            if i == 2:
+                raise KeyboardInterrupt
+    del batch
+    assert len(pids) == 2
+    assert not wait_gone(pids), "workers still running after KeyboardInterrupt"
+    assert loader.worker_pids() == []
+
+
+def test_workers_stop_after_an_exception(no_leaked_workers):
+    loader = DataLoader(painted_pipeline(fail_on_seven))
+    it = iter(loader)
+    next(it)
+    pids = loader.worker_pids()
+    with pytest.raises(StageError):
+        next(it)
+    assert not wait_gone(pids)
+
+
+def test_workers_stop_at_garbage_collection(src, no_leaked_workers):
+    loader = DataLoader(folder_pipeline(src, slow), persistent_workers=True)
+    it = iter(loader)
+    next(it)
+    pids = loader.worker_pids()
+    assert len(pids) == 2 and all(alive(p) for p in pids)
+    # a reference cycle, so that only the cyclic collector can free them
+    it.cycle = loader
+    loader.cycle = it
+    del loader, it
+    gc.collect()
+    assert not wait_gone(pids), "workers still running after garbage collection"
+
+
+def test_shutdown_is_idempotent_and_the_loader_restarts(src, no_leaked_workers):
+    loader = DataLoader(folder_pipeline(src), persistent_workers=True)
+    next(iter(loader))
+    pids = loader.worker_pids()
+    loader.shutdown()
+    loader.shutdown()
+    assert not wait_gone(pids)
+    assert len(list(loader)) == len(loader)
+    assert set(loader.worker_pids()).isdisjoint(pids)
+    loader.shutdown()
+
+
+def test_workers_exit_when_the_main_process_dies(folder_ds, tmp_path):
+    """The main process is SIGKILLed (no cleanup runs): its workers exit by themselves."""
+    script = textwrap.dedent(f"""
+        import os, signal, sys, time
+        sys.path.insert(0, {str(REPO)!r})
+        from feedgpu import DataLoader, FolderSource, Pipeline
+        from feedgpu.stages import Decode, RandomResizedCrop
+        p = Pipeline(FolderSource({str(folder_ds)!r}), [Decode(), RandomResizedCrop(48)], batch_size=8,
+                     num_workers=2, device="cpu")
+        loader = DataLoader(p)
+        it = iter(loader)
+        next(it)
+        print(" ".join(map(str, loader.worker_pids())), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    pids = [int(p) for p in proc.stdout.split()]
+    assert len(pids) == 2
+    assert not wait_gone(pids, timeout=15), "orphaned workers keep running"
+
+
+def test_workers_ignore_sigint(src, no_leaked_workers):
+    """Ctrl-C reaches the whole process group: workers ignore it and let the main process decide."""
+    reference = [b.labels.clone() for b in DataLoader(folder_pipeline(src, shuffle=False, num_workers=0))]
+    loader = DataLoader(folder_pipeline(src, slow, shuffle=False), timeout=60)
+    it = iter(loader)
+    got = [next(it).labels.clone()]
+    pids = loader.worker_pids()
+    for pid in pids:
+        os.kill(pid, signal.SIGINT)
+    got += [b.labels.clone() for b in it]
+    assert len(got) == len(reference) and all(torch.equal(a, b) for a, b in zip(got, reference))
+
+
+def test_ctrl_c_while_waiting_for_a_batch_stops_the_workers(no_leaked_workers):
+    import threading
+
+    loader = DataLoader(painted_pipeline(very_slow, batch_size=2))
+    it = iter(loader)
+    pids = loader.worker_pids()
+    assert len(pids) == 2
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            next(it)  # blocked: every sample takes 3 s
+    finally:
+        timer.cancel()
+    assert not wait_gone(pids, timeout=15)
