@@ -1,0 +1,440 @@
+#!/usr/bin/env python
+"""The recorded CPU benchmark: feedgpu's CPU path against torch's DataLoader + Pillow.
+
+Three loaders, same data, same transforms (``pipelines/imagenet_train.yaml``: decode, random
+resized crop 224, horizontal flip, normalize to float32 NCHW), same worker count and batch size:
+
+* ``feedgpu``: ``feedgpu.DataLoader`` on the pipeline, with the PIL build of this environment
+  (Pillow-SIMD);
+* ``torch_pillow_simd``: ``torch.utils.data.DataLoader`` + torchvision-equivalent transforms
+  (``feedgpu.baseline``), same PIL build;
+* ``torch_pillow``: the same torch loader with stock Pillow, what users have: Pillow from PyPI
+  installed once into ``bench/.pillow-stock`` and put first on ``PYTHONPATH``.
+
+Each loader lives in its own process (a fresh interpreter, so none inherits another's memory or
+PIL build); the parent asks them in turn for one measured run each, round after round, so drift
+in the machine's speed hits all loaders alike. One unrecorded round comes first (each process's
+first run pays one-time costs, such as first touch of fresh memory, that training pays once).
+The measurement itself is ``feedgpu.cli.bench.measure`` (what ``feedgpu bench`` reports). Before
+the rounds, each PIL build's per-core rate without any loader is measured for reference.
+
+Writes ``bench/results/cpu_loader.json`` and ``bench/results/cpu_loader.md``.
+
+    .venv/bin/python bench/cpu_loader.py                 # 2,000 images, 2 workers, 7 rounds
+    .venv/bin/python bench/cpu_loader.py --images 5000 --rounds 3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+STOCK_DIR = REPO / "bench" / ".pillow-stock"
+STOCK_REQ = "pillow==12.*"
+PIPELINE = REPO / "pipelines" / "imagenet_train.yaml"
+RESULT_MARK = "@@result "
+
+# name -> (feedgpu.cli.bench loader kind, stock Pillow?)
+LOADERS = {
+    "feedgpu": ("feedgpu", False),
+    "torch_pillow_simd": ("torch", False),
+    "torch_pillow": ("torch", True),
+}
+
+
+# -- the child: one measured run (or the per-core reference) in a fresh interpreter ---------------
+def _check_pil(stock: bool) -> None:
+    import PIL
+
+    from feedgpu.imaging import pil_build
+
+    where = Path(PIL.__file__).resolve()
+    if stock:
+        if ".post" in PIL.__version__ or STOCK_DIR.resolve() not in where.parents:
+            sys.exit(f"expected stock Pillow from {STOCK_DIR}, got PIL {PIL.__version__} from {where}")
+    elif not pil_build()["simd"]:
+        sys.exit(f"expected Pillow-SIMD in this environment, got PIL {PIL.__version__} from {where}; "
+                 "reinstall pillow-simd (scripts/setup.sh)")
+
+
+def _pipeline(data: str):
+    from feedgpu import Pipeline
+
+    return Pipeline.from_yaml(PIPELINE, **{"source.path": data, "output.device": "cpu"})
+
+
+def serve(base: dict) -> None:
+    """Child process: index the data once, then answer one JSON command per stdin line with one
+    result line on stdout: ``{"mode": "run", "desc": ...}`` measures one run of this child's
+    loader, ``{"mode": "single", "images": n}`` the per-core reference, ``{"mode": "exit"}``."""
+    _check_pil(base["stock"])
+    from feedgpu.cli import bench as fb
+    from feedgpu.imaging import pil_label
+
+    p = _pipeline(base["data"])
+    len(p.source)
+    print(RESULT_MARK + json.dumps({"ready": True, "pil": pil_label()}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["mode"] == "exit":
+            return
+        if cmd["mode"] == "single":
+            res = {"pil": pil_label(), **per_core(p, cmd["images"])}
+        else:
+            with fb.progress_bar(base["warmup"] + base["batches"], cmd["desc"]) as bar:
+                res = fb.run_one(base["kind"], p, base["workers"], base["batch_size"], base["batches"],
+                                 base["warmup"], "cpu", on_batch=lambda: bar.update(1))
+            res["pil"] = pil_label()
+        print(RESULT_MARK + json.dumps(res), flush=True)
+
+
+def per_core(p, n: int) -> dict:
+    """One process, no loader: images/s of decode + random resized crop + flip (the anchors'
+    measure) and of the whole torchvision-style transform (+ ToTensor + Normalize)."""
+    import torch
+
+    from feedgpu.baseline import build_transforms
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    full = build_transforms(p)
+    geometric = type(full)([t for t in full.transforms if type(t).__name__ in
+                            ("LoadImage", "RandomResizedCrop", "RandomHorizontalFlip")])
+    payloads = [p.source.read(i).payload for i in range(min(n, len(p.source)))]
+    out = {}
+    for name, tf in (("decode_crop_flip", geometric), ("full_transform", full)):
+        for x in payloads[:20]:  # warm caches
+            tf(x)
+        t0 = time.perf_counter()
+        for x in payloads:
+            tf(x)
+        dt = time.perf_counter() - t0
+        out[name] = {"images_per_s": round(len(payloads) / dt, 1), "ms_per_image": round(dt / len(payloads) * 1e3, 3)}
+    out["images"] = len(payloads)
+    return out
+
+
+# -- the parent ------------------------------------------------------------------------------------
+def ensure_stock_pillow() -> str:
+    """Install stock Pillow into bench/.pillow-stock once; return its version."""
+    if not (STOCK_DIR / "PIL" / "__init__.py").exists():
+        print(f"installing stock {STOCK_REQ} into {STOCK_DIR} (once)", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target",
+                        str(STOCK_DIR), STOCK_REQ], check=True)
+    out = subprocess.run([sys.executable, "-c", "import PIL; print(PIL.__version__)"], env=_env(True),
+                         capture_output=True, text=True, check=True, cwd=REPO)
+    version = out.stdout.strip()
+    if ".post" in version:
+        sys.exit(f"{STOCK_DIR} holds PIL {version}, not stock Pillow; delete the folder and rerun")
+    return version
+
+
+def _env(stock: bool) -> dict:
+    env = dict(os.environ)
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != STOCK_DIR.resolve()]
+    if stock:
+        parts.insert(0, str(STOCK_DIR))
+    env["PYTHONPATH"] = os.pathsep.join(parts)
+    return env
+
+
+def wait_quiet(limit_s: float, max_busy: float = 15.0) -> float:
+    """Wait (up to ``limit_s``) until the rest of the machine uses < ``max_busy`` % of a core
+    over half a second (the loader processes are idle between runs); returns seconds waited."""
+    import psutil
+
+    t0 = time.perf_counter()
+    while True:
+        a = psutil.cpu_times()
+        time.sleep(0.5)
+        b = psutil.cpu_times()
+        busy = sum(getattr(b, f, 0) - getattr(a, f, 0) for f in ("user", "nice", "system", "irq", "softirq", "steal"))
+        waited = time.perf_counter() - t0
+        if busy / 0.5 * 100 < max_busy or waited >= limit_s:
+            return round(waited, 1)
+
+
+class Child:
+    """A long-lived benchmark process for one loader (stock Pillow first on its path when asked)."""
+
+    def __init__(self, name: str, base: dict):
+        self.name = name
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve", json.dumps(base)],
+                                     env=_env(base["stock"]), cwd=REPO, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, bufsize=1)
+        self.info = self._read()
+
+    def _read(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(RESULT_MARK):
+                return json.loads(line[len(RESULT_MARK):])
+        code = self.proc.wait()
+        sys.exit(f"benchmark process for {self.name} ended (exit code {code}); see the messages above")
+
+    def ask(self, cmd: dict) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"mode": "exit"}) + "\n")
+                self.proc.stdin.close()
+            except OSError:
+                pass
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--images", type=int, default=2000, help="images in the dataset (default 2000)")
+    ap.add_argument("--photos", default=str((REPO / ".." / "shared" / "data" / "photos").resolve()),
+                    help="photographs the dataset is made from (default ../shared/data/photos)")
+    ap.add_argument("--data", help="dataset folder (default bench/out/imagenet-like-<images>, built if missing)")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--batches", type=int, help="timed batches per run (default: the rest of one epoch, "
+                    "rounded down to a multiple of --workers)")
+    ap.add_argument("--quiet-wait", type=float, default=120.0,
+                    help="before each run, wait up to this many seconds for other processes to go idle")
+    ap.add_argument("--max-others", type=float, default=25.0,
+                    help="rerun a run during which other processes used more than this %% of a core")
+    ap.add_argument("--retries", type=int, default=3, help="reruns of a disturbed run (default 3)")
+    ap.add_argument("--out", default=str(REPO / "bench" / "results"), help="where cpu_loader.json/.md go")
+    ap.add_argument("--serve", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.serve:
+        serve(json.loads(a.serve))
+        return 0
+
+    from feedgpu.cli import bench as fb
+    from feedgpu.sample_data import build_imagenet_like
+
+    t0 = time.perf_counter()
+    stock_version = ensure_stock_pillow()
+    data = Path(a.data) if a.data else REPO / "bench" / "out" / f"imagenet-like-{a.images}"
+    if not a.data:
+        build_imagenet_like(data, a.images, photos_dir=a.photos, progress=True)
+    p = _pipeline(str(data))
+    nb = fb.epoch_batches(p, a.batch_size)
+    batches = a.batches or fb.default_batches(nb, a.warmup, a.workers)
+    print("measuring the data set", file=sys.stderr)
+    data_meta = fb.data_info(p, str(data), sample=None)
+    machine = fb.machine_info()
+    machine["pil_stock"] = f"Pillow {stock_version}"
+    settings = {"pipeline": str(PIPELINE.relative_to(REPO)), "workers": a.workers, "batch_size": a.batch_size,
+                "batches_per_epoch": nb, "timed_batches": batches, "warmup": a.warmup, "rounds": a.rounds,
+                "prefetch_factor": p.prefetch_factor, "device": "cpu", "shuffle": p.shuffle,
+                "drop_last": p.drop_last, "photos": a.photos, "quiet_wait_s": a.quiet_wait,
+                "max_others_percent": a.max_others, "retries": a.retries}
+    base = {"data": str(data), "workers": a.workers, "batch_size": a.batch_size, "batches": batches,
+            "warmup": a.warmup}
+
+    children = {}
+    disturbed: list[dict] = []
+    try:
+        for name, (kind, stock) in LOADERS.items():
+            children[name] = Child(name, {**base, "kind": kind, "stock": stock})
+        print("per-core reference (one process, no loader)", file=sys.stderr)
+        n_single = min(500, len(p.source))
+        single = {}
+        for key, name in (("pillow_simd", "feedgpu"), ("pillow", "torch_pillow")):
+            wait_quiet(a.quiet_wait)
+            single[key] = children[name].ask({"mode": "single", "images": n_single})
+
+        def run(name: str, r: int, on_batch) -> dict:
+            desc = f"{name} warm-up round" if r < 0 else f"{name} round {r + 1}/{a.rounds}"
+            for attempt in range(1, a.retries + 2):
+                waited = wait_quiet(a.quiet_wait) if a.quiet_wait > 0 else 0.0
+                res = children[name].ask({"mode": "run", "desc": desc})
+                res.update(loader=name, waited_for_quiet_s=waited, attempt=attempt)
+                if (res["others_cpu_percent"] or 0) <= a.max_others or attempt > a.retries:
+                    return res
+                print(f"{name}: other processes used {res['others_cpu_percent']:.0f} % CPU during the run; "
+                      "running it again", file=sys.stderr)
+                res["round"] = r + 1
+                disturbed.append(res)
+            return res  # pragma: no cover - the loop always returns
+
+        # one unrecorded round first: each process's first run pays one-time costs (first touch
+        # of fresh memory, imports, file cache) that a training run pays once, not per epoch
+        warm = [run(name, -1, None) for name in LOADERS]
+        runs = fb.run_rounds(list(LOADERS), a.rounds, run)
+    finally:
+        for c in children.values():
+            c.close()
+    summary = fb.summarize(runs)
+    for name, s in summary.items():
+        rs = [r for r in runs if r["loader"] == name]
+        s["pil"] = rs[0]["pil"]
+        s["samples_per_s_min"] = min(r["samples_per_s"] for r in rs)
+        s["samples_per_s_max"] = max(r["samples_per_s"] for r in rs)
+        s["steal_percent_median"] = statistics.median(r["steal_percent"] or 0 for r in rs)
+        if name == "feedgpu":
+            stages = rs[0]["stage_ms_per_sample"].keys()
+            s["stage_ms_per_sample"] = {k: round(statistics.median(r["stage_ms_per_sample"][k] for r in rs), 3)
+                                        for k in stages}
+    ratios = {"feedgpu_over_torch_pillow": fb.ratio(summary, "feedgpu", "torch_pillow"),
+              "feedgpu_over_torch_pillow_simd": fb.ratio(summary, "feedgpu", "torch_pillow_simd"),
+              "torch_pillow_simd_over_torch_pillow": fb.ratio(summary, "torch_pillow_simd", "torch_pillow")}
+    # the same ratio taken within each round (the loaders ran back to back), then the median
+    per_round = {}
+    for key, (x, y) in {"feedgpu_over_torch_pillow": ("feedgpu", "torch_pillow"),
+                        "feedgpu_over_torch_pillow_simd": ("feedgpu", "torch_pillow_simd")}.items():
+        vals = []
+        for r in range(1, a.rounds + 1):
+            rx = [q["samples_per_s"] for q in runs if q["round"] == r and q["loader"] == x]
+            ry = [q["samples_per_s"] for q in runs if q["round"] == r and q["loader"] == y]
+            vals.append(rx[0] / ry[0])
+        per_round[key] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+    total = time.perf_counter() - t0
+    doc = {"format": "feedgpu.bench.cpu_loader/1", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+           "command": "python bench/cpu_loader.py " + " ".join(sys.argv[1:] if argv is None else argv),
+           "target": "feedgpu >= 2.0x torch DataLoader + stock Pillow, 2 workers, >= 2,000 images",
+           "machine": machine, "data": data_meta, "settings": settings, "summary": summary, "ratios": ratios,
+           "ratios_per_round": per_round, "per_core_no_loader": single, "runs": runs,
+           "warmup_runs_not_counted": warm, "disturbed_runs_repeated": disturbed,
+           "total_seconds": round(total, 1)}
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cpu_loader.json").write_text(json.dumps(doc, indent=2) + "\n")
+    (out / "cpu_loader.md").write_text(markdown(doc))
+    print(markdown(doc))
+    print(f"wrote {out / 'cpu_loader.json'} and {out / 'cpu_loader.md'} ({total:.0f} s)", file=sys.stderr)
+    return 0
+
+
+# -- the report --------------------------------------------------------------------------------------
+NAMES = {"feedgpu": "feedgpu.DataLoader", "torch_pillow_simd": "torch DataLoader + Pillow-SIMD",
+         "torch_pillow": "torch DataLoader + stock Pillow"}
+
+
+def _f(v, spec: str) -> str:
+    return "–" if v is None else format(v, spec)
+
+
+def markdown(doc: dict) -> str:
+    m, d, s, su, ra = doc["machine"], doc["data"], doc["settings"], doc["summary"], doc["ratios"]
+    target_met = ra["feedgpu_over_torch_pillow"] is not None and ra["feedgpu_over_torch_pillow"] >= 2.0
+    L = [
+        "# CPU loader benchmark: feedgpu vs torch DataLoader + Pillow",
+        "",
+        f"Recorded {doc['created']} with `{doc['command'].strip()}` ({doc['total_seconds']:.0f} s). "
+        "Raw numbers, every run: `cpu_loader.json`.",
+        "",
+        f"**feedgpu / torch DataLoader + stock Pillow: {ra['feedgpu_over_torch_pillow']:.2f}×** "
+        f"(target ≥ 2.0×: {'met' if target_met else 'NOT met'}); "
+        f"feedgpu / torch DataLoader + Pillow-SIMD: {ra['feedgpu_over_torch_pillow_simd']:.2f}×.",
+        "",
+        "## Setup",
+        "",
+        f"- Machine: {m['cpus_usable']} CPUs ({m['cpu_model']}), {m['ram_gb']} GB RAM, {m['platform']}; "
+        f"Python {m['python']}, torch {m['torch']}.",
+        f"- PIL builds: {m['pil_label']} (feedgpu and the second torch loader); {m['pil_stock']} from PyPI in "
+        "`bench/.pillow-stock` (the third).",
+        f"- Data: {d['images']} ImageNet-like JPEGs built by `feedgpu.sample_data.build_imagenet_like` from "
+        f"`{s['photos']}` photographs (ImageFolder layout; "
+        f"mean {d['mean_bytes'] / 1024:.1f} KB, {d['mean_width']}×{d['mean_height']} px, "
+        f"{d['mean_megapixels']:.3f} megapixels).",
+        f"- Pipeline: `{s['pipeline']}` — decode → RandomResizedCrop(224, bilinear) → horizontal flip → "
+        "normalize to float32 NCHW, output on the CPU. The torch loaders run the torchvision-equivalent "
+        "transforms of `feedgpu.baseline` (`Image.open().convert(\"RGB\")`, `RandomResizedCrop`, "
+        "`RandomHorizontalFlip`, `ToTensor`, `Normalize`, `default_collate`, `pin_memory=False`).",
+        f"- Settings: {s['workers']} workers each, batch {s['batch_size']}, prefetch {s['prefetch_factor']}, "
+        f"shuffle, drop_last ({s['batches_per_epoch']} batches per epoch); per run {s['warmup']} warm-up "
+        f"batches, then {s['timed_batches']} timed batches; one unrecorded warm-up round, then "
+        f"{s['rounds']} rounds with the loaders in turn, each loader in its own process; medians over rounds.",
+        "",
+        "## Results (medians over rounds)",
+        "",
+        "| loader | PIL | samples/s (min–max) | ms/batch | first batch s | CPU % | RSS peak / worker MB "
+        "| PSS / worker MB | USS / worker MB | main RSS peak MB |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, x in su.items():
+        L.append(f"| {NAMES.get(name, name)} | {x['pil']} | **{x['samples_per_s']:.0f}** "
+                 f"({x['samples_per_s_min']:.0f}–{x['samples_per_s_max']:.0f}) | {x['ms_per_batch']:.0f} | "
+                 f"{x['first_batch_s']:.2f} | {x['cpu_percent']:.0f} | {_f(x['rss_peak_mb_per_worker'], '.0f')} | "
+                 f"{_f(x['pss_mb_per_worker'], '.0f')} | {_f(x['uss_mb_per_worker'], '.0f')} | "
+                 f"{x['rss_peak_mb_main']:.0f} |")
+    pr = doc["ratios_per_round"]
+    L += [
+        "",
+        "| ratio | of medians | per round: median (min–max) |",
+        "| --- | ---: | ---: |",
+        f"| feedgpu / torch + stock Pillow | **{ra['feedgpu_over_torch_pillow']:.2f}×** | "
+        f"{pr['feedgpu_over_torch_pillow']['median']:.2f}× ({pr['feedgpu_over_torch_pillow']['min']:.2f}–"
+        f"{pr['feedgpu_over_torch_pillow']['max']:.2f}) |",
+        f"| feedgpu / torch + Pillow-SIMD | {ra['feedgpu_over_torch_pillow_simd']:.2f}× | "
+        f"{pr['feedgpu_over_torch_pillow_simd']['median']:.2f}× ({pr['feedgpu_over_torch_pillow_simd']['min']:.2f}–"
+        f"{pr['feedgpu_over_torch_pillow_simd']['max']:.2f}) |",
+        f"| torch + Pillow-SIMD / torch + stock Pillow | {ra['torch_pillow_simd_over_torch_pillow']:.2f}× | |",
+        "",
+        "Per-core reference, one process without a loader (first "
+        f"{doc['per_core_no_loader']['pillow_simd']['images']} images):",
+        "",
+        "| PIL | decode + crop-resize + flip, img/s | + ToTensor + Normalize, img/s |",
+        "| --- | ---: | ---: |",
+    ]
+    for key in ("pillow_simd", "pillow"):
+        x = doc["per_core_no_loader"][key]
+        L.append(f"| {x['pil']} | {x['decode_crop_flip']['images_per_s']:.0f} "
+                 f"({x['decode_crop_flip']['ms_per_image']:.2f} ms) | {x['full_transform']['images_per_s']:.0f} "
+                 f"({x['full_transform']['ms_per_image']:.2f} ms) |")
+    st = su.get("feedgpu", {}).get("stage_ms_per_sample")
+    if st:
+        L += ["", "feedgpu's time per sample in its workers (median over runs, ms): " +
+              ", ".join(f"{k} {v:.2f}" for k, v in st.items()) + f" (sum {sum(st.values()):.2f})."]
+    L += [
+        "",
+        "## How it is measured",
+        "",
+        "- samples/s: samples in the timed batches ÷ time from the last warm-up batch to the last timed batch "
+        "(worker start-up and the pipeline fill are excluded). The timed batches are a multiple of the worker "
+        "count because each worker fills whole batches: an epoch's odd last batch would leave a worker idle, a "
+        "tail that weighs on a 7-batch epoch far more than on a real dataset.",
+        "- ms/batch: median time the training loop waits in `next()` for a timed batch; the consumer reads a "
+        "slice of each batch and does nothing else, so this is the loader's own pace.",
+        "- first batch: from `iter(loader)` to the first batch (includes starting the workers).",
+        "- CPU %: CPU seconds of the main process and all its children (the workers) over the timed window ÷ "
+        "its wall time; 200 % = both cores busy.",
+        "- Memory per worker: RSS peak (VmHWM) counts pages shared with the main process and the shared batch "
+        "buffers; PSS splits shared pages among their users; USS is what the worker alone holds. Sampled "
+        "half-way through the timed window (PSS, USS) and at every batch (RSS peak).",
+        "- Before each run the script waits (up to "
+        f"{s['quiet_wait_s']:.0f} s) until the rest of the machine is idle (< 15 % of a core), and a run "
+        f"during which other processes used more than {s['max_others_percent']:.0f} % of a core is run again "
+        f"(up to {s['retries']} times; repeated here: {len(doc['disturbed_runs_repeated'])}, the disturbed "
+        "runs are in the JSON).",
+        f"- Quiet machine check: other processes used a median "
+        f"{statistics.median(r['others_cpu_percent'] or 0 for r in doc['runs']):.0f} % CPU (of one core) during "
+        f"the timed windows (max {max(r['others_cpu_percent'] or 0 for r in doc['runs']):.0f} %); the VM's CPU "
+        f"steal: median {statistics.median(x['steal_percent_median'] for x in su.values()):.1f} %.",
+        "",
+        "## Every run",
+        "",
+        "| round | loader | samples/s | ms/batch | first batch s | CPU % | others' CPU % | steal % |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in doc["runs"]:
+        L.append(f"| {r['round']} | {r['loader']} | {r['samples_per_s']:.0f} | {r['ms_per_batch_median']:.0f} | "
+                 f"{r['first_batch_s']:.2f} | {r['cpu_percent']:.0f} | {_f(r['others_cpu_percent'], '.0f')} | "
+                 f"{_f(r['steal_percent'], '.1f')} |")
+    return "\n".join(L) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
