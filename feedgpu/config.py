@@ -48,6 +48,13 @@ class RandomResizedCropCfg(_Strict):
     interpolation: Interp = "bilinear"
 
 
+class ResizeCfg(_Strict):
+    op: Literal["resize"]
+    size: Annotated[int, Field(gt=0)] = 256
+    interpolation: Interp = "bilinear"
+    upscale: bool = True
+
+
 class ResizeCenterCropCfg(_Strict):
     op: Literal["resize_center_crop"]
     resize: Annotated[int, Field(gt=0)] = 256
@@ -75,7 +82,7 @@ class PythonCfg(_Strict):
 
 
 STAGE_CFGS = {c.model_fields["op"].annotation.__args__[0]: c for c in (
-    DecodeCfg, RandomResizedCropCfg, ResizeCenterCropCfg, HorizontalFlipCfg, NormalizeCfg, PythonCfg)}
+    DecodeCfg, ResizeCfg, RandomResizedCropCfg, ResizeCenterCropCfg, HorizontalFlipCfg, NormalizeCfg, PythonCfg)}
 StageCfg = Annotated[Union[tuple(STAGE_CFGS.values())], Field(discriminator="op")]  # type: ignore[valid-type]
 
 
@@ -85,6 +92,7 @@ class LoaderCfg(_Strict):
     drop_last: bool = False
     num_workers: Annotated[int, Field(ge=0)] = 2
     prefetch_factor: Annotated[int, Field(gt=0)] = 2
+    persistent_workers: bool = True
     seed: int = 0
     on_error: Literal["skip", "raise"] = "skip"
     timeout: Annotated[float, Field(ge=0)] = 0.0
@@ -96,6 +104,13 @@ class OutputCfg(_Strict):
     layout: Literal["NCHW", "NHWC"] = "NCHW"
 
 
+class CacheCfg(_Strict):
+    enabled: bool = False
+    dir: Union[str, None] = None
+    compression: Annotated[str, Field(pattern=r"^(none|zstd(:([1-9]|1[0-9]|2[0-2]))?)$")] = "zstd:1"
+    max_size: Union[Annotated[int, Field(gt=0)], Annotated[str, Field(pattern=r"^\s*[0-9.]+\s*[KMGT]?i?B?\s*$")], None] = None
+
+
 class PipelineCfg(_Strict):
     version: Literal[1] = 1
     name: str = "pipeline"
@@ -103,6 +118,7 @@ class PipelineCfg(_Strict):
     stages: Annotated[list[StageCfg], Field(min_length=1)]  # type: ignore[valid-type]
     loader: LoaderCfg = LoaderCfg()
     output: OutputCfg = OutputCfg()
+    cache: CacheCfg = CacheCfg()
 
     @model_validator(mode="after")
     def _output_matches_stages(self):
@@ -170,6 +186,8 @@ def format_errors(err: ValidationError, where: str) -> str:
             msg = "required key is missing"
         elif e["type"] == "string_pattern_mismatch" and loc == ("output", "device"):
             msg = f"got {e['input']!r}; allowed: auto, cpu, cuda, cuda:N"
+        elif e["type"] == "string_pattern_mismatch" and loc == ("cache", "compression"):
+            msg = f"got {e['input']!r}; allowed: none, zstd, zstd:1 ... zstd:22"
         elif "input" in e and not isinstance(e["input"], (dict, list)):
             msg = f"{msg} (got {e['input']!r})"
         lines.append(f"  {_path(loc)}: {msg}")

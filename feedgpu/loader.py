@@ -15,6 +15,7 @@ from .exec.assemble import Assembler
 from .exec.process_pool import ProcessPool, unpack_exception
 from .exec.work import DatasetWork, PipelineWork
 from .metrics import LoaderStats
+from .cache.settings import CacheSettings
 from .pipeline import Pipeline, resolve_device
 from .sampling import ShardedOrder
 
@@ -76,7 +77,8 @@ class DataLoader:
 
     Accepts ``torch.utils.data.DataLoader``'s public arguments with the same meaning; for a
     :class:`Pipeline` the unset ones come from the pipeline (batch size, shuffle, drop_last,
-    workers, prefetch, seed, timeout, on_error, device). feedgpu's own keywords:
+    workers, prefetch, persistent workers, seed, timeout, on_error, device, cache). feedgpu's
+    own keywords:
 
     Args:
         seed: base seed of the order and of random stages. Default: the pipeline's; for a torch
@@ -87,6 +89,9 @@ class DataLoader:
             On CUDA, batches are copied from pinned buffers on a side stream ``prefetch_factor``
             batches ahead, and normalize runs on the GPU.
         on_error: ``"skip"`` or ``"raise"`` for bad samples (pipelines only).
+        cache: for a pipeline, overrides its cache setting (``False`` turns it off; ``True``, a
+            directory or a mapping turns it on; see :class:`~feedgpu.cache.CacheSettings`). The
+            first epoch fills the cache while training; later epochs and runs read it.
 
     Yields :class:`~feedgpu.exec.work.Batch` ``(images, labels)`` for pipelines, ``collate_fn``'s
     output for torch Datasets. Batches from pipelines on the CPU view shared memory without a
@@ -102,10 +107,10 @@ class DataLoader:
                  batch_sampler=None, num_workers: int = _UNSET, collate_fn: Callable | None = None,
                  pin_memory: bool = False, drop_last: bool = _UNSET, timeout: float = _UNSET,
                  worker_init_fn: Callable[[int], None] | None = None, multiprocessing_context=None,
-                 generator=None, *, prefetch_factor: int | None = None, persistent_workers: bool = False,
+                 generator=None, *, prefetch_factor: int | None = None, persistent_workers: bool = _UNSET,
                  pin_memory_device: str = "", in_order: bool = True, seed: int | None = None,
                  rank: int | None = None, world_size: int | None = None, device: str | None = None,
-                 on_error: str | None = None):
+                 on_error: str | None = None, cache=None):
         import torch.utils.data as tud
 
         if isinstance(dataset, tud.IterableDataset):
@@ -143,8 +148,10 @@ class DataLoader:
         if self.num_workers == 0 and prefetch_factor is not None:
             raise ConfigError("prefetch_factor option could only be specified in multiprocessing; "
                               "let num_workers > 0 to enable multiprocessing")
-        if persistent_workers and self.num_workers == 0:
+        if persistent_workers is True and self.num_workers == 0:
             raise ConfigError("persistent_workers option needs num_workers > 0")
+        if persistent_workers is _UNSET:
+            persistent_workers = bool(p.persistent_workers and self.num_workers > 0) if p else False
         self.prefetch_factor = int(prefetch_factor if prefetch_factor is not None else (p.prefetch_factor if p else 2))
         self.timeout = float(timeout if timeout is not _UNSET else (p.timeout if p else 0.0))
         if self.timeout < 0:
@@ -158,11 +165,12 @@ class DataLoader:
                                   "shared memory by the stages; end the pipeline with a batch stage instead")
             self.on_error = on_error or p.on_error
             self.device = resolve_device(device or p.device)
+            self.cache_settings = p.cache if cache is None else CacheSettings.make(cache)
         else:
-            if on_error is not None or device is not None:
-                raise ConfigError("on_error and device apply to feedgpu Pipelines; for a torch Dataset, errors "
+            if on_error is not None or device is not None or cache is not None:
+                raise ConfigError("on_error, device and cache apply to feedgpu Pipelines; for a torch Dataset, errors "
                                   "raise as in torch and pin_memory moves nothing to the GPU")
-            self.on_error, self.device = "raise", "cpu"
+            self.on_error, self.device, self.cache_settings = "raise", "cpu", None
             self.collate_fn = collate_fn or tud.default_collate
         if seed is None:
             if p is not None and generator is None:
@@ -277,9 +285,17 @@ class DataLoader:
     # -- observability -------------------------------------------------------------------------
     def stats(self) -> dict:
         """Counters since the loader was made: batches, samples, rate, consumer wait, seconds per
-        stage (summed over workers), skipped samples by reason and the last skipped keys."""
+        stage (summed over workers), skipped samples by reason and the last skipped keys, and the
+        cache's state (``None`` without a cache)."""
         d = self._stats.as_dict()
         d.update(num_workers=self.num_workers, epoch=self._position[0], batches_seen=self._position[1])
+        entry = getattr(getattr(self._work, "assembler", None), "cache", None)
+        if entry is not None:
+            entry.refresh()
+            d["cache"] = {"dir": str(entry.dir), "cached": entry.cached, "quarantined": len(entry.quarantined),
+                          "samples": entry.n, "complete": entry.complete}
+        else:
+            d["cache"] = None
         return d
 
     def worker_pids(self) -> list[int]:
@@ -291,7 +307,13 @@ class DataLoader:
             inflight = self.num_workers * self.prefetch_factor
             if self.pipeline is not None:
                 p = self.pipeline
-                asm = Assembler(p.source, p.plan(self.device), self.seed, self.on_error)
+                plan = p.plan(self.device)
+                entry = None
+                if self.cache_settings is not None:
+                    from .cache import open_entry
+
+                    entry = open_entry(self.cache_settings, p.source, p.stages, plan)
+                asm = Assembler(p.source, plan, self.seed, self.on_error, cache=entry)
                 self._work = PipelineWork(asm, self.batch_size, inflight)
             else:
                 self._work = DatasetWork(self.dataset, self.collate_fn, self.seed)
@@ -300,14 +322,14 @@ class DataLoader:
     def _acquire_pool(self) -> ProcessPool:
         if self._pool is None or self._pool.closed:
             work = self._make_work()
-            self._pool = ProcessPool(work.handle, self.num_workers, self.worker_init_fn)
+            self._pool = ProcessPool(work.handle, self.num_workers, self.worker_init_fn, on_exit=work.on_exit)
         return self._pool
 
     def _release_pool(self, force: bool = False) -> None:
         """Stop the workers unless they persist; ``force`` also frees the batch buffers, which
         otherwise outlive the pool and serve the next epoch's workers (no new page faults)."""
         if self._pool is not None and (force or not self.persistent_workers):
-            self._pool.close()
+            self._pool.close(grace_s=10.0 if self.cache_settings is not None else 1.0)  # time to flush the cache
             self._pool = None
         if force and self._work is not None:
             self._work.close()
@@ -348,6 +370,7 @@ class _EpochIterator:
         self.submitted = start
         self.inline = loader.num_workers == 0
         self.work = loader._make_work()
+        self.work.refresh()  # workers forked below inherit an up-to-date cache index
         self.pool = None if self.inline else loader._acquire_pool()
         loader._position = (epoch, start)
         if start == 0:
@@ -385,6 +408,7 @@ class _EpochIterator:
                 batch, report = self._wait(b)
         except BaseException:
             self.close()
+            self.loader._release_pool(force=True)  # after an error, even persistent workers restart
             raise
         loader = self.loader
         if report is not None:
@@ -450,6 +474,8 @@ class _EpochIterator:
         for task, _, _ in self.ready.values():
             self.work.discard(task)
         self.ready.clear()
+        if self.inline:
+            self.work.on_exit()  # workers do this when they stop
         self.loader._release_pool()
 
     def __del__(self):

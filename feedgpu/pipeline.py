@@ -7,6 +7,7 @@ from typing import Any
 from . import config as cfg
 from .errors import ConfigError
 from .exec.plan import Plan, make_plan
+from .cache.settings import CacheSettings
 from .sources import DatasetSource, Source, open_source
 from .stages import Normalize, Stage, stage_classes
 
@@ -34,19 +35,25 @@ class Pipeline:
         drop_last: drop each epoch's incomplete tail (default False; see :mod:`feedgpu.sampling`).
         num_workers: worker processes (default 2; 0 runs in the main process).
         prefetch_factor: batches in flight per worker (default 2).
+        persistent_workers: keep worker processes between epochs (default True: a new worker
+            pays its page faults on the shared batch buffers again, ~0.3 ms per float32 sample).
         seed: base seed of shuffling and random stages (default 0).
         on_error: ``"skip"`` bad samples (counted, named, replaced) or ``"raise"`` them.
         timeout: seconds to wait for a batch before :class:`LoaderTimeout` (0: forever).
         device: where batches are delivered: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"auto"``.
+        cache: cache the output of the leading deterministic stages (decode, resize ...) on local
+            disk: ``None``/``False`` (off, default), ``True``, a directory, a mapping
+            ``{dir, compression, max_size}`` or :class:`~feedgpu.cache.CacheSettings`.
         name: label in reports.
 
     Raises :class:`ConfigError` for invalid settings.
     """
 
     def __init__(self, source: Any, stages: list[Stage], *, batch_size: int = 256, shuffle: bool = True,
-                 drop_last: bool = False, num_workers: int = 2, prefetch_factor: int = 2, seed: int = 0,
-                 on_error: str = "skip", timeout: float = 0.0, device: str = "auto", name: str = "pipeline",
-                 definition: dict | None = None):
+                 drop_last: bool = False, num_workers: int = 2, prefetch_factor: int = 2,
+                 persistent_workers: bool = True, seed: int = 0,
+                 on_error: str = "skip", timeout: float = 0.0, device: str = "auto", cache=None,
+                 name: str = "pipeline", definition: dict | None = None):
         if on_error not in ON_ERROR:
             raise ConfigError(f"on_error {on_error!r} is not one of {list(ON_ERROR)}")
         if batch_size < 1 or num_workers < 0 or prefetch_factor < 1:
@@ -55,8 +62,10 @@ class Pipeline:
         self.stages = list(stages)
         self.batch_size, self.shuffle, self.drop_last = int(batch_size), bool(shuffle), bool(drop_last)
         self.num_workers, self.prefetch_factor = int(num_workers), int(prefetch_factor)
+        self.persistent_workers = bool(persistent_workers)
         self.seed, self.on_error, self.timeout = int(seed), on_error, float(timeout)
         self.device, self.name, self.definition = device, name, definition
+        self.cache = CacheSettings.make(cache)
         make_plan(self.stages, "cpu")  # validate the stage list now, not at the first batch
 
     # -- construction from YAML -------------------------------------------------------------
@@ -82,10 +91,13 @@ class Pipeline:
             except ConfigError as e:
                 raise ConfigError(f"{where}: stages[{i}] ({s.op}): {e}") from None
         src = c.source.model_dump()
+        cache = c.cache.model_dump() if c.cache.enabled else None
         return cls(src, stages, batch_size=c.loader.batch_size, shuffle=c.loader.shuffle,
                    drop_last=c.loader.drop_last, num_workers=c.loader.num_workers,
-                   prefetch_factor=c.loader.prefetch_factor, seed=c.loader.seed, on_error=c.loader.on_error,
-                   timeout=c.loader.timeout, device=c.output.device, name=c.name, definition=c.model_dump())
+                   prefetch_factor=c.loader.prefetch_factor, persistent_workers=c.loader.persistent_workers,
+                   seed=c.loader.seed, on_error=c.loader.on_error,
+                   timeout=c.loader.timeout, device=c.output.device, cache=cache, name=c.name,
+                   definition=c.model_dump())
 
     # -- source ---------------------------------------------------------------------------
     @property
@@ -124,7 +136,8 @@ class Pipeline:
         """A table of stages, where each runs and the output spec after it."""
         dev = resolve_device(device or self.device)
         plan = self.plan(dev)
-        rows = [("stage", "runs on", "deterministic", "output per sample")] + plan.describe(self.batch_size)
+        cached = self.cache is not None and plan.cache_prefix > 0
+        rows = [("stage", "runs on", "deterministic", "output per sample")] + plan.describe(self.batch_size, cached)
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         lines = [f"pipeline {self.name!r}: {self.source_label()}"]
         for k, r in enumerate(rows):
@@ -136,6 +149,10 @@ class Pipeline:
                      f"{', '.join(str(d) for d in o.shape)}] + labels int64 [{self.batch_size}] on {dev}")
         lines.append(f"loader: {self.num_workers} workers, prefetch {self.prefetch_factor} per worker, "
                      f"shuffle={self.shuffle}, drop_last={self.drop_last}, seed={self.seed}, on_error={self.on_error}")
+        if self.cache is not None:
+            lines.append(f"cache: {self.cache.dir} ({self.cache.compression}"
+                         + (f", budget {self.cache.max_size} bytes)" if self.cache.max_size else ")")
+                         + ("" if cached else " - nothing to cache: no deterministic stage before the first random one"))
         if plan.batch_on_device:
             lines.append(f"note: images cross to {dev} as uint8 NHWC from pinned memory; "
                          f"{plan.batch_stage.name} runs there (4x fewer bytes than float32)")

@@ -386,7 +386,7 @@ def test_persistent_workers_survive_epochs(src):
 
 
 def test_workers_stop_at_epoch_end_without_persistent_workers(src):
-    loader = DataLoader(val(src, num_workers=2))
+    loader = DataLoader(val(src, num_workers=2), persistent_workers=False)
     it = iter(loader)
     next(it)
     pids = loader.worker_pids()

@@ -193,7 +193,7 @@ def test_workers_stop_after_break_and_del(src, no_leaked_workers):
 def test_workers_stop_after_break_when_the_iterator_is_dropped(src, no_leaked_workers):
     """Like torch: leaving the loop frees its iterator, which stops non-persistent workers;
     the loader itself stays usable."""
-    loader = DataLoader(folder_pipeline(src, slow, shuffle=False), batch_size=8)
+    loader = DataLoader(folder_pipeline(src, slow, shuffle=False), batch_size=8, persistent_workers=False)
     for i, batch in enumerate(loader):
         pids = loader.worker_pids()
         if i == 1:
@@ -205,7 +205,7 @@ def test_workers_stop_after_break_when_the_iterator_is_dropped(src, no_leaked_wo
 
 
 def test_workers_stop_after_keyboard_interrupt_in_the_loop_body(src, no_leaked_workers):
-    loader = DataLoader(folder_pipeline(src, slow))
+    loader = DataLoader(folder_pipeline(src, slow), persistent_workers=False)
     with pytest.raises(KeyboardInterrupt):
         for i, batch in enumerate(loader):
             pids = loader.worker_pids()
@@ -215,6 +215,24 @@ def test_workers_stop_after_keyboard_interrupt_in_the_loop_body(src, no_leaked_w
     assert len(pids) == 2
     assert not wait_gone(pids), "workers still running after KeyboardInterrupt"
     assert loader.worker_pids() == []
+
+
+def test_persistent_workers_by_default_stop_with_the_loader(src, no_leaked_workers):
+    """Pipelines keep their workers between epochs by default (like persistent_workers=True):
+    after Ctrl-C in the loop body they stay with the loader, and go when the loader goes."""
+    loader = DataLoader(folder_pipeline(src, slow))
+    with pytest.raises(KeyboardInterrupt):
+        for i, batch in enumerate(loader):
+            pids = loader.worker_pids()
+            if i == 2:
+                raise KeyboardInterrupt
+    del batch
+    assert len(pids) == 2 and all(alive(p) for p in pids)
+    assert len(list(loader)) == len(loader)  # still usable, same workers
+    assert loader.worker_pids() == pids
+    del loader
+    gc.collect()
+    assert not wait_gone(pids), "workers still running after the loader was dropped"
 
 
 def test_workers_stop_after_an_exception(no_leaked_workers):

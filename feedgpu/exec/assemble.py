@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from PIL import Image
 
-from ..errors import SampleError, SkipBudgetExceeded, StageError
+from ..errors import DecodeError, SampleError, SkipBudgetExceeded, StageError
 from ..sources.base import Source
 from ..stages.base import sample_rng
 from .plan import Plan
@@ -37,10 +37,12 @@ class Assembler:
         on_error: ``"skip"`` (replace bad samples with spares) or ``"raise"``.
     """
 
-    def __init__(self, source: Source, plan: Plan, seed: int, on_error: str = "skip"):
+    def __init__(self, source: Source, plan: Plan, seed: int, on_error: str = "skip", cache=None):
         self.source, self.plan, self.seed, self.on_error = source, plan, int(seed), on_error
+        self.cache = cache  # a CacheEntry holding the output of the first plan.cache_prefix stages
+        self.prefix = plan.cache_prefix if cache is not None else 0
         self.stages = plan.sample_stages
-        self.names = ["read"] + [s.name for s in self.stages] + ["write"]
+        self.names = ["read", "cache"] + [s.name for s in self.stages] + ["write"]
         self.writer = None if plan.batch_on_device else plan.batch_stage
         self.want = (plan.pool_spec.height, plan.pool_spec.width, 3)
 
@@ -52,6 +54,8 @@ class Assembler:
         bug, and :class:`SkipBudgetExceeded` when the batch runs out of spares.
         """
         rep = BatchReport(stage_seconds=dict.fromkeys(self.names, 0.0))
+        if self.cache is not None:
+            self.cache.refresh()
         spare_iter = iter(spares.tolist())
         for j, idx in enumerate(indices.tolist()):
             while True:
@@ -73,33 +77,58 @@ class Assembler:
 
     def _one(self, images: np.ndarray, j: int, idx: int, epoch: int, secs: dict) -> int:
         t0 = time.perf_counter()
-        try:
-            rec = self.source.read(idx)
-        except OSError as e:
-            raise SampleError(self.source.key(idx), "unreadable", str(e)) from None
+        x, start = None, 0
+        cache = self.cache
+        if cache is not None:
+            q = cache.quarantined.get(idx)
+            if q is not None:
+                raise DecodeError(q[0], q[1], "quarantined in the cache")
+            pixels = cache.get(idx)
+            if pixels is not None:
+                key, label = None, cache.label(idx)
+                x, start = Image.fromarray(pixels), self.prefix
+        if x is None:
+            try:
+                rec = self.source.read(idx)
+            except OSError as e:
+                raise SampleError(self.source.key(idx), "unreadable", str(e)) from None
+            x, key, label = rec.payload, rec.key, rec.label
         t1 = time.perf_counter()
-        secs["read"] += t1 - t0
-        x = rec.payload
-        for pos, st in enumerate(self.stages):
+        secs["read" if start == 0 else "cache"] += t1 - t0
+        for pos in range(start, len(self.stages)):
+            st = self.stages[pos]
             rng = None if st.deterministic else sample_rng(self.seed, epoch, idx, pos)
             try:
                 x = st.apply(x, rng)
             except SampleError as e:
-                raise type(e)(rec.key, e.reason, e.detail) from None
+                key = key or self.source.key(idx)
+                if cache is not None and pos < self.prefix and isinstance(e, DecodeError):
+                    cache.quarantine(idx, key, e.reason)
+                raise type(e)(key, e.reason, e.detail) from None
             except Exception as e:
-                label = getattr(st, "label", st.name)
-                raise StageError(f"stage {pos} ({label}) failed on {rec.key}: {type(e).__name__}: {e}") from e
+                label_ = getattr(st, "label", st.name)
+                raise StageError(f"stage {pos} ({label_}) failed on {key or self.source.key(idx)}: "
+                                 f"{type(e).__name__}: {e}") from e
             t2 = time.perf_counter()
             secs[st.name] += t2 - t1
             t1 = t2
-        arr = np.asarray(x.convert("RGB") if isinstance(x, Image.Image) and x.mode != "RGB" else x)
+            if cache is not None and pos + 1 == self.prefix:
+                x = _rgb(x)
+                cache.put(idx, key, label, np.asarray(x))
+                t1 = time.perf_counter()
+                secs["cache"] += t1 - t2
+        arr = np.asarray(_rgb(x))
         if arr.shape != self.want or arr.dtype != np.uint8:
             last = self.stages[-1].name if self.stages else "source"
-            raise StageError(f"stage {last!r} gave {arr.dtype} {arr.shape} for {rec.key}; "
+            raise StageError(f"stage {last!r} gave {arr.dtype} {arr.shape} for {key or self.source.key(idx)}; "
                              f"the batch needs uint8 {self.want}")
         if self.writer is not None:
             self.writer.write(images[j], arr)
         else:
             images[j] = arr
         secs["write"] += time.perf_counter() - t1
-        return rec.label
+        return label
+
+
+def _rgb(x):
+    return x.convert("RGB") if isinstance(x, Image.Image) and x.mode != "RGB" else x

@@ -29,11 +29,14 @@ class Plan:
     pool_spec: ImageSpec     # per-sample spec the pool writes into shared memory
     out_spec: ImageSpec      # per-sample spec the training loop receives
     device: str
+    cache_prefix: int = 0    # leading deterministic sample stages whose output may be cached
 
-    def describe(self, batch_size: int) -> list[tuple[str, str, str, str]]:
+    def describe(self, batch_size: int, cached: bool = False) -> list[tuple[str, str, str, str]]:
         rows = [("source", "cpu pool (read)", "-", BYTES.describe())]
-        for s in self.steps:
+        for i, s in enumerate(self.steps):
             rows.append((s.stage.name, s.where, "yes" if s.stage.deterministic else "no", s.out.describe()))
+            if cached and i + 1 == self.cache_prefix:
+                rows.append(("[cache]", "local disk (Arrow IPC)", "-", "stores the output above"))
         return rows
 
 
@@ -70,4 +73,8 @@ def make_plan(stages: list[Stage], device: str) -> Plan:
     if batch is not None:
         spec = batch.out_spec(spec)
         steps.append(Step(batch, device if on_device else pool_where, spec))
-    return Plan(tuple(steps), tuple(sample), batch, on_device, pool_spec if on_device else spec, spec, device)
+    prefix = 0
+    while prefix < len(sample) and sample[prefix].deterministic:
+        prefix += 1
+    return Plan(tuple(steps), tuple(sample), batch, on_device, pool_spec if on_device else spec, spec, device,
+                prefix)

@@ -54,7 +54,7 @@ def unpack_exception(packed: tuple, context: str) -> BaseException:
     return exc
 
 
-def _worker_main(wid: int, handler: Callable, tasks, results, init_fn, parent: int) -> None:
+def _worker_main(wid: int, handler: Callable, tasks, results, init_fn, parent: int, on_exit) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         import torch
@@ -76,6 +76,11 @@ def _worker_main(wid: int, handler: Callable, tasks, results, init_fn, parent: i
                 return
             continue
         if task is None:
+            if on_exit is not None:
+                try:
+                    on_exit()
+                except Exception:  # noqa: BLE001 - never block shutdown; the parent logs nothing
+                    log.exception("feedgpu worker %d: on_exit failed", wid)
             return
         tag, seq = task[0], task[1]
         try:
@@ -127,6 +132,7 @@ class ProcessPool:
             and a sequence number, echoed back with the result.
         num_workers: processes to start (>= 1).
         worker_init_fn: called as ``worker_init_fn(worker_id)`` in each worker before any task.
+        on_exit: called in each worker when it is asked to stop (e.g. to flush a cache writer).
         name: process name prefix.
 
     Only the ``fork`` start method is supported: the handler, the source index and the
@@ -134,7 +140,8 @@ class ProcessPool:
     """
 
     def __init__(self, handler: Callable[[tuple], Any], num_workers: int,
-                 worker_init_fn: Callable[[int], None] | None = None, name: str = "feedgpu-worker"):
+                 worker_init_fn: Callable[[int], None] | None = None, on_exit: Callable[[], None] | None = None,
+                 name: str = "feedgpu-worker"):
         if "fork" not in mp.get_all_start_methods():
             raise WorkerError("feedgpu's process pool needs the 'fork' start method (Linux)")
         import torch.multiprocessing  # noqa: F401  registers tensor reductions for the queues
@@ -146,7 +153,7 @@ class ProcessPool:
         parent = os.getpid()
         for wid in range(num_workers):
             p = ctx.Process(target=_worker_main, name=f"{name}-{wid}", daemon=True,
-                            args=(wid, handler, self.tasks, self.results, worker_init_fn, parent))
+                            args=(wid, handler, self.tasks, self.results, worker_init_fn, parent, on_exit))
             p.start()
             self.procs.append(p)
         self._state = _State(self.procs, self.tasks, self.results)
@@ -184,5 +191,8 @@ class ProcessPool:
             if deadline is not None and time.monotonic() > deadline:
                 raise LoaderTimeout(f"no batch from the workers within timeout={timeout} s")
 
-    def close(self) -> None:
-        self._finalizer()
+    def close(self, grace_s: float = 1.0) -> None:
+        """Ask workers to stop, wait ``grace_s`` seconds, then terminate and kill."""
+        if self._finalizer.alive:
+            self._finalizer.detach()
+            self._state.close(grace_s)

@@ -40,6 +40,15 @@ class PipelineWork:
     def can_submit(self) -> bool:
         return self.slots.free > 0
 
+    def refresh(self) -> None:
+        if self.assembler.cache is not None:
+            self.assembler.cache.refresh()
+
+    def on_exit(self) -> None:
+        """In each worker as it stops (and after inline epochs): write what it cached."""
+        if self.assembler.cache is not None:
+            self.assembler.cache.flush()
+
     def task(self, tag: int, seq: int, epoch: int, indices: np.ndarray, spares: np.ndarray) -> tuple:
         return (tag, seq, self.slots.acquire(), epoch, indices, spares)
 
@@ -89,6 +98,12 @@ class DatasetWork:
 
     def can_submit(self) -> bool:
         return True
+
+    def refresh(self) -> None:
+        pass
+
+    def on_exit(self) -> None:
+        pass
 
     def task(self, tag: int, seq: int, epoch: int, indices: np.ndarray, spares: np.ndarray) -> tuple:
         return (tag, seq, epoch, indices)

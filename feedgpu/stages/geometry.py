@@ -102,6 +102,39 @@ class RandomResizedCrop(SampleStage):
         return img.resize((self.size[1], self.size[0]), self._resample, box=(left, top, left + w, top + h))
 
 
+class Resize(SampleStage):
+    """Resize so the short side is ``size`` px, keeping the aspect ratio (torchvision's
+    ``Resize(int)`` rule: the long side is ``int(size * long / short)``). Deterministic, so it may
+    sit before the cache: store images at, say, 256 px and crop from those every epoch.
+
+    Args:
+        size: short side in pixels (default 256).
+        interpolation: as for :class:`RandomResizedCrop` (default bilinear).
+        upscale: also enlarge images whose short side is below ``size`` (default True).
+    """
+
+    name = "resize"
+
+    def __init__(self, size: int = 256, interpolation: str = "bilinear", upscale: bool = True):
+        self.size = int(size)
+        if self.size < 1:
+            raise ConfigError(f"{self.name}: size must be positive, got {size}")
+        self.interpolation = interpolation
+        self.upscale = bool(upscale)
+        self._resample = _resample(interpolation)
+
+    def config(self) -> dict[str, Any]:
+        return {"size": self.size, "interpolation": self.interpolation, "upscale": self.upscale}
+
+    def apply(self, img: Image.Image, rng=None) -> Image.Image:
+        w, h = img.size
+        short = min(w, h)
+        if short == self.size or (short < self.size and not self.upscale):
+            return img
+        size = (self.size, max(1, int(self.size * h / w))) if w <= h else (max(1, int(self.size * w / h)), self.size)
+        return img.resize(size, self._resample)
+
+
 class ResizeCenterCrop(SampleStage):
     """Validation transform: resize the short side to ``resize``, then center-crop ``crop``.
 

@@ -7,11 +7,11 @@ from importlib.metadata import entry_points
 from .base import Stage
 from .custom import PythonStage
 from .decode import Decode
-from .geometry import HorizontalFlip, RandomResizedCrop, ResizeCenterCrop
+from .geometry import HorizontalFlip, RandomResizedCrop, Resize, ResizeCenterCrop
 from .normalize import Normalize
 
 BUILTIN: dict[str, type[Stage]] = {c.name: c for c in (
-    Decode, RandomResizedCrop, ResizeCenterCrop, HorizontalFlip, Normalize, PythonStage)}
+    Decode, Resize, RandomResizedCrop, ResizeCenterCrop, HorizontalFlip, Normalize, PythonStage)}
 
 
 def stage_classes() -> dict[str, type[Stage]]:

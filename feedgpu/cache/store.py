@@ -1,0 +1,281 @@
+"""A cache entry (one fingerprint's directory) as the loader uses it, and the cache root.
+
+Layout: ``<root>/<fingerprint>/manifest.json``, ``part-*.arrow``, ``.lock``, ``last_used``.
+
+Every process that runs stages (workers, ``num_workers=0``, ``feedgpu cache build``) reads rows
+through the entry's index and adds the samples it computed as new part files; parts are written
+to a temporary name and renamed, then listed in the manifest under its lock. Several processes
+may fill one entry at once: a sample computed twice is stored twice and read once, nothing is
+corrupted. A part that fails to open or a row that fails its checksum is dropped and recomputed.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import time
+import uuid
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from . import manifest as mf
+from .parts import CorruptRow, Part, RowEncoder, file_digest, part_bytes
+from .settings import CacheSettings, parse_compression
+
+log = logging.getLogger("feedgpu.cache")
+STRAY_AGE_S = 3600
+COLUMNS = ("index", "key", "label", "height", "width", "check", "data")
+
+
+class CacheEntry:
+    """Read and fill one entry.
+
+    Args:
+        settings: root, compression, budget.
+        fingerprint: the entry's key (:func:`~feedgpu.cache.fingerprint.fingerprint`).
+        n: samples in the source.
+        meta: description stored in a new manifest (source, stages).
+    """
+
+    def __init__(self, settings: CacheSettings, fingerprint: str, n: int, meta: dict | None = None):
+        self.settings, self.fingerprint, self.n = settings, fingerprint, n
+        self.dir = Path(settings.dir) / fingerprint
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o755)
+        self._init = mf.new_manifest(fingerprint, settings.compression, n, meta or {})
+        self.part_of = np.full(n, -1, np.int32)
+        self.row_of = np.zeros(n, np.int32)
+        self.quarantined: dict[int, tuple[str, str]] = {}
+        self.parts: list[Part] = []
+        self._loaded: set[str] = set()
+        self._mtime = None
+        self._encoder = RowEncoder(*parse_compression(settings.compression))
+        self._pid = os.getpid()
+        self._reset_buffer()
+        self.full = False
+        (self.dir / "last_used").touch()
+        self.refresh()
+
+    # -- reading ------------------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Pick up parts and quarantined samples other processes added (cheap when unchanged)."""
+        try:
+            mtime = os.stat(self.dir / mf.MANIFEST).st_mtime_ns
+        except FileNotFoundError:
+            return
+        if mtime == self._mtime:
+            return
+        m = mf.read(self.dir)
+        if m is None or m["fingerprint"] != self.fingerprint:
+            return
+        self._mtime = mtime
+        bad = []
+        for p in m["parts"]:
+            if p["name"] in self._loaded:
+                continue
+            try:
+                part = Part(str(self.dir / p["name"]))
+            except (OSError, ValueError) as e:  # missing or truncated: pa.ArrowInvalid is a ValueError
+                log.warning("cache part %s is unreadable (%s); dropped, its samples are recomputed", p["name"], e)
+                bad.append(p["name"])
+                continue
+            if len(part) != p["rows"] or np.any((part.index < 0) | (part.index >= self.n)):
+                bad.append(p["name"])
+                continue
+            pid = len(self.parts)
+            self.parts.append(part)
+            self._loaded.add(p["name"])
+            new = self.part_of[part.index] < 0
+            self.part_of[part.index[new]] = pid
+            self.row_of[part.index[new]] = np.flatnonzero(new)
+        for q in m["quarantine"]:
+            self.quarantined[int(q["index"])] = (q["key"], q["reason"])
+        if bad:
+            mf.update(self.dir, self._init, drop_parts=bad)
+
+    def get(self, index: int) -> np.ndarray | None:
+        """Cached uint8 HWC pixels of sample ``index``, or None (not cached, or corrupt: then the
+        part is dropped and the sample recomputed)."""
+        pid = self.part_of[index]
+        if pid < 0:
+            return None
+        part = self.parts[pid]
+        try:
+            return part.pixels(int(self.row_of[index]))
+        except CorruptRow as e:
+            warnings.warn(f"feedgpu cache: {e}; the part is dropped and its samples recomputed", stacklevel=2)
+            self._drop(pid)
+            return None
+
+    def label(self, index: int) -> int:
+        pid = self.part_of[index]
+        return int(self.parts[pid].labels[self.row_of[index]])
+
+    def _drop(self, pid: int) -> None:
+        name = os.path.basename(self.parts[pid].path)
+        self.part_of[self.part_of == pid] = -1
+        mf.update(self.dir, self._init, drop_parts=[name])
+
+    @property
+    def cached(self) -> int:
+        return int(np.count_nonzero(self.part_of >= 0))
+
+    @property
+    def complete(self) -> bool:
+        return self.cached + len(self.quarantined) >= self.n
+
+    # -- filling ------------------------------------------------------------------------------
+    def _reset_buffer(self) -> None:
+        self._rows = {c: [] for c in COLUMNS}
+        self._bytes = 0
+        self._quarantine: list[dict] = []
+
+    def _own(self) -> None:
+        if self._pid != os.getpid():  # forked: the parent's buffer is not ours to write
+            self._pid = os.getpid()
+            self._reset_buffer()
+
+    def put(self, index: int, key: str, label: int, pixels: np.ndarray) -> None:
+        """Buffer a computed sample; a part is written when the buffer reaches ``part_bytes``."""
+        self._own()
+        if self.full or self.part_of[index] >= 0:
+            return
+        data, check = self._encoder.encode(pixels)
+        r = self._rows
+        r["index"].append(index)
+        r["key"].append(key)
+        r["label"].append(label)
+        r["height"].append(pixels.shape[0])
+        r["width"].append(pixels.shape[1])
+        r["check"].append(check)
+        r["data"].append(data)
+        self._bytes += len(data)
+        if self._bytes >= self.settings.part_bytes:
+            self.flush()
+
+    def quarantine(self, index: int, key: str, reason: str) -> None:
+        """Record a sample that cannot be decoded; later epochs skip it without reading it."""
+        self._own()
+        if index not in self.quarantined:
+            self.quarantined[index] = (key, reason)
+            self._quarantine.append({"index": index, "key": key, "reason": reason})
+
+    def flush(self) -> None:
+        """Write buffered rows as a part (temporary name, fsync, rename) and list it."""
+        self._own()
+        if not self._rows["index"] and not self._quarantine:
+            return
+        add = []
+        if self._rows["index"]:
+            buf, digest = part_bytes(self._rows, self._encoder)
+            name = f"part-{uuid.uuid4().hex}.arrow"
+            mf.write_atomic(self.dir / name, buf)
+            add.append({"name": name, "rows": len(self._rows["index"]), "bytes": len(buf), "blake2b": digest})
+        quarantine = self._quarantine
+        self._reset_buffer()
+        mf.update(self.dir, self._init, add_parts=add, add_quarantine=quarantine)
+        self._enforce_budget()
+
+    def _enforce_budget(self) -> None:
+        budget = self.settings.max_size
+        if budget is None:
+            return
+        evict_lru(Path(self.settings.dir), budget, keep=self.fingerprint)
+        if entry_bytes(self.dir) > budget and not self.full:
+            self.full = True
+            warnings.warn(f"feedgpu cache: entry {self.fingerprint} reached the budget of {budget} bytes; "
+                          "samples beyond it are not cached", stacklevel=2)
+
+
+# -- the cache root --------------------------------------------------------------------------------
+def entry_bytes(entry: Path) -> int:
+    return sum(f.stat().st_size for f in entry.iterdir() if f.is_file())
+
+
+def entries(root: Path) -> list[dict]:
+    """Each entry: fingerprint, bytes, parts, rows, samples, quarantined, last used, manifest."""
+    out = []
+    if not root.is_dir():
+        return out
+    for d in sorted(root.iterdir()):
+        if not d.is_dir():
+            continue
+        m = mf.read(d)
+        lu = d / "last_used"
+        out.append({"fingerprint": d.name, "path": str(d), "bytes": entry_bytes(d),
+                    "parts": len(m["parts"]) if m else 0, "rows": sum(p["rows"] for p in m["parts"]) if m else 0,
+                    "samples": m["samples"] if m else None, "quarantined": len(m["quarantine"]) if m else 0,
+                    "compression": m["compression"] if m else None,
+                    "last_used": lu.stat().st_mtime if lu.exists() else 0.0, "manifest": m is not None})
+    return out
+
+
+def evict_lru(root: Path, budget: int, keep: str | None = None) -> list[str]:
+    """Remove least recently used entries (never ``keep``) until the root fits ``budget``."""
+    es = entries(root)
+    total = sum(e["bytes"] for e in es)
+    removed = []
+    for e in sorted(es, key=lambda e: e["last_used"]):
+        if total <= budget:
+            break
+        if e["fingerprint"] == keep:
+            continue
+        with mf.locked(Path(e["path"])):
+            shutil.rmtree(e["path"], ignore_errors=True)
+        total -= e["bytes"]
+        removed.append(e["fingerprint"])
+        log.info("evicted cache entry %s (%d bytes)", e["fingerprint"], e["bytes"])
+    return removed
+
+
+def verify(entry: Path, repair: bool = True) -> dict:
+    """Check every part's checksum and every row; drop bad parts (``repair``) so they are rebuilt.
+    Returns ``{"parts", "rows", "bad_parts": [(name, why)], "stray_files"}``."""
+    m = mf.read(entry)
+    if m is None:
+        return {"parts": 0, "rows": 0, "bad_parts": [("manifest.json", "missing or unreadable")], "stray_files": []}
+    bad = []
+    rows = 0
+    for p in m["parts"]:
+        path = entry / p["name"]
+        try:
+            if file_digest(str(path)) != p["blake2b"]:
+                bad.append((p["name"], "checksum mismatch"))
+                continue
+            part = Part(str(path))
+            for r in range(len(part)):
+                part.pixels(r)
+            rows += len(part)
+        except FileNotFoundError:
+            bad.append((p["name"], "missing"))
+        except (OSError, ValueError, CorruptRow) as e:
+            bad.append((p["name"], str(e)))
+    listed = {p["name"] for p in m["parts"]}
+    old = time.time() - STRAY_AGE_S  # younger ones may be a writer's, between rename and listing
+    stray = [f.name for f in entry.iterdir() if f.name.endswith((".arrow", ".tmp")) and f.name not in listed
+             and f.stat().st_mtime < old]
+    if repair and bad:
+        mf.update(entry, m, drop_parts=[b[0] for b in bad])
+    if repair:
+        for name in stray:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry / name)
+    return {"parts": len(m["parts"]), "rows": rows, "bad_parts": bad, "stray_files": stray}
+
+
+def clear(root: Path, fingerprint: str | None = None) -> int:
+    """Delete one entry or all; returns the number removed."""
+    n = 0
+    for e in entries(root):
+        if fingerprint is None or e["fingerprint"] == fingerprint:
+            with mf.locked(Path(e["path"])):
+                shutil.rmtree(e["path"], ignore_errors=True)
+            n += 1
+    return n
+
+
+def touch(entry: Path) -> None:
+    with contextlib.suppress(OSError):
+        os.utime(entry / "last_used", (time.time(), time.time()))
