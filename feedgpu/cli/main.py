@@ -99,10 +99,12 @@ def doctor(as_json: bool) -> None:
     click.echo(f"DALI:  {'installed' if info['dali'] else 'not installed (pip install feedgpu[dali])'}")
 
 
-def _register_bench() -> None:
+def _register() -> None:
     from .bench import bench
+    from .cache import cache, convert
 
-    main.add_command(bench)
+    for cmd in (bench, cache, convert):
+        main.add_command(cmd)
 
 
-_register_bench()
+_register()

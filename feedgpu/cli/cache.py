@@ -1,0 +1,185 @@
+"""``feedgpu cache build|verify|info|clear`` and ``feedgpu convert``."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import click
+import numpy as np
+
+from ..cache.settings import CacheSettings, default_cache_root
+
+
+def _root(cache_dir: str | None) -> Path:
+    return Path(cache_dir).expanduser() if cache_dir else default_cache_root()
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+@click.group()
+def cache() -> None:
+    """Build, check, list and delete cached pipeline prefixes."""
+
+
+@cache.command("build")
+@click.option("--pipeline", "pipeline_file", type=click.Path(exists=True, dir_okay=False), required=True)
+@click.option("--data", type=click.Path(exists=True), help="Dataset path (sets source.path).")
+@click.option("--cache-dir", type=click.Path(file_okay=False), help="Cache root (default: the pipeline's or the user cache).")
+@click.option("--compression", help="none or zstd:N (default: the pipeline's, else zstd:1).")
+@click.option("--workers", type=int, default=None, help="Worker processes (default: the pipeline's).")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a pipeline key.")
+def build_cmd(pipeline_file, data, cache_dir, compression, workers, sets) -> None:
+    """Fill the cache of a pipeline's deterministic prefix for every sample, in parallel."""
+    from tqdm import tqdm
+
+    from ..cache import open_entry
+    from ..exec.process_pool import ProcessPool, unpack_exception
+    from ..pipeline import Pipeline
+    from .main import _parse_sets
+
+    overrides = _parse_sets(sets)
+    if data:
+        overrides["source.path"] = data
+    p = Pipeline.from_yaml(pipeline_file, **overrides)
+    base = p.cache or CacheSettings.make(True)
+    settings = CacheSettings(Path(cache_dir) if cache_dir else base.dir, compression or base.compression,
+                             base.max_size, base.part_bytes)
+    CacheSettings.make({"dir": settings.dir, "compression": settings.compression})  # validates
+    plan = p.plan("cpu")
+    entry = open_entry(settings, p.source, p.stages, plan)
+    if entry is None:
+        raise click.ClickException("nothing to cache in this pipeline (see the warning above)")
+    todo = np.flatnonzero((entry.part_of < 0) & ~np.isin(np.arange(entry.n), list(entry.quarantined)))
+    stages = plan.sample_stages[:plan.cache_prefix]
+    click.echo(f"cache entry {entry.dir}: {entry.cached} of {entry.n} samples cached, {len(todo)} to build")
+    chunks = [todo[i:i + 64] for i in range(0, len(todo), 64)]
+
+    def handler(task):
+        from ..errors import DecodeError
+
+        done = bad = 0
+        for idx in task[2].tolist():
+            rec = p.source.read(idx)
+            x = rec.payload
+            try:
+                for st in stages:
+                    x = st.apply(x, None)
+            except DecodeError as e:
+                entry.quarantine(idx, rec.key, e.reason)
+                bad += 1
+                continue
+            entry.put(idx, rec.key, rec.label, np.asarray(x.convert("RGB") if x.mode != "RGB" else x))
+            done += 1
+        return done, bad
+
+    t0 = time.perf_counter()
+    nw = max(1, workers if workers is not None else p.num_workers)
+    pool = ProcessPool(handler, nw, on_exit=entry.flush, name="feedgpu-cache")
+    try:
+        for i, c in enumerate(chunks):
+            pool.submit((0, i, c))
+        built = quarantined = 0
+        with tqdm(total=len(todo), desc="caching", unit="img") as bar:
+            for _ in chunks:
+                _, seq, _, ok, payload = pool.get()
+                if not ok:
+                    raise unpack_exception(payload, f"while caching chunk {seq}")
+                built += payload[0]
+                quarantined += payload[1]
+                bar.update(payload[0] + payload[1])
+    finally:
+        pool.close(grace_s=60.0)
+    entry.refresh()
+    click.echo(f"built {built} samples, quarantined {quarantined}, in {time.perf_counter() - t0:.1f} s; "
+               f"entry holds {entry.cached}/{entry.n} ({_human(sum(f.stat().st_size for f in entry.dir.iterdir()))})")
+
+
+@cache.command("verify")
+@click.argument("fingerprint", required=False)
+@click.option("--cache-dir", type=click.Path(file_okay=False))
+@click.option("--no-repair", is_flag=True, help="Only report; do not drop bad parts.")
+def verify_cmd(fingerprint, cache_dir, no_repair) -> None:
+    """Check every part's checksum and every row; bad parts are dropped (rebuilt on next use)."""
+    from tqdm import tqdm
+
+    from ..cache import entries, verify
+
+    es = [e for e in entries(_root(cache_dir)) if fingerprint in (None, e["fingerprint"])]
+    if not es:
+        raise click.ClickException("no cache entries found")
+    failed = False
+    for e in tqdm(es, desc="verifying", unit="entry", disable=len(es) < 2):
+        r = verify(Path(e["path"]), repair=not no_repair)
+        status = "ok" if not r["bad_parts"] else f"{len(r['bad_parts'])} bad part(s)"
+        click.echo(f"{e['fingerprint']}: {r['parts']} parts, {r['rows']} rows verified: {status}")
+        for name, why in r["bad_parts"]:
+            failed = True
+            click.echo(f"  {name}: {why}" + ("" if no_repair else " (dropped)"))
+        if r["stray_files"]:
+            click.echo(f"  {len(r['stray_files'])} stray file(s) from interrupted writes"
+                       + ("" if no_repair else " (removed)"))
+    if failed:
+        raise SystemExit(1)
+
+
+@cache.command("info")
+@click.option("--cache-dir", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True)
+def info_cmd(cache_dir, as_json) -> None:
+    """List cache entries: size, samples cached, quarantined, compression, last use."""
+    from ..cache import entries
+
+    es = entries(_root(cache_dir))
+    if as_json:
+        click.echo(json.dumps(es, indent=2))
+        return
+    click.echo(f"cache root {_root(cache_dir)}: {len(es)} entr{'y' if len(es) == 1 else 'ies'}, "
+               f"{_human(sum(e['bytes'] for e in es))}")
+    for e in es:
+        used = time.strftime("%Y-%m-%d %H:%M", time.localtime(e["last_used"])) if e["last_used"] else "-"
+        click.echo(f"  {e['fingerprint']}  {_human(e['bytes']):>10}  {e['rows']}/{e['samples']} rows  "
+                   f"{e['quarantined']} quarantined  {e['compression']}  last used {used}")
+
+
+@cache.command("clear")
+@click.argument("fingerprint", required=False)
+@click.option("--cache-dir", type=click.Path(file_okay=False))
+@click.option("--yes", is_flag=True, help="Do not ask.")
+def clear_cmd(fingerprint, cache_dir, yes) -> None:
+    """Delete one entry (by fingerprint) or all of them."""
+    from ..cache import clear
+
+    what = f"entry {fingerprint}" if fingerprint else f"every entry under {_root(cache_dir)}"
+    if not yes:
+        click.confirm(f"delete {what}?", abort=True)
+    n = clear(_root(cache_dir), fingerprint)
+    click.echo(f"deleted {n} entr{'y' if n == 1 else 'ies'}")
+
+
+@click.command()
+@click.argument("src", type=click.Path(exists=True))
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("--to", "fmt", type=click.Choice(["parquet", "tar"]), default="parquet", show_default=True)
+@click.option("--per-file", type=int, default=1000, show_default=True, help="Samples per output file.")
+def convert(src, out, fmt, per_file) -> None:
+    """Turn an ImageFolder directory SRC (or tar shards) into Parquet files or tar shards in OUT."""
+    from ..convert import folder_to_parquet, folder_to_tar, shards_to_parquet
+
+    src_path = Path(src)
+    is_shards = src_path.suffix == ".tar" or (src_path.is_dir() and any(src_path.glob("*.tar")))
+    if is_shards and fmt == "parquet":
+        files = shards_to_parquet(src, out, rows_per_file=per_file, progress=True)
+    elif is_shards:
+        raise click.ClickException("the input is already tar shards")
+    elif fmt == "parquet":
+        files = folder_to_parquet(src, out, rows_per_file=per_file, progress=True)
+    else:
+        files = folder_to_tar(src, out, samples_per_shard=per_file, progress=True)
+    click.echo(f"wrote {len(files)} {fmt} file(s) to {out}")
