@@ -104,6 +104,13 @@ class OutputCfg(_Strict):
     layout: Literal["NCHW", "NHWC"] = "NCHW"
 
 
+class EngineCfg(_Strict):
+    name: Literal["python", "dali"] = "python"
+    device: Literal["auto", "cpu", "gpu"] = "auto"
+    threads: Union[Annotated[int, Field(gt=0)], None] = None
+    hw_decoder_load: Annotated[float, Field(ge=0, le=1)] = 0.75
+
+
 class CacheCfg(_Strict):
     enabled: bool = False
     dir: Union[str, None] = None
@@ -119,6 +126,7 @@ class PipelineCfg(_Strict):
     loader: LoaderCfg = LoaderCfg()
     output: OutputCfg = OutputCfg()
     cache: CacheCfg = CacheCfg()
+    engine: EngineCfg = EngineCfg()
 
     @model_validator(mode="after")
     def _output_matches_stages(self):

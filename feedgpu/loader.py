@@ -16,6 +16,7 @@ from .exec.process_pool import ProcessPool, unpack_exception
 from .exec.work import DatasetWork, PipelineWork
 from .metrics import LoaderStats
 from .cache.settings import CacheSettings
+from .exec.engines import EngineSettings
 from .pipeline import Pipeline, resolve_device
 from .sampling import ShardedOrder
 
@@ -89,6 +90,9 @@ class DataLoader:
             On CUDA, batches are copied from pinned buffers on a side stream ``prefetch_factor``
             batches ahead, and normalize runs on the GPU.
         on_error: ``"skip"`` or ``"raise"`` for bad samples (pipelines only).
+        engine: for a pipeline, overrides its engine (``"python"``, ``"dali"`` or a mapping; see
+            :class:`~feedgpu.exec.engines.EngineSettings`). With DALI, ``num_workers`` gives DALI's
+            thread count unless ``engine.threads`` is set, and no worker process is started.
         cache: for a pipeline, overrides its cache setting (``False`` turns it off; ``True``, a
             directory or a mapping turns it on; see :class:`~feedgpu.cache.CacheSettings`). The
             first epoch fills the cache while training; later epochs and runs read it.
@@ -110,7 +114,7 @@ class DataLoader:
                  generator=None, *, prefetch_factor: int | None = None, persistent_workers: bool = _UNSET,
                  pin_memory_device: str = "", in_order: bool = True, seed: int | None = None,
                  rank: int | None = None, world_size: int | None = None, device: str | None = None,
-                 on_error: str | None = None, cache=None):
+                 on_error: str | None = None, cache=None, engine=None):
         import torch.utils.data as tud
 
         if isinstance(dataset, tud.IterableDataset):
@@ -166,9 +170,19 @@ class DataLoader:
             self.on_error = on_error or p.on_error
             self.device = resolve_device(device or p.device)
             self.cache_settings = p.cache if cache is None else CacheSettings.make(cache)
+            if engine is not None:
+                import copy
+
+                p = self.pipeline = copy.copy(p)
+                p.engine = EngineSettings.make(engine)
+            self.engine = p.engine
+            if self.engine.name == "dali" and self.cache_settings is not None:
+                raise ConfigError("cache and engine 'dali' cannot be combined yet: the DALI engine reads the "
+                                  "source directly; use engine: python with a cache")
         else:
-            if on_error is not None or device is not None or cache is not None:
-                raise ConfigError("on_error, device and cache apply to feedgpu Pipelines; for a torch Dataset, errors "
+            self.engine = EngineSettings()
+            if on_error is not None or device is not None or cache is not None or engine is not None:
+                raise ConfigError("on_error, device, cache and engine apply to feedgpu Pipelines; for a torch Dataset, errors "
                                   "raise as in torch and pin_memory moves nothing to the GPU")
             self.on_error, self.device, self.cache_settings = "raise", "cpu", None
             self.collate_fn = collate_fn or tud.default_collate
@@ -213,9 +227,13 @@ class DataLoader:
         self._epoch, self._start = int(epoch), 0
         self._position = (self._epoch, 0)
 
+    @property
+    def _dali_gpu(self) -> bool:
+        return self.engine.name == "dali" and self.engine.dali_device() == "gpu"
+
     def __iter__(self):
         self._close_live()
-        on_device = self.pipeline is not None and self.device != "cpu"
+        on_device = self.pipeline is not None and self.device != "cpu" and not self._dali_gpu
         it = _EpochIterator(self, self._epoch, self._start, deferred_commit=on_device)
         self._start = 0
         self._live = weakref.ref(it)  # dropping the iterator (break, del) stops its workers
@@ -289,6 +307,7 @@ class DataLoader:
         cache's state (``None`` without a cache)."""
         d = self._stats.as_dict()
         d.update(num_workers=self.num_workers, epoch=self._position[0], batches_seen=self._position[1])
+        d["engine"] = self._work.stats() if hasattr(self._work, "stats") else {"name": self.engine.name}
         entry = getattr(getattr(self._work, "assembler", None), "cache", None)
         if entry is not None:
             entry.refresh()
@@ -305,7 +324,18 @@ class DataLoader:
     def _make_work(self):
         if self._work is None:
             inflight = self.num_workers * self.prefetch_factor
-            if self.pipeline is not None:
+            if self.pipeline is not None and self.engine.name == "dali":
+                from .exec.dali_engine import DaliWork
+
+                p = self.pipeline
+                plan = p.plan(self.device)
+                dd = self.engine.dali_device()
+                dev_id = int(self.device.split(":")[1]) if self.device.startswith("cuda:") else 0
+                self._work = DaliWork(p.source, plan, self.seed, self.on_error, self.batch_size, device=dd,
+                                      threads=self.engine.threads or max(1, self.num_workers), device_id=dev_id,
+                                      hw_decoder_load=self.engine.hw_decoder_load,
+                                      in_dali_batch_stage=not plan.batch_on_device)
+            elif self.pipeline is not None:
                 p = self.pipeline
                 plan = p.plan(self.device)
                 entry = None
@@ -368,7 +398,7 @@ class _EpochIterator:
         else:
             self._batches = itertools.islice(order.batches(epoch), start, None)
         self.submitted = start
-        self.inline = loader.num_workers == 0
+        self.inline = loader.num_workers == 0 or loader.engine.name == "dali"
         self.work = loader._make_work()
         self.work.refresh()  # workers forked below inherit an up-to-date cache index
         self.pool = None if self.inline else loader._acquire_pool()

@@ -8,6 +8,7 @@ from . import config as cfg
 from .errors import ConfigError
 from .exec.plan import Plan, make_plan
 from .cache.settings import CacheSettings
+from .exec.engines import EngineSettings
 from .sources import DatasetSource, Source, open_source
 from .stages import Normalize, Stage, stage_classes
 
@@ -44,6 +45,8 @@ class Pipeline:
         cache: cache the output of the leading deterministic stages (decode, resize ...) on local
             disk: ``None``/``False`` (off, default), ``True``, a directory, a mapping
             ``{dir, compression, max_size}`` or :class:`~feedgpu.cache.CacheSettings`.
+        engine: ``"python"`` (default), ``"dali"`` or a mapping ``{name, device, threads,
+            hw_decoder_load}`` (see :class:`~feedgpu.exec.engines.EngineSettings`).
         name: label in reports.
 
     Raises :class:`ConfigError` for invalid settings.
@@ -52,7 +55,7 @@ class Pipeline:
     def __init__(self, source: Any, stages: list[Stage], *, batch_size: int = 256, shuffle: bool = True,
                  drop_last: bool = False, num_workers: int = 2, prefetch_factor: int = 2,
                  persistent_workers: bool = True, seed: int = 0,
-                 on_error: str = "skip", timeout: float = 0.0, device: str = "auto", cache=None,
+                 on_error: str = "skip", timeout: float = 0.0, device: str = "auto", cache=None, engine=None,
                  name: str = "pipeline", definition: dict | None = None):
         if on_error not in ON_ERROR:
             raise ConfigError(f"on_error {on_error!r} is not one of {list(ON_ERROR)}")
@@ -66,6 +69,7 @@ class Pipeline:
         self.seed, self.on_error, self.timeout = int(seed), on_error, float(timeout)
         self.device, self.name, self.definition = device, name, definition
         self.cache = CacheSettings.make(cache)
+        self.engine = EngineSettings.make(engine)
         make_plan(self.stages, "cpu")  # validate the stage list now, not at the first batch
 
     # -- construction from YAML -------------------------------------------------------------
@@ -96,7 +100,8 @@ class Pipeline:
                    drop_last=c.loader.drop_last, num_workers=c.loader.num_workers,
                    prefetch_factor=c.loader.prefetch_factor, persistent_workers=c.loader.persistent_workers,
                    seed=c.loader.seed, on_error=c.loader.on_error,
-                   timeout=c.loader.timeout, device=c.output.device, cache=cache, name=c.name,
+                   timeout=c.loader.timeout, device=c.output.device, cache=cache,
+                   engine=c.engine.model_dump(), name=c.name,
                    definition=c.model_dump())
 
     # -- source ---------------------------------------------------------------------------
@@ -125,7 +130,20 @@ class Pipeline:
 
     # -- planning ---------------------------------------------------------------------------
     def plan(self, device: str | None = None) -> Plan:
-        return make_plan(self.stages, resolve_device(device or self.device))
+        """Where each stage runs for output ``device``. With the DALI engine on the GPU, the
+        whole pipeline runs there (normalize included)."""
+        dev = resolve_device(device or self.device)
+        if self.engine.name != "dali":
+            return make_plan(self.stages, dev)
+        from .exec.dali_engine import check_dali_plan
+
+        dd = self.engine.dali_device()
+        threads = self.engine.threads or max(1, self.num_workers)
+        where = (f"dali gpu (mixed decode, hw_decoder_load {self.engine.hw_decoder_load})" if dd == "gpu"
+                 else f"dali cpu ({threads} threads)")
+        plan = make_plan(self.stages, dev, pool_where=where, batch_on_device=None if dd == "cpu" else False)
+        check_dali_plan(plan)
+        return plan
 
     @property
     def output_dtype(self) -> str:

@@ -15,4 +15,5 @@ if ! "$PY" -c "import PIL, sys; sys.exit('.post' not in PIL.__version__)" 2>/dev
   if grep -qw avx2 /proc/cpuinfo 2>/dev/null; then export CC="${CC:-cc} -mavx2"; fi
   pip_ --no-binary pillow-simd "pillow-simd>=10.0"
 fi
-pip_ -e ".[dev]"
+# DALI (CUDA 13 build; its CPU operators run without a GPU) for the DALI engine and its tests.
+pip_ -e ".[dev,dali]"

@@ -40,7 +40,8 @@ class Plan:
         return rows
 
 
-def make_plan(stages: list[Stage], device: str) -> Plan:
+def make_plan(stages: list[Stage], device: str, pool_where: str | None = None,
+              batch_on_device: bool | None = None) -> Plan:
     """Split ``stages`` into per-sample CPU stages and an optional final batch stage.
 
     Raises :class:`ConfigError` when a batch stage is not last, no decode comes first, or the
@@ -59,8 +60,8 @@ def make_plan(stages: list[Stage], device: str) -> Plan:
             sample.append(st)
         else:
             raise ConfigError(f"stages[{i}]: {st!r} is not a feedgpu stage")
-    on_device = batch is not None and device != "cpu"
-    pool_where = f"cpu pool ({pil_label()})"
+    on_device = batch is not None and device != "cpu" if batch_on_device is None else batch_on_device
+    pool_where = pool_where or f"cpu pool ({pil_label()})"
     spec = BYTES
     steps = []
     for st in sample:

@@ -40,12 +40,32 @@ class Stage:
 
 
 class SampleStage(Stage):
+    #: True when :meth:`dali` implements the stage for NVIDIA DALI (CPU or GPU).
+    has_dali: ClassVar[bool] = False
+
     def apply(self, x: Any, rng: np.random.Generator | None) -> Any:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    # -- DALI implementation (see feedgpu.exec.dali_engine) ---------------------------------------
+    # Random parameters are drawn in Python from the same per-sample generator as ``apply`` uses,
+    # then fed to DALI per sample, so both engines crop, flip ... identically.
+    def dali_params(self, width: int, height: int, rng) -> tuple[dict[str, np.ndarray], tuple[int, int]]:
+        """Per-sample DALI arguments for an input of ``width`` x ``height``, and the output size."""
+        return {}, (width, height)
+
+    def dali(self, x, args: dict, device: str):  # pragma: no cover - abstract
+        """DALI graph for the stage: ``x`` is an HWC uint8 DataNode, ``args`` the DataNodes of
+        :meth:`dali_params` by name; ``device`` is ``"cpu"`` or ``"gpu"``."""
         raise NotImplementedError
 
 
 class BatchStage(Stage):
+    has_dali: ClassVar[bool] = False
+
     def write(self, dst: np.ndarray, img: np.ndarray) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def dali(self, x, args: dict, device: str):  # pragma: no cover - abstract
         raise NotImplementedError
 
     def apply_batch(self, x):  # pragma: no cover - abstract

@@ -94,6 +94,33 @@ class Decode(SampleStage):
                 img = img.transpose(method)
         return self._to_rgb(img)
 
+    has_dali = True
+    #: JPEG modes DALI decodes the way this stage does (CMYK/YCCK, PNG alpha, 16-bit ... do not
+    #: go to DALI: their rules above are Pillow's, so Pillow decodes them and they rejoin the batch).
+    DALI_JPEG_MODES = ("RGB", "L")
+
+    def probe(self, data) -> tuple[int, int, bool]:
+        """Read the header only: ``(width, height, dali_ok)`` with EXIF orientation applied to the
+        size. Raises :class:`DecodeError` for empty, unidentifiable or too large images, so such
+        samples are never sent to DALI."""
+        img = self._open(data, UNKNOWN_KEY)
+        w, h = img.size
+        if w * h > self.max_pixels:
+            raise DecodeError(UNKNOWN_KEY, "too many pixels", f"{w}x{h} > max_pixels={self.max_pixels}")
+        if self.exif_orientation and img.format in ("JPEG", "MPO", "TIFF", "WEBP", "PNG"):
+            if img.getexif().get(_EXIF_ORIENTATION, 1) in (5, 6, 7, 8):
+                w, h = h, w
+        return w, h, img.format == "JPEG" and img.mode in self.DALI_JPEG_MODES
+
+    def dali(self, x, args, device):
+        """``x``: encoded bytes. ``device="gpu"`` decodes with ``device="mixed"`` (nvJPEG and the
+        hardware JPEG decoder, share set by ``args["hw_decoder_load"]``)."""
+        from nvidia.dali import fn, types
+
+        kw = {"hw_decoder_load": args["hw_decoder_load"]} if device == "gpu" else {}
+        return fn.decoders.image(x, device="mixed" if device == "gpu" else "cpu", output_type=types.RGB,
+                                 adjust_orientation=self.exif_orientation, **kw)
+
     @staticmethod
     def _open(data, key: str) -> Image.Image:
         if len(data) == 0:

