@@ -13,8 +13,8 @@ from .sources import DatasetSource, FolderSource, ParquetSource, TarShardSource
 
 __version__ = "0.1.0"
 
-__all__ = sorted([
+__all__ = [
     "Batch", "ConfigError", "DataLoader", "DatasetSource", "DecodeError", "FeedgpuError", "FolderSource",
     "LoaderTimeout", "ParquetSource", "Pipeline", "SampleError", "SkipBudgetExceeded", "SkippedSampleWarning",
     "SourceError", "StageError", "StateError", "TarShardSource", "WorkerError", "pil_build",
-])
+]

@@ -5,7 +5,10 @@ processes forked from the loader share it without copy-on-read growth.
 """
 from __future__ import annotations
 
+import glob
 import hashlib
+import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -26,6 +29,19 @@ class Record:
     payload: Any
     label: int
     key: str
+
+
+def expand_paths(spec, suffix: str) -> list[str]:
+    """A directory (its ``*<suffix>`` files), a glob pattern, one path, or a list of those;
+    sorted within each item."""
+    if isinstance(spec, (list, tuple)):
+        return [p for s in spec for p in expand_paths(s, suffix)]
+    spec = os.fspath(spec)
+    if os.path.isdir(spec):
+        return sorted(glob.glob(os.path.join(spec, f"*{suffix}")))
+    if any(c in spec for c in "*?["):
+        return sorted(glob.glob(spec))
+    return [spec]
 
 
 class StringTable:
@@ -88,6 +104,11 @@ class Source:
 
     def _digest(self, h) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def _warn_rejected(self) -> None:
+        """One warning per sample left out while indexing."""
+        for key, reason in self.rejected:
+            warnings.warn(f"feedgpu: skipped {key} while indexing: {reason}", stacklevel=3)
 
     def describe(self) -> str:
         return f"{self.format} source, {len(self)} samples, {len(self.classes)} classes"

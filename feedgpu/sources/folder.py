@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -59,8 +58,7 @@ class FolderSource(Source):
                     mtimes.append(st.st_mtime_ns)
         if not rel:
             raise SourceError(f"folder source: no images with endings {exts} under {self.root}")
-        for key, reason in self.rejected:
-            warnings.warn(f"feedgpu: skipped {key} while indexing: {reason}", stacklevel=2)
+        self._warn_rejected()
         self.paths = StringTable(rel)
         self.labels = np.asarray(labels, dtype=np.int64)
         self.sizes = np.asarray(sizes, dtype=np.int64)

@@ -7,7 +7,6 @@ such datasets with small row groups (``feedgpu convert`` uses ~8 MiB).
 """
 from __future__ import annotations
 
-import glob
 import os
 from collections import OrderedDict
 
@@ -17,18 +16,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..errors import SourceError
-from .base import Record, Source
-
-
-def expand_files(spec) -> list[str]:
-    if isinstance(spec, (list, tuple)):
-        return [p for s in spec for p in expand_files(s)]
-    spec = os.fspath(spec)
-    if os.path.isdir(spec):
-        return sorted(glob.glob(os.path.join(spec, "*.parquet")))
-    if any(c in spec for c in "*?["):
-        return sorted(glob.glob(spec))
-    return [spec]
+from .base import Record, Source, expand_paths
 
 
 class ParquetSource(Source):
@@ -49,7 +37,7 @@ class ParquetSource(Source):
     def __init__(self, files, image_column: str = "image", label_column: str | None = "label",
                  cache_bytes: int = 256 << 20):
         super().__init__()
-        self.files = expand_files(files)
+        self.files = expand_paths(files, ".parquet")
         if not self.files:
             raise SourceError(f"parquet source: no files match {files!r}")
         self.image_column = image_column

@@ -6,15 +6,13 @@ member names with absolute paths or ``..`` are only keys, never file-system path
 """
 from __future__ import annotations
 
-import glob
 import os
 import tarfile
-import warnings
 
 import numpy as np
 
 from ..errors import SourceError
-from .base import Record, Source, StringTable
+from .base import Record, Source, StringTable, expand_paths
 
 IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "tif", "tiff", "gif")
 LABEL_SUFFIXES = ("cls", "label", "cls.txt")
@@ -25,21 +23,6 @@ def _split_member(name: str) -> tuple[str, str]:
     head, _, base = name.rpartition("/")
     stem, dot, ext = base.partition(".")
     return (f"{head}/{stem}" if head else stem), ext.lower()
-
-
-def expand_shards(spec: str | os.PathLike | list) -> list[str]:
-    """A directory (its ``*.tar``), a glob pattern, one path or a list of those, sorted."""
-    if isinstance(spec, (list, tuple)):
-        out: list[str] = []
-        for s in spec:
-            out.extend(expand_shards(s))
-        return out
-    spec = os.fspath(spec)
-    if os.path.isdir(spec):
-        return sorted(glob.glob(os.path.join(spec, "*.tar")))
-    if any(c in spec for c in "*?["):
-        return sorted(glob.glob(spec))
-    return [spec]
 
 
 class TarShardSource(Source):
@@ -57,7 +40,7 @@ class TarShardSource(Source):
 
     def __init__(self, shards):
         super().__init__()
-        self.shards = expand_shards(shards)
+        self.shards = expand_paths(shards, ".tar")
         if not self.shards:
             raise SourceError(f"tar source: no shards match {shards!r}")
         keys: list[str] = []
@@ -112,8 +95,7 @@ class TarShardSource(Source):
                 labels.append(label)
         if not keys:
             raise SourceError(f"tar source: no image members in {len(self.shards)} shard(s)")
-        for key, reason in self.rejected:
-            warnings.warn(f"feedgpu: skipped {key} while indexing: {reason}", stacklevel=2)
+        self._warn_rejected()
         self.members = StringTable(keys)
         self.shard_ids = np.asarray(shard_ids, dtype=np.int32)
         self.offsets = np.asarray(offsets, dtype=np.int64)
