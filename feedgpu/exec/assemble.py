@@ -86,7 +86,9 @@ class Assembler:
             pixels = cache.get(idx)
             if pixels is not None:
                 key, label = None, cache.label(idx)
-                x, start = Image.fromarray(pixels), self.prefix
+                # frombuffer shares the decompressed pixels instead of copying them like fromarray
+                x = Image.frombuffer("RGB", (pixels.shape[1], pixels.shape[0]), pixels, "raw", "RGB", 0, 1)
+                start = self.prefix
         if x is None:
             try:
                 rec = self.source.read(idx)
