@@ -1,0 +1,174 @@
+"""Simulated producers and consumers for the balancer's tests and benchmarks.
+
+A deterministic model, not a measurement: a pool of workers whose rate is
+``per_worker_rate * min(workers, free cores) ** scaling`` (capped), a consumer with a demand rate
+that may change over time, optional CPU contention from another process, and seeded noise. Each
+:meth:`Simulation.measure` call is one window and returns the :class:`Measurement` the loader
+would build. :func:`run` drives a :class:`~feedgpu.exec.balancer.Policy` over windows.
+
+Nothing here sleeps or reads a clock: a thousand windows take milliseconds.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+from .balancer import Decision, Measurement, Policy
+
+#: A value constant over time, or steps ``((t0, v0), (t1, v1), ...)``: ``v_i`` from ``t_i`` on
+#: (before ``t0``, ``v0``).
+Schedule = Union[float, Sequence[tuple[float, float]]]
+
+MIB = 2**20
+
+
+def at(schedule: Schedule, t: float) -> float:
+    """The value of ``schedule`` at time ``t`` (seconds)."""
+    if isinstance(schedule, (int, float)):
+        return float(schedule)
+    value = schedule[0][1]
+    for t0, v in schedule:
+        if t >= t0:
+            value = v
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Producer:
+    """A pool of single-threaded workers.
+
+    Args:
+        per_worker_rate: samples/s of one worker with a core to itself.
+        cores: cores the machine gives the pool (before contention).
+        scaling: rate grows as ``effective_workers ** scaling``: 1 linear, below 1 diminishing
+            returns (memory bandwidth, the main process's share of the work).
+        cap_rate: a ceiling no worker count passes (the main process's hand-off, the disk).
+        min_prefetch: below this depth workers idle waiting for the consumer to take batches in
+            order: the rate is multiplied by ``prefetch / min_prefetch``.
+        rss_base_bytes, rss_per_worker_bytes: memory of the loader with no worker and per worker.
+    """
+
+    per_worker_rate: float
+    cores: float
+    scaling: float = 1.0
+    cap_rate: float = math.inf
+    min_prefetch: int = 1
+    rss_base_bytes: int = 512 * MIB
+    rss_per_worker_bytes: int = 256 * MIB
+
+    def busy_cores(self, workers: int, contention: float = 0.0) -> float:
+        """Cores the workers get: all they want, or what the other process leaves them."""
+        return min(float(workers), max(self.cores - contention, 0.25))
+
+    def capacity(self, workers: int, prefetch: int, contention: float = 0.0) -> float:
+        """Samples/s the pool can deliver (noise-free)."""
+        full = min(self.per_worker_rate * self.busy_cores(workers, contention) ** self.scaling, self.cap_rate)
+        return full * min(1.0, prefetch / self.min_prefetch)
+
+    def rss(self, workers: int) -> int:
+        return self.rss_base_bytes + workers * self.rss_per_worker_bytes
+
+
+@dataclass
+class Simulation:
+    """A producer feeding a consumer, one window per :meth:`measure`.
+
+    Args:
+        producer: the pool model.
+        demand: samples/s the consumer takes when never starved (``math.inf``: loader-only).
+        contention: cores another process takes (a :data:`Schedule`).
+        noise: relative standard deviation of the producer's rate and of the demand per window.
+        window_s: seconds per window.
+        seed: seeds the noise (same seed, same windows).
+        cpu_budget: the budget reported to the policy (default: the producer's cores).
+        budget_sees_contention: report ``cpu_budget - contention`` (a loader that measures other
+            processes' CPU use) instead of the fixed budget.
+        ram_budget_bytes: reported RAM budget (None: no limit).
+        engine: reported engine name.
+    """
+
+    producer: Producer
+    demand: Schedule
+    contention: Schedule = 0.0
+    noise: float = 0.0
+    window_s: float = 1.0
+    seed: int = 0
+    cpu_budget: float | None = None
+    budget_sees_contention: bool = False
+    ram_budget_bytes: int | None = None
+    engine: str = "python"
+
+    def __post_init__(self):
+        self.t = 0.0
+        self._rng = random.Random(self.seed)
+
+    def _noisy(self, x: float) -> float:
+        if self.noise <= 0 or math.isinf(x):
+            return x
+        return x * max(0.05, 1.0 + self._rng.gauss(0.0, self.noise))
+
+    def budget_at(self, t: float) -> float:
+        b = self.producer.cores if self.cpu_budget is None else self.cpu_budget
+        return max(0.5, b - at(self.contention, t)) if self.budget_sees_contention else b
+
+    def delivered(self, workers: int, prefetch: int, t: float | None = None) -> float:
+        """Noise-free samples/s delivered at ``t`` (default: now) with this setting."""
+        t = self.t if t is None else t
+        return min(self.producer.capacity(workers, prefetch, at(self.contention, t)), at(self.demand, t))
+
+    def best_fixed(self, t: float | None = None, prefetch: int | None = None, tolerance: float = 0.01,
+                   max_workers: int = 64) -> tuple[int, float]:
+        """The best fixed setting at ``t``: the fewest workers within ``tolerance`` of the highest
+        noise-free delivered rate any count allowed by the budgets gives, and that rate."""
+        t = self.t if t is None else t
+        p = prefetch if prefetch is not None else self.producer.min_prefetch
+        limit = min(max_workers, max(1, math.floor(self.budget_at(t) + 0.5)))
+        if self.ram_budget_bytes is not None:
+            fit = (self.ram_budget_bytes - self.producer.rss_base_bytes) // self.producer.rss_per_worker_bytes
+            limit = max(1, min(limit, int(fit)))
+        rates = {w: self.delivered(w, p, t) for w in range(1, limit + 1)}
+        top = max(rates.values())
+        w = min(w for w, r in rates.items() if r >= (1 - tolerance) * top)
+        return w, top
+
+    def measure(self, workers: int, prefetch: int) -> Measurement:
+        """Advance one window with this setting and return what the loader would measure."""
+        self.t += self.window_s
+        t = self.t
+        contention = at(self.contention, t)
+        cap = self._noisy(self.producer.capacity(workers, prefetch, contention))
+        demand = self._noisy(at(self.demand, t))
+        delivered = min(cap, demand)
+        wait = 0.0 if math.isinf(demand) else max(0.0, 1.0 - delivered / demand)
+        if math.isinf(demand):
+            wait = 1.0 - 1e-3  # a consumer doing nothing waits all the time
+        # CPU per sample is what the pool's full speed implies: workers held back by the cap, a
+        # shallow prefetch or a slow consumer sit idle and use no CPU.
+        busy = self.producer.busy_cores(workers, contention)
+        full = self.producer.per_worker_rate * busy ** self.producer.scaling
+        cores = busy * min(1.0, delivered / full)
+        return Measurement(t=t, workers=workers, delivered_rate=delivered, demand_rate=demand, wait_fraction=wait,
+                           cpu_cores_used=cores, cpu_budget=self.budget_at(t), rss_bytes=self.producer.rss(workers),
+                           ram_budget_bytes=self.ram_budget_bytes, prefetch=prefetch, engine=self.engine)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One window of a run: what was measured and what the policy decided."""
+
+    measurement: Measurement
+    decision: Decision
+
+
+def run(policy: Policy, sim: Simulation, windows: int, workers: int, prefetch: int = 2) -> list[Step]:
+    """Drive ``policy`` over ``windows`` windows of ``sim``, starting from ``workers`` and
+    ``prefetch``; each decision is applied before the next window."""
+    steps = []
+    for _ in range(windows):
+        m = sim.measure(workers, prefetch)
+        d = policy.decide(m)
+        steps.append(Step(m, d))
+        workers, prefetch = d.workers, d.prefetch
+    return steps
