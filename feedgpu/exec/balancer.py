@@ -471,7 +471,6 @@ class Policy:
         return m.rss_bytes / m.workers
 
     def _decide(self, m: Measurement) -> Decision:
-        c = self.config
         notes: list[str] = []
         key = (m.workers, m.prefetch)
         if self._key is None:
