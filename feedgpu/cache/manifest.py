@@ -8,6 +8,7 @@ world-writable) and hold JSON only (no pickle).
 from __future__ import annotations
 
 import contextlib
+import copy
 import fcntl
 import json
 import os
@@ -70,7 +71,9 @@ def read(entry: Path) -> dict | None:
 def update(entry: Path, init: dict, add_parts=(), add_quarantine=(), drop_parts=()) -> dict:
     """Add/drop parts and quarantined samples under the entry's lock; returns the new manifest."""
     with locked(entry):
-        m = read(entry) or init
+        m = read(entry)
+        if m is None or m.get("fingerprint") != init.get("fingerprint"):  # missing, or not this entry's
+            m = copy.deepcopy(init)
         names = {p["name"] for p in m["parts"]}
         m["parts"] = [p for p in m["parts"] if p["name"] not in set(drop_parts)]
         m["parts"] += [p for p in add_parts if p["name"] not in names]

@@ -64,7 +64,8 @@ class Part:
         self.height = table.column("height").to_numpy()
         self.width = table.column("width").to_numpy()
         self.check = table.column("check").to_numpy()
-        self.data = table.column("data").combine_chunks()
+        data = table.column("data")  # combine_chunks() copies even one chunk out of the memory map
+        self.data = data.chunk(0) if data.num_chunks == 1 else data.combine_chunks()
         self.keys = table.column("key")
         self.labels = table.column("label").to_numpy()
         self._dz = zstandard.ZstdDecompressor() if self.codec == "zstd" else None

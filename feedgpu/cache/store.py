@@ -43,7 +43,8 @@ class CacheEntry:
     def __init__(self, settings: CacheSettings, fingerprint: str, n: int, meta: dict | None = None):
         self.settings, self.fingerprint, self.n = settings, fingerprint, n
         self.dir = Path(settings.dir) / fingerprint
-        self.dir.mkdir(parents=True, exist_ok=True, mode=0o755)
+        Path(settings.dir).mkdir(parents=True, exist_ok=True, mode=0o755)  # parents=True alone: 0o777 & ~umask
+        self.dir.mkdir(exist_ok=True, mode=0o755)
         self._init = mf.new_manifest(fingerprint, settings.compression, n, meta or {})
         self.part_of = np.full(n, -1, np.int32)
         self.row_of = np.zeros(n, np.int32)
@@ -55,7 +56,7 @@ class CacheEntry:
         self._pid = os.getpid()
         self._reset_buffer()
         self.full = False
-        (self.dir / "last_used").touch()
+        (self.dir / "last_used").touch(mode=0o644)
         self.refresh()
 
     # -- reading ------------------------------------------------------------------------------

@@ -1,0 +1,593 @@
+#!/usr/bin/env python
+"""The recorded cache benchmark: epoch 1 from the JPEG files against epoch 2 from the local cache.
+
+Pipeline ``pipelines/imagenet_train_cached.yaml`` (decode -> resize short side 256 -> [cache] ->
+random resized crop 224 -> flip -> normalize to float32 NCHW) on the CPU, same workers and batch
+size throughout, full epochs with ``drop_last=False`` (so the fill caches every sample). In one
+process, alternating round after round (the compression order rotates per round), it measures:
+
+* ``no_cache``: an epoch with ``cache=False`` -- "epoch 1 from the JPEG files";
+* ``fill:<c>``: an epoch that fills a fresh, empty cache directory with compression ``c`` --
+  epoch 1 while writing the cache (the workers write their last part when they exit, which the
+  "incl. start-up and shutdown" column counts);
+* ``read:<c>``: the next epoch, a new loader on that full cache -- "epoch 2" (every sample is read
+  from the cache; the run checks that nothing was decoded).
+
+Each run is :func:`feedgpu.cli.bench.measure` (what ``feedgpu bench`` reports): samples/s from the
+first batch to the last (``--warmup 1``: worker start-up and the first batch excluded), and here
+also samples/s over the whole epoch from ``iter(loader)`` until its workers have exited (start-up
+and the final cache flush included). Medians over rounds; ratios also per round.
+
+Writes ``bench/results/cache_epochs.json`` and ``bench/results/cache_epochs.md``.
+
+    .venv/bin/python bench/cache_epochs.py                     # 2,000 images, 5 rounds, ~3.5 min
+    .venv/bin/python bench/cache_epochs.py --rounds 3 --compression zstd:1
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PIPELINE = REPO / "pipelines" / "imagenet_train_cached.yaml"
+TARGET_READ = 4.0       # epoch 2 (cache) / epoch 1 (JPEG) samples/s
+TARGET_WRITE = 0.15     # extra time of the filling epoch over the uncached one
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_loader import wait_quiet  # noqa: E402  the recorded CPU benchmark's quiet-machine wait
+
+
+def pipeline(data: str):
+    from feedgpu import Pipeline
+
+    return Pipeline.from_yaml(PIPELINE, **{"source.path": data, "output.device": "cpu", "loader.drop_last": False})
+
+
+def subject(p, workers: int, batch_size: int, cache, name: str, persistent: bool = False, since=None):
+    """A :class:`feedgpu.cli.bench.Subject` for ``DataLoader(p, cache=cache)``. Non-persistent
+    workers exit, and write their last cache part, at the end of the epoch. ``since``: a dict
+    that holds ``stage_s`` at the start of the measured epoch (seconds per stage are reported
+    for that epoch only)."""
+    from feedgpu import DataLoader
+    from feedgpu.cli.bench import Subject
+    from feedgpu.imaging import pil_label
+
+    loader = DataLoader(p, batch_size=batch_size, num_workers=workers, persistent_workers=persistent,
+                        drop_last=False, cache=cache)
+
+    def extra() -> dict:
+        st = loader.stats()
+        base = (since or {}).get("stage_s", {})
+        n = max(1, st["samples"] - (since or {}).get("samples", 0))
+        return {"stage_ms_per_sample": {k: round((v - base.get(k, 0.0)) / n * 1e3, 4) for k, v in st["stage_s"].items()},
+                "skipped": st["skipped_total"], "cache_state": st["cache"], "epoch_samples": n}
+
+    return Subject(name, f"feedgpu ({pil_label()}) {name}", loader, loader.worker_pids, "cpu", loader.shutdown, extra)
+
+
+def one_run(p, a, nb: int, name: str, cache, prepare=None, steady: bool = False) -> dict:
+    """One measured epoch; repeated (``--retries``) when other processes used more than
+    ``--max-others`` % of a core meanwhile (``prepare()`` runs before every attempt). ``steady``:
+    one loader with persistent workers runs an unmeasured epoch first, then the measured one
+    (its workers have touched the batch buffers and opened the cache already)."""
+    from feedgpu.cli import bench as fb
+
+    for attempt in range(1, a.retries + 2):
+        if prepare is not None:
+            prepare()
+        waited = wait_quiet(a.quiet_wait) if a.quiet_wait > 0 else 0.0
+        since: dict = {}
+        s = subject(p, a.workers, a.batch_size, cache, name, persistent=steady, since=since)
+        skip = nb if steady else 0  # batches of the unmeasured first epoch
+        seen = [0]
+
+        def on_batch(bar) -> None:
+            seen[0] += 1
+            bar.update(1)
+            if seen[0] == skip:
+                st = s.loader.stats()
+                since.update(stage_s=dict(st["stage_s"]), samples=st["samples"])
+
+        t0 = time.perf_counter()
+        with fb.progress_bar(skip + nb, name) as bar:
+            res = fb.measure(s, nb - a.warmup, skip + a.warmup, on_batch=lambda: on_batch(bar))
+        wall = time.perf_counter() - t0  # iter() ... last batch ... workers exited (cache flushed)
+        n = res.pop("epoch_samples")
+        res.update(loader=name, epoch_samples=n, epoch_wall_s=None if steady else round(wall, 3),
+                   samples_per_s_with_startup=None if steady else n / wall, waited_for_quiet_s=waited,
+                   attempt=attempt, steady=steady)
+        if (res["others_cpu_percent"] or 0) <= a.max_others or attempt > a.retries:
+            return res
+        print(f"{name}: other processes used {res['others_cpu_percent']:.0f} % of a core during the run; "
+              "running it again", file=sys.stderr)
+        DISTURBED.append(res)
+    return res  # pragma: no cover - the loop always returns
+
+
+DISTURBED: list[dict] = []
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--images", type=int, default=2000)
+    ap.add_argument("--photos", default=str((REPO / ".." / "shared" / "data" / "photos").resolve()))
+    ap.add_argument("--data", help="dataset folder (default bench/out/imagenet-like-<images>, built if missing)")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1, help="batches before the timed window (default 1)")
+    ap.add_argument("--compression", action="append", help="repeatable (default: zstd:1, zstd:3, none)")
+    ap.add_argument("--cache-root", help="where the caches are written (default: a temporary folder on the "
+                    "disk of bench/out)")
+    ap.add_argument("--quiet-wait", type=float, default=60.0,
+                    help="before each run, wait up to this many seconds for other processes to go idle")
+    ap.add_argument("--max-others", type=float, default=25.0,
+                    help="rerun a run during which other processes used more than this %% of a core")
+    ap.add_argument("--retries", type=int, default=3, help="reruns of a disturbed run (default 3)")
+    ap.add_argument("--no-steady", action="store_true", help="skip the steady-state (persistent workers) runs")
+    ap.add_argument("--no-persistent-check", action="store_true",
+                    help="skip the extra two-epoch run with persistent workers")
+    ap.add_argument("--out", default=str(REPO / "bench" / "results"))
+    a = ap.parse_args(argv)
+    comps = a.compression or ["zstd:1", "zstd:3", "none"]
+
+    from feedgpu.cache import entries
+    from feedgpu.cache.settings import parse_compression
+    from feedgpu.cli import bench as fb
+    from feedgpu.sample_data import build_imagenet_like
+
+    for c in comps:
+        parse_compression(c)
+    t_all = time.perf_counter()
+    data = Path(a.data) if a.data else REPO / "bench" / "out" / f"imagenet-like-{a.images}"
+    if not a.data:
+        build_imagenet_like(data, a.images, photos_dir=a.photos, progress=True)
+    p = pipeline(str(data))
+    n = len(p.source)
+    nb = fb.epoch_batches(p, a.batch_size)
+    jpeg_bytes = int(p.source.sizes.sum()) if hasattr(p.source, "sizes") else None
+    print("measuring the data set", file=sys.stderr)
+    data_meta = fb.data_info(p, str(data), sample=None)
+    data_meta["jpeg_bytes_total"] = jpeg_bytes
+    machine = fb.machine_info()
+    base_root = Path(a.cache_root) if a.cache_root else REPO / "bench" / "out"
+    base_root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="cache-epochs-", dir=base_root))
+    settings = {"pipeline": str(PIPELINE.relative_to(REPO)), "stages": [s.name for s in p.stages],
+                "cached_prefix": [s.name for s in p.stages[:p.plan("cpu").cache_prefix]],
+                "workers": a.workers, "batch_size": a.batch_size, "batches_per_epoch": nb, "drop_last": False,
+                "warmup_batches": a.warmup, "timed_batches": nb - a.warmup, "rounds": a.rounds,
+                "prefetch_factor": p.prefetch_factor, "persistent_workers": "no (steady runs: yes)", "device": "cpu",
+                "compressions": comps, "cache_root": str(tmp), "quiet_wait_s": a.quiet_wait,
+                "part_bytes": 64 << 20, "max_others_percent": a.max_others, "retries": a.retries,
+                "steady_runs": not a.no_steady}
+    steady = not a.no_steady
+    runs: list[dict] = []
+    sizes: dict[str, list[dict]] = {c: [] for c in comps}
+    persistent = profile = None
+    try:
+        # one unrecorded run of each kind first: first-touch costs (imports, page cache of the JPEGs)
+        print("warm-up runs (not recorded)", file=sys.stderr)
+        one_run(p, a, nb, "no_cache", False)
+        one_run(p, a, nb, f"fill:{comps[0]}", {"dir": str(tmp / "warm"), "compression": comps[0]})
+        shutil.rmtree(tmp / "warm")
+        for r in range(a.rounds):
+            order = comps[r % len(comps):] + comps[:r % len(comps)]
+
+            def record(res: dict) -> dict:
+                res["round"] = r + 1
+                runs.append(res)
+                return res
+
+            record(one_run(p, a, nb, "no_cache", False))
+            if steady:
+                record(one_run(p, a, nb, "no_cache_steady", False, steady=True))
+            for c in order:
+                root = tmp / f"round{r + 1}-{c.replace(':', '')}"
+                cache = {"dir": str(root), "compression": c}
+                record(one_run(p, a, nb, f"fill:{c}", cache, prepare=lambda root=root: shutil.rmtree(root, ignore_errors=True)))
+                es = entries(root)
+                assert len(es) == 1 and es[0]["rows"] == n, f"the fill did not cache every sample: {es}"
+                sizes[c].append({"bytes": es[0]["bytes"], "parts": es[0]["parts"], "rows": es[0]["rows"]})
+                for kind in ("read", "read_steady") if steady else ("read",):
+                    res = record(one_run(p, a, nb, f"{kind}:{c}", cache, steady=kind == "read_steady"))
+                    decoded = res["stage_ms_per_sample"].get("decode", 0.0)
+                    assert decoded == 0.0, f"{kind} decoded images ({decoded} ms/sample): not read from the cache"
+                shutil.rmtree(root)
+        if not a.no_persistent_check:
+            persistent = persistent_check(p, a, tmp / "persistent", comps[0], n)
+        print("fill cost profile (one process)", file=sys.stderr)
+        wait_quiet(a.quiet_wait)
+        profile = fill_profile(p, comps)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    kinds = ("fill", "read", "read_steady") if steady else ("fill", "read")
+    names = ["no_cache"] + (["no_cache_steady"] if steady else []) + [f"{k}:{c}" for c in comps for k in kinds]
+    summary = {}
+    med = statistics.median
+
+    def med_or_none(xs):
+        xs = [x for x in xs if x is not None]
+        return med(xs) if xs else None
+
+    for name in names:
+        rs = [r for r in runs if r["loader"] == name]
+        stages = rs[0]["stage_ms_per_sample"].keys()
+        summary[name] = {
+            "samples_per_s": med(r["samples_per_s"] for r in rs),
+            "samples_per_s_min": min(r["samples_per_s"] for r in rs),
+            "samples_per_s_max": max(r["samples_per_s"] for r in rs),
+            "samples_per_s_with_startup": med_or_none(r["samples_per_s_with_startup"] for r in rs),
+            "epoch_wall_s": med_or_none(r["epoch_wall_s"] for r in rs),
+            "first_batch_s": med(r["first_batch_s"] for r in rs),
+            "cpu_percent": med(r["cpu_percent"] for r in rs),
+            "uss_mb_per_worker": med(u for r in rs for u in (r["uss_mb_per_worker"] or [0])),
+            "rss_peak_mb_per_worker": max(u for r in rs for u in r["rss_peak_mb_per_worker"]),
+            "others_cpu_percent": med(r["others_cpu_percent"] or 0 for r in rs),
+            "stage_ms_per_sample": {k: round(med(r["stage_ms_per_sample"].get(k, 0.0) for r in rs), 4) for k in stages},
+        }
+    per_comp = {}
+    for c in comps:
+        read_x, write_cost, read_x_su, write_cost_su = [], [], [], []
+        for r in range(1, a.rounds + 1):
+            get = {q["loader"]: q for q in runs if q["round"] == r}
+            base, fill, read = get["no_cache"], get[f"fill:{c}"], get[f"read:{c}"]
+            read_x.append(read["samples_per_s"] / base["samples_per_s"])
+            write_cost.append(base["samples_per_s"] / fill["samples_per_s"] - 1)
+            read_x_su.append(read["samples_per_s_with_startup"] / base["samples_per_s_with_startup"])
+            write_cost_su.append(base["samples_per_s_with_startup"] / fill["samples_per_s_with_startup"] - 1)
+        steady_x, train_x = [], []
+        if steady:
+            for r in range(1, a.rounds + 1):
+                get = {q["loader"]: q for q in runs if q["round"] == r}
+                steady_x.append(get[f"read_steady:{c}"]["samples_per_s"] / get["no_cache_steady"]["samples_per_s"])
+                train_x.append(get[f"read_steady:{c}"]["samples_per_s"] / get["no_cache"]["samples_per_s"])
+        b = med(s["bytes"] for s in sizes[c])
+        s_no, s_fill, s_read = summary["no_cache"], summary[f"fill:{c}"], summary[f"read:{c}"]
+        per_comp[c] = {
+            "read_speedup": s_read["samples_per_s"] / s_no["samples_per_s"],
+            "read_speedup_per_round": _mmm(read_x),
+            "write_cost": s_no["samples_per_s"] / s_fill["samples_per_s"] - 1,
+            "write_cost_per_round": _mmm(write_cost),
+            "read_speedup_with_startup": s_read["samples_per_s_with_startup"] / s_no["samples_per_s_with_startup"],
+            "read_speedup_with_startup_per_round": _mmm(read_x_su),
+            "write_cost_with_startup": s_no["samples_per_s_with_startup"] / s_fill["samples_per_s_with_startup"] - 1,
+            "write_cost_with_startup_per_round": _mmm(write_cost_su),
+            "read_speedup_steady": (summary[f"read_steady:{c}"]["samples_per_s"] / summary["no_cache_steady"]["samples_per_s"]
+                                    if steady else None),
+            "read_speedup_steady_per_round": _mmm(steady_x) if steady else None,
+            # a training run: its epoch 2 (persistent workers, from the cache) over its epoch 1 (from JPEG)
+            "epoch2_steady_over_epoch1": (summary[f"read_steady:{c}"]["samples_per_s"] / summary["no_cache"]["samples_per_s"]
+                                          if steady else None),
+            "epoch2_steady_over_epoch1_per_round": _mmm(train_x) if steady else None,
+            "cache_bytes": b, "cache_bytes_per_image": b / n, "cache_parts": sizes[c][0]["parts"],
+            "cache_over_jpeg": b / jpeg_bytes if jpeg_bytes else None,
+        }
+        pc = per_comp[c]
+        pc["meets_read_target"] = pc["read_speedup"] >= TARGET_READ
+        pc["meets_write_target"] = pc["write_cost"] <= TARGET_WRITE
+    total = time.perf_counter() - t_all
+    doc = {"format": "feedgpu.bench.cache_epochs/1", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+           "command": "python bench/cache_epochs.py " + " ".join(sys.argv[1:] if argv is None else argv),
+           "targets": {"read_speedup_min": TARGET_READ, "write_cost_max": TARGET_WRITE},
+           "machine": machine, "data": data_meta, "settings": settings, "summary": summary,
+           "per_compression": per_comp, "persistent_workers_check": persistent,
+           "fill_profile": profile, "runs": runs,
+           "disturbed_runs_repeated": DISTURBED,
+           "total_seconds": round(total, 1)}
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cache_epochs.json").write_text(json.dumps(doc, indent=2) + "\n")
+    (out / "cache_epochs.md").write_text(markdown(doc))
+    print(markdown(doc))
+    print(f"wrote {out / 'cache_epochs.json'} and {out / 'cache_epochs.md'} ({total:.0f} s)", file=sys.stderr)
+    return 0
+
+
+def fill_profile(p, comps: list[str], n_rows: int = 450) -> dict:
+    """What filling costs per sample, without a loader (one process): the prefix output of the
+    first ``n_rows`` images (about one 64 MiB part at zstd:1) encoded row by row, assembled into
+    an Arrow IPC part in memory (``part_bytes``: table, IPC file, blake2b of it), then written as
+    the cache writes it (temporary file, fsync, rename)."""
+    import hashlib
+
+    import numpy as np
+
+    from feedgpu.cache import manifest as mf
+    from feedgpu.cache.parts import RowEncoder, part_bytes
+    from feedgpu.cache.settings import parse_compression
+
+    plan = p.plan("cpu")
+    prefix = plan.sample_stages[:plan.cache_prefix]
+    arrays = []
+    for i in range(min(n_rows, len(p.source))):
+        x = p.source.read(i).payload
+        for st in prefix:
+            x = st.apply(x, None)
+        arrays.append(np.asarray(x))
+    out = {"rows": len(arrays), "raw_mib": sum(a.nbytes for a in arrays) / 2**20}
+    tmp = Path(tempfile.mkdtemp(prefix="fill-profile-", dir=REPO / "bench" / "out"))
+    try:
+        for c in comps:
+            enc = RowEncoder(*parse_compression(c))
+            rows = {k: [] for k in ("index", "key", "label", "height", "width", "check", "data")}
+            t0 = time.perf_counter()
+            for i, arr in enumerate(arrays):
+                data, check = enc.encode(arr)
+                for k, v in zip(rows, (i, str(i), 0, arr.shape[0], arr.shape[1], check, data)):
+                    rows[k].append(v)
+            t1 = time.perf_counter()
+            buf, _ = part_bytes(rows, enc)
+            t2 = time.perf_counter()
+            hashlib.blake2b(buf, digest_size=16).hexdigest()
+            t3 = time.perf_counter()
+            mf.write_atomic(tmp / "part.arrow", buf)
+            t4 = time.perf_counter()
+            k = len(arrays) / 1e3
+            out[c] = {"encode_ms": (t1 - t0) / k, "part_bytes_ms": (t2 - t1) / k, "of_which_blake2b_ms": (t3 - t2) / k,
+                      "write_fsync_rename_ms": (t4 - t3) / k, "part_mib": len(buf) / 2**20}
+            out[c]["total_ms"] = out[c]["encode_ms"] + out[c]["part_bytes_ms"] + out[c]["write_fsync_rename_ms"]
+            (tmp / "part.arrow").unlink()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def persistent_check(p, a, root: Path, compression: str, n: int) -> dict:
+    """Two epochs of one loader with persistent workers (the pipeline's default), as a training
+    loop runs them: does epoch 2 read the cache filled by epoch 1?"""
+    from feedgpu import DataLoader
+
+    wait_quiet(a.quiet_wait)
+    loader = DataLoader(p, batch_size=a.batch_size, num_workers=a.workers, persistent_workers=True,
+                        drop_last=False, cache={"dir": str(root), "compression": compression})
+    out = {"compression": compression, "epochs": []}
+    prev = {}
+    for e in range(2):
+        t0 = time.perf_counter()
+        k = sum(len(b.labels) for b in loader)
+        dt = time.perf_counter() - t0
+        st = loader.stats()
+        stage = {key: round((v - prev.get(key, 0.0)) / k * 1e3, 4) for key, v in st["stage_s"].items()}
+        prev = dict(st["stage_s"])
+        out["epochs"].append({"epoch": e + 1, "samples": k, "seconds": round(dt, 3), "samples_per_s": k / dt,
+                              "cached_after": st["cache"]["cached"], "stage_ms_per_sample": stage})
+    loader.shutdown()
+    from feedgpu.cache import entries
+
+    es = entries(root)
+    out["rows_stored_after_shutdown"] = es[0]["rows"] if es else 0
+    out["samples"] = n
+    return out
+
+
+def _mmm(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+# -- the report --------------------------------------------------------------------------------------
+def _f(v, spec: str) -> str:
+    return "–" if v is None else format(v, spec)
+
+
+def _label(name: str) -> str:
+    if name == "no_cache":
+        return "epoch 1 from JPEG (`cache=False`)"
+    if name == "no_cache_steady":
+        return "steady: epoch 2 from JPEG, persistent workers"
+    kind, _, c = name.partition(":")
+    return {"fill": f"epoch 1 filling `{c}`", "read": f"epoch 2 from `{c}`",
+            "read_steady": f"steady: epoch 2 from `{c}`, persistent workers"}[kind]
+
+
+def markdown(doc: dict) -> str:
+    m, d, s, su, pc = doc["machine"], doc["data"], doc["settings"], doc["summary"], doc["per_compression"]
+    t = doc["targets"]
+    comps = s["compressions"]
+    mib = 2**20
+    lines = ["# Cache benchmark: epoch 1 from JPEG files vs epoch 2 from the local cache", "",
+             f"Recorded {doc['created']} with `{doc['command'].strip()}` ({doc['total_seconds']:.0f} s). "
+             "Raw numbers, every run: `cache_epochs.json`.", ""]
+    ok = [c for c in comps if pc[c]["meets_read_target"] and pc[c]["meets_write_target"]]
+    for c in comps:
+        x = pc[c]
+        steady = (f"; with persistent workers, a training run's epoch 2 from the cache / its epoch 1 from JPEG "
+                  f"{x['epoch2_steady_over_epoch1']:.2f}×, steady epoch / steady epoch {x['read_speedup_steady']:.2f}×"
+                  if x.get("read_speedup_steady") else "")
+        lines.append(f"- `{c}`: epoch 2 / epoch 1 **{x['read_speedup']:.2f}×** (target ≥ {t['read_speedup_min']:.0f}×: "
+                     f"{'met' if x['meets_read_target'] else 'not met'}{steady}), write cost **{x['write_cost'] * 100:+.0f} %** "
+                     f"(target ≤ {t['write_cost_max'] * 100:.0f} %: {'met' if x['meets_write_target'] else 'not met'}), "
+                     f"{x['cache_bytes'] / mib:.0f} MiB on disk ({x['cache_over_jpeg']:.2f}× the JPEGs)")
+    lines += ["", "Meets both targets: " + (", ".join(f"`{c}`" for c in ok) if ok else "**none**") + ".", ""]
+    lines += ["## Setup", "",
+              f"- Machine: {m['cpus_usable']} CPUs ({m['cpu_model']}), {m['ram_gb']} GB RAM, {m['platform']}; "
+              f"Python {m['python']}, torch {m['torch']}, PIL: {m['pil_label']}.",
+              f"- Data: {d['images']} ImageNet-like JPEGs (`feedgpu.sample_data.build_imagenet_like` from "
+              f"`../shared/data/photos`; `{d['path']}`): {_f(d['jpeg_bytes_total'] and d['jpeg_bytes_total'] / mib, '.1f')} MiB, "
+              f"mean {_f(d['mean_bytes'] and d['mean_bytes'] / 1024, '.1f')} KB, {d['mean_width']}×{d['mean_height']} px "
+              f"({d['mean_megapixels']} MP).",
+              f"- Pipeline: `{s['pipeline']}`: {' → '.join(s['stages'])}; cached prefix: {' → '.join(s['cached_prefix'])} "
+              "(uint8 HWC, short side 256); random resized crop 224 + flip + normalize to float32 NCHW run every epoch.",
+              f"- Loader: {s['workers']} workers, batch {s['batch_size']}, prefetch {s['prefetch_factor']}, shuffle, "
+              f"drop_last=False ({s['batches_per_epoch']} batches per epoch, the last one partial), output on the CPU. "
+              "Cache parts of 64 MiB, each written to a temporary file, fsynced, renamed, then listed in the manifest.",
+              f"- Rounds: one unrecorded warm-up run each of `no_cache` and a fill, then {s['rounds']} rounds. Each round: "
+              "`no_cache`, then per compression (order rotated per round) `fill` → `read`. Every fill starts from an empty "
+              "cache directory; every read is a new loader on the cache the fill just wrote (in the page cache). These "
+              "runs use a new loader with non-persistent workers each: each run is that loader's first epoch. Medians "
+              "over rounds.",
+              "- *steady* runs: one loader with persistent workers runs an unmeasured epoch, then the measured one (its "
+              "workers have already touched the shared batch buffers, ~0.3 ms of page faults per float32 sample in a "
+              "new worker, and opened the cache). It is what epochs 2, 3, ... of a training run cost — for the cache once "
+              "epoch 1 of the same loader fills it, which it does not do today with persistent workers (see below), so "
+              "the steady cache runs read a cache filled by an earlier loader.",
+              f"- samples/s: from the first batch to the last ({s['timed_batches']} batches; worker start-up and the "
+              "first batch excluded); the fill's last parts are written when its workers exit, inside the last batch's "
+              "wait. *incl. start-up*: the whole epoch from `iter(loader)` until the workers have exited.",
+              f"- Runs during which other processes used more than {s['max_others_percent']:.0f} % of a core were "
+              f"repeated (up to {s['retries']} times; {len(doc['disturbed_runs_repeated'])} repeated, kept in the JSON).", ""]
+    lines += ["## Results (medians over rounds)", "",
+              "| run | samples/s (min–max) | samples/s incl. start-up | epoch wall s | 1st batch s | CPU % "
+              "| USS / worker MB | RSS peak / worker MB |",
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, x in su.items():
+        lines.append(f"| {_label(name)} | **{x['samples_per_s']:.0f}** "
+                     f"({x['samples_per_s_min']:.0f}–{x['samples_per_s_max']:.0f}) | "
+                     f"{_f(x['samples_per_s_with_startup'], '.0f')} | {_f(x['epoch_wall_s'], '.2f')} | "
+                     f"{x['first_batch_s']:.2f} | {x['cpu_percent']:.0f} | {x['uss_mb_per_worker']:.0f} | "
+                     f"{x['rss_peak_mb_per_worker']:.0f} |")
+    lines += ["", "| compression | epoch 2 / epoch 1 | per round median (min–max) | incl. start-up | steady epoch 2 / epoch 1 "
+              "| steady / steady | write cost | per round median (min–max) | incl. start-up | on disk MiB | KB / image "
+              "| × JPEG size | parts |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for c in comps:
+        x = pc[c]
+        rr, wr = x["read_speedup_per_round"], x["write_cost_per_round"]
+        lines.append(f"| `{c}` | **{x['read_speedup']:.2f}×** | {rr['median']:.2f}× ({rr['min']:.2f}–{rr['max']:.2f}) | "
+                     f"{x['read_speedup_with_startup']:.2f}× | {_f(x.get('epoch2_steady_over_epoch1'), '.2f')}× | "
+                     f"{_f(x.get('read_speedup_steady'), '.2f')}× | "
+                     f"**{x['write_cost'] * 100:+.0f} %** | "
+                     f"{wr['median'] * 100:+.0f} % ({wr['min'] * 100:+.0f} – {wr['max'] * 100:+.0f}) | "
+                     f"{x['write_cost_with_startup'] * 100:+.0f} % | {x['cache_bytes'] / mib:.1f} | "
+                     f"{x['cache_bytes_per_image'] / 1024:.1f} | {_f(x['cache_over_jpeg'], '.2f')} | {x['cache_parts']} |")
+    lines += ["", "*epoch 2 / epoch 1*: `read` ÷ `no_cache`, both a new loader's first epoch (the target's measure). "
+              "*steady epoch 2 / epoch 1*: `read_steady` ÷ `no_cache`, i.e. a training run with persistent workers, "
+              "its epoch 2 from the cache over its epoch 1 from JPEG. *steady / steady*: `read_steady` ÷ "
+              "`no_cache_steady`, epochs 2+ with the cache over epochs 2+ without it.", "",
+              "Write cost = (time of the filling epoch ÷ time of the uncached epoch) − 1, from samples/s. "
+              "On disk: the whole entry (parts, manifest, lock, last_used) after the fill.", ""]
+    stages = list(dict.fromkeys(k for x in su.values() for k in x["stage_ms_per_sample"]))
+    lines += ["## Where the time goes", "",
+              "ms per sample in the workers (`loader.stats()[\"stage_s\"]` ÷ samples; summed over the 2 workers, so "
+              "2 workers deliver about 2000 ÷ sum samples/s), median over rounds:", "",
+              "| run | " + " | ".join(stages) + " | sum |", "| --- |" + " ---: |" * (len(stages) + 1)]
+    for name, x in su.items():
+        sp = x["stage_ms_per_sample"]
+        cells = " | ".join(f"{sp.get(k, 0.0):.3f}" for k in stages)
+        lines.append(f"| {_label(name)} | {cells} | {sum(sp.values()):.3f} |")
+    lines += ["", "`read`: the encoded file; `cache`: when reading, the cached row (decompress or CRC32 check) as a PIL "
+              "image; when filling, the row encoded (zstd or CRC32), buffered, and every 64 MiB the part written (Arrow "
+              "table, IPC file in memory, blake2b, write, fsync, rename, manifest update); `write`: the crop's output to "
+              "numpy and normalize to float32 NCHW into the shared batch buffer (with a new worker's page faults on it).", ""]
+    pw = doc.get("persistent_workers_check")
+    if pw:
+        e1, e2 = pw["epochs"]
+        lines += ["## One loader, two epochs, persistent workers (the pipeline default)", "",
+                  f"`DataLoader(p, persistent_workers=True, cache={{'compression': '{pw['compression']}', ...}})` on an empty "
+                  f"cache, two epochs in a row, as a training loop runs them: epoch 1 {e1['samples_per_s']:.0f} samples/s, "
+                  f"cached after it: {e1['cached_after']} of {pw['samples']}; epoch 2 {e2['samples_per_s']:.0f} samples/s, "
+                  f"decode {e2['stage_ms_per_sample'].get('decode', 0):.2f} ms/sample (every sample decoded would be "
+                  f"{su['no_cache']['stage_ms_per_sample'].get('decode', 0):.2f}), cached after it: {e2['cached_after']}; "
+                  f"rows stored after shutdown: {pw['rows_stored_after_shutdown']} for {pw['samples']} samples. Workers "
+                  "write a part only when their buffer reaches 64 MiB or when they exit, and persistent workers exit at "
+                  "shutdown, so epoch 2 reads only the full parts and buffers the rest again (stored twice).", ""]
+    fp = doc.get("fill_profile")
+    if fp:
+        lines += ["## What filling costs (one process, no loader)", "",
+                  f"The prefix output of the first {fp['rows']} images ({fp['raw_mib']:.0f} MiB of pixels), encoded, "
+                  "assembled into one part and written as the cache does it; ms per sample:", "",
+                  "| compression | encode row | assemble part (Arrow table + IPC in memory + blake2b) | of which blake2b "
+                  "| write + fsync + rename | total | part MiB |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for c in comps:
+            x = fp[c]
+            lines.append(f"| `{c}` | {x['encode_ms']:.3f} | {x['part_bytes_ms']:.3f} | {x['of_which_blake2b_ms']:.3f} | "
+                         f"{x['write_fsync_rename_ms']:.3f} | **{x['total_ms']:.3f}** | {x['part_mib']:.1f} |")
+        lines.append("")
+    lines += analysis(doc)
+    others = max(x["others_cpu_percent"] for x in su.values())
+    lines += ["## Noise", "",
+              f"Other processes used up to {others:.0f} % of a core (median over a kind's runs, worst kind) during "
+              "the timed windows (`others_cpu_percent`, `steal_percent` per run in the JSON). A shared 2-core VM "
+              "varies ±10–15 % run to run; read the min–max and per-round columns.", ""]
+    return "\n".join(lines)
+
+
+def analysis(doc: dict) -> list[str]:
+    """Where epoch 2 and the filling epoch lose against the targets, from this run's numbers."""
+    su, t = doc["summary"], doc["targets"]
+    comps = doc["settings"]["compressions"]
+    base = su["no_cache"]["stage_ms_per_sample"]
+    base_sum = sum(base.values())
+    budget_read = base_sum / t["read_speedup_min"]
+    budget_write = base_sum * t["write_cost_max"]
+    lines = ["## Why the targets are missed, and ideas", "",
+             f"Epoch 1 from JPEG costs {base_sum:.2f} ms of worker time per sample (decode {base.get('decode', 0):.2f}, "
+             f"resize {base.get('resize', 0):.2f}, crop {base.get('random_resized_crop', 0):.2f}, flip "
+             f"{base.get('horizontal_flip', 0):.2f}, write {base.get('write', 0):.2f}). A 4× epoch 2 has "
+             f"{budget_read:.2f} ms per sample; a ≤ {t['write_cost_max'] * 100:.0f} % write cost leaves "
+             f"{budget_write:.2f} ms per sample for caching.", ""]
+    rows = []
+    for c in comps:
+        for name in (f"read:{c}", f"read_steady:{c}"):
+            if name in su:
+                sp = su[name]["stage_ms_per_sample"]
+                rows.append(f"- `{name}`: {sum(sp.values()):.2f} ms = cache read {sp.get('cache', 0):.2f} + crop "
+                            f"{sp.get('random_resized_crop', 0):.2f} + flip {sp.get('horizontal_flip', 0):.2f} + write "
+                            f"{sp.get('write', 0):.2f} (budget {budget_read:.2f}).")
+    lines += ["Epoch 2, ms per sample:", ""] + rows + [""]
+
+    def cache_ms(c: str) -> str:
+        return f"{su[f'read:{c}']['stage_ms_per_sample'].get('cache', 0):.2f}" if f"read:{c}" in su else "?"
+
+    zstd = [c for c in comps if c.startswith("zstd")]
+    read_zstd = " / ".join(f"{cache_ms(c)} ms (`{c}`)" for c in zstd) or "–"
+    read_none = f"{cache_ms('none')} ms" if "none" in comps else "–"
+    fills = [su[f"fill:{c}"]["uss_mb_per_worker"] for c in comps]
+    extra_mem = statistics.median(fills) - su["no_cache"]["uss_mb_per_worker"]
+    fp = doc.get("fill_profile") or {}
+    enc1 = next((f"{fp[c]['encode_ms']:.2f} ms (`{c}`)" for c in zstd if c in fp), "–")
+    encn = f"{fp['none']['encode_ms']:.2f} ms" if "none" in fp else "–"
+    first = su["no_cache"]["stage_ms_per_sample"].get("write", 0)
+    steady = su.get("no_cache_steady", {}).get("stage_ms_per_sample", {}).get("write")
+    lines += [
+        "Epoch 2 ideas, largest first:",
+        "",
+        "1. **Persistent workers must read in epoch 2 what they wrote in epoch 1.** Today a worker writes its buffered "
+        "rows only at 64 MiB or when it exits; with persistent workers (the default) it exits at shutdown, so the "
+        "training run's epoch 2 decodes the tail again and stores it twice (see above; on a data set under "
+        "64 MiB per worker nothing is read from the cache in the same run). Flushing at the end of each epoch "
+        "(e.g. each worker flushes when the epoch's last task is done, or the loader sends one flush task per "
+        "worker when an epoch ends) makes the *steady* column the real epoch 2.",
+        "2. **`write` (normalize to float32 into the shared batch) is the largest stage of a cached epoch**: "
+        f"{first:.2f} ms per sample in a loader's first epoch"
+        + (f" against {steady:.2f} ms in its later epochs: the difference is page faults of fresh workers on the "
+           "shared buffers." if steady is not None else ".") + " Pre-faulting the slots in each worker after fork (e.g. "
+        "`madvise(MADV_POPULATE_WRITE)` once per worker) would remove that from epoch 1 and from every new loader. "
+        "With a GPU, normalize runs on the device and only uint8 is written on the CPU.",
+        f"3. **Cache read**: zstd decompression of a 256 px image costs {read_zstd}; `none` costs {read_none} (CRC32 "
+        "of the raw row + wrapping the mapped bytes). Only `none` comes near the budget. The CRC could be checked once "
+        "per row group or once per part on first use per process instead of per read, or with a faster checksum "
+        "(crc32c/xxh3).",
+        "4. **Crop + flip** (~0.2 ms): fold the flip into the normalize write (a reversed-stride view) and crop "
+        "straight from the mapped pixels; a smaller cached side (e.g. 160–192 px instead of 256) cuts read and "
+        "crop cost roughly by the pixel count.",
+        "",
+        "Filling ideas (the write cost is CPU on a machine whose cores the workers already use):",
+        "",
+        "1. **Stream the part to its temporary file** (`pa.ipc.new_file` on a `pa.OSFile`, a record batch every few "
+        "MiB) instead of building a 64 MiB table, an in-memory IPC file and a `bytes` copy of it: removes most of "
+        f"the *assemble* column and much of the {extra_mem:.0f} MB more memory per filling worker (USS of fill vs "
+        "no-cache runs above).",
+        "2. **A cheaper part checksum**: blake2b over 64 MiB costs as much as the Arrow work; crc32 (zlib) is ~4× "
+        "faster, or hash the small columns only and rely on the per-row checks for the pixels (which would also "
+        "close the gap that a damaged label/index column is not detected).",
+        "3. **fsync once per part off the critical path** (a writer thread; the rename and the manifest update wait "
+        "for it) — the write + fsync column.",
+        f"4. **zstd encoding costs {enc1} per sample** on this CPU — more than the whole write budget. Without "
+        f"compression (`none`) the encode is a copy + CRC32 ({encn}); zstd's fast negative levels, or compressing "
+        "in a second pass when the machine is idle, are the options if disk size matters.",
+        "",
+    ]
+    return lines
+
+
+if __name__ == "__main__":
+    sys.exit(main())
