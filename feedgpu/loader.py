@@ -352,14 +352,16 @@ class DataLoader:
     def _acquire_pool(self) -> ProcessPool:
         if self._pool is None or self._pool.closed:
             work = self._make_work()
-            self._pool = ProcessPool(work.handle, self.num_workers, self.worker_init_fn, on_exit=work.on_exit)
+            # with a cache, workers get time to write their last rows when they stop
+            self._pool = ProcessPool(work.handle, self.num_workers, self.worker_init_fn, on_exit=work.on_exit,
+                                     grace_s=10.0 if self.cache_settings is not None else 1.0)
         return self._pool
 
     def _release_pool(self, force: bool = False) -> None:
         """Stop the workers unless they persist; ``force`` also frees the batch buffers, which
         otherwise outlive the pool and serve the next epoch's workers (no new page faults)."""
         if self._pool is not None and (force or not self.persistent_workers):
-            self._pool.close(grace_s=10.0 if self.cache_settings is not None else 1.0)  # time to flush the cache
+            self._pool.close()
             self._pool = None
         if force and self._work is not None:
             self._work.close()
@@ -506,7 +508,20 @@ class _EpochIterator:
         self.ready.clear()
         if self.inline:
             self.work.on_exit()  # workers do this when they stop
+        elif keep_pool and self.loader.cache_settings is not None and not self.pool.closed:
+            self._flush_workers()
         self.loader._release_pool()
+
+    def _flush_workers(self) -> None:
+        """Persistent workers write what they cached this epoch, so the next one reads it."""
+        try:
+            for tag, seq, _, _, _ in self.pool.flush():
+                orphan = self.work.orphans.pop((tag, seq), None)
+                if orphan is not None:
+                    self.work.discard(orphan)
+        except Exception as e:  # noqa: BLE001 - the cache is an optimisation: never fail training
+            warnings.warn(f"feedgpu cache: workers could not write their rows at the end of the epoch ({e})",
+                          stacklevel=3)
 
     def __del__(self):
         try:

@@ -11,6 +11,7 @@ corrupted. A part that fails to open or a row that fails its checksum is dropped
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import shutil
@@ -22,11 +23,13 @@ from pathlib import Path
 import numpy as np
 
 from . import manifest as mf
-from .parts import CorruptRow, Part, RowEncoder, file_digest, part_bytes
+from .parts import CorruptPart, CorruptRow, Part, PartWriter, RowEncoder, file_crc32
 from .settings import CacheSettings, parse_compression
 
 log = logging.getLogger("feedgpu.cache")
 STRAY_AGE_S = 3600
+BATCH_BYTES = 8 << 20   # rows are streamed to the part file in record batches of about this size
+INUSE = ".inuse"
 COLUMNS = ("index", "key", "label", "height", "width", "check", "data")
 
 
@@ -55,9 +58,27 @@ class CacheEntry:
         self._encoder = RowEncoder(*parse_compression(settings.compression))
         self._pid = os.getpid()
         self._reset_buffer()
-        self.full = False
+        self.full = False       # over the budget, or the entry vanished: stop adding
         (self.dir / "last_used").touch(mode=0o644)
+        # A shared lock on .inuse for as long as this entry is open (inherited by forked workers):
+        # eviction and `cache clear` skip entries someone holds.
+        self._inuse = os.open(self.dir / INUSE, os.O_RDONLY | os.O_CREAT, 0o644)
+        fcntl.flock(self._inuse, fcntl.LOCK_SH)
         self.refresh()
+
+    def close(self) -> None:
+        """Release the entry (its in-use lock); buffered rows are written first."""
+        if getattr(self, "_inuse", None) is None:
+            return
+        if self._pid == os.getpid():
+            self.flush()
+        os.close(self._inuse)
+        self._inuse = None
+
+    def __del__(self):
+        with contextlib.suppress(Exception):
+            if getattr(self, "_inuse", None) is not None:
+                os.close(self._inuse)
 
     # -- reading ------------------------------------------------------------------------------
     def refresh(self) -> None:
@@ -77,8 +98,8 @@ class CacheEntry:
             if p["name"] in self._loaded:
                 continue
             try:
-                part = Part(str(self.dir / p["name"]))
-            except (OSError, ValueError) as e:  # missing or truncated: pa.ArrowInvalid is a ValueError
+                part = Part(str(self.dir / p["name"]), p.get("meta_crc32"))
+            except (OSError, ValueError, CorruptPart) as e:  # missing, truncated or damaged
                 log.warning("cache part %s is unreadable (%s); dropped, its samples are recomputed", p["name"], e)
                 bad.append(p["name"])
                 continue
@@ -111,6 +132,7 @@ class CacheEntry:
             return None
 
     def label(self, index: int) -> int:
+        """The cached label (covered by the part's meta checksum)."""
         pid = self.part_of[index]
         return int(self.parts[pid].labels[self.row_of[index]])
 
@@ -131,7 +153,9 @@ class CacheEntry:
     def _reset_buffer(self) -> None:
         self._rows = {c: [] for c in COLUMNS}
         self._bytes = 0
+        self._buffered: set[int] = set()
         self._quarantine: list[dict] = []
+        self._part: PartWriter | None = None
 
     def _own(self) -> None:
         if self._pid != os.getpid():  # forked: the parent's buffer is not ours to write
@@ -139,9 +163,10 @@ class CacheEntry:
             self._reset_buffer()
 
     def put(self, index: int, key: str, label: int, pixels: np.ndarray) -> None:
-        """Buffer a computed sample; a part is written when the buffer reaches ``part_bytes``."""
+        """Add a computed sample. Rows stream to the part file in ~8 MiB record batches; the part
+        is closed and listed at ``part_bytes``, on :meth:`flush` and when the worker stops."""
         self._own()
-        if self.full or self.part_of[index] >= 0:
+        if self.full or self.part_of[index] >= 0 or index in self._buffered:
             return
         data, check = self._encoder.encode(pixels)
         r = self._rows
@@ -152,9 +177,12 @@ class CacheEntry:
         r["width"].append(pixels.shape[1])
         r["check"].append(check)
         r["data"].append(data)
+        self._buffered.add(index)
         self._bytes += len(data)
-        if self._bytes >= self.settings.part_bytes:
-            self.flush()
+        if self._bytes >= min(BATCH_BYTES, self.settings.part_bytes):
+            self._write_batch()
+            if self._part is not None and self._part.bytes >= self.settings.part_bytes:
+                self.flush()
 
     def quarantine(self, index: int, key: str, reason: str) -> None:
         """Record a sample that cannot be decoded; later epochs skip it without reading it."""
@@ -163,21 +191,49 @@ class CacheEntry:
             self.quarantined[index] = (key, reason)
             self._quarantine.append({"index": index, "key": key, "reason": reason})
 
-    def flush(self) -> None:
-        """Write buffered rows as a part (temporary name, fsync, rename) and list it."""
-        self._own()
-        if not self._rows["index"] and not self._quarantine:
+    def _write_batch(self) -> None:
+        if not self._rows["index"]:
             return
+        try:
+            if self._part is None:
+                self._part = PartWriter(self.dir, f"part-{uuid.uuid4().hex}.arrow", self._encoder)
+            self._part.write(self._rows)
+        except OSError as e:
+            self._give_up(e)
+        self._rows = {c: [] for c in COLUMNS}
+        self._bytes = 0
+
+    def flush(self) -> None:
+        """Close the current part (renamed into place) and list it, with new quarantined samples,
+        in the manifest. A failure (the entry deleted or the disk full) stops caching with a
+        warning; training goes on."""
+        self._own()
+        if self.full:
+            return
+        self._write_batch()
         add = []
-        if self._rows["index"]:
-            buf, digest = part_bytes(self._rows, self._encoder)
-            name = f"part-{uuid.uuid4().hex}.arrow"
-            mf.write_atomic(self.dir / name, buf)
-            add.append({"name": name, "rows": len(self._rows["index"]), "bytes": len(buf), "blake2b": digest})
-        quarantine = self._quarantine
-        self._reset_buffer()
-        mf.update(self.dir, self._init, add_parts=add, add_quarantine=quarantine)
-        self._enforce_budget()
+        part, self._part = self._part, None
+        try:
+            if part is not None:
+                add.append(part.close())
+            if add or self._quarantine:
+                mf.update(self.dir, self._init, add_parts=add, add_quarantine=self._quarantine)
+        except OSError as e:
+            self._give_up(e)
+            return
+        self._quarantine = []
+        self._buffered.clear()
+        if add:
+            self._enforce_budget()
+
+    def _give_up(self, error: OSError) -> None:
+        if self._part is not None:
+            with contextlib.suppress(OSError):
+                self._part.abort()
+            self._part = None
+        self.full = True
+        warnings.warn(f"feedgpu cache: cannot write to {self.dir} ({error}); caching stops for this run",
+                      stacklevel=3)
 
     def _enforce_budget(self) -> None:
         budget = self.settings.max_size
@@ -213,18 +269,47 @@ def entries(root: Path) -> list[dict]:
     return out
 
 
+@contextlib.contextmanager
+def _unused(entry: Path):
+    """Yields True while holding ``entry`` exclusively, False when a process has it open."""
+    try:
+        fd = os.open(entry / INUSE, os.O_RDONLY | os.O_CREAT, 0o644)
+    except OSError:
+        yield True
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
+
+
+def _remove(entry: Path) -> bool:
+    """Delete an entry unless a process has it open; True when deleted."""
+    with _unused(entry) as free:
+        if not free:
+            log.info("cache entry %s is in use; not removed", entry.name)
+            return False
+        with mf.locked(entry):
+            shutil.rmtree(entry, ignore_errors=True)
+        return True
+
+
 def evict_lru(root: Path, budget: int, keep: str | None = None) -> list[str]:
-    """Remove least recently used entries (never ``keep``) until the root fits ``budget``."""
+    """Remove least recently used entries (never ``keep``, nor one a process has open) until the
+    root fits ``budget``."""
     es = entries(root)
     total = sum(e["bytes"] for e in es)
     removed = []
     for e in sorted(es, key=lambda e: e["last_used"]):
         if total <= budget:
             break
-        if e["fingerprint"] == keep:
+        if e["fingerprint"] == keep or not _remove(Path(e["path"])):
             continue
-        with mf.locked(Path(e["path"])):
-            shutil.rmtree(e["path"], ignore_errors=True)
         total -= e["bytes"]
         removed.append(e["fingerprint"])
         log.info("evicted cache entry %s (%d bytes)", e["fingerprint"], e["bytes"])
@@ -242,16 +327,16 @@ def verify(entry: Path, repair: bool = True) -> dict:
     for p in m["parts"]:
         path = entry / p["name"]
         try:
-            if file_digest(str(path)) != p["blake2b"]:
+            if file_crc32(str(path)) != p.get("crc32"):
                 bad.append((p["name"], "checksum mismatch"))
                 continue
-            part = Part(str(path))
+            part = Part(str(path), p.get("meta_crc32"))
             for r in range(len(part)):
                 part.pixels(r)
             rows += len(part)
         except FileNotFoundError:
             bad.append((p["name"], "missing"))
-        except (OSError, ValueError, CorruptRow) as e:
+        except (OSError, ValueError, CorruptRow, CorruptPart) as e:
             bad.append((p["name"], str(e)))
     listed = {p["name"] for p in m["parts"]}
     old = time.time() - STRAY_AGE_S  # younger ones may be a writer's, between rename and listing
@@ -266,15 +351,16 @@ def verify(entry: Path, repair: bool = True) -> dict:
     return {"parts": len(m["parts"]), "rows": rows, "bad_parts": bad, "stray_files": stray}
 
 
-def clear(root: Path, fingerprint: str | None = None) -> int:
-    """Delete one entry or all; returns the number removed."""
-    n = 0
+def clear(root: Path, fingerprint: str | None = None) -> tuple[int, int]:
+    """Delete one entry or all; returns ``(removed, skipped because in use)``."""
+    removed = busy = 0
     for e in entries(root):
         if fingerprint is None or e["fingerprint"] == fingerprint:
-            with mf.locked(Path(e["path"])):
-                shutil.rmtree(e["path"], ignore_errors=True)
-            n += 1
-    return n
+            if _remove(Path(e["path"])):
+                removed += 1
+            else:
+                busy += 1
+    return removed, busy
 
 
 def touch(entry: Path) -> None:

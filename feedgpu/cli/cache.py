@@ -159,8 +159,9 @@ def clear_cmd(fingerprint, cache_dir, yes) -> None:
     what = f"entry {fingerprint}" if fingerprint else f"every entry under {_root(cache_dir)}"
     if not yes:
         click.confirm(f"delete {what}?", abort=True)
-    n = clear(_root(cache_dir), fingerprint)
-    click.echo(f"deleted {n} entr{'y' if n == 1 else 'ies'}")
+    n, busy = clear(_root(cache_dir), fingerprint)
+    click.echo(f"deleted {n} entr{'y' if n == 1 else 'ies'}"
+               + (f"; {busy} in use by a running loader, left alone" if busy else ""))
 
 
 @click.command()

@@ -115,8 +115,10 @@ class Assembler:
             secs[st.name] += t2 - t1
             t1 = t2
             if cache is not None and pos + 1 == self.prefix:
-                x = _rgb(x)
-                cache.put(idx, key, label, np.asarray(x))
+                pixels = np.ascontiguousarray(np.asarray(_rgb(x)))
+                cache.put(idx, key, label, pixels)
+                # the stages after the cache get what a cache hit gives them: a PIL RGB image
+                x = Image.frombuffer("RGB", (pixels.shape[1], pixels.shape[0]), pixels, "raw", "RGB", 0, 1)
                 t1 = time.perf_counter()
                 secs["cache"] += t1 - t2
         arr = np.asarray(_rgb(x))

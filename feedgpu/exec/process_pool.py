@@ -30,6 +30,7 @@ from ..errors import LoaderTimeout, WorkerError
 
 log = logging.getLogger("feedgpu.pool")
 POLL_S = 0.1
+IDLE_S = 0.5   # a worker with no task for this long flushes its buffers (on_exit hook)
 
 
 def _pack_exception(e: BaseException, wid: int) -> tuple:
@@ -54,7 +55,10 @@ def unpack_exception(packed: tuple, context: str) -> BaseException:
     return exc
 
 
-def _worker_main(wid: int, handler: Callable, tasks, results, init_fn, parent: int, on_exit) -> None:
+FLUSH = "__feedgpu_flush__"
+
+
+def _worker_main(wid: int, handler: Callable, tasks, results, init_fn, parent: int, on_exit, barrier) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         import torch
@@ -70,10 +74,15 @@ def _worker_main(wid: int, handler: Callable, tasks, results, init_fn, parent: i
             return
     while True:
         try:
-            task = tasks.get(timeout=1.0)
+            task = tasks.get(timeout=IDLE_S)
         except queue.Empty:
             if os.getppid() != parent:
                 return
+            if on_exit is not None:  # idle: write what is buffered (e.g. cache rows) now
+                try:
+                    on_exit()
+                except Exception:  # noqa: BLE001
+                    log.exception("feedgpu worker %d: flush while idle failed", wid)
             continue
         if task is None:
             if on_exit is not None:
@@ -83,6 +92,18 @@ def _worker_main(wid: int, handler: Callable, tasks, results, init_fn, parent: i
                     log.exception("feedgpu worker %d: on_exit failed", wid)
             return
         tag, seq = task[0], task[1]
+        if tag == FLUSH:  # every worker takes exactly one: the barrier holds it until all have
+            try:
+                if on_exit is not None:
+                    on_exit()
+                results.put((FLUSH, seq, wid, True, None))
+            except BaseException as e:  # noqa: BLE001
+                results.put((FLUSH, seq, wid, False, _pack_exception(e, wid)))
+            try:
+                barrier.wait(60)
+            except Exception:  # noqa: BLE001 - a broken barrier only means a worker died
+                pass
+            continue
         try:
             results.put((tag, seq, wid, True, handler(task)))
         except BaseException as e:  # noqa: BLE001 - everything goes back to the main process
@@ -132,7 +153,10 @@ class ProcessPool:
             and a sequence number, echoed back with the result.
         num_workers: processes to start (>= 1).
         worker_init_fn: called as ``worker_init_fn(worker_id)`` in each worker before any task.
-        on_exit: called in each worker when it is asked to stop (e.g. to flush a cache writer).
+        on_exit: called in each worker when it is asked to stop, and when it has been idle for
+            ``IDLE_S`` seconds (e.g. to write buffered cache rows).
+        grace_s: seconds workers get to stop (and flush) before they are terminated, also at
+            garbage collection and interpreter exit (default 1).
         name: process name prefix.
 
     Only the ``fork`` start method is supported: the handler, the source index and the
@@ -141,7 +165,7 @@ class ProcessPool:
 
     def __init__(self, handler: Callable[[tuple], Any], num_workers: int,
                  worker_init_fn: Callable[[int], None] | None = None, on_exit: Callable[[], None] | None = None,
-                 name: str = "feedgpu-worker"):
+                 name: str = "feedgpu-worker", grace_s: float = 1.0):
         if "fork" not in mp.get_all_start_methods():
             raise WorkerError("feedgpu's process pool needs the 'fork' start method (Linux)")
         import torch.multiprocessing  # noqa: F401  registers tensor reductions for the queues
@@ -149,15 +173,19 @@ class ProcessPool:
         ctx = mp.get_context("fork")
         self.tasks = ctx.Queue()
         self.results = ctx.Queue()
+        self._barrier = ctx.Barrier(num_workers)
+        self._flushes = 0
         self.procs = []
         parent = os.getpid()
         for wid in range(num_workers):
             p = ctx.Process(target=_worker_main, name=f"{name}-{wid}", daemon=True,
-                            args=(wid, handler, self.tasks, self.results, worker_init_fn, parent, on_exit))
+                            args=(wid, handler, self.tasks, self.results, worker_init_fn, parent, on_exit,
+                                  self._barrier))
             p.start()
             self.procs.append(p)
         self._state = _State(self.procs, self.tasks, self.results)
-        self._finalizer = weakref.finalize(self, self._state.close)
+        self.grace_s = grace_s
+        self._finalizer = weakref.finalize(self, self._state.close, grace_s)
         log.debug("started %d workers: %s", num_workers, [p.pid for p in self.procs])
 
     @property
@@ -191,8 +219,26 @@ class ProcessPool:
             if deadline is not None and time.monotonic() > deadline:
                 raise LoaderTimeout(f"no batch from the workers within timeout={timeout} s")
 
-    def close(self, grace_s: float = 1.0) -> None:
-        """Ask workers to stop, wait ``grace_s`` seconds, then terminate and kill."""
+    def flush(self, timeout: float = 60.0) -> list[tuple]:
+        """Run ``on_exit`` in every worker (each exactly once) and wait for all of them; returns
+        the task results that arrived meanwhile, for the caller to handle."""
+        self._flushes += 1
+        for _ in self.procs:
+            self.submit((FLUSH, self._flushes))
+        acks, other = 0, []
+        while acks < len(self.procs):
+            r = self.get(timeout)
+            if r[0] == FLUSH and r[1] == self._flushes:
+                if not r[3]:
+                    raise unpack_exception(r[4], "while flushing")
+                acks += 1
+            else:
+                other.append(r)
+        return other
+
+    def close(self, grace_s: float | None = None) -> None:
+        """Ask workers to stop, wait ``grace_s`` seconds (default: the pool's), then terminate
+        and kill."""
         if self._finalizer.alive:
             self._finalizer.detach()
-            self._state.close(grace_s)
+            self._state.close(self.grace_s if grace_s is None else grace_s)

@@ -36,6 +36,7 @@ class PipelineWork:
         self.slots = BatchSlots(inflight + keep_views, batch_size, spec.shape, spec.dtype) if inflight else None
         self._shape, self._dtype, self._bs = spec.shape, spec.dtype, batch_size
         self.orphans: dict = {}   # (tag, seq) -> task of an abandoned iteration, still in flight
+        self._epoch = None        # the epoch of the last task this process ran
 
     def can_submit(self) -> bool:
         return self.slots.free > 0
@@ -54,6 +55,11 @@ class PipelineWork:
 
     def handle(self, task: tuple) -> BatchReport:
         _, _, slot, epoch, indices, spares = task
+        cache = self.assembler.cache
+        if cache is not None and epoch != self._epoch:
+            if self._epoch is not None:
+                cache.flush()  # a new epoch: what this worker cached in the last one becomes readable
+            self._epoch = epoch
         images, labels = self.slots.arrays(slot)
         return self.assembler.fill(images, labels, indices, spares, epoch)
 
@@ -77,6 +83,8 @@ class PipelineWork:
     def close(self) -> None:
         if self.slots is not None:
             self.slots.close()
+        if self.assembler.cache is not None:
+            self.assembler.cache.close()
 
 
 def seed_everything(seed: int, epoch: int, batch: int) -> None:
