@@ -10,7 +10,7 @@ import os
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError
 from .stages.decode import IMAGENET_MEAN_PIXEL, PILLOW_MAX_PIXELS
@@ -115,7 +115,18 @@ class CacheCfg(_Strict):
     enabled: bool = False
     dir: Union[str, None] = None
     compression: Annotated[str, Field(pattern=r"^(none|zstd(:([1-9]|1[0-9]|2[0-2]))?)$")] = "zstd:1"
-    max_size: Union[Annotated[int, Field(gt=0)], Annotated[str, Field(pattern=r"^\s*[0-9.]+\s*[KMGT]?i?B?\s*$")], None] = None
+    max_size: Union[Annotated[int, Field(gt=0)], str, None] = None
+
+    @field_validator("max_size")
+    @classmethod
+    def _size(cls, v):
+        from .cache.settings import parse_size
+
+        try:
+            parse_size(v)
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
+        return v
 
 
 class PipelineCfg(_Strict):
