@@ -400,6 +400,7 @@ class _EpochIterator:
         else:
             self._batches = itertools.islice(order.batches(epoch), start, None)
         self.submitted = start
+        self._peeked: tuple[int, np.ndarray] | None = None
         self.inline = loader.num_workers == 0 or loader.engine.name == "dali"
         self.work = loader._make_work()
         self.work.refresh()  # workers forked below inherit an up-to-date cache index
@@ -408,6 +409,13 @@ class _EpochIterator:
         if start == 0:
             loader._rows_seen = 0
         self._fill()
+
+    def _indices(self, b: int) -> np.ndarray:
+        """Indices of batch ``b`` (inline mode reads one batch ahead)."""
+        if self._peeked is not None and self._peeked[0] == b:
+            return self._peeked[1]
+        self._peeked = (b, next(self._batches))
+        return self._peeked[1]
 
     def _spares(self, b: int, size: int) -> np.ndarray:
         return self.loader._order.spares(self.epoch, b, max(4, size)) if self.loader.pipeline is not None \
@@ -434,7 +442,10 @@ class _EpochIterator:
         t0 = time.perf_counter()
         try:
             if self.inline:
-                indices = next(self._batches)
+                indices = self._indices(b)
+                if b + 1 < self.nb and hasattr(self.work, "prefetch"):  # DALI: prepare the next batch meanwhile
+                    nxt = self._indices(b + 1)
+                    self.work.prefetch(b + 1, self.epoch, nxt, self._spares(b + 1, len(nxt)))
                 batch, report = self.work.run_inline(b, self.epoch, indices, self._spares(b, len(indices)))
             else:
                 batch, report = self._wait(b)

@@ -27,6 +27,31 @@ class BatchReport:
     stage_seconds: dict = field(default_factory=dict)    # {"read": s, "decode": s, ...}
 
 
+class Spares:
+    """Replaces bad samples of one batch: ``run(fn, idx)`` returns ``fn(idx)``; when it raises
+    :class:`SampleError` the sample is recorded in ``skipped`` (``on_error="skip"``) and the next
+    spare index is tried, or the error is raised (``on_error="raise"``). Raises
+    :class:`SkipBudgetExceeded` when the spares run out."""
+
+    def __init__(self, spares: np.ndarray, on_error: str, skipped: list, batch_len: int):
+        self._it = iter(spares.tolist())
+        self.n, self.on_error, self.skipped, self.batch_len = len(spares), on_error, skipped, batch_len
+
+    def run(self, fn, idx: int):
+        while True:
+            try:
+                return fn(idx)
+            except SampleError as e:
+                if self.on_error == "raise":
+                    raise
+                self.skipped.append((e.key, e.reason, e.detail))
+                idx = next(self._it, None)
+                if idx is None:
+                    raise SkipBudgetExceeded(
+                        f"{len(self.skipped)} bad samples in one batch of {self.batch_len} used up its "
+                        f"{self.n} spares; last: {e}") from None
+
+
 class Assembler:
     """Runs a plan's CPU part for one batch at a time.
 
@@ -56,22 +81,9 @@ class Assembler:
         rep = BatchReport(stage_seconds=dict.fromkeys(self.names, 0.0))
         if self.cache is not None:
             self.cache.refresh()
-        spare_iter = iter(spares.tolist())
+        supply = Spares(spares, self.on_error, rep.skipped, len(indices))
         for j, idx in enumerate(indices.tolist()):
-            while True:
-                try:
-                    label = self._one(images, j, idx, epoch, rep.stage_seconds)
-                    break
-                except SampleError as e:
-                    if self.on_error == "raise":
-                        raise
-                    rep.skipped.append((e.key, e.reason, e.detail))
-                    idx = next(spare_iter, None)
-                    if idx is None:
-                        raise SkipBudgetExceeded(
-                            f"{len(rep.skipped)} bad samples in one batch of {len(indices)} used up its "
-                            f"{len(spares)} spares; last: {e}") from None
-            labels[j] = label
+            labels[j] = supply.run(lambda i: self._one(images, j, i, epoch, rep.stage_seconds), idx)
         rep.rows = len(indices)
         return rep
 

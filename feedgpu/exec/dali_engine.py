@@ -25,14 +25,15 @@ from __future__ import annotations
 
 import importlib.util
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections import Counter
 
 import numpy as np
 
-from ..errors import ConfigError, SampleError, SkipBudgetExceeded
+from ..errors import ConfigError, SampleError
 from ..stages.base import sample_rng
 from ..stages.decode import UNKNOWN_KEY, Decode
-from .assemble import Assembler, BatchReport
+from .assemble import Assembler, BatchReport, Spares
 from .plan import Plan
 from .work import Batch
 
@@ -94,6 +95,8 @@ class DaliWork:
         self.out_shape, self.out_dtype = spec.shape, spec.dtype
         self.counters: Counter = Counter()
         self.orphans: dict = {}
+        self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="feedgpu-dali-prep")
+        self._ahead: dict = {}   # seq -> Future of a prepared batch
 
     # -- the pool-work interface the loader's iterator uses ------------------------------------
     def can_submit(self) -> bool:
@@ -106,6 +109,11 @@ class DaliWork:
         pass
 
     def close(self) -> None:
+        for f in self._ahead.values():
+            f.cancel()
+        self._ahead.clear()
+        self._prep.shutdown(wait=True, cancel_futures=True)
+        self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="feedgpu-dali-prep")
         self._pipes.clear()
 
     def stats(self) -> dict:
@@ -177,40 +185,38 @@ class DaliWork:
         secs["params"] += time.perf_counter() - t2
         return dali_ok, item, params, rec.label
 
-    def run_inline(self, seq: int, epoch: int, indices: np.ndarray, spares: np.ndarray):
-        import torch
+    def prefetch(self, seq: int, epoch: int, indices: np.ndarray, spares: np.ndarray) -> None:
+        """Prepare batch ``seq`` (read, probe, draw parameters) on a helper thread while DALI
+        runs the current one (DALI releases the GIL while it works)."""
+        if seq not in self._ahead:
+            self._ahead[seq] = self._prep.submit(self._prepare_batch, epoch, indices, spares)
 
+    def _prepare_batch(self, epoch: int, indices: np.ndarray, spares: np.ndarray):
         rep = BatchReport(stage_seconds=Counter())
-        secs = rep.stage_seconds
         groups = {True: ([], [], {}), False: ([], [], {})}   # encoded? -> (positions, items, params)
         labels = np.empty(len(indices), np.int64)
-        spare_iter = iter(spares.tolist())
+        supply = Spares(spares, self.on_error, rep.skipped, len(indices))
         for j, idx in enumerate(indices.tolist()):
-            while True:
-                try:
-                    ok, item, params, label = self._prepare(idx, epoch, secs)
-                    break
-                except SampleError as e:
-                    if self.on_error == "raise":
-                        raise
-                    rep.skipped.append((e.key, e.reason, e.detail))
-                    idx = next(spare_iter, None)
-                    if idx is None:
-                        raise SkipBudgetExceeded(f"{len(rep.skipped)} bad samples in one batch of {len(indices)} "
-                                                 f"used up its {len(spares)} spares; last: {e}") from None
+            ok, item, params, labels[j] = supply.run(lambda i: self._prepare(i, epoch, rep.stage_seconds), idx)
             pos, items, ps = groups[ok]
             pos.append(j)
             items.append(item)
             for n, v in params.items():
                 ps.setdefault(n, []).append(v)
-            labels[j] = label
         rep.rows = len(indices)
+        return groups, labels, rep
+
+    def run_inline(self, seq: int, epoch: int, indices: np.ndarray, spares: np.ndarray):
+        import torch
+
+        ahead = self._ahead.pop(seq, None)
+        groups, labels, rep = ahead.result() if ahead is not None else self._prepare_batch(epoch, indices, spares)
         t0 = time.perf_counter()
         try:
             images = self._run(groups, len(indices))
         except Exception as e:  # noqa: BLE001 - DALI raises RuntimeError for bad data: redo on Python
             return self._fallback(seq, epoch, indices, spares, e, rep)
-        secs["dali"] += time.perf_counter() - t0
+        rep.stage_seconds["dali"] += time.perf_counter() - t0
         self.counters["batches"] += 1
         return Batch(images, torch.from_numpy(labels)), rep
 
@@ -222,7 +228,7 @@ class DaliWork:
 
         self.counters["dali_errors"] += 1
         self._pipes.clear()
-        first = str(error).splitlines()[0] if str(error) else ""
+        first = _reason(error)
         warnings.warn(f"feedgpu: DALI failed on batch {seq} of epoch {epoch} ({type(error).__name__}: {first}); "
                       "redone on the Python engine", stacklevel=3)
         spec = self.plan.pool_spec  # what the Python assembler writes
@@ -261,3 +267,21 @@ class DaliWork:
             if not whole:
                 out[torch.as_tensor(pos, device=out.device)] = dst
         return out
+
+
+def _reason(error: Exception) -> str:
+    """The informative lines of a DALI error: its first line is "Critical error in pipeline:", and
+    the traceback of the operator's definition (between "which was used in the pipeline
+    definition" and "encountered:") is left out."""
+    keep, in_traceback = [], False
+    for line in str(error).splitlines():
+        text = line.strip()
+        low = text.lower()
+        if low.startswith("which was used in the pipeline definition"):
+            in_traceback = True
+        elif low.startswith("encountered:"):
+            in_traceback = False
+        elif text and not in_traceback and not low.startswith(
+                ("critical error in pipeline", "current pipeline object is no longer valid")):
+            keep.append(text)
+    return " ".join(keep[:3]) if keep else str(error).strip().split("\n")[0]

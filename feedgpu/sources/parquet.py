@@ -8,6 +8,7 @@ such datasets with small row groups (``feedgpu convert`` uses ~8 MiB).
 from __future__ import annotations
 
 import os
+import threading
 from collections import OrderedDict
 
 import numpy as np
@@ -87,6 +88,7 @@ class ParquetSource(Source):
         self._cached = 0
         self._files: dict = {}
         self._pid = os.getpid()
+        self._lock = threading.Lock()
 
     def key(self, index: int) -> str:
         """``file.parquet#row``: the row's number in its file (counted over all row groups)."""
@@ -94,6 +96,10 @@ class ParquetSource(Source):
         return f"{self.files[fid]}#{int(self._rg_starts[fid][rg]) + r}"
 
     def _group(self, fid: int, rg: int) -> pa.Array:
+        with self._lock:  # the DALI engine reads from a helper thread too
+            return self._group_locked(fid, rg)
+
+    def _group_locked(self, fid: int, rg: int) -> pa.Array:
         if self._pid != os.getpid():
             self._cache, self._cached, self._files, self._pid = OrderedDict(), 0, {}, os.getpid()
         hit = self._cache.get((fid, rg))

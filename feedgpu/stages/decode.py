@@ -107,10 +107,18 @@ class Decode(SampleStage):
         w, h = img.size
         if w * h > self.max_pixels:
             raise DecodeError(UNKNOWN_KEY, "too many pixels", f"{w}x{h} > max_pixels={self.max_pixels}")
-        if self.exif_orientation and img.format in ("JPEG", "MPO", "TIFF", "WEBP", "PNG"):
-            if img.getexif().get(_EXIF_ORIENTATION, 1) in (5, 6, 7, 8):
+        if not (img.format == "JPEG" and img.mode in self.DALI_JPEG_MODES and _has_eoi(data)):
+            # decoded by :meth:`apply`, which finds the size and the errors itself (a PNG's
+            # getexif() would decode the whole image here, and raise OSError if it is truncated)
+            return w, h, False
+        if self.exif_orientation:
+            try:
+                orientation = img.getexif().get(_EXIF_ORIENTATION, 1)
+            except Exception:  # noqa: BLE001 - a broken EXIF block: let apply() decide
+                return w, h, False
+            if orientation in (5, 6, 7, 8):
                 w, h = h, w
-        return w, h, img.format == "JPEG" and img.mode in self.DALI_JPEG_MODES
+        return w, h, True
 
     def dali(self, x, args, device):
         """``x``: encoded bytes. ``device="gpu"`` decodes with ``device="mixed"`` (nvJPEG and the
@@ -150,6 +158,13 @@ class Decode(SampleStage):
             out.paste(rgba.convert("RGB"), mask=rgba.getchannel("A"))
             return out
         return img.convert("RGB")
+
+
+def _has_eoi(data) -> bool:
+    """True when the JPEG's last bytes hold its end-of-image marker (FF D9; it cannot occur inside
+    entropy-coded data). A file cut short (a partial download) lacks it: such files go to
+    :meth:`Decode.apply`, which names them truncated, instead of failing a whole DALI batch."""
+    return bytes(data[-1024:]).rfind(b"\xff\xd9") != -1
 
 
 def _as_hwc_uint8(x, key: str) -> np.ndarray:
