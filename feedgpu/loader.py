@@ -175,6 +175,11 @@ class DataLoader:
 
                 p = self.pipeline = copy.copy(p)
                 p.engine = EngineSettings.make(engine)
+                if p.engine.name == "dali":
+                    from .exec.dali_engine import check_dali_plan
+                    from .exec.plan import make_plan
+
+                    check_dali_plan(make_plan(p.stages, "cpu"))
             self.engine = p.engine
             if self.engine.name == "dali" and self.cache_settings is not None:
                 raise ConfigError("cache and engine 'dali' cannot be combined yet: the DALI engine reads the "
@@ -229,7 +234,7 @@ class DataLoader:
 
     @property
     def _dali_gpu(self) -> bool:
-        return self.engine.name == "dali" and self.engine.dali_device() == "gpu"
+        return self.engine.name == "dali" and self.engine.dali_device(self.device) == "gpu"
 
     def __iter__(self):
         self._close_live()
@@ -329,7 +334,7 @@ class DataLoader:
 
                 p = self.pipeline
                 plan = p.plan(self.device)
-                dd = self.engine.dali_device()
+                dd = self.engine.dali_device(self.device)
                 dev_id = int(self.device.split(":")[1]) if self.device.startswith("cuda:") else 0
                 self._work = DaliWork(p.source, plan, self.seed, self.on_error, self.batch_size, device=dd,
                                       threads=self.engine.threads or max(1, self.num_workers), device_id=dev_id,

@@ -70,7 +70,11 @@ class Pipeline:
         self.device, self.name, self.definition = device, name, definition
         self.cache = CacheSettings.make(cache)
         self.engine = EngineSettings.make(engine)
-        make_plan(self.stages, "cpu")  # validate the stage list now, not at the first batch
+        plan = make_plan(self.stages, "cpu")  # validate the stage list now, not at the first batch
+        if self.engine.name == "dali":
+            from .exec.dali_engine import check_dali_plan
+
+            check_dali_plan(plan)  # e.g. a python stage: refused here, not at the first batch
 
     # -- construction from YAML -------------------------------------------------------------
     @classmethod
@@ -137,7 +141,7 @@ class Pipeline:
             return make_plan(self.stages, dev)
         from .exec.dali_engine import check_dali_plan
 
-        dd = self.engine.dali_device()
+        dd = self.engine.dali_device(dev)
         threads = self.engine.threads or max(1, self.num_workers)
         where = (f"dali gpu (mixed decode, hw_decoder_load {self.engine.hw_decoder_load})" if dd == "gpu"
                  else f"dali cpu ({threads} threads)")

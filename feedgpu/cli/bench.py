@@ -15,6 +15,13 @@ runs, so both report the same quantities the same way:
   the timed window. Forked workers share pages with the main process, so RSS overstates what a
   worker adds; USS is what it alone holds;
 * others' CPU %: what every other process used meanwhile (a busy neighbour skews the numbers).
+
+``--engine`` picks the loaders, measured side by side in the same alternating rounds with the
+same data, transforms, batch size and worker count: ``python`` (feedgpu's process pool),
+``dali-cpu`` (feedgpu's DALI engine on DALI's CPU operators, ``device_id=None``, one DALI thread
+per worker), ``dali-gpu`` (feedgpu's DALI engine on the GPU; only where CUDA is available) and
+``torch`` (the torch DataLoader baseline). With the DALI engine there are no worker processes:
+its threads live in the main process, whose CPU time the CPU % column includes.
 """
 from __future__ import annotations
 
@@ -31,6 +38,9 @@ from typing import Any, Callable
 import click
 
 LOADERS = ("feedgpu", "torch")
+#: ``--engine`` choices -> loader kinds (keys of :data:`MAKERS`, and of the summary / JSON).
+ENGINE_KINDS = {"python": "feedgpu", "dali-cpu": "feedgpu_dali_cpu", "dali-gpu": "feedgpu_dali_gpu",
+                "torch": "torch"}
 MB = 1 << 20
 
 
@@ -125,21 +135,46 @@ class Subject:
 
 
 def feedgpu_subject(pipeline, workers: int, batch_size: int, device: str = "cpu",
-                    persistent: bool = False) -> Subject:
+                    persistent: bool = False, engine=None, name: str = "feedgpu") -> Subject:
+    """feedgpu's loader; ``engine`` overrides the pipeline's (``"python"``, or a DALI mapping:
+    its thread count is ``workers``, as the loader does when ``engine.threads`` is unset)."""
     from ..imaging import pil_label
     from ..loader import DataLoader
 
     loader = DataLoader(pipeline, batch_size=batch_size, num_workers=workers, device=device,
-                        persistent_workers=persistent and workers > 0)
+                        persistent_workers=persistent and workers > 0, engine=engine)
+    eng = loader.engine
+    if eng.name == "dali":
+        dd = eng.dali_device()
+        label = f"feedgpu DALI {dd.upper()} ({eng.threads or max(1, workers)} threads)"
+    else:
+        label = f"feedgpu ({pil_label()})"
 
     def extra() -> dict:
         st = loader.stats()
         n = max(1, st["samples"])
         return {"stage_ms_per_sample": {k: round(v / n * 1e3, 4) for k, v in st["stage_s"].items()},
-                "skipped": st["skipped_total"]}
+                "skipped": st["skipped_total"], "engine": st["engine"],
+                **({"threads": st["engine"]["threads"]} if eng.name == "dali" else {})}
 
-    return Subject("feedgpu", f"feedgpu ({pil_label()})", loader, loader.worker_pids, device,
-                   loader.shutdown, extra)
+    return Subject(name, label, loader, loader.worker_pids, device, loader.shutdown, extra)
+
+
+def python_subject(pipeline, workers: int, batch_size: int, device: str = "cpu",
+                   persistent: bool = False) -> Subject:
+    return feedgpu_subject(pipeline, workers, batch_size, device, persistent, engine="python")
+
+
+def dali_cpu_subject(pipeline, workers: int, batch_size: int, device: str = "cpu",
+                     persistent: bool = False) -> Subject:
+    return feedgpu_subject(pipeline, workers, batch_size, device, persistent,
+                           engine={"name": "dali", "device": "cpu"}, name="feedgpu_dali_cpu")
+
+
+def dali_gpu_subject(pipeline, workers: int, batch_size: int, device: str = "cpu",
+                     persistent: bool = False) -> Subject:
+    return feedgpu_subject(pipeline, workers, batch_size, device, persistent,
+                           engine={"name": "dali", "device": "gpu"}, name="feedgpu_dali_gpu")
 
 
 def torch_subject(pipeline, workers: int, batch_size: int, device: str = "cpu",
@@ -167,7 +202,8 @@ def torch_subject(pipeline, workers: int, batch_size: int, device: str = "cpu",
     return Subject("torch", f"torch DataLoader + {pil_label()}", loader, pids, device, close, to_device=gpu)
 
 
-MAKERS = {"feedgpu": feedgpu_subject, "torch": torch_subject}
+MAKERS = {"feedgpu": python_subject, "feedgpu_dali_cpu": dali_cpu_subject, "feedgpu_dali_gpu": dali_gpu_subject,
+          "torch": torch_subject}
 
 
 # -- measuring one run ---------------------------------------------------------------------------
@@ -385,7 +421,8 @@ def epoch_batches(pipeline, batch_size: int) -> int:
 
 def run_one(kind: str, pipeline, workers: int, batch_size: int, batches: int, warmup: int,
             device: str = "cpu", on_batch: Callable[[], None] | None = None) -> dict:
-    """Build the ``kind`` loader ("feedgpu" or "torch") on ``pipeline`` and measure one run."""
+    """Build the ``kind`` loader (a key of :data:`MAKERS`: "feedgpu" (Python engine),
+    "feedgpu_dali_cpu", "feedgpu_dali_gpu" or "torch") on ``pipeline`` and measure one run."""
     persistent = warmup + batches > epoch_batches(pipeline, batch_size)
     subject = MAKERS[kind](pipeline, workers, batch_size, device, persistent)
     return measure(subject, batches, warmup, on_batch)
@@ -402,7 +439,7 @@ def summarize(runs: list[dict]) -> dict:
         pss = [u for r in rs for u in (r.get("pss_mb_per_worker") or [])]
         rss = [u for r in rs for u in r["rss_peak_mb_per_worker"]]
         out[name] = {
-            "label": rs[0]["label"], "workers": rs[0]["workers"], "rounds": len(rs),
+            "label": rs[0]["label"], "workers": rs[0]["workers"], "threads": rs[0].get("threads"), "rounds": len(rs),
             "samples_per_s": med(r["samples_per_s"] for r in rs),
             "samples_per_s_runs": [round(r["samples_per_s"], 1) for r in rs],
             "ms_per_batch": med(r["ms_per_batch_median"] for r in rs),
@@ -429,7 +466,8 @@ def format_table(summary: dict, names: list[str] | None = None) -> str:
     rows = [header]
     for name in names or list(summary):
         s = summary[name]
-        rows.append((s["label"], str(s["workers"]), _fmt(s["samples_per_s"], ".0f"), _fmt(s["ms_per_batch"], ".1f"),
+        workers = f"{s['threads']} threads" if s.get("threads") else str(s["workers"])
+        rows.append((s["label"], workers, _fmt(s["samples_per_s"], ".0f"), _fmt(s["ms_per_batch"], ".1f"),
                      _fmt(s["first_batch_s"], ".2f"), _fmt(s["cpu_percent"], ".0f"),
                      _fmt(s["rss_peak_mb_per_worker"], ".0f"), _fmt(s["uss_mb_per_worker"], ".0f")))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
@@ -506,6 +544,34 @@ def run_rounds(kinds: list[str], rounds: int, run: Callable[[str, int, Callable[
     return runs
 
 
+def pick_engines(engines: tuple[str, ...], pipeline, no_baseline: bool, device: str) -> tuple[list[str], list[str]]:
+    """``--engine`` choices -> loader kinds to run, and notes on those left out. Default: the
+    pipeline's own engine (python for the packaged pipelines) and the torch baseline."""
+    from ..exec.dali_engine import dali_available
+
+    if not engines:
+        eng = pipeline.engine
+        own = "python" if eng.name == "python" else f"dali-{eng.dali_device()}"
+        engines = (own, "torch")
+    kinds, notes = [], []
+    for e in dict.fromkeys(engines):
+        if e == "torch" and no_baseline:
+            continue
+        if e.startswith("dali") and not dali_available():
+            notes.append(f"{e} skipped: NVIDIA DALI is not installed (pip install 'feedgpu[dali]')")
+            continue
+        if e == "dali-gpu":
+            import torch
+
+            if not torch.cuda.is_available():
+                notes.append("dali-gpu skipped: torch sees no CUDA device")
+                continue
+        kinds.append(ENGINE_KINDS[e])
+    if not kinds:
+        raise click.UsageError("nothing to measure: " + "; ".join(notes or ["--no-baseline left no loader"]))
+    return kinds, notes
+
+
 @click.command()
 @click.option("--pipeline", "pipeline_file", type=click.Path(exists=True, dir_okay=False),
               help="Pipeline file (default: the packaged imagenet_train.yaml).")
@@ -518,16 +584,23 @@ def run_rounds(kinds: list[str], rounds: int, run: Callable[[str, int, Callable[
               help="Timed batches per run (default: the rest of one epoch after the warm-up, "
                    "rounded down to a multiple of the workers; more spans epochs).")
 @click.option("--rounds", default=3, show_default=True, type=click.IntRange(1),
-              help="Runs per loader, alternating feedgpu/torch; medians are reported.")
+              help="Runs per loader, alternating the loaders; medians are reported.")
 @click.option("--warmup", default=2, show_default=True, type=click.IntRange(0),
               help="Batches per run left out of the timing (worker start-up, pipeline fill).")
-@click.option("--no-baseline", is_flag=True, help="Run feedgpu only.")
+@click.option("--engine", "engines", multiple=True, type=click.Choice(list(ENGINE_KINDS)),
+              help="Loader to measure, repeatable: python (feedgpu's process pool), dali-cpu, dali-gpu "
+                   "(feedgpu's DALI engine; DALI threads = --workers), torch (DataLoader + Pillow). "
+                   "Default: the pipeline's engine and torch.")
+@click.option("--no-baseline", is_flag=True, help="Leave out the torch baseline.")
 @click.option("--device", default="cpu", show_default=True, help="Where batches are delivered (cpu, cuda, cuda:N).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), help="Write results as JSON.")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a pipeline key (dotted path).")
-def bench(pipeline_file, data, images, workers, batch_size, batches, rounds, warmup, no_baseline, device,
+def bench(pipeline_file, data, images, workers, batch_size, batches, rounds, warmup, engines, no_baseline, device,
           json_path, sets) -> None:
     """Measure feedgpu against torch's DataLoader + Pillow on the same data and transforms.
+
+    ``--engine`` (repeatable) compares feedgpu's engines (python, dali-cpu, dali-gpu) and the
+    torch baseline side by side, in the same alternating rounds.
 
     With no argument, builds once (in the user's cache directory) an ImageNet-like sample from
     photographs shipped with feedgpu and runs imagenet_train.yaml on it. Prints samples/s,
@@ -548,8 +621,18 @@ def bench(pipeline_file, data, images, workers, batch_size, batches, rounds, war
     batch_size = p.batch_size if batch_size is None else batch_size
     nb = epoch_batches(p, batch_size)
     batches = batches or default_batches(nb, warmup, workers)
-    kinds = ["feedgpu"] if no_baseline else list(LOADERS)
-    if not no_baseline:
+    kinds, notes = pick_engines(engines, p, no_baseline, device)
+    for note in notes:
+        click.echo(f"note: {note}", err=True)
+    if any(k.startswith("feedgpu_dali") for k in kinds):
+        if p.cache is not None:
+            raise click.UsageError("the DALI engine does not read a cache yet: --set cache.enabled=false, or "
+                                   "measure --engine python")
+        try:
+            _with_engine(p, "dali").plan(device)  # names the stages DALI cannot run
+        except ConfigError as e:
+            raise click.UsageError(str(e)) from None
+    if "torch" in kinds:
         from ..baseline import build_transforms
 
         try:
@@ -561,12 +644,14 @@ def bench(pipeline_file, data, images, workers, batch_size, batches, rounds, war
     settings = {"pipeline": file, "pipeline_name": p.name, "workers": workers, "batch_size": batch_size,
                 "batches_per_epoch": nb, "timed_batches": batches, "warmup": warmup, "rounds": rounds,
                 "device": device, "prefetch_factor": p.prefetch_factor, "shuffle": p.shuffle,
-                "drop_last": p.drop_last, "overrides": list(sets)}
+                "drop_last": p.drop_last, "overrides": list(sets), "loaders": kinds, "skipped_engines": notes}
     click.echo(f"feedgpu bench: {p.name} ({file}) on {data_meta['source']} at {path}", err=True)
     runs = run_rounds(kinds, rounds, lambda kind, r, on_batch: run_one(
         kind, p, workers, batch_size, batches, warmup, device, on_batch), warmup + batches)
     summary = summarize(runs)
     speedup = ratio(summary, "feedgpu", "torch")
+    pairs = [(a, "torch") for a in kinds if a != "torch"] + [(a, "feedgpu") for a in kinds if a.startswith("feedgpu_")]
+    speedups = {f"{a}_over_{b}": ratio(summary, a, b) for a, b in pairs if a in summary and b in summary}
     total_s = time.perf_counter() - t0
 
     click.echo(f"pipeline: {p.name} ({file})")
@@ -579,20 +664,37 @@ def bench(pipeline_file, data, images, workers, batch_size, batches, rounds, war
                f"per run, {rounds} rounds (medians), prefetch {p.prefetch_factor}, device {device}")
     click.echo("")
     click.echo(format_table(summary))
-    if speedup is not None:
-        click.echo(f"\nspeed-up feedgpu / torch DataLoader: {speedup:.2f}x")
+    lines = [f"{summary[a]['label']} / {summary[b]['label']}: {v:.2f}x"
+             for key, v in speedups.items() if v is not None for a, b in [key.split("_over_")]]
+    if lines:
+        click.echo("\nspeed-up " + "\nspeed-up ".join(lines))
+    for note in notes:
+        click.echo(f"({note})")
     busy = max(s["others_cpu_percent"] for s in summary.values())
     if busy > 15:
         click.echo(f"warning: other processes used {busy:.0f} % CPU (of one core) during the timed runs; "
                    "the numbers are skewed, rerun on a quiet machine", err=True)
-    out_f, out_t = summary["feedgpu"]["output"], summary.get("torch", {}).get("output")
-    if out_t is not None and out_t != out_f:
-        click.echo(f"warning: the loaders' batches differ: feedgpu {out_f}, torch {out_t}", err=True)
+    outputs = {k: s["output"] for k, s in summary.items()}
+    if len({json.dumps(o, sort_keys=True) for o in outputs.values()}) > 1:
+        click.echo("warning: the loaders' batches differ: " + ", ".join(f"{k} {o}" for k, o in outputs.items()),
+                   err=True)
     click.echo(f"({total_s:.0f} s in all)", err=True)
     if json_path:
         doc = {"format": "feedgpu.bench/1", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                "machine": machine, "data": data_meta, "settings": settings, "summary": summary,
-               "speedup_feedgpu_over_torch": speedup, "runs": runs, "total_seconds": round(total_s, 1)}
+               "speedup_feedgpu_over_torch": speedup, "speedups": speedups, "runs": runs,
+               "total_seconds": round(total_s, 1)}
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(doc, indent=2) + "\n")
         click.echo(f"wrote {json_path}", err=True)
+
+
+def _with_engine(pipeline, name: str):
+    """A shallow copy of ``pipeline`` running on engine ``name`` (for checking its plan)."""
+    import copy
+
+    from ..exec.engines import EngineSettings
+
+    q = copy.copy(pipeline)
+    q.engine = EngineSettings.make({"name": name, "device": "cpu"})
+    return q

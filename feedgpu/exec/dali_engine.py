@@ -96,7 +96,7 @@ class DaliWork:
         self.counters: Counter = Counter()
         self.orphans: dict = {}
         self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="feedgpu-dali-prep")
-        self._ahead: dict = {}   # seq -> Future of a prepared batch
+        self._ahead: dict = {}   # (epoch, seq) -> (indices, Future of the prepared batch)
 
     # -- the pool-work interface the loader's iterator uses ------------------------------------
     def can_submit(self) -> bool:
@@ -106,12 +106,17 @@ class DaliWork:
         pass
 
     def on_exit(self) -> None:
-        pass
+        """The loader's iterator ended or was dropped: a batch prepared ahead is stale (the next
+        iteration may run another epoch, from another batch)."""
+        self._drop_ahead()
 
-    def close(self) -> None:
-        for f in self._ahead.values():
+    def _drop_ahead(self) -> None:
+        for _, f in self._ahead.values():
             f.cancel()
         self._ahead.clear()
+
+    def close(self) -> None:
+        self._drop_ahead()
         self._prep.shutdown(wait=True, cancel_futures=True)
         self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="feedgpu-dali-prep")
         self._pipes.clear()
@@ -188,8 +193,8 @@ class DaliWork:
     def prefetch(self, seq: int, epoch: int, indices: np.ndarray, spares: np.ndarray) -> None:
         """Prepare batch ``seq`` (read, probe, draw parameters) on a helper thread while DALI
         runs the current one (DALI releases the GIL while it works)."""
-        if seq not in self._ahead:
-            self._ahead[seq] = self._prep.submit(self._prepare_batch, epoch, indices, spares)
+        if (epoch, seq) not in self._ahead:
+            self._ahead[(epoch, seq)] = (indices, self._prep.submit(self._prepare_batch, epoch, indices, spares))
 
     def _prepare_batch(self, epoch: int, indices: np.ndarray, spares: np.ndarray):
         rep = BatchReport(stage_seconds=Counter())
@@ -209,8 +214,10 @@ class DaliWork:
     def run_inline(self, seq: int, epoch: int, indices: np.ndarray, spares: np.ndarray):
         import torch
 
-        ahead = self._ahead.pop(seq, None)
-        groups, labels, rep = ahead.result() if ahead is not None else self._prepare_batch(epoch, indices, spares)
+        ahead = self._ahead.pop((epoch, seq), None)
+        if ahead is not None and not np.array_equal(ahead[0], indices):
+            ahead = None  # prepared for other samples (a user sampler that changed): redo
+        groups, labels, rep = ahead[1].result() if ahead is not None else self._prepare_batch(epoch, indices, spares)
         t0 = time.perf_counter()
         try:
             images = self._run(groups, len(indices))

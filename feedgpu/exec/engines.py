@@ -48,9 +48,13 @@ class EngineSettings:
             raise ConfigError(f"engine.threads must be >= 1, got {s.threads}")
         return s
 
-    def dali_device(self) -> str:
+    def dali_device(self, output_device: str | None = None) -> str:
+        """``"cpu"`` or ``"gpu"``. ``"auto"`` is the GPU when torch sees CUDA and the batches are
+        wanted there (``output_device`` other than ``"cpu"``), else DALI's CPU operators."""
         if self.device != "auto":
             return self.device
+        if output_device == "cpu":
+            return "cpu"
         import torch
 
         return "gpu" if torch.cuda.is_available() else "cpu"
