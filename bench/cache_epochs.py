@@ -26,7 +26,6 @@ Writes ``bench/results/cache_epochs.json`` and ``bench/results/cache_epochs.md``
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import sys
@@ -40,7 +39,7 @@ TARGET_READ = 4.0       # epoch 2 (cache) / epoch 1 (JPEG) samples/s
 TARGET_WRITE = 0.15     # extra time of the filling epoch over the uncached one
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_loader import wait_quiet  # noqa: E402  the recorded CPU benchmark's quiet-machine wait
+from cpu_loader import wait_quiet, write_results  # noqa: E402  shared with the recorded CPU benchmark
 
 
 def pipeline(data: str):
@@ -282,12 +281,7 @@ def main(argv=None) -> int:
            "fill_profile": profile, "runs": runs,
            "disturbed_runs_repeated": DISTURBED,
            "total_seconds": round(total, 1)}
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "cache_epochs.json").write_text(json.dumps(doc, indent=2) + "\n")
-    (out / "cache_epochs.md").write_text(markdown(doc))
-    print(markdown(doc))
-    print(f"wrote {out / 'cache_epochs.json'} and {out / 'cache_epochs.md'} ({total:.0f} s)", file=sys.stderr)
+    write_results(a.out, "cache_epochs", doc, markdown)
     return 0
 
 

@@ -160,12 +160,27 @@ def wait_quiet(limit_s: float, max_busy: float = 15.0) -> float:
             return round(waited, 1)
 
 
-class Child:
-    """A long-lived benchmark process for one loader (stock Pillow first on its path when asked)."""
+def write_results(out_dir: str, name: str, doc: dict, markdown) -> Path:
+    """``out_dir/name.json`` and ``out_dir/name.md`` (``markdown(doc)``), the report printed too."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(doc, indent=2) + "\n")
+    text = markdown(doc)
+    (out / f"{name}.md").write_text(text)
+    print(text)
+    print(f"wrote {out / (name + '.json')} and {out / (name + '.md')} ({doc['total_seconds']:.0f} s)", file=sys.stderr)
+    return out
 
-    def __init__(self, name: str, base: dict):
+
+class Child:
+    """A long-lived benchmark process for one loader (stock Pillow first on its path when asked):
+    ``script --serve BASE`` answers one JSON command per stdin line (``script``: this file, or
+    another benchmark with the same protocol)."""
+
+    def __init__(self, name: str, base: dict, script: str | None = None):
         self.name = name
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve", json.dumps(base)],
+        self.proc = subprocess.Popen([sys.executable, str(Path(script or __file__).resolve()), "--serve",
+                                      json.dumps(base)],
                                      env=_env(base["stock"]), cwd=REPO, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, bufsize=1)
         self.info = self._read()
@@ -308,12 +323,7 @@ def main(argv=None) -> int:
            "ratios_per_round": per_round, "per_core_no_loader": single, "runs": runs,
            "warmup_runs_not_counted": warm, "disturbed_runs_repeated": disturbed,
            "total_seconds": round(total, 1)}
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "cpu_loader.json").write_text(json.dumps(doc, indent=2) + "\n")
-    (out / "cpu_loader.md").write_text(markdown(doc))
-    print(markdown(doc))
-    print(f"wrote {out / 'cpu_loader.json'} and {out / 'cpu_loader.md'} ({total:.0f} s)", file=sys.stderr)
+    write_results(a.out, "cpu_loader", doc, markdown)
     return 0
 
 

@@ -41,17 +41,16 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
-from cpu_loader import _check_pil, _env, ensure_stock_pillow, wait_quiet  # noqa: E402  (same folder)
+from cpu_loader import (RESULT_MARK, Child, _check_pil, ensure_stock_pillow, wait_quiet,  # noqa: E402
+                        write_results)  # (same folder)
 
 PIPELINE = REPO / "pipelines" / "imagenet_train.yaml"
-RESULT_MARK = "@@result "
 
 # name -> (kind, stock Pillow?); kinds are feedgpu.cli.bench.MAKERS keys or hand-written DALI
 LOADERS = {
@@ -446,42 +445,6 @@ def serve(base: dict) -> None:
 
 
 # -- the parent ------------------------------------------------------------------------------------------
-class Child:
-    """A long-lived benchmark process for one loader (stock Pillow first on its path when asked)."""
-
-    def __init__(self, name: str, base: dict):
-        self.name = name
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve", json.dumps(base)],
-                                     env=_env(base["stock"]), cwd=REPO, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, bufsize=1)
-        self.info = self._read()
-
-    def _read(self) -> dict:
-        for line in self.proc.stdout:
-            if line.startswith(RESULT_MARK):
-                return json.loads(line[len(RESULT_MARK):])
-        code = self.proc.wait()
-        sys.exit(f"benchmark process for {self.name} ended (exit code {code}); see the messages above")
-
-    def ask(self, cmd: dict) -> dict:
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write(json.dumps({"mode": "exit"}) + "\n")
-                self.proc.stdin.close()
-            except OSError:
-                pass
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
 def wait_load(max_load: float, limit_s: float) -> dict:
     """Wait (up to ``limit_s``) until the 1-minute load average is below ``max_load``."""
     t0 = time.perf_counter()
@@ -595,7 +558,7 @@ def main(argv=None) -> int:
     try:
         for name in names:
             kind, stock = LOADERS[name]
-            children[name] = Child(name, {**base, "kind": kind, "stock": stock})
+            children[name] = Child(name, {**base, "kind": kind, "stock": stock}, script=__file__)
 
         def run(name: str, r: int, on_batch) -> dict:
             desc = f"{name} warm-up round" if r < 0 else f"{name} round {r + 1}/{a.rounds}"
@@ -651,12 +614,7 @@ def main(argv=None) -> int:
            "summary": summary, "ratios": ratios, "ratios_per_round": ratios_per_round,
            "dali_engine_profile": profile, "dali_engine_variants": ablations, "runs": runs, "warmup_runs_not_counted": warm,
            "disturbed_runs_repeated": disturbed, "total_seconds": round(total, 1)}
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "dali_cpu.json").write_text(json.dumps(doc, indent=2) + "\n")
-    (out / "dali_cpu.md").write_text(markdown(doc))
-    print(markdown(doc))
-    print(f"wrote {out / 'dali_cpu.json'} and {out / 'dali_cpu.md'} ({total:.0f} s)", file=sys.stderr)
+    write_results(a.out, "dali_cpu", doc, markdown)
     return 0
 
 
