@@ -73,6 +73,32 @@ class LoadImage:
         return f"LoadImage(exif_orientation={self.exif_orientation})"
 
 
+def torchvision_rrc_params(width: int, height: int, scale, ratio) -> tuple[int, int, int, int]:
+    """torchvision's ``RandomResizedCrop.get_params`` line for line, drawing from torch's global
+    RNG: ``(top, left, h, w)`` (torchvision/transforms/transforms.py)."""
+    area = height * width
+    log_ratio = torch.log(torch.tensor(ratio))
+    for _ in range(10):
+        target_area = area * torch.empty(1).uniform_(scale[0], scale[1]).item()
+        aspect_ratio = torch.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1])).item()
+        w = int(round(math.sqrt(target_area * aspect_ratio)))
+        h = int(round(math.sqrt(target_area / aspect_ratio)))
+        if 0 < w <= width and 0 < h <= height:
+            i = torch.randint(0, height - h + 1, size=(1,)).item()
+            j = torch.randint(0, width - w + 1, size=(1,)).item()
+            return i, j, h, w
+    in_ratio = float(width) / float(height)
+    if in_ratio < min(ratio):
+        w = width
+        h = int(round(w / min(ratio)))
+    elif in_ratio > max(ratio):
+        h = height
+        w = int(round(h * max(ratio)))
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
 class RandomResizedCrop:
     """``torchvision.transforms.RandomResizedCrop`` on PIL images (``size`` is ``(h, w)``)."""
 
@@ -83,28 +109,7 @@ class RandomResizedCrop:
 
     @staticmethod
     def get_params(img: Image.Image, scale, ratio) -> tuple[int, int, int, int]:
-        width, height = img.size
-        area = height * width
-        log_ratio = torch.log(torch.tensor(ratio))
-        for _ in range(10):
-            target_area = area * torch.empty(1).uniform_(scale[0], scale[1]).item()
-            aspect_ratio = torch.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1])).item()
-            w = int(round(math.sqrt(target_area * aspect_ratio)))
-            h = int(round(math.sqrt(target_area / aspect_ratio)))
-            if 0 < w <= width and 0 < h <= height:
-                i = torch.randint(0, height - h + 1, size=(1,)).item()
-                j = torch.randint(0, width - w + 1, size=(1,)).item()
-                return i, j, h, w
-        in_ratio = float(width) / float(height)
-        if in_ratio < min(ratio):
-            w = width
-            h = int(round(w / min(ratio)))
-        elif in_ratio > max(ratio):
-            h = height
-            w = int(round(h * max(ratio)))
-        else:
-            w, h = width, height
-        return (height - h) // 2, (width - w) // 2, h, w
+        return torchvision_rrc_params(img.width, img.height, scale, ratio)
 
     def __call__(self, img: Image.Image) -> Image.Image:
         i, j, h, w = self.get_params(img, self.scale, self.ratio)

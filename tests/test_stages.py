@@ -1,7 +1,6 @@
 """Stages: output size, dtype and values; crop parameters follow torchvision's distribution."""
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest
@@ -10,6 +9,7 @@ from PIL import Image
 
 from conftest import PHOTOS
 from feedgpu import ConfigError, DataLoader, Pipeline
+from feedgpu.baseline import torchvision_rrc_params
 from feedgpu.stages import (IMAGENET_MEAN, IMAGENET_STD, Decode, HorizontalFlip, Normalize, PythonStage,
                             RandomResizedCrop, ResizeCenterCrop, random_resized_crop_params, sample_rng)
 
@@ -23,18 +23,9 @@ def photo() -> Image.Image:
 
 # -- RandomResizedCrop parameters vs torchvision -------------------------------------------------
 def torchvision_get_params(width, height, scale, ratio):
-    """torchvision.transforms.RandomResizedCrop.get_params (v0.2x source), drawing from torch's RNG."""
-    area = height * width
-    log_ratio = torch.log(torch.tensor(ratio))
-    for _ in range(10):
-        target_area = area * torch.empty(1).uniform_(scale[0], scale[1]).item()
-        aspect_ratio = torch.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1])).item()
-        w = int(round(math.sqrt(target_area * aspect_ratio)))
-        h = int(round(math.sqrt(target_area / aspect_ratio)))
-        if 0 < w <= width and 0 < h <= height:
-            i = torch.randint(0, height - h + 1, size=(1,)).item()
-            j = torch.randint(0, width - w + 1, size=(1,)).item()
-            return i, j, h, w
+    """torchvision's RandomResizedCrop.get_params, drawing from torch's RNG (the torch baseline's
+    line-for-line copy; independent of feedgpu's numpy implementation under test)."""
+    return torchvision_rrc_params(width, height, scale, ratio)
     in_ratio = float(width) / float(height)
     if in_ratio < min(ratio):
         w = width
