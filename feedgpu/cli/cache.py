@@ -40,6 +40,7 @@ def build_cmd(pipeline_file, data, cache_dir, compression, workers, sets) -> Non
     from tqdm import tqdm
 
     from ..cache import open_entry
+    from ..cache.store import entry_bytes
     from ..exec.process_pool import ProcessPool, unpack_exception
     from ..pipeline import Pipeline
     from .main import _parse_sets
@@ -98,7 +99,7 @@ def build_cmd(pipeline_file, data, cache_dir, compression, workers, sets) -> Non
         pool.close(grace_s=60.0)
     entry.refresh()
     click.echo(f"built {built} samples, quarantined {quarantined}, in {time.perf_counter() - t0:.1f} s; "
-               f"entry holds {entry.cached}/{entry.n} ({_human(sum(f.stat().st_size for f in entry.dir.iterdir()))})")
+               f"entry holds {entry.cached}/{entry.n} ({_human(entry_bytes(entry.dir))})")
 
 
 @cache.command("verify")
