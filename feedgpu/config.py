@@ -90,7 +90,7 @@ class LoaderCfg(_Strict):
     batch_size: Annotated[int, Field(gt=0)] = 256
     shuffle: bool = True
     drop_last: bool = False
-    num_workers: Annotated[int, Field(ge=0)] = 2
+    num_workers: Union[Literal["auto"], Annotated[int, Field(ge=0)]] = "auto"
     prefetch_factor: Annotated[int, Field(gt=0)] = 2
     persistent_workers: bool = True
     seed: int = 0

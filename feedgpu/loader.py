@@ -12,6 +12,7 @@ import numpy as np
 
 from .errors import ConfigError, StateError
 from .exec.assemble import Assembler
+from .exec.autoscale import Autoscaler, cpu_cores
 from .exec.process_pool import ProcessPool, unpack_exception
 from .exec.work import DatasetWork, PipelineWork
 from .metrics import LoaderStats
@@ -96,6 +97,15 @@ class DataLoader:
         cache: for a pipeline, overrides its cache setting (``False`` turns it off; ``True``, a
             directory or a mapping turns it on; see :class:`~feedgpu.cache.CacheSettings`). The
             first epoch fills the cache while training; later epochs and runs read it.
+        num_workers: worker processes, 0 to load in the main process, or ``"auto"``: the
+            throughput balancer (:mod:`feedgpu.exec.autoscale`) starts with half the cores and
+            grows or shrinks the pool (and the prefetch depth, 1-4) while it runs, to deliver
+            what the training loop consumes with the fewest workers. The batch order, random
+            stages and ``state_dict()`` do not depend on the count. Default: the pipeline's
+            (``"auto"`` unless set); for a torch Dataset 0, as in torch. With the DALI engine,
+            ``"auto"`` gives DALI one thread per core but one (fixed while it runs).
+        stats_callback: called after each balancer window as ``stats_callback(event)`` with the
+            window's measurement and decision (dicts), to send them to your own logger.
 
     Yields :class:`~feedgpu.exec.work.Batch` ``(images, labels)`` for pipelines, ``collate_fn``'s
     output for torch Datasets. Batches from pipelines on the CPU view shared memory without a
@@ -103,8 +113,8 @@ class DataLoader:
 
     Raises :class:`ConfigError` for argument combinations it cannot honour: an
     ``IterableDataset``, ``batch_size=None``, ``collate_fn`` with a pipeline, a
-    ``multiprocessing_context`` other than fork, ``in_order=False``, ``num_workers="auto"``
-    (not yet), and the combinations torch rejects too.
+    ``multiprocessing_context`` other than fork, ``in_order=False``,
+    and the combinations torch rejects too.
     """
 
     def __init__(self, dataset, batch_size: int | None = _UNSET, shuffle: bool | None = None, sampler=None,
@@ -114,7 +124,8 @@ class DataLoader:
                  generator=None, *, prefetch_factor: int | None = None, persistent_workers: bool = _UNSET,
                  pin_memory_device: str = "", in_order: bool = True, seed: int | None = None,
                  rank: int | None = None, world_size: int | None = None, device: str | None = None,
-                 on_error: str | None = None, cache=None, engine=None):
+                 on_error: str | None = None, cache=None, engine=None,
+                 stats_callback: Callable[[dict], None] | None = None):
         import torch.utils.data as tud
 
         if isinstance(dataset, tud.IterableDataset):
@@ -129,9 +140,6 @@ class DataLoader:
             raise ConfigError("pin_memory_device is deprecated in torch; use device='cuda:N' instead")
         if batch_size is None:
             raise ConfigError("batch_size=None (unbatched loading) is not supported; give a batch size")
-        if num_workers == "auto":
-            raise ConfigError("num_workers='auto' needs feedgpu's throughput balancer, which is not in this "
-                              "release; give a number of workers")
         self.pipeline = dataset if isinstance(dataset, Pipeline) else None
         p = self.pipeline
         if batch_sampler is not None:
@@ -146,9 +154,13 @@ class DataLoader:
         self.batch_size = int(batch_size if batch_size is not _UNSET else (p.batch_size if p else 1))
         self.shuffle = bool(shuffle if shuffle is not None else (p.shuffle if p and sampler is None and batch_sampler is None else False))
         self.drop_last = bool(drop_last if drop_last is not _UNSET else (p.drop_last if p else False))
-        self.num_workers = int(num_workers if num_workers is not _UNSET else (p.num_workers if p else 0))
-        if self.num_workers < 0:
-            raise ConfigError(f"num_workers must be >= 0, got {num_workers}")
+        nw = num_workers if num_workers is not _UNSET else (p.num_workers if p else 0)
+        self.auto_workers = nw == "auto"
+        if not self.auto_workers and (isinstance(nw, bool) or not isinstance(nw, int) or nw < 0):
+            raise ConfigError(f"num_workers must be an int >= 0 or 'auto', got {nw!r}")
+        self.stats_callback = stats_callback
+        self._autoscaler: Autoscaler | None = None
+        self.num_workers = 1 if self.auto_workers else int(nw)  # the live count under "auto"
         if self.num_workers == 0 and prefetch_factor is not None:
             raise ConfigError("prefetch_factor option could only be specified in multiprocessing; "
                               "let num_workers > 0 to enable multiprocessing")
@@ -222,6 +234,13 @@ class DataLoader:
                 warnings.warn("pin_memory=True but no CUDA device is available; batches stay in pageable memory",
                               stacklevel=2)
                 self.pin_memory = False
+        if self.auto_workers:
+            if self.engine.name == "dali":  # DALI's threads are fixed when its pipeline is built
+                self.num_workers = max(1, cpu_cores() - 1)
+            else:
+                self._autoscaler = Autoscaler(prefetch=self.prefetch_factor, device=self.device,
+                                              callback=stats_callback)
+                self.num_workers, self.prefetch_factor = self._autoscaler.workers, self._autoscaler.prefetch
 
     # -- torch DataLoader surface --------------------------------------------------------------
     def __len__(self) -> int:
@@ -311,7 +330,9 @@ class DataLoader:
         stage (summed over workers), skipped samples by reason and the last skipped keys, and the
         cache's state (``None`` without a cache)."""
         d = self._stats.as_dict()
-        d.update(num_workers=self.num_workers, epoch=self._position[0], batches_seen=self._position[1])
+        d.update(num_workers=self.num_workers, prefetch_factor=self.prefetch_factor, epoch=self._position[0],
+                 batches_seen=self._position[1])
+        d["balancer"] = self._autoscaler.stats() if self._autoscaler is not None else None
         d["engine"] = self._work.stats() if hasattr(self._work, "stats") else {"name": self.engine.name}
         entry = getattr(getattr(self._work, "assembler", None), "cache", None)
         if entry is not None:
@@ -329,6 +350,10 @@ class DataLoader:
     def _make_work(self):
         if self._work is None:
             inflight = self.num_workers * self.prefetch_factor
+            most = inflight
+            if self._autoscaler is not None:  # buffers for the largest pool the balancer may choose
+                c = self._autoscaler.policy.config
+                most = max(inflight, c.max_workers * c.max_prefetch)
             if self.pipeline is not None and self.engine.name == "dali":
                 from .exec.dali_engine import DaliWork
 
@@ -349,7 +374,9 @@ class DataLoader:
 
                     entry = open_entry(self.cache_settings, p.source, p.stages, plan)
                 asm = Assembler(p.source, plan, self.seed, self.on_error, cache=entry)
-                self._work = PipelineWork(asm, self.batch_size, inflight)
+                self._work = PipelineWork(asm, self.batch_size, most, populate=inflight)
+                if self._autoscaler is not None:
+                    self._autoscaler.buffer_bytes = self._work.slots.nbytes * (inflight + self._work.keep_views)
             else:
                 self._work = DatasetWork(self.dataset, self.collate_fn, self.seed)
         return self._work
@@ -410,6 +437,8 @@ class _EpochIterator:
         self.work = loader._make_work()
         self.work.refresh()  # workers forked below inherit an up-to-date cache index
         self.pool = None if self.inline else loader._acquire_pool()
+        if self.pool is not None and loader._autoscaler is not None:
+            loader._autoscaler.start(self.pool.pids())
         loader._position = (epoch, start)
         if start == 0:
             loader._rows_seen = 0
@@ -462,7 +491,12 @@ class _EpochIterator:
         if report is not None:
             loader._stats.add_report(report)
         rows = _rows(batch)
-        loader._stats.delivered(rows, time.perf_counter() - t0)
+        waited = time.perf_counter() - t0
+        loader._stats.delivered(rows, waited)
+        if loader._autoscaler is not None and not self.inline:
+            d = loader._autoscaler.on_batch(rows, waited, self.pool.pids())
+            if d is not None and d.changes:
+                self._apply(d)
         self.next_b = b + 1
         if loader.pin_memory:
             batch = _pin(batch)
@@ -473,6 +507,14 @@ class _EpochIterator:
         if self.next_b >= self.nb:
             self.close()
         return batch
+
+    def _apply(self, d) -> None:
+        """Resize the pool and the prefetch depth between two batches (the epoch goes on)."""
+        loader = self.loader
+        if d.workers != self.pool.num_workers:
+            self.pool.resize(d.workers)
+        loader.num_workers, loader.prefetch_factor = d.workers, d.prefetch
+        self._fill()
 
     def commit(self) -> None:
         """The oldest batch handed out by this iterator has reached the training loop."""

@@ -6,6 +6,7 @@ from typing import Any
 
 from . import config as cfg
 from .errors import ConfigError
+from .exec.autoscale import fixed_workers
 from .exec.plan import Plan, make_plan
 from .cache.settings import CacheSettings
 from .exec.engines import EngineSettings
@@ -34,7 +35,8 @@ class Pipeline:
         batch_size: samples per batch (default 256).
         shuffle: reshuffle every epoch (default True).
         drop_last: drop each epoch's incomplete tail (default False; see :mod:`feedgpu.sampling`).
-        num_workers: worker processes (default 2; 0 runs in the main process).
+        num_workers: worker processes, 0 to run in the main process, or ``"auto"`` (default):
+            the throughput balancer sizes the pool while it runs (see :class:`~feedgpu.DataLoader`).
         prefetch_factor: batches in flight per worker (default 2).
         persistent_workers: keep worker processes between epochs (default True: a new worker
             pays its page faults on the shared batch buffers again, ~0.3 ms per float32 sample).
@@ -53,18 +55,21 @@ class Pipeline:
     """
 
     def __init__(self, source: Any, stages: list[Stage], *, batch_size: int = 256, shuffle: bool = True,
-                 drop_last: bool = False, num_workers: int = 2, prefetch_factor: int = 2,
+                 drop_last: bool = False, num_workers: int | str = "auto", prefetch_factor: int = 2,
                  persistent_workers: bool = True, seed: int = 0,
                  on_error: str = "skip", timeout: float = 0.0, device: str = "auto", cache=None, engine=None,
                  name: str = "pipeline", definition: dict | None = None):
         if on_error not in ON_ERROR:
             raise ConfigError(f"on_error {on_error!r} is not one of {list(ON_ERROR)}")
-        if batch_size < 1 or num_workers < 0 or prefetch_factor < 1:
-            raise ConfigError("batch_size and prefetch_factor must be >= 1 and num_workers >= 0")
+        if num_workers != "auto" and (isinstance(num_workers, bool) or not isinstance(num_workers, int)
+                                      or num_workers < 0):
+            raise ConfigError(f"num_workers must be an int >= 0 or 'auto', got {num_workers!r}")
+        if batch_size < 1 or prefetch_factor < 1:
+            raise ConfigError("batch_size and prefetch_factor must be >= 1")
         self._source = source
         self.stages = list(stages)
         self.batch_size, self.shuffle, self.drop_last = int(batch_size), bool(shuffle), bool(drop_last)
-        self.num_workers, self.prefetch_factor = int(num_workers), int(prefetch_factor)
+        self.num_workers, self.prefetch_factor = num_workers, int(prefetch_factor)
         self.persistent_workers = bool(persistent_workers)
         self.seed, self.on_error, self.timeout = int(seed), on_error, float(timeout)
         self.device, self.name, self.definition = device, name, definition
@@ -142,7 +147,7 @@ class Pipeline:
         from .exec.dali_engine import check_dali_plan
 
         dd = self.engine.dali_device(dev)
-        threads = self.engine.threads or max(1, self.num_workers)
+        threads = self.engine.threads or max(1, fixed_workers(self.num_workers))
         where = (f"dali gpu (mixed decode, hw_decoder_load {self.engine.hw_decoder_load})" if dd == "gpu"
                  else f"dali cpu ({threads} threads)")
         plan = make_plan(self.stages, dev, pool_where=where, batch_on_device=None if dd == "cpu" else False)

@@ -267,7 +267,7 @@ class Stream(tud.IterableDataset):
     (lambda: dict(dataset=IndexDataset(), num_workers=1, multiprocessing_context="spawn"), False),
     (lambda: dict(dataset=IndexDataset(), batch_size=None), False),
     (lambda: dict(dataset=IndexDataset(), in_order=False), False),
-    (lambda: dict(dataset=IndexDataset(), num_workers="auto"), False),
+    (lambda: dict(dataset=IndexDataset(), num_workers="many"), False),
     (lambda: dict(dataset=IndexDataset(), on_error="skip"), False),
 ])
 def test_bad_argument_combinations_raise_config_error(make_kwargs, torch_rejects):

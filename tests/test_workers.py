@@ -137,19 +137,44 @@ def test_unpicklable_worker_error_becomes_worker_error(no_leaked_workers):
     assert any("__getitem__" in n for n in info.value.__notes__)
 
 
-def test_worker_killed_with_sigkill_raises_worker_error(src, no_leaked_workers):
-    loader = DataLoader(folder_pipeline(src, slow), timeout=60)
+def test_worker_killed_with_sigkill_is_replaced_and_its_batches_redone(src, no_leaked_workers):
+    """SIGKILL a worker mid-epoch: a new worker redoes its batches; every batch equals the one
+    an undisturbed run delivers (nothing lost, nothing repeated, same order)."""
+    expected = [(x.clone(), y.clone()) for x, y in DataLoader(folder_pipeline(src, seed=3), num_workers=0)]
+    loader = DataLoader(folder_pipeline(src, slow, seed=3), timeout=60)
     it = iter(loader)
-    next(it)
+    got = [tuple(t.clone() for t in next(it))]
     pids = loader.worker_pids()
     assert len(pids) == 2
     os.kill(pids[0], signal.SIGKILL)
-    t0 = time.monotonic()
-    with pytest.raises(WorkerError, match=r"died unexpectedly \(signal SIGKILL\)"):
-        for _ in it:
-            pass
-    assert time.monotonic() - t0 < 30
+    got += [(x.clone(), y.clone()) for x, y in it]
+    assert len(got) == len(expected)
+    for (x, y), (ex, ey) in zip(got, expected):
+        assert torch.equal(y, ey) and torch.equal(x, ex)
+    assert loader._pool is not None and loader._pool.respawns == 1
+    assert pids[0] not in loader.worker_pids() and len(loader.worker_pids()) == 2
+    loader.shutdown()
     assert not wait_gone(pids)
+
+
+class CrashesOnFive(tud.Dataset):
+    """Item 5 kills the worker that reads it (as a decoder segfault would)."""
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        if i == 5:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return torch.tensor([i])
+
+
+def test_sample_that_kills_every_worker_raises_worker_error(no_leaked_workers):
+    loader = DataLoader(CrashesOnFive(), batch_size=2, num_workers=2, timeout=60)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match=r"signal SIGKILL.*task 2 has now killed 2 workers"):
+        list(loader)
+    assert time.monotonic() - t0 < 30
 
 
 def _raising_init(worker_id):

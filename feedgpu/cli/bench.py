@@ -37,6 +37,8 @@ from typing import Any, Callable
 
 import click
 
+from ..exec.autoscale import fixed_workers
+
 LOADERS = ("feedgpu", "torch")
 #: ``--engine`` choices -> loader kinds (keys of :data:`MAKERS`, and of the summary / JSON).
 ENGINE_KINDS = {"python": "feedgpu", "dali-cpu": "feedgpu_dali_cpu", "dali-gpu": "feedgpu_dali_gpu",
@@ -617,7 +619,7 @@ def bench(pipeline_file, data, images, workers, batch_size, batches, rounds, war
         if not torch.cuda.is_available():
             raise click.UsageError(f"--device {device}: torch sees no CUDA device")
     p, file, path = load_pipeline(pipeline_file, data, sets, device, images)
-    workers = p.num_workers if workers is None else workers
+    workers = fixed_workers(p.num_workers) if workers is None else workers
     batch_size = p.batch_size if batch_size is None else batch_size
     nb = epoch_batches(p, batch_size)
     batches = batches or default_batches(nb, warmup, workers)

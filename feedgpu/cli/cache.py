@@ -42,6 +42,7 @@ def build_cmd(pipeline_file, data, cache_dir, compression, workers, sets) -> Non
     from ..cache import open_entry
     from ..cache.store import entry_bytes
     from ..exec.process_pool import ProcessPool, unpack_exception
+    from ..exec.autoscale import fixed_workers
     from ..pipeline import Pipeline
     from .main import _parse_sets
 
@@ -81,7 +82,7 @@ def build_cmd(pipeline_file, data, cache_dir, compression, workers, sets) -> Non
         return done, bad
 
     t0 = time.perf_counter()
-    nw = max(1, workers if workers is not None else p.num_workers)
+    nw = max(1, workers if workers is not None else fixed_workers(p.num_workers))
     pool = ProcessPool(handler, nw, on_exit=entry.flush, name="feedgpu-cache")
     try:
         for i, c in enumerate(chunks):

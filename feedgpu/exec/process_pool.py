@@ -1,22 +1,36 @@
-"""A pool of forked worker processes that run tasks and report results in a queue.
+"""A pool of forked worker processes that run tasks and report results; it can grow, shrink and
+replace dead workers while tasks are in flight.
 
 The pool knows nothing about images: the loader gives it a ``handler(task) -> payload``
 (inherited by the workers through ``fork``, never pickled) and reorders results itself.
 
+Each worker has its own task queue and its own result pipe, and the pool remembers which tasks
+each worker holds. That is what makes the rest possible:
+
+* :meth:`ProcessPool.resize` adds workers (forked at once) or retires some: a retiring worker
+  finishes the tasks it holds, runs ``on_exit`` and stops, so no task is lost or run twice.
+* A worker that dies (segfault, SIGKILL, OOM) is replaced and the tasks it held are given to
+  the replacement, in order (``respawn=True``, the default). A task whose worker died
+  ``max_task_deaths`` times, or more than ``max_respawns`` deaths in all, raises
+  :class:`WorkerError` naming the exit code or signal, never a hang. A result that a dead worker
+  sent completely is kept; its task is not run again.
 * A worker's exception is sent back with its traceback and re-raised in the main process
   (same type where it pickles, else :class:`WorkerError`), with the worker id and traceback
   attached as an exception note.
-* A worker that dies (segfault, SIGKILL, OOM) is reported as :class:`WorkerError` naming its
-  exit code or signal while the main process waits, never as a hang.
 * Workers ignore SIGINT (Ctrl-C interrupts the main process, which shuts them down) and exit
   by themselves when their parent dies.
 * :meth:`ProcessPool.close` runs on normal end, on exceptions, at garbage collection and at
   interpreter exit; it asks, then terminates, then kills, so no process is left behind.
+
+torch's DataLoader also gives each worker its own index queue; unlike it, results come back on
+one pipe per worker (``multiprocessing.connection.wait`` watches them all), so a worker killed
+while writing can corrupt only its own pipe, which is dropped with it.
 """
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import multiprocessing.connection as mpc
 import os
 import pickle
 import queue
@@ -31,6 +45,8 @@ from ..errors import LoaderTimeout, WorkerError
 log = logging.getLogger("feedgpu.pool")
 POLL_S = 0.1
 IDLE_S = 0.5   # a worker with no task for this long flushes its buffers (on_exit hook)
+FLUSH = "__feedgpu_flush__"
+STARTED = "__feedgpu_started__"   # a worker says which task it runs (a death is blamed on that one)
 
 
 def _pack_exception(e: BaseException, wid: int) -> tuple:
@@ -55,10 +71,16 @@ def unpack_exception(packed: tuple, context: str) -> BaseException:
     return exc
 
 
-FLUSH = "__feedgpu_flush__"
+def _run_hook(hook, wid: int, what: str) -> None:
+    if hook is None:
+        return
+    try:
+        hook()
+    except Exception:  # noqa: BLE001 - never block shutdown or idling on a flush
+        log.exception("feedgpu worker %d: %s failed", wid, what)
 
 
-def _worker_main(wid: int, handler: Callable, tasks, results, init_fn, parent: int, on_exit, barrier) -> None:
+def _worker_main(wid: int, handler: Callable, tasks, conn, init_fn, parent: int, on_exit) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         import torch
@@ -70,7 +92,7 @@ def _worker_main(wid: int, handler: Callable, tasks, results, init_fn, parent: i
         try:
             init_fn(wid)
         except BaseException as e:
-            results.put((None, -1, wid, False, _pack_exception(e, wid)))
+            conn.send((None, -1, wid, False, _pack_exception(e, wid)))
             return
     while True:
         try:
@@ -78,86 +100,114 @@ def _worker_main(wid: int, handler: Callable, tasks, results, init_fn, parent: i
         except queue.Empty:
             if os.getppid() != parent:
                 return
-            if on_exit is not None:  # idle: write what is buffered (e.g. cache rows) now
-                try:
-                    on_exit()
-                except Exception:  # noqa: BLE001
-                    log.exception("feedgpu worker %d: flush while idle failed", wid)
+            _run_hook(on_exit, wid, "flush while idle")  # write what is buffered (e.g. cache rows) now
             continue
         if task is None:
-            if on_exit is not None:
-                try:
-                    on_exit()
-                except Exception:  # noqa: BLE001 - never block shutdown; the parent logs nothing
-                    log.exception("feedgpu worker %d: on_exit failed", wid)
+            _run_hook(on_exit, wid, "on_exit")
             return
         tag, seq = task[0], task[1]
-        if tag == FLUSH:  # every worker takes exactly one: the barrier holds it until all have
+        if tag == FLUSH:
             try:
                 if on_exit is not None:
                     on_exit()
-                results.put((FLUSH, seq, wid, True, None))
+                conn.send((FLUSH, seq, wid, True, None))
             except BaseException as e:  # noqa: BLE001
-                results.put((FLUSH, seq, wid, False, _pack_exception(e, wid)))
-            try:
-                barrier.wait(60)
-            except Exception:  # noqa: BLE001 - a broken barrier only means a worker died
-                pass
+                conn.send((FLUSH, seq, wid, False, _pack_exception(e, wid)))
             continue
+        conn.send((STARTED, (tag, seq), wid, True, None))
         try:
-            results.put((tag, seq, wid, True, handler(task)))
+            result = (tag, seq, wid, True, handler(task))
         except BaseException as e:  # noqa: BLE001 - everything goes back to the main process
-            results.put((tag, seq, wid, False, _pack_exception(e, wid)))
+            result = (tag, seq, wid, False, _pack_exception(e, wid))
+        conn.send(result)
+
+
+class _Worker:
+    """One process, its task queue, the read end of its result pipe and the tasks it holds."""
+
+    def __init__(self, wid: int, proc, tasks, conn):
+        self.wid, self.proc, self.tasks, self.conn = wid, proc, tasks, conn
+        self.held: dict[tuple, tuple] = {}   # (tag, seq) -> task, in submission order
+        self.retiring = False
+        self.running: tuple | None = None    # the task it said it started
+        self.started = time.monotonic()
+
+    def drop(self) -> None:
+        for closer in (self.tasks.cancel_join_thread, self.tasks.close, self.conn.close):
+            try:
+                closer()
+            except (OSError, ValueError):
+                pass
 
 
 class _State:
     """What shutdown needs, kept apart from the pool so a finalizer can hold it."""
 
-    def __init__(self, procs, tasks, results):
-        self.procs, self.tasks, self.results, self.closed = procs, tasks, results, False
+    def __init__(self):
+        self.workers: dict[int, _Worker] = {}
+        self.closed = False
 
     def close(self, grace_s: float = 1.0) -> None:
         if self.closed:
             return
         self.closed = True
-        for _ in self.procs:
+        workers = list(self.workers.values())
+        for w in workers:
             try:
-                self.tasks.put(None)
+                w.tasks.put(None)
             except (OSError, ValueError):
-                break
+                pass
         deadline = time.monotonic() + grace_s
-        for p in self.procs:
-            while p.is_alive() and time.monotonic() < deadline:
-                try:  # drain so a worker blocked on a full result pipe can see its sentinel
-                    self.results.get(timeout=0.02)
-                except (queue.Empty, OSError, ValueError, EOFError):
+        for w in workers:
+            while w.proc.is_alive() and time.monotonic() < deadline:
+                try:  # drain so a worker blocked writing a result can see its sentinel
+                    if w.conn.poll(0.02):
+                        w.conn.recv()
+                except (EOFError, OSError, ValueError, pickle.UnpicklingError):
                     pass
-                p.join(0.01)
-        for p in self.procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(1.0)
-            if p.is_alive():
-                p.kill()
-                p.join(1.0)
-        for q in (self.tasks, self.results):
-            q.cancel_join_thread()
-            q.close()
+                w.proc.join(0.01)
+        for w in workers:
+            if w.proc.is_alive():
+                w.proc.terminate()
+                w.proc.join(1.0)
+            if w.proc.is_alive():
+                w.proc.kill()
+                w.proc.join(1.0)
+            w.drop()
+        self.workers.clear()
+
+
+def _death(proc) -> str:
+    code = proc.exitcode
+    if code is not None and code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
 
 
 class ProcessPool:
-    """``num_workers`` forked processes running ``handler`` on tasks.
+    """Forked processes running ``handler`` on tasks; resizable while tasks are in flight.
 
     Args:
         handler: ``handler(task) -> payload``; a task is a tuple whose first two items are a tag
-            and a sequence number, echoed back with the result.
+            and a sequence number, echoed back with the result. ``(tag, seq)`` must be unique
+            among the tasks in flight.
         num_workers: processes to start (>= 1).
-        worker_init_fn: called as ``worker_init_fn(worker_id)`` in each worker before any task.
-        on_exit: called in each worker when it is asked to stop, and when it has been idle for
-            ``IDLE_S`` seconds (e.g. to write buffered cache rows).
+        worker_init_fn: called as ``worker_init_fn(worker_id)`` in each worker before any task;
+            worker ids are the smallest free ids in ``0..``, a replacement takes the dead
+            worker's id.
+        on_exit: called in each worker when it is asked to stop or flush, and when it has been
+            idle for ``IDLE_S`` seconds (e.g. to write buffered cache rows).
         grace_s: seconds workers get to stop (and flush) before they are terminated, also at
             garbage collection and interpreter exit (default 1).
         name: process name prefix.
+        respawn: replace a worker that dies and give its tasks to the replacement (default True);
+            False raises :class:`WorkerError` at the first death.
+        max_task_deaths: a task whose workers died this many times raises :class:`WorkerError`
+            (default 2: a sample that crashes the decoder is not retried forever).
+        max_respawns: deaths replaced over the pool's life before :class:`WorkerError` (default 8).
 
     Only the ``fork`` start method is supported: the handler, the source index and the
     shared-memory batch slots are inherited, not pickled.
@@ -165,73 +215,187 @@ class ProcessPool:
 
     def __init__(self, handler: Callable[[tuple], Any], num_workers: int,
                  worker_init_fn: Callable[[int], None] | None = None, on_exit: Callable[[], None] | None = None,
-                 name: str = "feedgpu-worker", grace_s: float = 1.0):
+                 name: str = "feedgpu-worker", grace_s: float = 1.0, respawn: bool = True,
+                 max_task_deaths: int = 2, max_respawns: int = 8):
         if "fork" not in mp.get_all_start_methods():
             raise WorkerError("feedgpu's process pool needs the 'fork' start method (Linux)")
-        import torch.multiprocessing  # noqa: F401  registers tensor reductions for the queues
+        if num_workers < 1:
+            raise WorkerError(f"a process pool needs at least one worker, got {num_workers}")
+        import torch.multiprocessing  # noqa: F401  registers tensor reductions for the pipes
 
-        ctx = mp.get_context("fork")
-        self.tasks = ctx.Queue()
-        self.results = ctx.Queue()
-        self._barrier = ctx.Barrier(num_workers)
+        self._ctx = mp.get_context("fork")
+        self._handler, self._init_fn, self._on_exit, self._name = handler, worker_init_fn, on_exit, name
+        self._parent = os.getpid()
+        self.respawn, self.max_task_deaths, self.max_respawns = respawn, max_task_deaths, max_respawns
+        self.respawns = 0              # dead workers replaced so far
+        self.retired = 0               # workers retired by resize
+        self._task_deaths: dict[tuple, int] = {}
         self._flushes = 0
-        self.procs = []
-        parent = os.getpid()
-        for wid in range(num_workers):
-            p = ctx.Process(target=_worker_main, name=f"{name}-{wid}", daemon=True,
-                            args=(wid, handler, self.tasks, self.results, worker_init_fn, parent, on_exit,
-                                  self._barrier))
-            p.start()
-            self.procs.append(p)
-        self._state = _State(self.procs, self.tasks, self.results)
+        self._salvaged: list[tuple] = []   # complete results read from a worker found dead
+        self._state = _State()
         self.grace_s = grace_s
         self._finalizer = weakref.finalize(self, self._state.close, grace_s)
-        log.debug("started %d workers: %s", num_workers, [p.pid for p in self.procs])
+        for _ in range(num_workers):
+            self._spawn()
+        log.debug("started %d workers: %s", num_workers, self.pids())
+
+    # -- size -----------------------------------------------------------------------------------
+    @property
+    def _workers(self) -> dict[int, _Worker]:
+        return self._state.workers
 
     @property
     def num_workers(self) -> int:
-        return len(self.procs)
+        """Workers taking new tasks (retiring ones are not counted)."""
+        return sum(not w.retiring for w in self._workers.values())
 
     @property
     def closed(self) -> bool:
         return self._state.closed
 
     def pids(self) -> list[int]:
-        return [p.pid for p in self.procs]
+        """Process ids of the workers taking tasks, by worker id."""
+        return [w.proc.pid for _, w in sorted(self._workers.items()) if not w.retiring]
 
+    def _spawn(self, wid: int | None = None) -> _Worker:
+        if wid is None:
+            wid = next(i for i in range(len(self._workers) + 1) if i not in self._workers)
+        tasks = self._ctx.Queue()
+        reader, writer = self._ctx.Pipe(duplex=False)
+        p = self._ctx.Process(target=_worker_main, name=f"{self._name}-{wid}", daemon=True,
+                              args=(wid, self._handler, tasks, writer, self._init_fn, self._parent, self._on_exit))
+        p.start()
+        writer.close()  # the worker holds the only write end: its death reads as EOF here
+        w = self._workers[wid] = _Worker(wid, p, tasks, reader)
+        return w
+
+    def resize(self, n: int) -> None:
+        """Run ``n`` (>= 1) workers from now on. New workers are forked at once; surplus ones
+        finish the tasks they hold, run ``on_exit`` and stop (the least loaded go first)."""
+        if n < 1:
+            raise WorkerError(f"a process pool needs at least one worker, got {n}")
+        active = [w for w in self._workers.values() if not w.retiring]
+        for _ in range(n - len(active)):
+            self._spawn()
+        for w in sorted(active, key=lambda w: (len(w.held), -w.wid))[:max(0, len(active) - n)]:
+            w.retiring = True
+            w.tasks.put(None)
+            self.retired += 1
+        if n != len(active):
+            log.debug("pool resized from %d to %d workers", len(active), n)
+
+    # -- tasks ----------------------------------------------------------------------------------
     def submit(self, task: tuple) -> None:
-        self.tasks.put(task)
+        """Give ``task`` to the active worker holding the fewest tasks."""
+        w = min((w for w in self._workers.values() if not w.retiring), key=lambda w: (len(w.held), w.wid))
+        w.held[(task[0], task[1])] = task
+        w.tasks.put(task)
 
     def get(self, timeout: float | None = None) -> tuple:
-        """Next ``(tag, seq, worker_id, ok, payload)``. Raises :class:`WorkerError` when a worker
-        died and :class:`LoaderTimeout` after ``timeout`` seconds (None or 0: wait forever)."""
+        """Next ``(tag, seq, worker_id, ok, payload)``.
+
+        Raises :class:`WorkerError` when a worker died and could not be replaced (see the class
+        doc), and :class:`LoaderTimeout` after ``timeout`` seconds without a result (None or 0:
+        wait forever)."""
         deadline = time.monotonic() + timeout if timeout else None
         while True:
-            try:
-                return self.results.get(timeout=POLL_S)
-            except queue.Empty:
-                pass
-            for wid, p in enumerate(self.procs):
-                if not p.is_alive():
-                    code = p.exitcode
-                    how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
-                    raise WorkerError(f"feedgpu worker {wid} (pid {p.pid}) died unexpectedly ({how})")
+            if self._salvaged:
+                return self._salvaged.pop(0)
+            conns = {w.conn: w for w in self._workers.values()}
+            for conn in mpc.wait(list(conns), timeout=POLL_S):
+                w = conns[conn]
+                try:
+                    result = conn.recv()
+                except (EOFError, OSError, pickle.UnpicklingError):
+                    self._ended(w)
+                    continue
+                if self._accept(w, result):
+                    return result
+            for w in [w for w in self._workers.values() if not w.proc.is_alive()]:
+                self._ended(w)
             if deadline is not None and time.monotonic() > deadline:
-                raise LoaderTimeout(f"no batch from the workers within timeout={timeout} s")
+                raise LoaderTimeout(f"no batch from the workers within timeout={timeout} s "
+                                    f"(tasks held: {self._holding()})")
+
+    def _holding(self) -> str:
+        return ", ".join(f"worker {w.wid}: {[k[1] for k in w.held]}" for w in self._workers.values()) or "none"
+
+    def _accept(self, w: _Worker, result: tuple) -> bool:
+        key = (result[0], result[1])
+        if result[0] == STARTED:
+            w.running = result[1]
+            return False
+        if result[0] is None or result[0] == FLUSH:
+            return True
+        if w.held.pop(key, None) is None:  # already redone elsewhere after this worker was given up
+            return False
+        self._task_deaths.pop(key, None)
+        return True
+
+    def _ended(self, w: _Worker) -> None:
+        """``w``'s pipe closed or its process is gone: keep every complete result it sent, then
+        retire it quietly, or replace it and redo what it held."""
+        if self._workers.get(w.wid) is not w:
+            return
+        try:  # results it sent completely count: their tasks are not redone
+            while w.conn.poll(0):
+                result = w.conn.recv()
+                if self._accept(w, result):
+                    self._salvaged.append(result)
+        except Exception:  # noqa: BLE001 - e.g. a tensor whose memory died with the worker: redone
+            pass
+        w.proc.join(1.0)
+        if w.proc.is_alive():  # pipe closed but still running: treat as dead
+            w.proc.kill()
+            w.proc.join(1.0)
+        del self._workers[w.wid]
+        w.drop()
+        if w.retiring and not w.held and w.proc.exitcode == 0:
+            return
+        how = _death(w.proc)
+        what = f"feedgpu worker {w.wid} (pid {w.proc.pid}) died unexpectedly ({how})"
+        if not self.respawn or self.closed:
+            raise WorkerError(what)
+        key = w.running
+        if key in w.held:  # the task it was running when it died
+            self._task_deaths[key] = self._task_deaths.get(key, 0) + 1
+            if self._task_deaths[key] >= self.max_task_deaths:
+                raise WorkerError(f"{what}; task {key[1]} has now killed {self._task_deaths[key]} workers, "
+                                  "so it is not retried (a sample that crashes a stage?)")
+        self.respawns += 1
+        if self.respawns > self.max_respawns:
+            raise WorkerError(f"{what}; {self.respawns} workers have died, more than max_respawns="
+                              f"{self.max_respawns}")
+        if w.retiring and not w.held:
+            log.warning("%s while retiring; nothing was lost", what)
+            return
+        new = self._spawn(w.wid)
+        if w.retiring:  # it was leaving anyway: the replacement finishes its tasks, then leaves
+            new.retiring = True
+        log.warning("%s; replaced by pid %d, which redoes %d task(s)", what, new.proc.pid, len(w.held))
+        for key, task in w.held.items():
+            new.held[key] = task
+            new.tasks.put(task)
+        if new.retiring:
+            new.tasks.put(None)
 
     def flush(self, timeout: float = 60.0) -> list[tuple]:
-        """Run ``on_exit`` in every worker (each exactly once) and wait for all of them; returns
-        the task results that arrived meanwhile, for the caller to handle."""
+        """Run ``on_exit`` in every worker (each once) and wait for all of them; returns the task
+        results that arrived meanwhile, for the caller to handle."""
         self._flushes += 1
-        for _ in self.procs:
-            self.submit((FLUSH, self._flushes))
-        acks, other = 0, []
-        while acks < len(self.procs):
+        waiting: dict[int, _Worker] = {}
+        for w in self._workers.values():
+            if not w.retiring:
+                w.tasks.put((FLUSH, self._flushes))
+                waiting[w.wid] = w
+        other = []
+        # a worker that dies meanwhile is not waited for: its replacement starts with nothing buffered
+        while any(self._workers.get(wid) is w for wid, w in waiting.items()):
             r = self.get(timeout)
             if r[0] == FLUSH and r[1] == self._flushes:
                 if not r[3]:
                     raise unpack_exception(r[4], "while flushing")
-                acks += 1
+                waiting.pop(r[2], None)
             else:
                 other.append(r)
         return other

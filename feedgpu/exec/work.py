@@ -29,11 +29,13 @@ class Batch(NamedTuple):
 class PipelineWork:
     """Tasks ``(tag, seq, slot, epoch, indices, spares)``; payload: a :class:`BatchReport`."""
 
-    def __init__(self, assembler: Assembler, batch_size: int, inflight: int, keep_views: int = 2):
+    def __init__(self, assembler: Assembler, batch_size: int, inflight: int, keep_views: int = 2,
+                 populate: int | None = None):
         spec = assembler.plan.pool_spec
         self.assembler = assembler
         self.keep_views = keep_views
-        self.slots = BatchSlots(inflight + keep_views, batch_size, spec.shape, spec.dtype) if inflight else None
+        self.slots = BatchSlots(inflight + keep_views, batch_size, spec.shape, spec.dtype,
+                                populate=None if populate is None else populate + keep_views) if inflight else None
         self._shape, self._dtype, self._bs = spec.shape, spec.dtype, batch_size
         self.orphans: dict = {}   # (tag, seq) -> task of an abandoned iteration, still in flight
         self._epoch = None        # the epoch of the last task this process ran

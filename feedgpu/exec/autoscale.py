@@ -1,0 +1,232 @@
+"""``num_workers="auto"``: measure the loader in windows and apply the balancer's decisions.
+
+The loader calls :meth:`Autoscaler.on_batch` each time it hands a batch to the training loop.
+When a window is complete (``window_s`` seconds and at least ``min_batches`` batches), the
+autoscaler builds a :class:`~feedgpu.exec.balancer.Measurement` from what it saw:
+
+* the consumer's wait (time spent inside ``next()``) and busy time (the rest of the window's
+  wall time), hence the delivered rate, the demand rate (samples / busy time) and the wait
+  fraction;
+* the CPU time of the worker processes (``psutil``), and of the main process, which sets the
+  CPU budget: the cores this process may run on minus what the training process used;
+* the workers' unique memory (USS) plus the loader's batch buffers, and the RAM budget: what the
+  loader holds plus half of the memory still available;
+* free GPU memory when the loader delivers to a CUDA device,
+
+asks the pure :class:`~feedgpu.exec.balancer.Policy` for a decision and returns it; the loader
+resizes its pool and its prefetch depth accordingly, between two batches, without restarting
+the epoch (the batch order and per-batch seeds do not depend on the worker count).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+from typing import Callable
+
+from .balancer import Decision, Measurement, Policy, PolicyConfig, diagnose, start_workers
+
+log = logging.getLogger("feedgpu.balancer")
+
+#: Window length in seconds. Ours: a 1 s window at ~1,000 samples/s holds 4 batches of 256 and
+#: its rate varies ~2-3 % on the 2-core development machine; the policy's own noise estimate
+#: asks for more windows where that is too noisy.
+WINDOW_S = 1.0
+MIN_BATCHES = 3
+
+
+def cpu_cores() -> int:
+    """Cores this process may run on (its CPU affinity), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def fixed_workers(num_workers) -> int:
+    """A fixed worker or thread count for ``num_workers`` (an int, or ``"auto"``: one per core
+    but one, which is left to the training process)."""
+    return max(1, cpu_cores() - 1) if num_workers == "auto" else int(num_workers)
+
+
+def default_config(cores: int | None = None, max_prefetch: int = 4) -> PolicyConfig:
+    """The policy bounds used by the loader: 1 to ``cores`` workers, prefetch 1 to
+    ``max_prefetch`` batches per worker (4: the batch buffers are sized for the maximum)."""
+    return PolicyConfig(min_workers=1, max_workers=cores or cpu_cores(), min_prefetch=1, max_prefetch=max_prefetch)
+
+
+class _Probe:
+    """CPU seconds and memory of a set of processes, by pid, between two calls."""
+
+    def __init__(self):
+        import psutil
+
+        self._psutil = psutil
+        self._procs: dict[int, object] = {}
+        self._cpu: dict[int, float] = {}
+        self._me = psutil.Process()
+        self._my_cpu = self._cpu_of(self._me)
+
+    @staticmethod
+    def _cpu_of(p) -> float:
+        t = p.cpu_times()
+        return t.user + t.system
+
+    def sample(self, pids: list[int], memory: bool) -> tuple[float, float, int]:
+        """(worker CPU seconds, main-process CPU seconds, worker USS bytes) since the last call;
+        a worker seen for the first time counts from its start."""
+        ps = self._psutil
+        cpu, uss = 0.0, 0
+        for pid in pids:
+            p = self._procs.get(pid)
+            if p is None:
+                try:
+                    p = self._procs[pid] = ps.Process(pid)
+                except ps.Error:
+                    continue
+            try:
+                now = self._cpu_of(p)
+                if memory:
+                    uss += p.memory_full_info().uss
+            except ps.Error:
+                continue
+            cpu += now - self._cpu.get(pid, 0.0)
+            self._cpu[pid] = now
+        for pid in set(self._procs) - set(pids):
+            self._procs.pop(pid, None)
+            self._cpu.pop(pid, None)
+        me = self._cpu_of(self._me)
+        mine, self._my_cpu = me - self._my_cpu, me
+        return cpu, mine, uss
+
+
+class Autoscaler:
+    """Sizes the loader's worker pool and prefetch depth while it runs.
+
+    Args:
+        workers: the pool size to start with (default: half the CPU budget, rounded up).
+        prefetch: batches in flight per worker to start with.
+        config: the policy's bounds and constants (default :func:`default_config`).
+        window_s, min_batches: a window lasts at least this long and holds at least this many
+            batches (1.0 s, 3).
+        buffer_bytes: memory of the loader's batch buffers, counted in its RSS (bytes).
+        device: where batches are delivered; on ``cuda[:N]`` free GPU memory is measured.
+        callback: called as ``callback(event)`` after each window, ``event`` a dict with the
+            window's ``measurement``, the ``decision`` (both as dicts) and ``t``; exceptions it
+            raises are logged and otherwise ignored.
+        clock: seconds, monotonic (default ``time.perf_counter``); tests pass their own.
+        probe: an object with ``sample(pids, memory) -> (worker_cpu_s, main_cpu_s, uss_bytes)``
+            (default: psutil).
+    """
+
+    def __init__(self, workers: int | None = None, prefetch: int = 2, config: PolicyConfig | None = None,
+                 window_s: float = WINDOW_S, min_batches: int = MIN_BATCHES, buffer_bytes: int = 0,
+                 device: str = "cpu", callback: Callable[[dict], None] | None = None,
+                 clock: Callable[[], float] = time.perf_counter, probe=None, cores: int | None = None):
+        self.cores = cores or cpu_cores()
+        self.policy = Policy(config or default_config(self.cores))
+        c = self.policy.config
+        budget = max(1.0, self.cores - 1.0)
+        self.workers = max(c.min_workers, min(c.max_workers, workers or start_workers(budget, c)))
+        self.prefetch = max(c.min_prefetch, min(c.max_prefetch, prefetch))
+        self.window_s, self.min_batches = window_s, min_batches
+        self.buffer_bytes, self.device, self.callback = buffer_bytes, device, callback
+        self.clock = clock
+        self._probe = probe
+        self.timeline: deque[dict] = deque(maxlen=100_000)
+        self.last_measurement: Measurement | None = None
+        self._reset_window(None)
+        self._skip = 0
+        self._memory_every = 5      # USS reads smaps: every 5th window is enough to see a trend
+        self._windows = 0
+        self._uss = 0
+
+    def _reset_window(self, now: float | None) -> None:
+        self._t0, self._rows, self._batches, self._wait = now, 0, 0, 0.0
+
+    def start(self, pids: list[int]) -> None:
+        """The pool is running: the first window starts now (its CPU counters too)."""
+        if self._probe is None:
+            self._probe = _Probe()
+        self._probe.sample(pids, memory=False)
+        self._skip = 1  # the first window holds the pool's start-up: not judged
+        self._reset_window(self.clock())
+
+    def on_batch(self, rows: int, waited_s: float, pids: list[int]) -> Decision | None:
+        """A batch of ``rows`` samples was handed out after the consumer waited ``waited_s``
+        seconds; ``pids`` are the pool's workers. Returns the decision when a window closes."""
+        now = self.clock()
+        if self._t0 is None:
+            self.start(pids)
+            return None
+        self._rows += rows
+        self._batches += 1
+        self._wait += waited_s
+        wall = now - self._t0
+        if wall < self.window_s or self._batches < self.min_batches:
+            return None
+        if self._skip:
+            self._skip -= 1
+            self._probe.sample(pids, memory=False)
+            self._reset_window(self.clock())
+            return None
+        m = self._measure(now, wall, pids)
+        d = self.policy.decide(m)
+        self.workers, self.prefetch = d.workers, d.prefetch
+        self.last_measurement = m
+        point = {"t": round(m.t, 3), "workers": m.workers, "prefetch": m.prefetch,
+                 "delivered_rate": m.delivered_rate, "demand_rate": m.demand_rate,
+                 "wait_fraction": m.wait_fraction, "cpu_cores_used": m.cpu_cores_used,
+                 "cpu_budget": m.cpu_budget, "rss_bytes": m.rss_bytes, "decision": d.kind,
+                 "next_workers": d.workers}
+        self.timeline.append(point)
+        if self.callback is not None:
+            try:
+                self.callback({"t": m.t, "measurement": m.__dict__.copy(), "decision": d.as_dict()})
+            except Exception:  # noqa: BLE001 - a user's logger must not stop training
+                log.exception("feedgpu balancer callback failed")
+        self._reset_window(self.clock())
+        return d
+
+    def _measure(self, now: float, wall: float, pids: list[int]) -> Measurement:
+        self._windows += 1
+        memory = self._windows % self._memory_every == 1
+        worker_cpu, main_cpu, uss = self._probe.sample(pids, memory)
+        if memory:
+            self._uss = uss
+        busy = max(wall - self._wait, 0.0)
+        demand = self._rows / busy if busy > 1e-6 else float("inf")
+        ram_budget = None
+        rss = self._uss + self.buffer_bytes
+        try:
+            import psutil
+
+            ram_budget = int(rss + 0.5 * psutil.virtual_memory().available)
+        except Exception:  # noqa: BLE001 - no budget when it cannot be read
+            pass
+        return Measurement(
+            t=now, workers=self.workers, delivered_rate=self._rows / wall, demand_rate=demand,
+            wait_fraction=min(1.0, self._wait / wall), cpu_cores_used=max(0.0, worker_cpu / wall),
+            cpu_budget=max(1.0, self.cores - main_cpu / wall), rss_bytes=int(rss) if self._uss else 0,
+            ram_budget_bytes=ram_budget, gpu_mem_free_bytes=self._gpu_free(), prefetch=self.prefetch)
+
+    def _gpu_free(self) -> int | None:
+        if not self.device.startswith("cuda"):
+            return None
+        import torch
+
+        idx = int(self.device.split(":")[1]) if ":" in self.device else torch.cuda.current_device()
+        return int(torch.cuda.mem_get_info(idx)[0])
+
+    def stats(self) -> dict:
+        """``loader.stats()["balancer"]``: the policy's state and decisions (see
+        :meth:`Policy.stats`), the last window's measurement and diagnosis, and the windows
+        measured so far."""
+        d = self.policy.stats()
+        d.update(workers=self.workers, prefetch=self.prefetch, windows=self._windows,
+                 cores=self.cores, window_s=self.window_s)
+        m = self.last_measurement
+        d["last_window"] = None if m is None else dict(m.__dict__)
+        d["diagnosis"] = None if m is None else diagnose(m).as_dict()
+        return d

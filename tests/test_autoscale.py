@@ -1,0 +1,184 @@
+"""num_workers="auto": the autoscaler measures windows and the loader applies its decisions
+without changing what it delivers."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.utils.data as tud
+
+from feedgpu import DataLoader, Pipeline
+from feedgpu.exec.autoscale import Autoscaler, default_config
+from feedgpu.exec.balancer import PolicyConfig
+from feedgpu.stages import Decode, PythonStage, ResizeCenterCrop
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+class FakeProbe:
+    """Workers each burn ``per_worker`` cores; the main process burns ``main``."""
+
+    def __init__(self, clock, per_worker=1.0, main=0.1):
+        self.clock, self.per_worker, self.main, self.last = clock, per_worker, main, 0.0
+
+    def sample(self, pids, memory):
+        dt, self.last = self.clock.t - self.last, self.clock.t
+        return self.per_worker * len(pids) * dt, self.main * dt, 100 * 2**20 * len(pids) if memory else 0
+
+
+def drive(a: Autoscaler, clock: FakeClock, rate_per_worker: float, demand: float, seconds: float, rows=32):
+    """Batches arrive as a pool of ``a.workers`` x ``rate_per_worker`` delivers them to a consumer
+    that needs ``rows / demand`` seconds per batch."""
+    decisions, pids = [], [100]
+    a.start(pids)
+    end = clock.t + seconds
+    while clock.t < end:
+        produce = rows / (rate_per_worker * a.workers)
+        busy = rows / demand
+        waited = max(0.0, produce - busy)
+        clock.t += busy + waited
+        pids = list(range(100, 100 + a.workers))
+        d = a.on_batch(rows, waited, pids)
+        if d is not None:
+            decisions.append(d)
+    return decisions
+
+
+def test_windows_build_measurements_and_skip_the_start_up_window():
+    clock = FakeClock()
+    events = []
+    a = Autoscaler(workers=1, prefetch=2, config=default_config(8), window_s=1.0, min_batches=3, clock=clock,
+                   probe=FakeProbe(clock), cores=8, callback=events.append)
+    decisions = drive(a, clock, rate_per_worker=100, demand=1000, seconds=4.0)  # windows of 4 batches, 1.28 s
+    assert decisions, "windows closed"
+    m = a.last_measurement
+    # one worker delivers 100 samples/s to a consumer that could take 1000: it waits ~90 %
+    assert m.delivered_rate == pytest.approx(100, rel=0.05)
+    assert m.demand_rate == pytest.approx(1000, rel=0.05)
+    assert m.wait_fraction == pytest.approx(0.9, abs=0.03)
+    assert m.cpu_budget == pytest.approx(8 - 0.1, abs=0.01)
+    assert len(events) == len(decisions) and set(events[0]) == {"t", "measurement", "decision"}
+    # three windows close; the start-up one is not judged
+    assert len(decisions) == 2
+
+
+def test_autoscaler_grows_to_meet_demand_and_stays():
+    clock = FakeClock()
+    a = Autoscaler(workers=1, prefetch=2, config=default_config(8), clock=clock, probe=FakeProbe(clock), cores=8)
+    drive(a, clock, rate_per_worker=100, demand=450, seconds=60)
+    # 450/s needs 5 workers of 100/s; the balancer may keep one more, never fewer
+    assert a.workers in (5, 6)
+    s = a.stats()
+    assert s["workers"] == a.workers and s["diagnosis"]["verdict"] == "meets demand"
+    late = [p["workers"] for p in a.timeline if p["t"] > 40]
+    assert len(set(late)) == 1, f"oscillates: {late}"
+
+
+def test_autoscaler_shrinks_when_demand_drops():
+    clock = FakeClock()
+    a = Autoscaler(workers=6, prefetch=2, config=default_config(8), clock=clock, probe=FakeProbe(clock), cores=8)
+    drive(a, clock, rate_per_worker=100, demand=150, seconds=60)
+    assert a.workers in (2, 3)
+
+
+# -- in the loader ---------------------------------------------------------------------------------
+
+class Painted(tud.Dataset):
+    def __init__(self, n=480):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return np.full((8, 8, 3), i % 251, np.uint8), i
+
+
+def burn(img):
+    """~4 ms of CPU per sample: workers are CPU-bound, as decoding is."""
+    t = time.thread_time()
+    while time.thread_time() - t < 0.004:
+        pass
+    return img
+
+
+def pipeline(**kw):
+    opts = dict(batch_size=8, shuffle=True, seed=5, device="cpu")
+    opts.update(kw)
+    return Pipeline(Painted(), [Decode(), ResizeCenterCrop(8, 8), PythonStage(burn)], **opts)
+
+
+def labels_of(loader, epochs=1):
+    out = []
+    for e in range(epochs):
+        loader.set_epoch(e)
+        out += [b.labels.clone() for b in loader]
+    return torch.cat(out)
+
+
+def test_auto_is_the_pipeline_default_and_resizes_without_changing_the_batches(no_leaked_workers):
+    fixed = labels_of(DataLoader(pipeline(), num_workers=2), epochs=2)
+    loader = DataLoader(pipeline())
+    assert loader.auto_workers and loader._autoscaler is not None
+    a = loader._autoscaler
+    a.window_s, a.min_batches = 0.25, 2
+    # force a resize mid-epoch: start at 1 worker with room for 2
+    a.workers = loader.num_workers = 1
+    seen_workers = set()
+    got = []
+    for e in range(2):
+        loader.set_epoch(e)
+        for b in loader:
+            got.append(b.labels.clone())
+            seen_workers.add(len(loader.worker_pids()))
+    assert torch.equal(torch.cat(got), fixed)
+    s = loader.stats()["balancer"]
+    assert s["windows"] >= 2 and s["decisions"] >= 1 and s["last_window"]["delivered_rate"] > 0
+    # a loader-only consumer always waits: the balancer adds the second core's worker
+    assert 2 in seen_workers, s["last"]
+    loader.shutdown()
+
+
+def test_auto_state_dict_resumes_exactly_after_a_resize(no_leaked_workers):
+    ref = labels_of(DataLoader(pipeline(), num_workers=1))
+    loader = DataLoader(pipeline())
+    loader._autoscaler.window_s, loader._autoscaler.min_batches = 0.2, 2
+    it = iter(loader)
+    head = [next(it).labels.clone() for _ in range(30)]
+    state = loader.state_dict()
+    loader.shutdown()
+    again = DataLoader(pipeline())
+    again.load_state_dict(state)
+    tail = [b.labels.clone() for b in again]
+    assert torch.equal(torch.cat(head + tail), ref)
+
+
+def test_stats_callback_receives_each_window(no_leaked_workers):
+    events = []
+    loader = DataLoader(pipeline(), stats_callback=events.append)
+    loader._autoscaler.window_s, loader._autoscaler.min_batches = 0.2, 2
+    n = sum(1 for _ in loader)
+    assert n == len(loader)
+    assert events and all(e["decision"]["workers"] >= 1 for e in events)
+    assert events[-1]["measurement"]["delivered_rate"] > 0
+
+
+def test_auto_with_a_torch_dataset(no_leaked_workers):
+    ds = Painted(64)
+    got = torch.cat([y for _, y in DataLoader(ds, batch_size=8, num_workers="auto", shuffle=False)])
+    assert torch.equal(got, torch.arange(64))
+
+
+def test_policy_bounds_follow_the_cores():
+    c = default_config(6)
+    assert isinstance(c, PolicyConfig) and (c.min_workers, c.max_workers, c.max_prefetch) == (1, 6, 4)

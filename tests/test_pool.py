@@ -1,0 +1,92 @@
+"""ProcessPool: growing, shrinking and replacing workers while tasks are in flight loses and
+repeats nothing."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from conftest import wait_gone
+from feedgpu import LoaderTimeout, WorkerError
+from feedgpu.exec.process_pool import ProcessPool
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def square(task):
+    time.sleep(task[2])
+    return (task[1] ** 2, os.getpid())
+
+
+def collect(pool, n):
+    out = {}
+    while len(out) < n:
+        tag, seq, wid, ok, payload = pool.get(30)
+        assert ok and tag == "t"
+        assert seq not in out, f"task {seq} delivered twice"
+        out[seq] = payload
+    return out
+
+
+def test_grow_and_shrink_while_tasks_are_in_flight():
+    pool = ProcessPool(square, 1)
+    try:
+        for i in range(10):
+            pool.submit(("t", i, 0.01))
+        pool.resize(3)
+        assert pool.num_workers == 3
+        for i in range(10, 40):  # queued tasks stay where they are; new ones go to the least loaded
+            pool.submit(("t", i, 0.01))
+        first = collect(pool, 20)
+        pool.resize(1)
+        assert pool.num_workers == 1
+        rest = collect(pool, 20)
+        got = {**first, **rest}
+        assert sorted(got) == list(range(40))
+        assert all(v[0] == k * k for k, v in got.items())
+        assert len({pid for _, pid in got.values()}) == 3  # the added workers took tasks
+        with pytest.raises(LoaderTimeout):  # meanwhile the retired workers finish and are reaped
+            pool.get(1.0)
+        assert len(pool._workers) == 1 and pool.retired == 2 and pool.respawns == 0
+    finally:
+        pids = pool.pids()
+        pool.close()
+    assert not wait_gone(pids)
+
+
+def test_killed_worker_is_replaced_and_its_tasks_redone():
+    pool = ProcessPool(square, 2)
+    try:
+        for i in range(10):
+            pool.submit(("t", i, 0.2))
+        victim = pool.pids()[0]
+        time.sleep(0.1)
+        os.kill(victim, signal.SIGKILL)
+        got = collect(pool, 10)
+        assert sorted(got) == list(range(10))
+        assert victim not in {pid for _, pid in got.values()} or pool.respawns == 1
+        assert pool.respawns == 1 and victim not in pool.pids() and pool.num_workers == 2
+    finally:
+        pool.close()
+
+
+def test_respawn_off_raises_at_first_death():
+    pool = ProcessPool(square, 2, respawn=False)
+    try:
+        pool.submit(("t", 0, 5.0))
+        os.kill(pool.pids()[0], signal.SIGKILL)
+        with pytest.raises(WorkerError, match=r"died unexpectedly \(signal SIGKILL\)"):
+            pool.get(30)
+    finally:
+        pool.close()
+
+
+def test_resize_below_one_is_refused():
+    pool = ProcessPool(square, 1)
+    try:
+        with pytest.raises(WorkerError, match="at least one worker"):
+            pool.resize(0)
+    finally:
+        pool.close()
