@@ -343,6 +343,12 @@ class DataLoader:
             d["cache"] = None
         return d
 
+    @property
+    def balancer(self) -> Autoscaler | None:
+        """The :class:`~feedgpu.exec.autoscale.Autoscaler` sizing the pool under
+        ``num_workers="auto"`` (its ``timeline`` and ``measurements`` hold every window), else None."""
+        return self._autoscaler
+
     def worker_pids(self) -> list[int]:
         return self._pool.pids() if self._pool is not None and not self._pool.closed else []
 
@@ -438,7 +444,7 @@ class _EpochIterator:
         self.work.refresh()  # workers forked below inherit an up-to-date cache index
         self.pool = None if self.inline else loader._acquire_pool()
         if self.pool is not None and loader._autoscaler is not None:
-            loader._autoscaler.start(self.pool.pids())
+            loader._autoscaler.start(self.pool.pids(), pool_key=self.pool.serial)
         loader._position = (epoch, start)
         if start == 0:
             loader._rows_seen = 0

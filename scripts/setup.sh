@@ -17,3 +17,12 @@ if ! "$PY" -c "import PIL, sys; sys.exit('.post' not in PIL.__version__)" 2>/dev
 fi
 # DALI (CUDA 13 build; its CPU operators run without a GPU) for the DALI engine and its tests.
 pip_ -e ".[dev,dali]"
+# matplotlib (plots of `feedgpu bench --plot`) requires `pillow`, which pip would install over
+# Pillow-SIMD: install its other dependencies by name, then matplotlib without dependencies.
+if ! "$PY" -c "import matplotlib" 2>/dev/null; then
+  pip_ "contourpy>=1.0.1" "cycler>=0.10" "fonttools>=4.28.2" "kiwisolver>=1.3.1" "pyparsing>=3" \
+       "python-dateutil>=2.7" "packaging>=20"
+  pip_ --no-deps "matplotlib>=3.8"
+fi
+# Nothing above may have replaced Pillow-SIMD (feedgpu doctor shows the active PIL build).
+"$PY" -c "import PIL, sys; sys.exit(0 if '.post' in PIL.__version__ else 'stock Pillow replaced Pillow-SIMD; rerun scripts/setup.sh after pip uninstall -y pillow')"

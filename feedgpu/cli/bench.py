@@ -597,8 +597,16 @@ def pick_engines(engines: tuple[str, ...], pipeline, no_baseline: bool, device: 
 @click.option("--device", default="cpu", show_default=True, help="Where batches are delivered (cpu, cuda, cuda:N).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), help="Write results as JSON.")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a pipeline key (dotted path).")
+@click.option("--model", help="Why is my GPU idle: train this model on the batches (resnet18, resnet50 or "
+                              "module:callable returning a torch.nn.Module).")
+@click.option("--consumer-rate", type=click.FloatRange(min=0, min_open=True),
+              help="Why is my GPU idle, without a GPU: a synthetic consumer taking this many samples/s.")
+@click.option("--duration", default=20.0, show_default=True, type=click.FloatRange(min=1),
+              help="Seconds of each phase (model alone, loader alone, both) with --model/--consumer-rate.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True),
+              help="With --model/--consumer-rate: write throughput, idle share and workers over time as PNG.")
 def bench(pipeline_file, data, images, workers, batch_size, batches, rounds, warmup, engines, no_baseline, device,
-          json_path, sets) -> None:
+          json_path, sets, model, consumer_rate, duration, plot_path) -> None:
     """Measure feedgpu against torch's DataLoader + Pillow on the same data and transforms.
 
     ``--engine`` (repeatable) compares feedgpu's engines (python, dali-cpu, dali-gpu) and the
@@ -607,6 +615,11 @@ def bench(pipeline_file, data, images, workers, batch_size, batches, rounds, war
     With no argument, builds once (in the user's cache directory) an ImageNet-like sample from
     photographs shipped with feedgpu and runs imagenet_train.yaml on it. Prints samples/s,
     ms per batch, CPU use and memory per worker for each loader and the speed-up.
+
+    With ``--model`` or ``--consumer-rate``, answers "why is my GPU idle" instead: it times the
+    model alone, the loader alone (``num_workers`` auto unless ``--workers``) and both together,
+    and reports the GPU idle share, its causes, the balancer's choices and a recommendation
+    (see :mod:`feedgpu.idle`).
     """
     from ..errors import ConfigError
     from ..pipeline import resolve_device
@@ -619,6 +632,11 @@ def bench(pipeline_file, data, images, workers, batch_size, batches, rounds, war
         if not torch.cuda.is_available():
             raise click.UsageError(f"--device {device}: torch sees no CUDA device")
     p, file, path = load_pipeline(pipeline_file, data, sets, device, images)
+    if model or consumer_rate:
+        from .idle_report import idle_bench
+
+        idle_bench(p, file, path, model, consumer_rate, duration, workers, batch_size, device, json_path, plot_path)
+        return
     workers = fixed_workers(p.num_workers) if workers is None else workers
     batch_size = p.batch_size if batch_size is None else batch_size
     nb = epoch_batches(p, batch_size)

@@ -135,9 +135,11 @@ class Autoscaler:
         self.clock = clock
         self._probe = probe
         self.timeline: deque[dict] = deque(maxlen=100_000)
+        self.measurements: deque[Measurement] = deque(maxlen=1000)
         self.last_measurement: Measurement | None = None
         self._reset_window(None)
         self._skip = 0
+        self._pool_key: object = None
         self._memory_every = 5      # USS reads smaps: every 5th window is enough to see a trend
         self._windows = 0
         self._uss = 0
@@ -145,8 +147,13 @@ class Autoscaler:
     def _reset_window(self, now: float | None) -> None:
         self._t0, self._rows, self._batches, self._wait = now, 0, 0, 0.0
 
-    def start(self, pids: list[int]) -> None:
-        """The pool is running: the first window starts now (its CPU counters too)."""
+    def start(self, pids: list[int], pool_key: object = None) -> None:
+        """A pool is running: a new pool (``pool_key`` differs from the last one's) starts a new
+        window, which is not judged (it holds the start-up); the same pool in a new epoch goes
+        on with the open window."""
+        if pool_key is not None and pool_key == self._pool_key and self._t0 is not None:
+            return
+        self._pool_key = pool_key
         if self._probe is None:
             self._probe = _Probe()
         self._probe.sample(pids, memory=False)
@@ -175,6 +182,7 @@ class Autoscaler:
         d = self.policy.decide(m)
         self.workers, self.prefetch = d.workers, d.prefetch
         self.last_measurement = m
+        self.measurements.append(m)
         point = {"t": round(m.t, 3), "workers": m.workers, "prefetch": m.prefetch,
                  "delivered_rate": m.delivered_rate, "demand_rate": m.demand_rate,
                  "wait_fraction": m.wait_fraction, "cpu_cores_used": m.cpu_cores_used,
