@@ -152,6 +152,7 @@ def run_loader(loader, consumer, duration_s: float) -> dict:
     batches = samples = 0
     waits: list[float] = []
     t_first = None
+    cpu0 = None
     epoch = 0
     while True:
         loader.set_epoch(epoch)
@@ -165,6 +166,7 @@ def run_loader(loader, consumer, duration_s: float) -> dict:
             now = time.perf_counter()
             if t_first is None:
                 t_first = now
+                cpu0 = _cpu_seconds(loader.worker_pids())
             else:
                 waits.append(now - t)
             batches += 1
@@ -176,9 +178,61 @@ def run_loader(loader, consumer, duration_s: float) -> dict:
                 if consumer is not None:
                     consumer.sync()
                 wall = time.perf_counter() - t_first
+                cores = (_cpu_seconds(loader.worker_pids()) - cpu0) / wall
                 return {"batches": batches, "samples": samples, "wall_s": wall, "samples_per_s": samples / wall,
+                        "cpu_cores": cores,
                         "wait_s": sum(waits), "median_wait_ms": 1e3 * statistics.median(waits) if waits else 0.0}
         epoch += 1
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    """CPU seconds of this process (all its threads: DALI's, the consumer's) and of ``pids``."""
+    import psutil
+
+    total = 0.0
+    for p in [psutil.Process(), *(psutil.Process(pid) for pid in pids if psutil.pid_exists(pid))]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def placement(make_loader: Callable[..., Any], python_alone: dict, duration_s: float, demand: float,
+              on_gpu: bool) -> dict:
+    """Measure the loader alone on DALI's engines too (``dali-cpu``; ``dali-gpu`` on a GPU) and
+    let :func:`~feedgpu.exec.balancer.choose_placement` pick where the stages run: the rate each
+    delivers (counted up to ``demand``) for the cores it uses (main process and workers)."""
+    from .exec.autoscale import cpu_cores
+    from .exec.balancer import EngineRate, choose_placement
+
+    options = [EngineRate("python", python_alone["samples_per_s"], python_alone["cpu_cores"],
+                          max(1, python_alone["workers"]))]
+    measured, errors = {"python": python_alone}, {}
+    for name, device in (("dali-cpu", "cpu"), ("dali-gpu", "gpu")):
+        if device == "gpu" and not on_gpu:
+            continue
+        try:
+            loader = make_loader(engine={"name": "dali", "device": device})
+            r = run_loader(loader, None, duration_s)
+            threads = loader.stats()["engine"].get("threads") or max(1, cpu_cores() - 1)
+            loader.shutdown()
+        except Exception as e:  # noqa: BLE001 - an engine that cannot run this pipeline is no option
+            errors[name] = f"{type(e).__name__}: {e}"
+            continue
+        measured[name] = r
+        options.append(EngineRate(name, r["samples_per_s"], r["cpu_cores"], int(threads)))
+    gpu_free = None
+    if on_gpu:
+        import torch
+
+        gpu_free = int(torch.cuda.mem_get_info()[0])
+    pick = choose_placement(options, cpu_budget=float(cpu_cores()), gpu_mem_free_bytes=gpu_free, demand_rate=demand)
+    return {"measured": {k: {"samples_per_s": v["samples_per_s"], "cpu_cores": v["cpu_cores"]}
+                         for k, v in measured.items()},
+            "not_measured": errors, "choice": pick.engine, "engine_settings": pick.engine_settings(),
+            "reason": pick.reason}
 
 
 def stage_costs(stats: dict) -> dict:
@@ -235,8 +289,10 @@ def _diagnosis(ms: list) -> dict | None:
     return diagnose(ms[-1:]).as_dict()
 
 
-def analyze(make_loader: Callable[[], Any], consumer, duration_s: float, on_gpu: bool) -> dict:
-    """Run the three phases; ``make_loader()`` gives a fresh loader for phases 2 and 3."""
+def analyze(make_loader: Callable[..., Any], consumer, duration_s: float, on_gpu: bool,
+            compare_engines: bool = False) -> dict:
+    """Run the three phases; ``make_loader(**overrides)`` gives a fresh loader for phases 2 and
+    3. With ``compare_engines``, :func:`placement` also measures DALI's engines after phase 2."""
     loader = make_loader()
     first = next(iter(loader))
     sample = tuple(t.clone() for t in first[:2]) if isinstance(first, tuple) else first
@@ -247,6 +303,7 @@ def analyze(make_loader: Callable[[], Any], consumer, duration_s: float, on_gpu:
     alone = run_loader(loader, None, duration_s)
     alone["workers"] = loader.num_workers
     loader.shutdown()
+    placed = placement(make_loader, alone, duration_s, model["samples_per_s"], on_gpu) if compare_engines else None
     loader = make_loader()
     both = run_loader(loader, consumer, duration_s)
     stats = loader.stats()
@@ -267,7 +324,9 @@ def analyze(make_loader: Callable[[], Any], consumer, duration_s: float, on_gpu:
         "balancer": {"timeline": list(scaler.timeline) if scaler is not None else [],
                      "decisions": [d for d in (bal or {}).get("last", []) if d["kind"] not in ("hold", "settle")],
                      "final_workers": stats["num_workers"], "final_prefetch": stats["prefetch_factor"]},
-        "recommendation": recommend(idle, diag, costs, on_gpu),
+        "placement": placed,
+        "recommendation": recommend(idle, diag, costs, on_gpu)
+        + (f" Placement measured: {placed['reason']}." if placed else ""),
     }
 
 

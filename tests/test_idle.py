@@ -123,3 +123,18 @@ def test_plot_without_windows_writes_nothing(tmp_path, caplog):
     report = {"balancer": {"timeline": []}, "consumer": "x", "gpu_idle_fraction": 0.0}
     pytest.importorskip("matplotlib")
     assert plot(report, str(tmp_path / "p.png")) is False and not (tmp_path / "p.png").exists()
+
+
+def test_compare_engines_measures_dali_cpu_and_picks_a_placement(folder_ds, no_leaked_workers):
+    pytest.importorskip("nvidia.dali")
+    p = small_pipeline(folder_ds)
+    r = analyze(lambda **over: DataLoader(p, num_workers=1, **over), RateConsumer(1e6), duration_s=1.5,
+                on_gpu=False, compare_engines=True)
+    pl = r["placement"]
+    assert set(pl["measured"]) == {"python", "dali-cpu"} and not pl["not_measured"]
+    assert all(v["samples_per_s"] > 0 and v["cpu_cores"] > 0 for v in pl["measured"].values())
+    # demand is unlimited: the faster engine per the measurements wins unless within 5 % (then fewer cores)
+    rates = {k: v["samples_per_s"] for k, v in pl["measured"].items()}
+    other = "python" if pl["choice"] == "dali-cpu" else "dali-cpu"
+    assert rates[pl["choice"]] >= 0.95 * rates[other]
+    assert pl["choice"] in pl["reason"] and "Placement measured" in r["recommendation"]

@@ -603,10 +603,13 @@ def pick_engines(engines: tuple[str, ...], pipeline, no_baseline: bool, device: 
               help="Why is my GPU idle, without a GPU: a synthetic consumer taking this many samples/s.")
 @click.option("--duration", default=20.0, show_default=True, type=click.FloatRange(min=1),
               help="Seconds of each phase (model alone, loader alone, both) with --model/--consumer-rate.")
+@click.option("--compare-engines", is_flag=True,
+              help="With --model/--consumer-rate: also measure DALI's engines alone and say where the stages "
+                   "should run.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True),
               help="With --model/--consumer-rate: write throughput, idle share and workers over time as PNG.")
 def bench(pipeline_file, data, images, workers, batch_size, batches, rounds, warmup, engines, no_baseline, device,
-          json_path, sets, model, consumer_rate, duration, plot_path) -> None:
+          json_path, sets, model, consumer_rate, duration, compare_engines, plot_path) -> None:
     """Measure feedgpu against torch's DataLoader + Pillow on the same data and transforms.
 
     ``--engine`` (repeatable) compares feedgpu's engines (python, dali-cpu, dali-gpu) and the
@@ -635,7 +638,8 @@ def bench(pipeline_file, data, images, workers, batch_size, batches, rounds, war
     if model or consumer_rate:
         from .idle_report import idle_bench
 
-        idle_bench(p, file, path, model, consumer_rate, duration, workers, batch_size, device, json_path, plot_path)
+        idle_bench(p, file, path, model, consumer_rate, duration, workers, batch_size, device, json_path, plot_path,
+                   compare_engines)
         return
     workers = fixed_workers(p.num_workers) if workers is None else workers
     batch_size = p.batch_size if batch_size is None else batch_size

@@ -12,7 +12,7 @@ from ..errors import ConfigError
 
 def idle_bench(p, file: str, path: str, model: str | None, consumer_rate: float | None, duration: float,
                workers: int | None, batch_size: int | None, device: str, json_path: str | None,
-               plot_path: str | None) -> None:
+               plot_path: str | None, compare_engines: bool = False) -> None:
     from .. import idle
     from ..loader import DataLoader
     from .bench import machine_info
@@ -30,13 +30,13 @@ def idle_bench(p, file: str, path: str, model: str | None, consumer_rate: float 
     nw = "auto" if workers is None else workers
     bs = batch_size or p.batch_size
 
-    def make_loader():
-        return DataLoader(p, batch_size=bs, num_workers=nw, device=device)
+    def make_loader(**over):
+        return DataLoader(p, batch_size=bs, num_workers=nw, device=device, **over)
 
     click.echo(f"feedgpu bench: why is the GPU idle? {consumer.label}; {p.name} on {path}; "
                f"3 phases of {duration:.0f} s", err=True)
     t0 = time.perf_counter()
-    report = idle.analyze(make_loader, consumer, duration, on_gpu=device != "cpu")
+    report = idle.analyze(make_loader, consumer, duration, on_gpu=device != "cpu", compare_engines=compare_engines)
     report.update(pipeline=file, data=path, batch_size=bs, num_workers=nw, device=device, machine=machine_info(),
                   created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), format="feedgpu.idle/1",
                   total_seconds=round(time.perf_counter() - t0, 1))
@@ -73,5 +73,9 @@ def _print(r: dict) -> None:
         for d in bal["decisions"][-8:]:
             click.echo(f"  t={d['t'] - bal['timeline'][0]['t']:+.0f}s {d['kind']} -> {d['workers']} workers: "
                        f"{d['reason']}")
+    pl = r.get("placement")
+    if pl:
+        click.echo("placement:     " + ", ".join(f"{k} {v['samples_per_s']:,.0f}/s on {v['cpu_cores']:.1f} cores"
+                                                 for k, v in pl["measured"].items()) + f" -> {pl['choice']}")
     click.echo("")
     click.echo(r["recommendation"])
