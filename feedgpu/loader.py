@@ -263,7 +263,8 @@ class DataLoader:
                 self._fingerprint = self.pipeline.source.identity()
             else:
                 d = self.dataset
-                self._fingerprint = f"{type(d).__module__}.{type(d).__qualname__}:{len(d)}"
+                self._fingerprint = d.identity() if hasattr(d, "make_work") else \
+                    f"{type(d).__module__}.{type(d).__qualname__}:{len(d)}"
         return self._fingerprint
 
     def state_dict(self) -> dict:
@@ -350,6 +351,8 @@ class DataLoader:
                     entry = open_entry(self.cache_settings, p.source, p.stages, plan)
                 asm = Assembler(p.source, plan, self.seed, self.on_error, cache=entry)
                 self._work = PipelineWork(asm, self.batch_size, inflight)
+            elif hasattr(self.dataset, "make_work"):  # a dataset that batches itself (feedgpu.tabular)
+                self._work = self.dataset.make_work(self.seed)
             else:
                 self._work = DatasetWork(self.dataset, self.collate_fn, self.seed)
         return self._work
