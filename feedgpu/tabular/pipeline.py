@@ -135,8 +135,13 @@ class TablePipeline:
                     state = st.fit(fit_cols)
                 st.load(state)
                 self.fit_store.put(key, s["config"], state)
-            if fit_cols is not None:
+            if fit_cols is not None:  # rare values of the fit rows are out of vocabulary by design: no raise
+                mode = getattr(st, "on_oov", None)
+                if mode:
+                    st.on_oov = "index"
                 st.apply(fit_cols)
+                if mode:
+                    st.on_oov = mode
             if st.out_kind == "cat":
                 cards[s["outputs"][0]] = st.cardinality
             stages.append(st)
