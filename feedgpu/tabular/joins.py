@@ -30,7 +30,7 @@ class LookupJoin:
         self.name, self.on, self.columns, self.prefix = name, dict(on), dict(columns), prefix
         self.indicator = indicator
         src = TableSource(path, list(dict.fromkeys([*self.on.values(), *self.columns])))
-        self.identity = src.identity()
+        self.identity, self.paths = src.identity(), src.paths
         dim = src.read_all()
         self.kinds = {out: src.kinds[c] for c, out in self.columns.items()}
         self.uniques, codes = [], []
