@@ -95,3 +95,18 @@ def test_dali_errors(tmp_path):
                                          "on_oov": "raise"}], categorical=[]))
     with pytest.raises(TableDataError, match="outside the vocabulary"):
         DaliTableEngine(p).transform(np.arange(5000))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_flights_yaml_parity_on_the_gpu(flights):
+    idx = np.random.default_rng(3).permutation(len(flights))[:50_000]
+    eng = DaliTableEngine(flights, device="gpu")
+    assert_parity(flights.transform(idx), eng.transform(idx))
+    b = next(iter(flights.with_engine("dali", device="gpu").loader(batch_size=8192)))
+    assert b["dense"].shape == (8192, len(flights.dense_names()))
+
+
+def test_gpu_engine_refuses_workers(flights):
+    with pytest.raises(ConfigError, match="main process"):
+        next(iter(flights.with_engine("dali", device="gpu").loader(batch_size=1024, num_workers=1)))

@@ -137,6 +137,7 @@ class FitCfg(_Strict):
 class EngineCfg(_Strict):
     name: Literal["python", "dali"] = "python"
     threads: Union[Pos, None] = None
+    device: Literal["cpu", "gpu"] = "cpu"   # dali only: its CPU operators or the GPU (main process only)
 
 
 class LoaderCfg(_Strict):

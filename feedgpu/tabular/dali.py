@@ -26,8 +26,8 @@ from .columns import StrColumn
 
 
 class _Nodes:
-    def __init__(self, fn, types, cols: dict):
-        self.fn, self.types, self.cols = fn, types, cols
+    def __init__(self, fn, types, cols: dict, device: str):
+        self.fn, self.types, self.cols, self.device = fn, types, cols, device
         self.made: dict = {}
         self.feeds: list[tuple[str, str, object]] = []   # (external name, column, how)
         self.tables: list[tuple] = []                   # (column, dictionary, length) built for
@@ -44,7 +44,8 @@ class _Nodes:
         if isinstance(v, StrColumn):
             raise ConfigError(f"dali engine: column {c!r} holds strings; this stage needs numbers")
         integer = v.dtype.kind in "iub"
-        node = self.fn.external_source(name=c, ndim=v.ndim, dtype=self.types.INT64 if integer else self.types.FLOAT)
+        node = self.fn.external_source(name=c, ndim=v.ndim, dtype=self.types.INT64 if integer else self.types.FLOAT,
+                                       device=self.device)
         self.feeds.append((c, c, "int" if integer else "float"))
         self.made[c] = node
         return node
@@ -53,7 +54,7 @@ class _Nodes:
         v = self.cols[c]
         table = dictmap.table(v.dictionary)
         name = f"{c}#codes{len(self.feeds)}"
-        node = self.fn.external_source(name=name, ndim=1, dtype=self.types.INT64)
+        node = self.fn.external_source(name=name, ndim=1, dtype=self.types.INT64, device=self.device)
         self.feeds.append((name, c, "codes"))
         self.tables.append((c, v.dictionary, len(v.dictionary)))
         return self.fn.lookup_table(node, keys=list(range(len(table))), values=table.tolist(),
@@ -95,21 +96,18 @@ class DaliTableEngine:
         pipe = Pipeline(batch_size=1, num_threads=self.threads,
                         device_id=None if self.device == "cpu" else self.device_id,
                         exec_pipelined=False, exec_async=False, prefetch_queue_depth=1)
-        nodes = _Nodes(fn, types, cols)
+        nodes = _Nodes(fn, types, cols, self.device)  # on the GPU, inputs are copied there and every op runs there
         with pipe:
             for st in self.dali_stages:
                 nodes.made.update(st.dali(nodes))
-            gpu = self.device == "gpu"
             parts = []
             for c in out.dense:
-                x = nodes(c)
-                x = x.gpu() if gpu else x
-                x = fn.cast(x, dtype=types.FLOAT)
+                x = fn.cast(nodes(c), dtype=types.FLOAT)
                 parts.append(x if self._is_2d(c) else fn.expand_dims(x, axes=[1]))
             outs = [fn.cat(*parts, axis=1) if len(parts) > 1 else parts[0]] if parts else []
             for c in out.categorical:
                 x = nodes(c)
-                outs.append(fn.cast(x.gpu() if gpu else x, dtype=types.INT64))
+                outs.append(fn.cast(x, dtype=types.INT64))
             self.oov_outputs = [st.outputs[0] for st in self.dali_stages
                                 if isinstance(st, O.Categorify) and st.outputs[0] not in out.categorical]
             outs += [nodes(c) for c in self.oov_outputs]

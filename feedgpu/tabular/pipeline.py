@@ -72,6 +72,7 @@ class TablePipeline:
         self.read_columns = [c for c in needed if c in self.source.columns]
         self.engine = cfg.engine.name
         self.threads = cfg.engine.threads
+        self.device = cfg.engine.device
         self.loader_cfg = cfg.loader
         spec_hash = digest({"source": self.source.identity(), "joins": [j.model_dump() for j in cfg.joins],
                             "features": [s["config"] for s in specs]})
@@ -264,14 +265,18 @@ class TablePipeline:
                        "stages": [s.config() for s in self.stages], "fit": self.fit_store.hash(),
                        "outputs": self.cfg.outputs.model_dump()})
 
-    def with_engine(self, name: str, threads: int | None = None) -> "TablePipeline":
-        """A shallow copy running on engine ``name`` (``"python"`` or ``"dali"``)."""
+    def with_engine(self, name: str, threads: int | None = None, device: str | None = None) -> "TablePipeline":
+        """A shallow copy running on engine ``name`` (``"python"`` or ``"dali"``; DALI ``device``
+        ``"cpu"`` or ``"gpu"``). The stages (and their fit states) are shared with this one."""
         import copy
 
         if name not in ("python", "dali"):
             raise ConfigError(f"engine {name!r}: allowed python, dali")
+        if device not in (None, "cpu", "gpu"):
+            raise ConfigError(f"engine device {device!r}: allowed cpu, gpu")
         p = copy.copy(self)
         p.engine, p.threads = name, threads if threads is not None else self.threads
+        p.device = device or self.device
         return p
 
     def make_work(self, seed: int = 0):

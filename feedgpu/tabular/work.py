@@ -19,14 +19,20 @@ class TableWork:
         self.orphans: dict = {}
         self._engine = None
         self._pid = None
+        self._creator = os.getpid()
 
     def engine(self):
         """Per process: a DALI pipeline does not survive a fork, so each worker builds its own."""
         if self._engine is None or self._pid != os.getpid():
             if self.pipeline.engine == "dali":
+                from ..errors import ConfigError
                 from .dali import DaliTableEngine
 
-                self._engine = DaliTableEngine(self.pipeline, threads=self.pipeline.threads or 1)
+                if self.pipeline.device == "gpu" and os.getpid() != self._creator:
+                    raise ConfigError("engine dali on the GPU runs in the main process (CUDA does not survive "
+                                      "fork): use num_workers=0, or engine.device: cpu with workers")
+                self._engine = DaliTableEngine(self.pipeline, threads=self.pipeline.threads or 1,
+                                               device=self.pipeline.device)
             else:
                 self._engine = self.pipeline
             self._pid = os.getpid()
