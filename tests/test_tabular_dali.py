@@ -110,3 +110,33 @@ def test_flights_yaml_parity_on_the_gpu(flights):
 def test_gpu_engine_refuses_workers(flights):
     with pytest.raises(ConfigError, match="main process"):
         next(iter(flights.with_engine("dali", device="gpu").loader(batch_size=1024, num_workers=1)))
+
+
+def test_large_dictionaries_are_mapped_on_the_cpu(monkeypatch):
+    import feedgpu.tabular.dali as D
+
+    monkeypatch.setattr(D, "MAX_LOOKUP_KEYS", 50)  # dest (105 values) and tailnum exceed it, carrier does not
+    p = TablePipeline.from_config(_cfg([
+        {"op": "categorify", "column": "dest", "out": "d", "min_count": 20},
+        {"op": "categorify", "column": "carrier", "out": "c"},
+        {"op": "hash", "column": "tailnum", "out": "t", "buckets": 300}], categorical=["d", "c", "t"]))
+    eng = DaliTableEngine(p)
+    idx = np.random.default_rng(4).permutation(len(p))[:20_000]
+    assert_parity(p.transform(idx), eng.transform(idx))
+    assert eng.nodes.cpu_lookups == 2
+
+
+def test_hashed_integers_out_of_range_raise_on_both_engines(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from feedgpu.tabular import SchemaError
+
+    pq.write_table(pa.table({"k": pa.array([3, -1, 5], pa.int64())}), tmp_path / "neg.parquet")
+    p = TablePipeline.from_config({"kind": "table", "source": {"path": str(tmp_path / "neg.parquet")},
+                                   "features": [{"op": "hash", "column": "k", "out": "h", "buckets": 8}],
+                                   "outputs": {"categorical": ["h"], "label": None}})
+    with pytest.raises(SchemaError, match=r"\[0, 2\^31\)"):
+        p.transform(np.arange(3))
+    with pytest.raises(SchemaError, match=r"\[0, 2\^31\)"):
+        DaliTableEngine(p).transform(np.arange(3))
+    np.testing.assert_array_equal(p.transform(np.array([0, 2]))["h"], DaliTableEngine(p).transform(np.array([0, 2]))["h"])

@@ -67,11 +67,13 @@ class DictMap:
         self._tables: dict[int, np.ndarray] = {}
 
     def table(self, d: Dictionary) -> np.ndarray:
-        t = self._tables.get(id(d))
+        hit = self._tables.get(id(d))  # (dictionary, table): holding d keeps its id from being reused
+        t = hit[1] if hit is not None else None
         if t is None or len(t) < len(d) + 1:
             old = t if t is not None else np.array([self.missing], np.int64)
             new = np.fromiter((self.fn(v) for v in d.values[len(old) - 1:]), np.int64)
-            t = self._tables[id(d)] = np.concatenate([old, new])
+            t = np.concatenate([old, new])
+            self._tables[id(d)] = (d, t)
         return t
 
     def apply(self, col: StrColumn) -> np.ndarray:

@@ -10,7 +10,9 @@ Same stage definitions as the CPU engine (:mod:`feedgpu.tabular.ops`). Per batch
    ``fn.external_source`` (one sample per column keeps DALI's per-sample overhead out): arithmetic
    for standardize/minmax/clip/log1p/bucketize/hash/cross, ``fn.lookup_table`` for string
    vocabularies and string hashes (fed as dictionary codes + 1, the table computed on the CPU per
-   dictionary entry), ``fn.one_hot``, ``fn.cast``, and ``fn.cat`` for the dense matrix.
+   dictionary entry; dictionaries over 65,536 entries are mapped on the CPU, as
+   ``fn.lookup_table`` takes keys up to 65,535), ``fn.one_hot``, ``fn.cast``, and ``fn.cat`` for
+   the dense matrix.
 
 The lookup tables are built from the column dictionaries seen so far; when a batch brings new
 dictionary entries the graph is rebuilt (``builds`` counts it; a shuffled epoch sees every row
@@ -25,12 +27,17 @@ from . import ops as O
 from .columns import StrColumn
 
 
+#: ``fn.lookup_table`` accepts keys in [0, 65535]; larger string dictionaries are mapped on the CPU.
+MAX_LOOKUP_KEYS = 65536
+
+
 class _Nodes:
     def __init__(self, fn, types, cols: dict, device: str):
         self.fn, self.types, self.cols, self.device = fn, types, cols, device
         self.made: dict = {}
         self.feeds: list[tuple[str, str, object]] = []   # (external name, column, how)
         self.tables: list[tuple] = []                   # (column, dictionary, length) built for
+        self.cpu_lookups = 0
 
     def is_str(self, c: str) -> bool:
         return c not in self.made and isinstance(self.cols.get(c), StrColumn)
@@ -55,6 +62,10 @@ class _Nodes:
         table = dictmap.table(v.dictionary)
         name = f"{c}#codes{len(self.feeds)}"
         node = self.fn.external_source(name=name, ndim=1, dtype=self.types.INT64, device=self.device)
+        if len(table) > MAX_LOOKUP_KEYS:  # fn.lookup_table takes keys in [0, 65535]: map on the CPU
+            self.feeds.append((name, c, dictmap))
+            self.cpu_lookups += 1
+            return node
         self.feeds.append((name, c, "codes"))
         self.tables.append((c, v.dictionary, len(v.dictionary)))
         return self.fn.lookup_table(node, keys=list(range(len(table))), values=table.tolist(),
@@ -86,6 +97,9 @@ class DaliTableEngine:
                 self.cpu_stages.append(st)
                 on_dali -= set(st.outputs)
         self.label = pipeline.cfg.outputs.label
+        kinds = {**pipeline.source.kinds, **{c: k for j in pipeline.joins for c, k in j.outputs().items()}}
+        self.hash_checks = [st for st in self.dali_stages if isinstance(st, O.Hash) and st.inputs[0] not in on_dali
+                            and kinds.get(st.inputs[0]) == "int"]
         self.pipe, self.nodes, self.builds = None, None, 0
 
     def _build(self, cols: dict) -> None:
@@ -132,12 +146,16 @@ class DaliTableEngine:
         cols = p._read(indices)
         for st in self.cpu_stages:
             st.apply(cols)
+        for st in self.hash_checks:  # the CPU engine's range check of hashed integers
+            st.check_ints(cols[st.inputs[0]])
         if self._stale(cols):
             self._build(cols)
         for name, c, how in self.nodes.feeds:
             v = cols[c]
             if how == "codes":
                 arr = v.codes.astype(np.int64) + 1
+            elif not isinstance(how, str):  # a DictMap: the lookup done on the CPU
+                arr = how.apply(v)
             elif how == "int":
                 arr = np.ascontiguousarray(v, np.int64)
             else:

@@ -391,9 +391,13 @@ class Hash(Stage):
             cols[self.outputs[0]] = self._map.apply(v)
             return
         x = int_col(cols, self.inputs[0], self.label)
+        self.check_ints(x)
+        cols[self.outputs[0]] = mult_hash(x, self.buckets)
+
+    def check_ints(self, x) -> None:
+        x = int_col({self.inputs[0]: x}, self.inputs[0], self.label)
         if len(x) and (x.min() < 0 or x.max() >= 1 << 31):
             raise SchemaError(f"{self.label}: integers to hash must be in [0, 2^31)")
-        cols[self.outputs[0]] = mult_hash(x, self.buckets)
 
     def dali(self, node):
         from nvidia.dali import types
