@@ -344,3 +344,16 @@ def test_pipeline_loader_uses_yaml_settings(flights):
     b = next(iter(dl))
     assert set(b) == {"dense", *flights.cardinalities(), "label"}
     dl.shutdown()
+
+
+def test_cli_validates_and_explains_table_pipelines(tmp_path):
+    from click.testing import CliRunner
+
+    from feedgpu.cli.main import main
+
+    fit = f"fit.path={tmp_path / 'f.json'}"
+    r = CliRunner().invoke(main, ["pipeline", "explain", str(YAML), "--set", fit, "--set", "engine.name=dali"])
+    assert r.exit_code == 0, r.output
+    assert "join planes" in r.output and "[dali]" in r.output and "dense: 38 float32 columns" in r.output
+    r = CliRunner().invoke(main, ["pipeline", "validate", str(YAML), "--set", fit])
+    assert r.exit_code == 0 and "table: 34 stages" in r.output, r.output
