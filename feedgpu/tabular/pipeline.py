@@ -11,7 +11,9 @@ array into a torch tensor, without a copy):
 
 NaN left in ``dense`` raises :class:`~feedgpu.errors.TableDataError` naming the columns, unless
 ``outputs.on_nan: keep``. The pipeline is a map-style dataset (``len``: rows; ``[i]``: one row's
-outputs) that :class:`feedgpu.DataLoader` runs in batches (:meth:`make_work`).
+outputs) that :class:`feedgpu.DataLoader` runs in batches (:meth:`make_work`). ``DataLoader(p)``
+takes torch's defaults for a dataset (``shuffle=False``, ``batch_size=1``, a seed from torch's
+RNG); :meth:`TablePipeline.loader` takes the YAML's ``loader`` section instead.
 """
 from __future__ import annotations
 
