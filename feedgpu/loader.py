@@ -190,6 +190,9 @@ class DataLoader:
                 raise ConfigError("on_error, device, cache and engine apply to feedgpu Pipelines; for a torch Dataset, errors "
                                   "raise as in torch and pin_memory moves nothing to the GPU")
             self.on_error, self.device, self.cache_settings = "raise", "cpu", None
+            if collate_fn is not None and hasattr(dataset, "make_work"):
+                raise ConfigError("collate_fn cannot be used with a dataset that assembles its own batches "
+                                  "(a feedgpu.tabular.TablePipeline)")
             self.collate_fn = collate_fn or tud.default_collate
         if seed is None:
             if p is not None and generator is None:

@@ -333,6 +333,8 @@ def test_loader_resume_mid_epoch(flights_sub):
     dl2 = DataLoader(p, batch_size=700, seed=0)
     dl2.load_state_dict(state)
     same(head + batches(dl2), full)
+    with pytest.raises(ConfigError, match="collate_fn"):
+        DataLoader(p, batch_size=10, collate_fn=list)
     other = build(TABLES / "planes.parquet", [], categorical=["engines"])
     with pytest.raises(StateError):
         DataLoader(other, batch_size=700).load_state_dict(state)
