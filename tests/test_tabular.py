@@ -267,6 +267,10 @@ def test_bad_input_errors(flights_sub):
         p.transform(np.arange(len(p)))
     with pytest.raises(ConfigError, match=r"features\[0\].*unknown op 'scale'; allowed: fill"):
         build(d, [{"op": "scale", "columns": ["x"]}])
+    with pytest.raises(TableDataError, match="every value of 'w_temp' is missing"):
+        build(d, [{"op": "standardize", "columns": ["w_temp"]}], dense=["w_temp"], joins=[  # dest is never NYC
+            {"name": "w", "path": str(TABLES / "weather.parquet"), "keys": {"dest": "origin", "hour": "hour"},
+             "columns": {"temp": "w_temp"}, "duplicates": "first"}])
     with pytest.raises(ConfigError, match="one_hot of"):
         build(d, [{"op": "one_hot", "column": "hour"}])
 

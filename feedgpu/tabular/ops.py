@@ -48,6 +48,15 @@ def int_col(cols: dict, c: str, stage: str) -> np.ndarray:
     return v
 
 
+def fit_values(cols: dict, c: str, stage: str) -> np.ndarray:
+    """float64 values of ``c`` without NaN, for a fit; :class:`TableDataError` if none is left."""
+    x = f32(cols, c, stage).astype(np.float64)
+    x = x[~np.isnan(x)]
+    if not len(x):
+        raise TableDataError(f"{stage}: every value of {c!r} is missing in the fit rows: nothing to fit")
+    return x
+
+
 def mult_hash(key: np.ndarray, buckets: int) -> np.ndarray:
     """``1 + ((key * KNUTH) mod 2^32) * buckets // 2^32`` for ``0 <= key < 2^31``: int64 only,
     without overflow, so DALI's integer arithmetic gives the same buckets (range reduction by a
@@ -107,10 +116,8 @@ class Fill(Stage):
         return {**super().config(), "strategy": self.strategy, "value": self.value}
 
     def fit(self, cols):
-        x = f32(cols, self.inputs[0], self.label).astype(np.float64)
-        if np.isnan(x).all():
-            raise TableDataError(f"{self.label}: every value is missing in the fit pass; use strategy: constant")
-        return {"value": float(np.nanmean(x) if self.strategy == "mean" else np.nanmedian(x))}
+        x = fit_values(cols, self.inputs[0], self.label)
+        return {"value": float(np.mean(x) if self.strategy == "mean" else np.median(x))}
 
     def apply(self, cols):
         c = self.inputs[0]
@@ -132,9 +139,9 @@ class Standardize(Stage):
         super().__init__([column], [column])
 
     def fit(self, cols):
-        x = f32(cols, self.inputs[0], self.label).astype(np.float64)
-        sd = float(np.nanstd(x))
-        return {"mean": float(np.nanmean(x)), "std": sd if sd > 0 else 1.0}
+        x = fit_values(cols, self.inputs[0], self.label)
+        sd = float(np.std(x))
+        return {"mean": float(np.mean(x)), "std": sd if sd > 0 else 1.0}
 
     def _k(self):
         return np.float32(self.state["mean"]), np.float32(self.state["std"])
@@ -157,9 +164,8 @@ class MinMax(Stage):
         super().__init__([column], [column])
 
     def fit(self, cols):
-        x = f32(cols, self.inputs[0], self.label).astype(np.float64)
-        lo, hi = float(np.nanmin(x)), float(np.nanmax(x))
-        return {"min": lo, "max": hi}
+        x = fit_values(cols, self.inputs[0], self.label)
+        return {"min": float(x.min()), "max": float(x.max())}
 
     def _k(self):
         lo, hi = self.state["min"], self.state["max"]
@@ -219,7 +225,8 @@ class Clip(Stage):
 class Bucketize(Stage):
     """Bucket index of each value: 0 for NaN, else ``1 + #{boundaries <= x}`` (so
     ``cardinality = len(boundaries) + 2``). ``boundaries`` are given, or with ``quantiles: n``
-    the fit pass's ``n``-quantiles (``np.nanquantile``, linear interpolation, duplicates merged).
+    the fit pass's ``n``-quantiles (``np.quantile`` of the non-NaN values, linear interpolation,
+    duplicates merged).
     int64."""
 
     op, out_kind = "bucketize", "cat"
@@ -245,8 +252,8 @@ class Bucketize(Stage):
                 "boundaries": None if self.quantiles else self.boundaries.tolist()}
 
     def fit(self, cols):
-        x = f32(cols, self.inputs[0], self.label).astype(np.float64)
-        q = np.nanquantile(x, np.linspace(0, 1, self.quantiles + 1)[1:-1])
+        x = fit_values(cols, self.inputs[0], self.label)
+        q = np.quantile(x, np.linspace(0, 1, self.quantiles + 1)[1:-1])
         return {"boundaries": np.unique(q.astype(np.float32)).astype(float).tolist()}
 
     def load(self, state):
