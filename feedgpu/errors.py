@@ -67,3 +67,9 @@ class LoaderTimeout(FeedgpuError, TimeoutError):
 
 class StateError(FeedgpuError, ValueError):
     """A ``state_dict`` does not match this loader (other dataset, batch size or world size)."""
+
+
+class TableDataError(FeedgpuError, ValueError):
+    """Table values a feature pipeline refuses rather than turn into a wrong number: NaN left in a
+    dense feature, a value outside a vocabulary with ``on_oov: raise``, a missing label with
+    ``if_missing: raise``. The message names the column and how many rows are affected."""

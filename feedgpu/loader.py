@@ -202,6 +202,9 @@ class DataLoader:
                 raise ConfigError("on_error, device, cache and engine apply to feedgpu Pipelines; for a torch Dataset, errors "
                                   "raise as in torch and pin_memory moves nothing to the GPU")
             self.on_error, self.device, self.cache_settings = "raise", "cpu", None
+            if collate_fn is not None and hasattr(dataset, "make_work"):
+                raise ConfigError("collate_fn cannot be used with a dataset that assembles its own batches "
+                                  "(a feedgpu.tabular.TablePipeline)")
             self.collate_fn = collate_fn or tud.default_collate
         if seed is None:
             if p is not None and generator is None:
@@ -282,7 +285,8 @@ class DataLoader:
                 self._fingerprint = self.pipeline.source.identity()
             else:
                 d = self.dataset
-                self._fingerprint = f"{type(d).__module__}.{type(d).__qualname__}:{len(d)}"
+                self._fingerprint = d.identity() if hasattr(d, "make_work") else \
+                    f"{type(d).__module__}.{type(d).__qualname__}:{len(d)}"
         return self._fingerprint
 
     def state_dict(self) -> dict:
@@ -383,6 +387,8 @@ class DataLoader:
                 self._work = PipelineWork(asm, self.batch_size, most, populate=inflight)
                 if self._autoscaler is not None:
                     self._autoscaler.buffer_bytes = self._work.slots.nbytes * (inflight + self._work.keep_views)
+            elif hasattr(self.dataset, "make_work"):  # a dataset that batches itself (feedgpu.tabular)
+                self._work = self.dataset.make_work(self.seed)
             else:
                 self._work = DatasetWork(self.dataset, self.collate_fn, self.seed)
         return self._work

@@ -50,6 +50,13 @@ def validate_cmd(file: str, sets: tuple[str, ...]) -> None:
     """Check FILE against the pipeline schema; list every problem with its key path."""
     from ..pipeline import Pipeline
 
+    if _is_table(file):
+        from ..tabular import TablePipeline
+
+        t = TablePipeline.from_yaml(file, **_parse_sets(sets))
+        click.echo(f"{file}: ok (table: {len(t.stages)} stages, {len(t.dense_names())} dense features, "
+                   f"{len(t.cardinalities())} categorical, engine {t.engine})")
+        return
     p = Pipeline.from_yaml(file, **_parse_sets(sets))
     click.echo(f"{file}: ok ({p.name}: {len(p.stages)} stages, batch {p.batch_size}, "
                f"{p.num_workers} workers, output {p.output_dtype} on {p.device})")
@@ -67,8 +74,19 @@ def explain_cmd(file: str, data: str | None, device: str | None, sets: tuple[str
     overrides = _parse_sets(sets)
     if data:
         overrides["source.path"] = data
+    if _is_table(file):  # a table pipeline: fitted (or its fit file loaded) to show cardinalities
+        from ..tabular import TablePipeline
+
+        click.echo(TablePipeline.from_yaml(file, **overrides).explain())
+        return
     p = Pipeline.from_yaml(file, **overrides)
     click.echo(p.explain(device))
+
+
+def _is_table(file: str) -> bool:
+    from ..config import load_yaml
+
+    return load_yaml(file).get("kind") == "table"
 
 
 @main.command()
