@@ -315,6 +315,7 @@ def test_loader_order_workers_and_sharding(flights_sub):
     assert a[0]["dense"].dtype == torch.float32 and a[0]["dense"].shape == (1000, 2)
     assert a[0]["tail"].dtype == torch.int64 and len(a) == -(-len(p) // 1000)
     same(a, batches(DataLoader(p, batch_size=1000, shuffle=True, seed=3, num_workers=2)))
+    same(a, batches(DataLoader(p, batch_size=1000, shuffle=True, seed=3, num_workers="auto")))
     assert not torch.equal(a[0]["flight"], batches(DataLoader(p, batch_size=1000, shuffle=True, seed=4))[0]["flight"])
     # the rows are the sampler's: flight numbers of the epoch are a permutation of the table's
     allf = torch.cat([b["flight"] for b in a]).numpy()

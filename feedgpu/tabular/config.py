@@ -144,7 +144,7 @@ class LoaderCfg(_Strict):
     batch_size: Pos = 4096
     shuffle: bool = True
     drop_last: bool = False
-    num_workers: Annotated[int, Field(ge=0)] = 0
+    num_workers: Union[Literal["auto"], Annotated[int, Field(ge=0)]] = 0
     prefetch_factor: Pos = 2
     persistent_workers: bool = False
     seed: int = 0

@@ -294,7 +294,7 @@ class TablePipeline:
         lc = self.loader_cfg
         d = dict(batch_size=lc.batch_size, shuffle=lc.shuffle, drop_last=lc.drop_last, num_workers=lc.num_workers,
                  seed=lc.seed, persistent_workers=lc.persistent_workers)
-        if d["num_workers"] > 0:
+        if d["num_workers"] != 0:  # a count or "auto"
             d["prefetch_factor"] = lc.prefetch_factor
         d.update(kwargs)
         return DataLoader(self, **d)
