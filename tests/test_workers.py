@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -192,8 +193,12 @@ def test_worker_init_fn_error_is_reported(src, no_leaked_workers):
 def test_timeout_raises_loader_timeout(no_leaked_workers):
     loader = DataLoader(painted_pipeline(very_slow, batch_size=2), timeout=0.5)
     t0 = time.monotonic()
-    with pytest.raises(LoaderTimeout, match="timeout=0.5"):
+    with pytest.raises(LoaderTimeout, match="timeout=0.5") as info:
         next(iter(loader))
+    # the message names the stuck stage and the sample each busy worker is on
+    assert re.search(r"worker 0 \(pid \d+\) holds batch\(es\) \[0(, 2)?\] and has been in stage "
+                     r"'very_slow' on Painted\[0\] for 0\.\d s", str(info.value)), str(info.value)
+    assert "on Painted[2]" in str(info.value)  # worker 1 runs batch 1: samples 2 and 3
     assert time.monotonic() - t0 < 15  # no hang (stopping the busy workers may take their grace period)
     assert isinstance(LoaderTimeout("x"), TimeoutError)
 

@@ -16,6 +16,7 @@ from ..errors import DecodeError, SampleError, SkipBudgetExceeded, StageError
 from ..sources.base import Source
 from ..stages.base import sample_rng
 from .plan import Plan
+from . import progress
 
 
 @dataclass
@@ -102,6 +103,7 @@ class Assembler:
                 x = Image.frombuffer("RGB", (pixels.shape[1], pixels.shape[0]), pixels, "raw", "RGB", 0, 1)
                 start = self.prefix
         if x is None:
+            progress.at("read", idx)
             try:
                 rec = self.source.read(idx)
             except OSError as e:
@@ -112,6 +114,7 @@ class Assembler:
         for pos in range(start, len(self.stages)):
             st = self.stages[pos]
             rng = None if st.deterministic else sample_rng(self.seed, epoch, idx, pos)
+            progress.at(getattr(st, "label", st.name), idx)
             try:
                 x = st.apply(x, rng)
             except SampleError as e:

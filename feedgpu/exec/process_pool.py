@@ -42,6 +42,7 @@ import weakref
 from typing import Any, Callable
 
 from ..errors import LoaderTimeout, WorkerError
+from .progress import Board
 
 log = logging.getLogger("feedgpu.pool")
 POLL_S = 0.1
@@ -82,8 +83,9 @@ def _run_hook(hook, wid: int, what: str) -> None:
         log.exception("feedgpu worker %d: %s failed", wid, what)
 
 
-def _worker_main(wid: int, handler: Callable, tasks, conn, init_fn, parent: int, on_exit) -> None:
+def _worker_main(wid: int, handler: Callable, tasks, conn, init_fn, parent: int, on_exit, board) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    board.attach(wid)
     try:
         import torch
 
@@ -210,6 +212,8 @@ class ProcessPool:
         max_task_deaths: a task whose workers died this many times raises :class:`WorkerError`
             (default 2: a sample that crashes the decoder is not retried forever).
         max_respawns: deaths replaced over the pool's life before :class:`WorkerError` (default 8).
+        describe: ``describe(sample_index) -> name`` for timeout messages, which name the stage and
+            sample each busy worker is in (see :mod:`feedgpu.exec.progress`).
 
     Only the ``fork`` start method is supported: the handler, the source index and the
     shared-memory batch slots are inherited, not pickled.
@@ -218,7 +222,8 @@ class ProcessPool:
     def __init__(self, handler: Callable[[tuple], Any], num_workers: int,
                  worker_init_fn: Callable[[int], None] | None = None, on_exit: Callable[[], None] | None = None,
                  name: str = "feedgpu-worker", grace_s: float = 1.0, respawn: bool = True,
-                 max_task_deaths: int = 2, max_respawns: int = 8):
+                 max_task_deaths: int = 2, max_respawns: int = 8,
+                 describe: Callable[[int], str] | None = None):
         if "fork" not in mp.get_all_start_methods():
             raise WorkerError("feedgpu's process pool needs the 'fork' start method (Linux)")
         if num_workers < 1:
@@ -230,6 +235,7 @@ class ProcessPool:
         self._handler, self._init_fn, self._on_exit, self._name = handler, worker_init_fn, on_exit, name
         self._parent = os.getpid()
         self.respawn, self.max_task_deaths, self.max_respawns = respawn, max_task_deaths, max_respawns
+        self.board, self._describe = Board(), describe
         self.respawns = 0              # dead workers replaced so far
         self.retired = 0               # workers retired by resize
         self._task_deaths: dict[tuple, int] = {}
@@ -266,7 +272,8 @@ class ProcessPool:
         tasks = self._ctx.Queue()
         reader, writer = self._ctx.Pipe(duplex=False)
         p = self._ctx.Process(target=_worker_main, name=f"{self._name}-{wid}", daemon=True,
-                              args=(wid, self._handler, tasks, writer, self._init_fn, self._parent, self._on_exit))
+                              args=(wid, self._handler, tasks, writer, self._init_fn, self._parent, self._on_exit,
+                                    self.board))
         p.start()
         writer.close()  # the worker holds the only write end: its death reads as EOF here
         w = self._workers[wid] = _Worker(wid, p, tasks, reader)
@@ -317,11 +324,25 @@ class ProcessPool:
             for w in [w for w in self._workers.values() if not w.proc.is_alive()]:
                 self._ended(w)
             if deadline is not None and time.monotonic() > deadline:
-                raise LoaderTimeout(f"no batch from the workers within timeout={timeout} s "
-                                    f"(tasks held: {self._holding()})")
+                raise LoaderTimeout(f"no batch from the workers within timeout={timeout} s: {self._holding()}")
 
     def _holding(self) -> str:
-        return ", ".join(f"worker {w.wid}: {[k[1] for k in w.held]}" for w in self._workers.values()) or "none"
+        """What each busy worker is doing, from its progress slot."""
+        parts = []
+        for w in self._workers.values():
+            if not w.held:
+                continue
+            where = self.board.read(w.wid)
+            what = f"worker {w.wid} (pid {w.proc.pid}) holds batch(es) {[k[1] for k in w.held]}"
+            if where is not None:
+                stage, idx, secs = where
+                try:
+                    name = self._describe(idx) if self._describe is not None else f"sample {idx}"
+                except Exception:  # noqa: BLE001 - the message must not fail
+                    name = f"sample {idx}"
+                what += f" and has been in stage {stage!r} on {name} for {secs:.1f} s"
+            parts.append(what)
+        return "; ".join(parts) or "no worker holds a task"
 
     def _accept(self, w: _Worker, result: tuple) -> bool:
         key = (result[0], result[1])

@@ -43,6 +43,10 @@ class PipelineWork:
     def can_submit(self) -> bool:
         return self.slots.free > 0
 
+    def describe(self, index: int) -> str:
+        """The sample's name (path, shard and member, or file and row) for messages."""
+        return self.assembler.source.key(index)
+
     def refresh(self) -> None:
         if self.assembler.cache is not None:
             self.assembler.cache.refresh()

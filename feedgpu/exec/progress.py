@@ -1,0 +1,62 @@
+"""Where each worker is: the stage and the sample it runs, in shared memory.
+
+The pool makes a :class:`Board` (one anonymous shared mapping, before the workers fork) and
+each worker writes, before every stage, the stage's name, the sample's index and the time into
+its own slot (:func:`at`, ~1 us). When no batch comes within ``timeout``, the main process reads
+the slots and names the stuck stage and sample in the :class:`~feedgpu.errors.LoaderTimeout`,
+without asking the (stuck) worker anything.
+"""
+from __future__ import annotations
+
+import mmap
+import struct
+import time
+
+SLOT = 128
+_HEAD = struct.Struct("<dq")          # monotonic time the stage started, sample index
+_NAME = SLOT - _HEAD.size - 1
+MAX_WORKERS = 1024
+
+_mine: tuple[mmap.mmap, int] | None = None   # (board, offset) in a worker process
+
+
+class Board:
+    """``slots`` progress slots of 128 bytes, shared by the main process and its forked workers."""
+
+    def __init__(self, slots: int = MAX_WORKERS):
+        self.slots = slots
+        self.mm = mmap.mmap(-1, slots * SLOT)
+
+    def attach(self, wid: int) -> None:
+        """In a worker: :func:`at` writes to slot ``wid`` from now on (cleared first)."""
+        global _mine
+        if 0 <= wid < self.slots:
+            self.mm[wid * SLOT:(wid + 1) * SLOT] = bytes(SLOT)
+            _mine = (self.mm, wid * SLOT)
+
+    def read(self, wid: int) -> tuple[str, int, float] | None:
+        """``(stage, sample index, seconds in it)`` of worker ``wid``, or None if it wrote nothing."""
+        if not 0 <= wid < self.slots:
+            return None
+        off = wid * SLOT
+        t, idx = _HEAD.unpack_from(self.mm, off)
+        if t == 0.0:
+            return None
+        n = self.mm[off + _HEAD.size]
+        name = bytes(self.mm[off + _HEAD.size + 1:off + _HEAD.size + 1 + n]).decode("utf-8", "replace")
+        return name, idx, time.monotonic() - t
+
+    def clear(self, wid: int) -> None:
+        if 0 <= wid < self.slots:
+            self.mm[wid * SLOT:(wid + 1) * SLOT] = bytes(SLOT)
+
+
+def at(stage: str, index: int) -> None:
+    """In a worker: it starts ``stage`` on sample ``index`` now (no-op outside a pool worker)."""
+    if _mine is None:
+        return
+    mm, off = _mine
+    name = stage.encode("utf-8", "replace")[:_NAME]
+    _HEAD.pack_into(mm, off, time.monotonic(), int(index))
+    mm[off + _HEAD.size] = len(name)
+    mm[off + _HEAD.size + 1:off + _HEAD.size + 1 + len(name)] = name
