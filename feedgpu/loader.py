@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .errors import ConfigError, StateError
+from .errors import ConfigError, SkipBudgetExceeded, StateError
 from .exec.assemble import Assembler
 from .exec.process_pool import ProcessPool, unpack_exception
 from .exec.work import DatasetWork, PipelineWork
@@ -19,6 +19,7 @@ from .cache.settings import CacheSettings
 from .exec.engines import EngineSettings
 from .pipeline import Pipeline, resolve_device
 from .sampling import ShardedOrder
+from .skips import SkipBudget, check_max_skipped, epoch_samples
 
 STATE_FORMAT = "feedgpu.loader/1"
 _UNSET: Any = object()
@@ -90,6 +91,10 @@ class DataLoader:
             On CUDA, batches are copied from pinned buffers on a side stream ``prefetch_factor``
             batches ahead, and normalize runs on the GPU.
         on_error: ``"skip"`` or ``"raise"`` for bad samples (pipelines only).
+        max_skipped: skip budget per epoch and rank (pipelines only): a share in ``[0, 1]`` of
+            the epoch's samples (default: the pipeline's, ``0.01``), an int count, or ``None``
+            for no limit. Past it, iteration raises :class:`SkipBudgetExceeded` with the counts
+            by reason and the first skipped samples (rules in :mod:`feedgpu.skips`).
         engine: for a pipeline, overrides its engine (``"python"``, ``"dali"`` or a mapping; see
             :class:`~feedgpu.exec.engines.EngineSettings`). With DALI, ``num_workers`` gives DALI's
             thread count unless ``engine.threads`` is set, and no worker process is started.
@@ -114,7 +119,7 @@ class DataLoader:
                  generator=None, *, prefetch_factor: int | None = None, persistent_workers: bool = _UNSET,
                  pin_memory_device: str = "", in_order: bool = True, seed: int | None = None,
                  rank: int | None = None, world_size: int | None = None, device: str | None = None,
-                 on_error: str | None = None, cache=None, engine=None):
+                 on_error: str | None = None, cache=None, engine=None, max_skipped=_UNSET):
         import torch.utils.data as tud
 
         if isinstance(dataset, tud.IterableDataset):
@@ -168,6 +173,7 @@ class DataLoader:
                 raise ConfigError("collate_fn cannot be used with a feedgpu Pipeline: batches are assembled in "
                                   "shared memory by the stages; end the pipeline with a batch stage instead")
             self.on_error = on_error or p.on_error
+            self.max_skipped = check_max_skipped(p.max_skipped if max_skipped is _UNSET else max_skipped)
             self.device = resolve_device(device or p.device)
             self.cache_settings = p.cache if cache is None else CacheSettings.make(cache)
             if engine is not None:
@@ -186,10 +192,11 @@ class DataLoader:
                                   "source directly; use engine: python with a cache")
         else:
             self.engine = EngineSettings()
-            if on_error is not None or device is not None or cache is not None or engine is not None:
-                raise ConfigError("on_error, device, cache and engine apply to feedgpu Pipelines; for a torch Dataset, errors "
+            if on_error is not None or device is not None or cache is not None or engine is not None \
+                    or max_skipped is not _UNSET:
+                raise ConfigError("on_error, max_skipped, device, cache and engine apply to feedgpu Pipelines; for a torch Dataset, errors "
                                   "raise as in torch and pin_memory moves nothing to the GPU")
-            self.on_error, self.device, self.cache_settings = "raise", "cpu", None
+            self.on_error, self.device, self.cache_settings, self.max_skipped = "raise", "cpu", None, None
             self.collate_fn = collate_fn or tud.default_collate
         if seed is None:
             if p is not None and generator is None:
@@ -308,10 +315,13 @@ class DataLoader:
     # -- observability -------------------------------------------------------------------------
     def stats(self) -> dict:
         """Counters since the loader was made: batches, samples, rate, consumer wait, seconds per
-        stage (summed over workers), skipped samples by reason and the last skipped keys, and the
-        cache's state (``None`` without a cache)."""
+        stage (summed over workers), skipped samples by reason and the last skipped keys, the
+        latest iteration's skip budget (``{max_skipped, limit, epoch, skipped, by_reason}``,
+        ``None`` before the first) and the cache's state (``None`` without a cache)."""
         d = self._stats.as_dict()
         d.update(num_workers=self.num_workers, epoch=self._position[0], batches_seen=self._position[1])
+        live = self._live() if self._live is not None else None
+        d["skip_budget"] = live.budget.as_dict() if live is not None else None
         d["engine"] = self._work.stats() if hasattr(self._work, "stats") else {"name": self.engine.name}
         entry = getattr(getattr(self._work, "assembler", None), "cache", None)
         if entry is not None:
@@ -405,6 +415,7 @@ class _EpochIterator:
         else:
             self._batches = itertools.islice(order.batches(epoch), start, None)
         self.submitted = start
+        self.budget = SkipBudget(loader.max_skipped, epoch_samples(order), epoch)
         self._peeked: tuple[int, np.ndarray] | None = None
         self.inline = loader.num_workers == 0 or loader.engine.name == "dali"
         self.work = loader._make_work()
@@ -461,6 +472,13 @@ class _EpochIterator:
         loader = self.loader
         if report is not None:
             loader._stats.add_report(report)
+            if report.skipped:
+                try:
+                    self.budget.add(report.skipped)
+                except SkipBudgetExceeded:
+                    self.close()
+                    loader._release_pool(force=True)
+                    raise
         rows = _rows(batch)
         loader._stats.delivered(rows, time.perf_counter() - t0)
         self.next_b = b + 1

@@ -9,6 +9,7 @@ from .errors import ConfigError
 from .exec.plan import Plan, make_plan
 from .cache.settings import CacheSettings
 from .exec.engines import EngineSettings
+from .skips import DEFAULT_MAX_SKIPPED, check_max_skipped
 from .sources import DatasetSource, Source, open_source
 from .stages import Normalize, Stage, stage_classes
 
@@ -40,6 +41,8 @@ class Pipeline:
             pays its page faults on the shared batch buffers again, ~0.3 ms per float32 sample).
         seed: base seed of shuffling and random stages (default 0).
         on_error: ``"skip"`` bad samples (counted, named, replaced) or ``"raise"`` them.
+        max_skipped: skip budget per epoch and rank: a share in ``[0, 1]`` of the epoch's samples
+            (default ``0.01``), an int count, or ``None`` (no limit); see :mod:`feedgpu.skips`.
         timeout: seconds to wait for a batch before :class:`LoaderTimeout` (0: forever).
         device: where batches are delivered: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"auto"``.
         cache: cache the output of the leading deterministic stages (decode, resize ...) on local
@@ -56,7 +59,7 @@ class Pipeline:
                  drop_last: bool = False, num_workers: int = 2, prefetch_factor: int = 2,
                  persistent_workers: bool = True, seed: int = 0,
                  on_error: str = "skip", timeout: float = 0.0, device: str = "auto", cache=None, engine=None,
-                 name: str = "pipeline", definition: dict | None = None):
+                 name: str = "pipeline", definition: dict | None = None, max_skipped=DEFAULT_MAX_SKIPPED):
         if on_error not in ON_ERROR:
             raise ConfigError(f"on_error {on_error!r} is not one of {list(ON_ERROR)}")
         if batch_size < 1 or num_workers < 0 or prefetch_factor < 1:
@@ -67,6 +70,7 @@ class Pipeline:
         self.num_workers, self.prefetch_factor = int(num_workers), int(prefetch_factor)
         self.persistent_workers = bool(persistent_workers)
         self.seed, self.on_error, self.timeout = int(seed), on_error, float(timeout)
+        self.max_skipped = check_max_skipped(max_skipped)
         self.device, self.name, self.definition = device, name, definition
         self.cache = CacheSettings.make(cache)
         self.engine = EngineSettings.make(engine)
@@ -103,7 +107,7 @@ class Pipeline:
         return cls(src, stages, batch_size=c.loader.batch_size, shuffle=c.loader.shuffle,
                    drop_last=c.loader.drop_last, num_workers=c.loader.num_workers,
                    prefetch_factor=c.loader.prefetch_factor, persistent_workers=c.loader.persistent_workers,
-                   seed=c.loader.seed, on_error=c.loader.on_error,
+                   seed=c.loader.seed, on_error=c.loader.on_error, max_skipped=c.loader.max_skipped,
                    timeout=c.loader.timeout, device=c.output.device, cache=cache,
                    engine=c.engine.model_dump(), name=c.name,
                    definition=c.model_dump())
@@ -170,7 +174,8 @@ class Pipeline:
         lines.append(f"batch: images {o.dtype} {'N' + o.layout} [{self.batch_size}, "
                      f"{', '.join(str(d) for d in o.shape)}] + labels int64 [{self.batch_size}] on {dev}")
         lines.append(f"loader: {self.num_workers} workers, prefetch {self.prefetch_factor} per worker, "
-                     f"shuffle={self.shuffle}, drop_last={self.drop_last}, seed={self.seed}, on_error={self.on_error}")
+                     f"shuffle={self.shuffle}, drop_last={self.drop_last}, seed={self.seed}, on_error={self.on_error}, "
+                     f"max_skipped={self.max_skipped}")
         if self.cache is not None:
             lines.append(f"cache: {self.cache.dir} ({self.cache.compression}"
                          + (f", budget {self.cache.max_size} bytes)" if self.cache.max_size else ")")
