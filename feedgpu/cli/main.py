@@ -102,9 +102,14 @@ def doctor(as_json: bool) -> None:
 def _register() -> None:
     from .bench import bench
     from .cache import cache, convert
+    from .scan import scan
 
-    for cmd in (bench, cache, convert):
+    for cmd in (bench, cache, convert, scan):
         main.add_command(cmd)
 
 
 _register()
+
+
+if __name__ == "__main__":  # python -m feedgpu.cli.main
+    main()
