@@ -86,7 +86,10 @@ class DataLoader:
         seed: base seed of the order and of random stages. Default: the pipeline's; for a torch
             Dataset drawn from ``generator`` (or torch's global RNG), as torch does.
         rank, world_size: shard for distributed training; default from ``torch.distributed`` when
-            it is initialized, else 0 of 1. Every rank gets ``len(loader)`` batches.
+            it is initialized, else 0 of 1. Every rank gets ``len(loader)`` batches. Taken from
+            ``torch.distributed``, construction is collective and raises :class:`ConfigError` on
+            every rank when a rank has no data or ranks hold different sample counts
+            (:mod:`feedgpu.distributed`).
         device: for a pipeline, where batches are delivered (``"cpu"``, ``"cuda[:N]"``, ``"auto"``).
             On CUDA, batches are copied from pinned buffers on a side stream ``prefetch_factor``
             batches ahead, and normalize runs on the GPU.
@@ -206,7 +209,14 @@ class DataLoader:
 
                 seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
         self.seed = int(seed)
-        n = len(p.source) if p is not None else len(dataset)
+        def count() -> int:
+            return len(p.source) if p is not None else len(dataset)
+
+        from . import distributed
+
+        # ranks from torch.distributed: every rank must hold the same samples (checked, or it hangs)
+        auto_dist = sampler is None and batch_sampler is None and rank is None and world_size is None
+        n = distributed.agree_on_length(count) if auto_dist and distributed.initialized() else count()
         if sampler is not None or batch_sampler is not None:
             self._order = _UserOrder(n, sampler, batch_sampler, self.batch_size, self.drop_last, self.seed)
         else:

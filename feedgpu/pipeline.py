@@ -188,5 +188,9 @@ class Pipeline:
     def __len__(self) -> int:
         return len(self.source)
 
+    def __bool__(self) -> bool:
+        # always true: ``if pipeline`` must not open (and index) the source through __len__
+        return True
+
     def __repr__(self) -> str:
         return f"Pipeline({self.name!r}, {self.source_label()}, {len(self.stages)} stages, batch_size={self.batch_size})"
