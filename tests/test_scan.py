@@ -94,6 +94,8 @@ def test_cli_exit_0_on_good_data(tmp_path):
     assert r.exit_code == 0, r.output
     assert "3 samples" in r.output and "0 bad" in r.output
     assert json.loads((tmp_path / "r.json").read_text())["bad"] == []
+    r = invoke(tmp_path, "--max-pixels", 50_000, "--workers", 0)  # the photos are 320 x 240
+    assert r.exit_code == 1 and "too many pixels: 3" in r.output
 
 
 def test_cli_errors_exit_2(tmp_path):
