@@ -147,7 +147,7 @@ def scan_source(source: Source, decode: Decode | None = None, workers: int | Non
     """
     global _JOB
     decode = decode or Decode()
-    workers = os.cpu_count() or 1 if workers is None else int(workers)
+    workers = (os.cpu_count() or 1) if workers is None else int(workers)
     n = len(source)
     t0 = time.perf_counter()
     bad = [BadSample(-1, key, reason) for key, reason in source.rejected]
