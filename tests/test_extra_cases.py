@@ -163,6 +163,7 @@ WEBP_HEADER = (b"RIFF" + (30).to_bytes(4, "little") + b"WEBPVP8L" + (10).to_byte
 
 
 @pytest.mark.skipif(HAS_WEBP, reason="this PIL build decodes WebP: covered by the tests above")
+@pytest.mark.filterwarnings("ignore:image file could not be identified because WEBP support not installed")
 @pytest.mark.parametrize("engine", ["python", "dali-cpu"])
 def test_webp_without_libwebp_is_skipped_as_unsupported_format(engine, no_leaked_workers):
     from feedgpu import DecodeError

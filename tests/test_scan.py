@@ -105,6 +105,7 @@ def test_cli_errors_exit_2(tmp_path):
     assert invoke(tmp_path / "missing").exit_code == 2
 
 
+@pytest.mark.filterwarnings("ignore:feedgpu. skipped .* while indexing")
 def test_scan_to_cache_quarantines_so_the_loader_never_reads_them(cases_datasets, tmp_path):
     root = cases_datasets["folder"]
     cache_dir = tmp_path / "cache"
