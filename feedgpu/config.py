@@ -95,6 +95,8 @@ class LoaderCfg(_Strict):
     persistent_workers: bool = True
     seed: int = 0
     on_error: Literal["skip", "raise"] = "skip"
+    #: share of the epoch in [0, 1] (float), a count (int) or null: see feedgpu.skips
+    max_skipped: Union[Annotated[int, Field(ge=0, strict=True)], Annotated[float, Field(ge=0, le=1, strict=True)], None] = 0.01
     timeout: Annotated[float, Field(ge=0)] = 0.0
 
 

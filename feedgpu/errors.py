@@ -58,7 +58,23 @@ class WorkerError(FeedgpuError, RuntimeError):
 
 
 class SkipBudgetExceeded(FeedgpuError):
-    """More samples were skipped than ``max_skipped`` allows (summary in the message)."""
+    """More samples were skipped than ``max_skipped`` allows, or one batch used up its spares.
+
+    Attributes (empty when raised for a batch's spares):
+        counts: ``{reason: samples skipped}`` over the epoch so far.
+        keys: ``[(key, reason)]`` of the first skipped samples (up to 20).
+        limit: the number of skips the epoch allowed.
+    """
+
+    def __init__(self, message: str, counts: dict | None = None, keys: list | None = None,
+                 limit: int | None = None):
+        super().__init__(message)
+        self.counts = dict(counts or {})
+        self.keys = list(keys or [])
+        self.limit = limit
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.counts, self.keys, self.limit))
 
 
 class LoaderTimeout(FeedgpuError, TimeoutError):

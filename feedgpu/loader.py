@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .errors import ConfigError, StateError
+from .errors import ConfigError, SkipBudgetExceeded, StateError
 from .exec.assemble import Assembler
 from .exec.autoscale import Autoscaler, cpu_cores
 from .exec.process_pool import ProcessPool, unpack_exception
@@ -20,6 +20,7 @@ from .cache.settings import CacheSettings
 from .exec.engines import EngineSettings
 from .pipeline import Pipeline, resolve_device
 from .sampling import ShardedOrder
+from .skips import SkipBudget, check_max_skipped, epoch_samples
 
 STATE_FORMAT = "feedgpu.loader/1"
 _UNSET: Any = object()
@@ -86,11 +87,18 @@ class DataLoader:
         seed: base seed of the order and of random stages. Default: the pipeline's; for a torch
             Dataset drawn from ``generator`` (or torch's global RNG), as torch does.
         rank, world_size: shard for distributed training; default from ``torch.distributed`` when
-            it is initialized, else 0 of 1. Every rank gets ``len(loader)`` batches.
+            it is initialized, else 0 of 1. Every rank gets ``len(loader)`` batches. Taken from
+            ``torch.distributed``, construction is collective and raises :class:`ConfigError` on
+            every rank when a rank has no data or ranks hold different sample counts
+            (:mod:`feedgpu.distributed`).
         device: for a pipeline, where batches are delivered (``"cpu"``, ``"cuda[:N]"``, ``"auto"``).
             On CUDA, batches are copied from pinned buffers on a side stream ``prefetch_factor``
             batches ahead, and normalize runs on the GPU.
         on_error: ``"skip"`` or ``"raise"`` for bad samples (pipelines only).
+        max_skipped: skip budget per epoch and rank (pipelines only): a share in ``[0, 1]`` of
+            the epoch's samples (default: the pipeline's, ``0.01``), an int count, or ``None``
+            for no limit. Past it, iteration raises :class:`SkipBudgetExceeded` with the counts
+            by reason and the first skipped samples (rules in :mod:`feedgpu.skips`).
         engine: for a pipeline, overrides its engine (``"python"``, ``"dali"`` or a mapping; see
             :class:`~feedgpu.exec.engines.EngineSettings`). With DALI, ``num_workers`` gives DALI's
             thread count unless ``engine.threads`` is set, and no worker process is started.
@@ -124,7 +132,7 @@ class DataLoader:
                  generator=None, *, prefetch_factor: int | None = None, persistent_workers: bool = _UNSET,
                  pin_memory_device: str = "", in_order: bool = True, seed: int | None = None,
                  rank: int | None = None, world_size: int | None = None, device: str | None = None,
-                 on_error: str | None = None, cache=None, engine=None,
+                 on_error: str | None = None, cache=None, engine=None, max_skipped=_UNSET,
                  stats_callback: Callable[[dict], None] | None = None):
         import torch.utils.data as tud
 
@@ -180,6 +188,7 @@ class DataLoader:
                 raise ConfigError("collate_fn cannot be used with a feedgpu Pipeline: batches are assembled in "
                                   "shared memory by the stages; end the pipeline with a batch stage instead")
             self.on_error = on_error or p.on_error
+            self.max_skipped = check_max_skipped(p.max_skipped if max_skipped is _UNSET else max_skipped)
             self.device = resolve_device(device or p.device)
             self.cache_settings = p.cache if cache is None else CacheSettings.make(cache)
             if engine is not None:
@@ -198,10 +207,11 @@ class DataLoader:
                                   "source directly; use engine: python with a cache")
         else:
             self.engine = EngineSettings()
-            if on_error is not None or device is not None or cache is not None or engine is not None:
-                raise ConfigError("on_error, device, cache and engine apply to feedgpu Pipelines; for a torch Dataset, errors "
+            if on_error is not None or device is not None or cache is not None or engine is not None \
+                    or max_skipped is not _UNSET:
+                raise ConfigError("on_error, max_skipped, device, cache and engine apply to feedgpu Pipelines; for a torch Dataset, errors "
                                   "raise as in torch and pin_memory moves nothing to the GPU")
-            self.on_error, self.device, self.cache_settings = "raise", "cpu", None
+            self.on_error, self.device, self.cache_settings, self.max_skipped = "raise", "cpu", None, None
             if collate_fn is not None and hasattr(dataset, "make_work"):
                 raise ConfigError("collate_fn cannot be used with a dataset that assembles its own batches "
                                   "(a feedgpu.tabular.TablePipeline)")
@@ -214,7 +224,14 @@ class DataLoader:
 
                 seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
         self.seed = int(seed)
-        n = len(p.source) if p is not None else len(dataset)
+        def count() -> int:
+            return len(p.source) if p is not None else len(dataset)
+
+        from . import distributed
+
+        # ranks from torch.distributed: every rank must hold the same samples (checked, or it hangs)
+        auto_dist = sampler is None and batch_sampler is None and rank is None and world_size is None
+        n = distributed.agree_on_length(count) if auto_dist and distributed.initialized() else count()
         if sampler is not None or batch_sampler is not None:
             self._order = _UserOrder(n, sampler, batch_sampler, self.batch_size, self.drop_last, self.seed)
         else:
@@ -331,12 +348,15 @@ class DataLoader:
     # -- observability -------------------------------------------------------------------------
     def stats(self) -> dict:
         """Counters since the loader was made: batches, samples, rate, consumer wait, seconds per
-        stage (summed over workers), skipped samples by reason and the last skipped keys, and the
-        cache's state (``None`` without a cache)."""
+        stage (summed over workers), skipped samples by reason and the last skipped keys, the
+        latest iteration's skip budget (``{max_skipped, limit, epoch, skipped, by_reason}``,
+        ``None`` before the first) and the cache's state (``None`` without a cache)."""
         d = self._stats.as_dict()
         d.update(num_workers=self.num_workers, prefetch_factor=self.prefetch_factor, epoch=self._position[0],
                  batches_seen=self._position[1])
         d["balancer"] = self._autoscaler.stats() if self._autoscaler is not None else None
+        live = self._live() if self._live is not None else None
+        d["skip_budget"] = live.budget.as_dict() if live is not None else None
         d["engine"] = self._work.stats() if hasattr(self._work, "stats") else {"name": self.engine.name}
         entry = getattr(getattr(self._work, "assembler", None), "cache", None)
         if entry is not None:
@@ -445,6 +465,7 @@ class _EpochIterator:
         else:
             self._batches = itertools.islice(order.batches(epoch), start, None)
         self.submitted = start
+        self.budget = SkipBudget(loader.max_skipped, epoch_samples(order), epoch)
         self._peeked: tuple[int, np.ndarray] | None = None
         self.inline = loader.num_workers == 0 or loader.engine.name == "dali"
         self.work = loader._make_work()
@@ -503,6 +524,13 @@ class _EpochIterator:
         loader = self.loader
         if report is not None:
             loader._stats.add_report(report)
+            if report.skipped:
+                try:
+                    self.budget.add(report.skipped)
+                except SkipBudgetExceeded:
+                    self.close()
+                    loader._release_pool(force=True)
+                    raise
         rows = _rows(batch)
         waited = time.perf_counter() - t0
         loader._stats.delivered(rows, waited)

@@ -10,6 +10,7 @@ from .exec.autoscale import fixed_workers
 from .exec.plan import Plan, make_plan
 from .cache.settings import CacheSettings
 from .exec.engines import EngineSettings
+from .skips import DEFAULT_MAX_SKIPPED, check_max_skipped
 from .sources import DatasetSource, Source, open_source
 from .stages import Normalize, Stage, stage_classes
 
@@ -42,6 +43,8 @@ class Pipeline:
             pays its page faults on the shared batch buffers again, ~0.3 ms per float32 sample).
         seed: base seed of shuffling and random stages (default 0).
         on_error: ``"skip"`` bad samples (counted, named, replaced) or ``"raise"`` them.
+        max_skipped: skip budget per epoch and rank: a share in ``[0, 1]`` of the epoch's samples
+            (default ``0.01``), an int count, or ``None`` (no limit); see :mod:`feedgpu.skips`.
         timeout: seconds to wait for a batch before :class:`LoaderTimeout` (0: forever).
         device: where batches are delivered: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"auto"``.
         cache: cache the output of the leading deterministic stages (decode, resize ...) on local
@@ -58,7 +61,7 @@ class Pipeline:
                  drop_last: bool = False, num_workers: int | str = "auto", prefetch_factor: int = 2,
                  persistent_workers: bool = True, seed: int = 0,
                  on_error: str = "skip", timeout: float = 0.0, device: str = "auto", cache=None, engine=None,
-                 name: str = "pipeline", definition: dict | None = None):
+                 name: str = "pipeline", definition: dict | None = None, max_skipped=DEFAULT_MAX_SKIPPED):
         if on_error not in ON_ERROR:
             raise ConfigError(f"on_error {on_error!r} is not one of {list(ON_ERROR)}")
         if num_workers != "auto" and (isinstance(num_workers, bool) or not isinstance(num_workers, int)
@@ -72,6 +75,7 @@ class Pipeline:
         self.num_workers, self.prefetch_factor = num_workers, int(prefetch_factor)
         self.persistent_workers = bool(persistent_workers)
         self.seed, self.on_error, self.timeout = int(seed), on_error, float(timeout)
+        self.max_skipped = check_max_skipped(max_skipped)
         self.device, self.name, self.definition = device, name, definition
         self.cache = CacheSettings.make(cache)
         self.engine = EngineSettings.make(engine)
@@ -108,7 +112,7 @@ class Pipeline:
         return cls(src, stages, batch_size=c.loader.batch_size, shuffle=c.loader.shuffle,
                    drop_last=c.loader.drop_last, num_workers=c.loader.num_workers,
                    prefetch_factor=c.loader.prefetch_factor, persistent_workers=c.loader.persistent_workers,
-                   seed=c.loader.seed, on_error=c.loader.on_error,
+                   seed=c.loader.seed, on_error=c.loader.on_error, max_skipped=c.loader.max_skipped,
                    timeout=c.loader.timeout, device=c.output.device, cache=cache,
                    engine=c.engine.model_dump(), name=c.name,
                    definition=c.model_dump())
@@ -175,7 +179,8 @@ class Pipeline:
         lines.append(f"batch: images {o.dtype} {'N' + o.layout} [{self.batch_size}, "
                      f"{', '.join(str(d) for d in o.shape)}] + labels int64 [{self.batch_size}] on {dev}")
         lines.append(f"loader: {self.num_workers} workers, prefetch {self.prefetch_factor} per worker, "
-                     f"shuffle={self.shuffle}, drop_last={self.drop_last}, seed={self.seed}, on_error={self.on_error}")
+                     f"shuffle={self.shuffle}, drop_last={self.drop_last}, seed={self.seed}, on_error={self.on_error}, "
+                     f"max_skipped={self.max_skipped}")
         if self.cache is not None:
             lines.append(f"cache: {self.cache.dir} ({self.cache.compression}"
                          + (f", budget {self.cache.max_size} bytes)" if self.cache.max_size else ")")
@@ -187,6 +192,10 @@ class Pipeline:
 
     def __len__(self) -> int:
         return len(self.source)
+
+    def __bool__(self) -> bool:
+        # always true: ``if pipeline`` must not open (and index) the source through __len__
+        return True
 
     def __repr__(self) -> str:
         return f"Pipeline({self.name!r}, {self.source_label()}, {len(self.stages)} stages, batch_size={self.batch_size})"

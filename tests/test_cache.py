@@ -551,7 +551,7 @@ def test_undecodable_samples_are_quarantined_and_never_decoded_again(bad_ds, tmp
     n = len(src)
     assert n == 14
     root = tmp_path / "c"
-    opts = dict(batch_size=4, shuffle=False)
+    opts = dict(batch_size=4, shuffle=False, max_skipped=None)
     ref_loader = DataLoader(pipe(src, **opts))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SkippedSampleWarning)

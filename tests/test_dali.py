@@ -333,7 +333,8 @@ def test_cases_mixed_batches_on_dali(cases_datasets, fmt):
     src = open_format(fmt, cases_datasets[fmt])
 
     def go(engine):
-        loader = DataLoader(pipe(src, val_stages(), engine, batch_size=8, seed=5, shuffle=False, on_error="skip"))
+        loader = DataLoader(pipe(src, val_stages(), engine, batch_size=8, seed=5, shuffle=False, on_error="skip",
+                                 max_skipped=None))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             out = clone_all(loader)
@@ -421,7 +422,7 @@ def test_a_jpeg_dali_cannot_decode_is_skipped_via_the_python_engine(cases_datase
     order = goods[:3] + [bad] + goods[3:] + goods[:8]  # batch 0 holds the bad file, batch 1 does not
 
     def go(engine):
-        loader = DataLoader(pipe(src, val_stages(), engine, batch_size=8), sampler=order)
+        loader = DataLoader(pipe(src, val_stages(), engine, batch_size=8, max_skipped=None), sampler=order)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             out = clone_all(loader)

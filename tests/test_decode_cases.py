@@ -105,7 +105,7 @@ def test_loader_skips_bad_files_and_decodes_the_rest(cases_datasets, fmt, no_lea
     src = open_format(fmt, root)
     where = case_index(fmt, src)
     bs, seed = 8, 5
-    p = Pipeline(src, [Decode(), RandomResizedCrop(224), HorizontalFlip()], batch_size=bs, shuffle=False,
+    p = Pipeline(src, [Decode(), RandomResizedCrop(224), HorizontalFlip()], batch_size=bs, shuffle=False, max_skipped=None,
                  num_workers=2, seed=seed, on_error="skip", device="cpu")
     loader = DataLoader(p, timeout=60)
     with warnings.catch_warnings(record=True) as caught:
@@ -392,7 +392,7 @@ def test_skips_and_spares_do_not_depend_on_worker_count(cases_datasets):
     src = open_format("folder", cases_datasets["folder"])
     runs = []
     for nw in (0, 2):
-        p = Pipeline(src, [Decode(), RandomResizedCrop(64)], batch_size=8, num_workers=nw, seed=1, device="cpu")
+        p = Pipeline(src, [Decode(), RandomResizedCrop(64)], batch_size=8, num_workers=nw, seed=1, device="cpu", max_skipped=None)
         loader = DataLoader(p)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", SkippedSampleWarning)
@@ -412,7 +412,8 @@ def test_a_batch_that_runs_out_of_spares_raises_skip_budget_exceeded(no_leaked_w
         def __getitem__(self, i):
             return ((CASES / "ok_rgb.jpg").read_bytes() if i == 0 else b"<html>not found</html>"), 0
 
-    p = Pipeline(MostlyJunk(), [Decode(), ResizeCenterCrop(64, 64)], batch_size=8, num_workers=2, device="cpu")
+    p = Pipeline(MostlyJunk(), [Decode(), ResizeCenterCrop(64, 64)], batch_size=8, num_workers=2, device="cpu",
+                 max_skipped=None)
     loader = DataLoader(p, timeout=60)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SkippedSampleWarning)

@@ -20,10 +20,30 @@ from .fingerprint import CACHE_FORMAT
 MANIFEST = "manifest.json"
 
 
+def makedirs(path: Path, mode: int = 0o755) -> None:
+    """``mkdir -p`` that gives every directory it creates ``mode`` masked by the umask but never
+    group- or world-writable (``Path.mkdir(parents=True)`` makes the parents ``0o777 & ~umask``)."""
+    path = Path(path)
+    if path.is_dir():
+        return
+    missing = []
+    p = path
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode=mode & 0o755)
+        except FileExistsError:
+            continue
+        if d.stat().st_mode & 0o022:  # a umask of 0 leaves mode as given; never g+w or o+w
+            os.chmod(d, d.stat().st_mode & 0o755)
+
+
 @contextlib.contextmanager
 def locked(entry: Path, exclusive: bool = True):
     """Hold ``entry/.lock`` (exclusive for writers, shared for readers)."""
-    entry.mkdir(parents=True, exist_ok=True, mode=0o755)
+    makedirs(entry)
     fd = os.open(entry / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)

@@ -46,8 +46,7 @@ class CacheEntry:
     def __init__(self, settings: CacheSettings, fingerprint: str, n: int, meta: dict | None = None):
         self.settings, self.fingerprint, self.n = settings, fingerprint, n
         self.dir = Path(settings.dir) / fingerprint
-        Path(settings.dir).mkdir(parents=True, exist_ok=True, mode=0o755)  # parents=True alone: 0o777 & ~umask
-        self.dir.mkdir(exist_ok=True, mode=0o755)
+        mf.makedirs(self.dir)  # every created directory 0o755 & ~umask, never world-writable
         self._init = mf.new_manifest(fingerprint, settings.compression, n, meta or {})
         self.part_of = np.full(n, -1, np.int32)
         self.row_of = np.zeros(n, np.int32)

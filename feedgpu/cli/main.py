@@ -34,7 +34,10 @@ def _parse_sets(sets: tuple[str, ...]) -> dict:
         key, eq, value = s.partition("=")
         if not eq:
             raise click.BadParameter(f"{s!r}: expected KEY=VALUE (e.g. loader.batch_size=64)", param_hint="--set")
-        out[key.strip()] = yaml.safe_load(value)
+        try:
+            out[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise click.BadParameter(f"{s!r}: the value is not plain YAML data ({e})", param_hint="--set") from None
     return out
 
 
@@ -120,9 +123,14 @@ def doctor(as_json: bool) -> None:
 def _register() -> None:
     from .bench import bench
     from .cache import cache, convert
+    from .scan import scan
 
-    for cmd in (bench, cache, convert):
+    for cmd in (bench, cache, convert, scan):
         main.add_command(cmd)
 
 
 _register()
+
+
+if __name__ == "__main__":  # python -m feedgpu.cli.main
+    main()

@@ -2,7 +2,10 @@
 
 Shards are indexed once (member headers only) into arrays of shard id, byte offset and size;
 samples are then read with ``os.pread`` straight from the shard, so nothing is ever extracted:
-member names with absolute paths or ``..`` are only keys, never file-system paths.
+member names with absolute paths or ``..`` are only keys, never file-system paths. Symbolic and
+hard link members are left out while indexing (reason ``"link member, not followed"``), so a
+link never makes feedgpu read another member or a file outside the shard. Member names that are
+not UTF-8 are kept byte-exact (surrogate escapes) in keys.
 """
 from __future__ import annotations
 
@@ -31,7 +34,9 @@ class TarShardSource(Source):
     Args:
         shards: a directory holding ``*.tar``, a glob, a path, or a list of these.
 
-    Labels come from the ``.cls`` member (an integer as text); a sample without one gets -1.
+    A sample's image is its member with an image extension (``jpg``, ``png`` ...); a sample
+    with none, but with a member whose name ends in one (``name.v2.jpg``: key ``name``,
+    extension ``v2.jpg``), uses that member. Labels come from the ``.cls`` member (an integer as text); a sample without one gets -1.
     Zero-byte image members are left out while indexing (reason ``"empty"``). Raises
     :class:`SourceError` for missing or compressed shards (random access needs plain tar).
     """
@@ -60,6 +65,9 @@ class TarShardSource(Source):
             order: list[str] = []
             with tf, open(path, "rb") as raw:
                 for m in tf:
+                    if m.issym() or m.islnk():
+                        self.rejected.append((f"{path}:{m.name}", "link member, not followed"))
+                        continue
                     if not m.isfile():
                         continue
                     key, ext = _split_member(m.name)
@@ -69,14 +77,16 @@ class TarShardSource(Source):
                         order.append(key)
                     if ext in IMAGE_SUFFIXES and "image" not in g:
                         g["image"] = (m.offset_data, m.size, m.name)
+                    elif ext.rpartition(".")[2] in IMAGE_SUFFIXES and "other" not in g:
+                        g["other"] = (m.offset_data, m.size, m.name)  # "a.b.jpg": key "a", ext "b.jpg"
                     elif ext in LABEL_SUFFIXES:
                         raw.seek(m.offset_data)
                         g["label"] = raw.read(min(m.size, 64))
             for key in order:
                 g = groups[key]
-                if "image" not in g:
+                if "image" not in g and "other" not in g:
                     continue
-                off, size, name = g["image"]
+                off, size, name = g.get("image") or g["other"]
                 where = f"{path}:{name}"
                 if size == 0:
                     self.rejected.append((where, "empty"))

@@ -15,7 +15,9 @@ The format is found from the bytes, never from the file name. Rules for unusual 
   ``MAX_IMAGE_PIXELS``) is rejected from its header, before any pixel is decoded.
 
 Failures raise :class:`~feedgpu.errors.DecodeError` with reason ``"empty"``, ``"not an image"``,
-``"too many pixels"``, ``"truncated"`` or ``"corrupt"``.
+``"unsupported format"`` (an image format recognised from its bytes, such as WebP, AVIF or HEIC,
+that this PIL build cannot decode: Pillow-SIMD is often built without libwebp; see
+``python -m PIL.report``), ``"too many pixels"``, ``"truncated"`` or ``"corrupt"``.
 """
 from __future__ import annotations
 
@@ -136,6 +138,10 @@ class Decode(SampleStage):
         try:
             return Image.open(io.BytesIO(data))
         except UnidentifiedImageError:
+            fmt = sniff_format(data)
+            if fmt is not None:
+                raise DecodeError(key, "unsupported format", f"{fmt}: this PIL build cannot decode it "
+                                  "(python -m PIL.report lists the supported formats)") from None
             raise DecodeError(key, "not an image") from None
         except Image.DecompressionBombError as e:
             raise DecodeError(key, "too many pixels", str(e)) from None
@@ -158,6 +164,26 @@ class Decode(SampleStage):
             out.paste(rgba.convert("RGB"), mask=rgba.getchannel("A"))
             return out
         return img.convert("RGB")
+
+
+_FTYP_BRANDS = {b"avif": "AVIF", b"avis": "AVIF", b"heic": "HEIC", b"heix": "HEIC", b"hevc": "HEIC",
+                b"mif1": "HEIF", b"msf1": "HEIF"}
+
+
+def sniff_format(data) -> str | None:
+    """The name of an image format recognised from its first bytes (WebP, AVIF, HEIC/HEIF,
+    JPEG XL, JPEG 2000), or None. Used to tell "an image this PIL build cannot decode" from
+    "not an image"."""
+    head = bytes(data[:32])
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "WebP"
+    if head[4:8] == b"ftyp" and head[8:12] in _FTYP_BRANDS:
+        return _FTYP_BRANDS[head[8:12]]
+    if head[:2] == b"\xff\x0a" or head[:12] == b"\x00\x00\x00\x0cJXL \r\n\x87\n":
+        return "JPEG XL"
+    if head[:12] == b"\x00\x00\x00\x0cjP  \r\n\x87\n" or head[:4] == b"\xff\x4f\xff\x51":
+        return "JPEG 2000"
+    return None
 
 
 def _has_eoi(data) -> bool:

@@ -1,0 +1,57 @@
+"""Checks across ranks before training, so that uneven data fails loudly instead of hanging.
+
+feedgpu shards one dataset over the ranks (:mod:`feedgpu.sampling`): every rank must index the
+same samples, and then every rank gets the same number of batches (the shard is padded by
+repeating the epoch order's head, up to ``world_size - 1`` repeats per epoch). When a
+:class:`~feedgpu.DataLoader` takes its rank and world size from an initialized
+``torch.distributed`` process group, its constructor is a collective: every rank reports its
+sample count (or the error it met opening its source) with ``all_gather_object``, and every
+rank raises the same :class:`~feedgpu.errors.ConfigError` when
+
+* a rank could not open its data or has no samples (the rank and its error are named), or
+* ranks hold different sample counts (each rank's count is listed),
+
+so no rank starts training while another one waits for a batch that never comes. With an
+explicit ``rank``/``world_size`` there is no collective and no check.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from .errors import ConfigError, FeedgpuError
+
+
+def initialized() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def agree_on_length(get_len: Callable[[], int]) -> int:
+    """Call ``get_len()`` on every rank and compare: returns the common sample count.
+
+    Raises :class:`ConfigError` (on every rank) when a rank failed or holds no sample, or the
+    counts differ. Collective: every rank of the default group must call it."""
+    import torch.distributed as dist
+
+    n, err = None, None
+    try:
+        n = int(get_len())
+    except FeedgpuError as e:  # report it to the other ranks first, then raise it here too
+        err = f"{type(e).__name__}: {e}"
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (n, err))
+    me = dist.get_rank()
+    failed = [(r, e) for r, (_, e) in enumerate(gathered) if e is not None]
+    empty = [r for r, (k, e) in enumerate(gathered) if e is None and k == 0]
+    if failed or empty:
+        lines = [f"  rank {r}: {e}" for r, e in failed] + [f"  rank {r}: no samples" for r in empty]
+        raise ConfigError(f"rank {me}: not every rank has data, so ranks would get different numbers of "
+                          "batches and training would hang; every rank must index the same dataset "
+                          "(feedgpu shards it):\n" + "\n".join(lines))
+    counts = [k for k, _ in gathered]
+    if len(set(counts)) > 1:
+        raise ConfigError(f"rank {me}: ranks index different numbers of samples ({', '.join(f'rank {r}: {k}' for r, k in enumerate(counts))}); "
+                          "every rank must index the same dataset (feedgpu shards it over the ranks), "
+                          "else ranks get different numbers of batches and training hangs")
+    return n

@@ -1,0 +1,243 @@
+"""Find bad samples before training: read and fully decode every sample of a source.
+
+:func:`scan_source` runs the real :class:`~feedgpu.stages.Decode` stage (header checks, the
+pixel limit, then every pixel) on each sample, in forked worker processes, and returns a
+:class:`ScanReport`: the bad samples by reason, each named as the loader names it (a path,
+``shard.tar:member`` or ``file.parquet#row``). Samples left out while indexing (for example
+zero-byte files) are listed too, with index -1.
+
+A report can be written as a quarantine file (:meth:`ScanReport.write_quarantine`, JSON) and
+added to a pipeline's cache entry (:func:`quarantine_in_cache`): the loader then skips those
+samples without reading them (reason as found here, counted in ``loader.stats()["skipped"]``).
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import time
+import warnings
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .errors import ConfigError, SampleError
+from .sources import Source, open_source
+from .stages.decode import Decode
+
+QUARANTINE_FORMAT = "feedgpu.quarantine/1"
+_JOB: tuple | None = None  # (source, decode), inherited by forked scan workers
+
+
+@dataclass(frozen=True)
+class BadSample:
+    """``index``: position in the source (-1: left out while indexing); ``key``: where it came
+    from; ``reason``: the loader's skip reason; ``detail``: the decoder's message."""
+
+    index: int
+    key: str
+    reason: str
+    detail: str = ""
+
+
+@dataclass
+class ScanReport:
+    """What :func:`scan_source` found. ``samples``: samples in the index; ``bad``: sorted by
+    index (indexing rejects first); ``seconds``: wall time of the scan."""
+
+    source: str
+    format: str
+    fingerprint: str
+    samples: int
+    bad: list[BadSample] = field(default_factory=list)
+    seconds: float = 0.0
+    max_pixels: int = 0
+
+    def by_reason(self) -> dict[str, list[BadSample]]:
+        out: dict[str, list[BadSample]] = defaultdict(list)
+        for b in self.bad:
+            out[b.reason].append(b)
+        return dict(sorted(out.items(), key=lambda kv: (-len(kv[1]), kv[0])))
+
+    def as_dict(self) -> dict:
+        return {"source": self.source, "format": self.format, "fingerprint": self.fingerprint,
+                "samples": self.samples, "bad_total": len(self.bad), "seconds": round(self.seconds, 3),
+                "max_pixels": self.max_pixels,
+                "by_reason": {r: len(v) for r, v in self.by_reason().items()},
+                "bad": [asdict(b) for b in self.bad]}
+
+    def text(self, show: int = 20) -> str:
+        """A human report: totals, then each reason with up to ``show`` sample names."""
+        lines = [f"scanned {self.samples} samples ({self.source}) in {self.seconds:.1f} s: "
+                 f"{len(self.bad)} bad" + (" (none)" if not self.bad else "")]
+        for reason, items in self.by_reason().items():
+            lines.append(f"  {reason}: {len(items)}")
+            for b in items[:show]:
+                lines.append(f"    {b.key}" + (f"  ({b.detail})" if b.detail else ""))
+            if len(items) > show:
+                lines.append(f"    ... and {len(items) - show} more")
+        return "\n".join(lines)
+
+    def write_quarantine(self, path: str | os.PathLike) -> Path:
+        """Write ``{format, fingerprint, source, samples: [{index, key, reason}]}`` as JSON
+        (mode 0644, replaced atomically)."""
+        from .cache.manifest import write_atomic
+
+        doc = {"format": QUARANTINE_FORMAT, "fingerprint": self.fingerprint, "source": self.source,
+               "samples": [{"index": b.index, "key": b.key, "reason": b.reason} for b in self.bad]}
+        path = Path(path)
+        write_atomic(path, json.dumps(doc, indent=1).encode())
+        return path
+
+
+def guess_format(path: str | os.PathLike) -> str:
+    """``tar`` for a ``.tar`` file or a directory holding some, ``parquet`` likewise, else
+    ``folder``. Raises :class:`ConfigError` when ``path`` does not exist."""
+    p = Path(path)
+    if p.is_file():
+        if p.suffix == ".tar":
+            return "tar"
+        if p.suffix == ".parquet":
+            return "parquet"
+        raise ConfigError(f"{path}: give a directory, a .tar shard or a .parquet file (or --format)")
+    if not p.is_dir():
+        raise ConfigError(f"{path}: no such file or directory")
+    if any(p.glob("*.tar")):
+        return "tar"
+    if any(p.glob("*.parquet")):
+        return "parquet"
+    return "folder"
+
+
+def check_one(source: Source, decode: Decode, index: int) -> BadSample | None:
+    """Read and decode sample ``index``; None when it is good. Never raises for bad data: an
+    unexpected exception is reported with reason ``"error"``."""
+    try:
+        rec = source.read(index)
+        decode.apply(rec.payload)
+    except SampleError as e:
+        return BadSample(index, source.key(index), e.reason, e.detail)
+    except OSError as e:
+        return BadSample(index, source.key(index), "unreadable", str(e))
+    except Exception as e:  # noqa: BLE001 - a scan reports every failure, it never stops on one
+        return BadSample(index, source.key(index), "error", f"{type(e).__name__}: {e}")
+    return None
+
+
+def _check_chunk(bounds: tuple[int, int]) -> tuple[int, list[BadSample]]:
+    source, decode = _JOB
+    lo, hi = bounds
+    return hi - lo, [b for b in (check_one(source, decode, i) for i in range(lo, hi)) if b is not None]
+
+
+def scan_source(source: Source, decode: Decode | None = None, workers: int | None = None,
+                chunk: int = 64, progress: bool = True) -> ScanReport:
+    """Decode every sample of ``source``.
+
+    Args:
+        source: an opened source.
+        decode: the decode stage to run (default ``Decode()``; its ``max_pixels`` is the pixel
+            limit).
+        workers: forked processes (default ``os.cpu_count()``; 0 runs in this process).
+        chunk: samples per task.
+        progress: show a tqdm progress bar on stderr.
+
+    Returns a :class:`ScanReport`. Memory per worker is bounded by one decoded image (the pixel
+    limit is checked from the header before decoding).
+    """
+    global _JOB
+    decode = decode or Decode()
+    workers = (os.cpu_count() or 1) if workers is None else int(workers)
+    n = len(source)
+    t0 = time.perf_counter()
+    bad = [BadSample(-1, key, reason) for key, reason in source.rejected]
+    spans = [(lo, min(n, lo + chunk)) for lo in range(0, n, chunk)]
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=n, unit="img", desc="scan", dynamic_ncols=True, leave=False)
+    try:
+        if workers == 0 or len(spans) <= 1:
+            results = (_run_inline(source, decode, s) for s in spans)
+            pool = None
+        else:
+            _JOB = (source, decode)
+            pool = multiprocessing.get_context("fork").Pool(min(workers, len(spans)))
+            results = pool.imap_unordered(_check_chunk, spans)
+        try:
+            for done, found in results:
+                bad.extend(found)
+                if bar is not None:
+                    bar.update(done)
+        finally:
+            if pool is not None:
+                pool.terminate()
+                pool.join()
+            _JOB = None
+    finally:
+        if bar is not None:
+            bar.close()
+    bad.sort(key=lambda b: (b.index, b.key))
+    return ScanReport(source=source.describe(), format=source.format, fingerprint=source.identity(),
+                      samples=n, bad=bad, seconds=time.perf_counter() - t0, max_pixels=decode.max_pixels)
+
+
+def _run_inline(source, decode, bounds):
+    lo, hi = bounds
+    return hi - lo, [b for b in (check_one(source, decode, i) for i in range(lo, hi)) if b is not None]
+
+
+def open_for_scan(data: str, fmt: str | None = None, overrides: dict | None = None,
+                  max_pixels: int | None = None):
+    """``(source, decode, pipeline or None)`` for a dataset path or a pipeline YAML file.
+
+    A ``.yaml``/``.yml`` file is a pipeline: its source and its decode stage are used
+    (``overrides`` as in ``Pipeline.from_yaml``). Else ``data`` is opened as ``fmt`` (default:
+    :func:`guess_format`). ``max_pixels`` overrides the decode stage's pixel limit."""
+    pipeline = None
+    if str(data).endswith((".yaml", ".yml")):
+        from .pipeline import Pipeline
+
+        pipeline = Pipeline.from_yaml(data, **(overrides or {}))
+        with warnings.catch_warnings():  # samples left out while indexing are in the report
+            warnings.simplefilter("ignore")
+            source = pipeline.source
+        first = pipeline.stages[0]
+        decode = first if isinstance(first, Decode) else Decode()
+    else:
+        if overrides:
+            raise ConfigError("--set applies to a pipeline file; give DATA as a .yaml pipeline")
+        with warnings.catch_warnings():  # samples left out while indexing are in the report
+            warnings.simplefilter("ignore")
+            source = open_source(fmt or guess_format(data), data)
+        decode = Decode()
+    if max_pixels is not None:
+        decode = Decode(decode.exif_orientation, max_pixels, decode.background)
+    return source, decode, pipeline
+
+
+def quarantine_in_cache(report: ScanReport, pipeline, cache=None) -> Path:
+    """Add the report's bad samples (those with an index) to ``pipeline``'s cache entry, so the
+    loader skips them without reading them. ``cache``: cache settings overriding the pipeline's
+    (a directory, True or a mapping). Returns the entry directory. Raises :class:`ConfigError`
+    when the pipeline has no cache or nothing cacheable."""
+    from .cache import CacheSettings, open_entry
+
+    settings = CacheSettings.make(cache) if cache is not None else pipeline.cache
+    if settings is None:
+        raise ConfigError("the pipeline has no cache: enable cache in the pipeline file or give --cache-dir")
+    plan = pipeline.plan("cpu")
+    entry = open_entry(settings, pipeline.source, pipeline.stages, plan)
+    if entry is None:
+        raise ConfigError("the pipeline has no cacheable stage prefix; nothing to quarantine in")
+    if report.fingerprint != pipeline.source.identity():
+        raise ConfigError("the scan report is for another dataset than the pipeline's source")
+    try:
+        for b in report.bad:
+            if b.index >= 0:
+                entry.quarantine(b.index, b.key, b.reason)
+        entry.flush()
+        return entry.dir
+    finally:
+        entry.close()
