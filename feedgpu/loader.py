@@ -244,6 +244,7 @@ class DataLoader:
         self._rows_seen = 0
         self._fingerprint: str | None = None
         self._pool: ProcessPool | None = None
+        self._ahead: _Ahead | None = None   # the next epoch's first batches, already submitted
         self._work = None
         self._live = None
         self._stats = LoaderStats()
@@ -425,6 +426,8 @@ class DataLoader:
     def _release_pool(self, force: bool = False) -> None:
         """Stop the workers unless they persist; ``force`` also frees the batch buffers, which
         otherwise outlive the pool and serve the next epoch's workers (no new page faults)."""
+        if force:
+            self._ahead = None  # its tasks die with the pool and its buffers with the work
         if self._pool is not None and (force or not self.persistent_workers):
             self._pool.close()
             self._pool = None
@@ -436,6 +439,7 @@ class DataLoader:
         """Stop the workers now (also done at epoch end unless ``persistent_workers``, on errors
         and at garbage collection)."""
         self._close_live()
+        self._ahead = None
         self._release_pool(force=True)
 
     def __del__(self):
@@ -443,6 +447,31 @@ class DataLoader:
             self.shutdown()
         except Exception:
             pass
+
+
+class _Ahead:
+    """The next epoch's first batches, submitted to persistent workers while the current epoch
+    ends, so the training loop does not wait for the pool to refill at every epoch start. The
+    next iteration adopts them if it starts that epoch from its first batch; otherwise they are
+    dropped (results discarded on arrival). Batches depend only on (seed, epoch, batch), so
+    computing them early changes nothing in what is delivered."""
+
+    def __init__(self, epoch: int, pool):
+        self.epoch, self.pool, self.tag = epoch, pool, next(_tags)
+        self.pending: dict[int, tuple] = {}
+        self.ready: dict[int, tuple] = {}
+        self.submitted = 0
+
+    def __len__(self) -> int:
+        return len(self.pending) + len(self.ready)
+
+    def drop(self, work) -> None:
+        for seq, task in self.pending.items():
+            work.orphans[(self.tag, seq)] = task
+        for task, _, _ in self.ready.values():
+            work.discard(task)
+        self.pending.clear()
+        self.ready.clear()
 
 
 class _EpochIterator:
@@ -473,10 +502,30 @@ class _EpochIterator:
         self.pool = None if self.inline else loader._acquire_pool()
         if self.pool is not None and loader._autoscaler is not None:
             loader._autoscaler.start(self.pool.pids(), pool_key=self.pool.serial)
+        self.ahead: _Ahead | None = None     # the next epoch's batches this iterator submits
+        self._adopt(loader, order, epoch, start)
         loader._position = (epoch, start)
         if start == 0:
             loader._rows_seen = 0
         self._fill()
+
+    def _adopt(self, loader: DataLoader, order, epoch: int, start: int) -> None:
+        """Take over the batches the previous iteration submitted for this epoch, if they fit."""
+        ahead, loader._ahead = loader._ahead, None
+        if ahead is None:
+            return
+        if ahead.epoch != epoch or start != 0 or ahead.pool is not self.pool or self.pool is None:
+            ahead.drop(self.work)
+            return
+        self.tag, self.pending, self.ready = ahead.tag, ahead.pending, ahead.ready
+        self.submitted = ahead.submitted
+        self._batches = (order.batch(epoch, b) for b in range(self.submitted, self.nb))
+
+    def _lookahead_ok(self) -> bool:
+        loader = self.loader
+        # not with a cache: its rows become readable at the epoch-end flush, which must come first
+        return (loader.persistent_workers and isinstance(loader._order, ShardedOrder) and self.pool is not None
+                and loader.cache_settings is None)
 
     def _indices(self, b: int) -> np.ndarray:
         """Indices of batch ``b`` (inline mode reads one batch ahead)."""
@@ -498,6 +547,22 @@ class _EpochIterator:
             self.pool.submit(task)
             self.pending[self.submitted] = task
             self.submitted += 1
+        if self.submitted < self.nb or not self._lookahead_ok():
+            return
+        # this epoch is all submitted: start the next one's first batches with the spare capacity
+        order, nxt = self.loader._order, self.epoch + 1
+        if self.ahead is None:
+            self.ahead = _Ahead(nxt, self.pool)
+        a = self.ahead
+        while (a.submitted < self.nb and len(self.pending) + len(self.ready) + len(a) < limit
+               and self.work.can_submit()):
+            indices = order.batch(nxt, a.submitted)
+            spares = order.spares(nxt, a.submitted, max(4, len(indices))) if self.loader.pipeline is not None \
+                else np.zeros(0, np.int64)
+            task = self.work.task(a.tag, a.submitted, nxt, indices, spares)
+            self.pool.submit(task)
+            a.pending[a.submitted] = task
+            a.submitted += 1
 
     def __iter__(self):
         return self
@@ -576,6 +641,9 @@ class _EpochIterator:
             tag, seq, wid, ok, payload = self.pool.get(self.loader.timeout or None)
             if tag is None:  # worker_init_fn failed
                 raise unpack_exception(payload, "in worker_init_fn")
+            if self.ahead is not None and tag == self.ahead.tag:  # the next epoch's, kept for it
+                self.ahead.ready[seq] = (self.ahead.pending.pop(seq), ok, payload)
+                continue
             if tag != self.tag:  # from an abandoned iteration of persistent workers
                 orphan = self.work.orphans.pop((tag, seq), None)
                 if orphan is not None:
@@ -605,6 +673,12 @@ class _EpochIterator:
         for task, _, _ in self.ready.values():
             self.work.discard(task)
         self.ready.clear()
+        if self.ahead is not None:
+            if self.next_b >= self.nb and keep_pool:  # finished: the next iteration may adopt them
+                self.loader._ahead = self.ahead
+            else:
+                self.ahead.drop(self.work)
+            self.ahead = None
         if self.inline:
             self.work.on_exit()  # workers do this when they stop
         elif keep_pool and self.loader.cache_settings is not None and not self.pool.closed:

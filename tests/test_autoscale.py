@@ -182,3 +182,30 @@ def test_auto_with_a_torch_dataset(no_leaked_workers):
 def test_policy_bounds_follow_the_cores():
     c = default_config(6)
     assert isinstance(c, PolicyConfig) and (c.min_workers, c.max_workers, c.max_prefetch) == (1, 6, 4)
+
+
+def test_next_epoch_is_submitted_while_this_one_ends(no_leaked_workers):
+    """Persistent workers start the next epoch's first batches before the epoch ends; the next
+    iteration adopts them when it starts that epoch, and drops them for any other."""
+    ref = DataLoader(pipeline(), num_workers=0)
+    expect = {e: labels_of_epoch(ref, e) for e in (0, 1, 5)}
+    loader = DataLoader(pipeline(), num_workers=2)
+    assert torch.equal(labels_of_epoch(loader, 0), expect[0])
+    ahead = loader._ahead
+    assert ahead is not None and ahead.epoch == 1 and len(ahead) > 0 and ahead.submitted == len(ahead)
+    assert torch.equal(labels_of_epoch(loader, 1), expect[1])      # adopted
+    assert loader._ahead is not None and loader._ahead.epoch == 2
+    assert torch.equal(labels_of_epoch(loader, 5), expect[5])      # epoch 2's dropped, 5 computed
+    it = iter(loader)
+    next(it)
+    del it                                                         # an abandoned epoch leaves nothing ahead
+    assert loader._ahead is None
+    loader.set_epoch(1)
+    assert torch.equal(labels_of_epoch(loader, 1), expect[1])
+    loader.shutdown()
+    assert loader._ahead is None
+
+
+def labels_of_epoch(loader, epoch):
+    loader.set_epoch(epoch)
+    return torch.cat([b.labels.clone() for b in loader])

@@ -103,11 +103,12 @@ def seed_everything(seed: int, epoch: int, batch: int) -> None:
     np.random.seed(s & 0xFFFFFFFF)
 
 
-class DatasetWork:
-    """Tasks ``(tag, seq, epoch, indices)``; payload: the collated batch."""
+class PayloadWork:
+    """The work contract for results that travel back whole (pickled through the worker's pipe,
+    tensors through torch's shared-memory reductions): tasks ``(tag, seq, epoch, indices)``, no
+    buffers to hold, nothing to flush. Subclasses give ``handle`` and ``finish``."""
 
-    def __init__(self, dataset, collate_fn: Callable, seed: int):
-        self.dataset, self.collate_fn, self.seed = dataset, collate_fn, seed
+    def __init__(self):
         self.orphans: dict = {}
 
     def can_submit(self) -> bool:
@@ -122,6 +123,20 @@ class DatasetWork:
     def task(self, tag: int, seq: int, epoch: int, indices: np.ndarray, spares: np.ndarray) -> tuple:
         return (tag, seq, epoch, indices)
 
+    def discard(self, task: tuple) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class DatasetWork(PayloadWork):
+    """A torch Dataset: the payload is ``collate_fn``'s batch."""
+
+    def __init__(self, dataset, collate_fn: Callable, seed: int):
+        super().__init__()
+        self.dataset, self.collate_fn, self.seed = dataset, collate_fn, seed
+
     def handle(self, task: tuple):
         _, seq, epoch, indices = task
         seed_everything(self.seed, epoch, seq)
@@ -129,9 +144,6 @@ class DatasetWork:
 
     def finish(self, task: tuple, payload):
         return payload
-
-    def discard(self, task: tuple) -> None:
-        pass
 
     def run_inline(self, seq: int, epoch: int, indices: np.ndarray, spares: np.ndarray):
         """In the main process: the training loop's RNG states are restored afterwards."""
@@ -144,6 +156,3 @@ class DatasetWork:
             torch.set_rng_state(saved[0])
             np.random.set_state(saved[1])
             random.setstate(saved[2])
-
-    def close(self) -> None:
-        pass

@@ -12,11 +12,15 @@ import os
 
 import numpy as np
 
+from ..exec.work import PayloadWork
 
-class TableWork:
+
+class TableWork(PayloadWork):
+    """Payload: ``{name: numpy array}`` for a batch of rows (see the module doc)."""
+
     def __init__(self, pipeline):
+        super().__init__()
         self.pipeline = pipeline
-        self.orphans: dict = {}
         self._engine = None
         self._pid = None
         self._creator = os.getpid()
@@ -38,18 +42,6 @@ class TableWork:
             self._pid = os.getpid()
         return self._engine
 
-    def can_submit(self) -> bool:
-        return True
-
-    def refresh(self) -> None:
-        pass
-
-    def on_exit(self) -> None:
-        pass
-
-    def task(self, tag: int, seq: int, epoch: int, indices: np.ndarray, spares: np.ndarray) -> tuple:
-        return (tag, seq, epoch, indices)
-
     def handle(self, task: tuple) -> dict:
         return self.engine().transform(task[3])
 
@@ -57,9 +49,6 @@ class TableWork:
         import torch
 
         return {k: torch.from_numpy(v) for k, v in payload.items()}
-
-    def discard(self, task: tuple) -> None:
-        pass
 
     def run_inline(self, seq: int, epoch: int, indices: np.ndarray, spares: np.ndarray):
         return self.finish(None, self.handle((0, seq, epoch, indices))), None
