@@ -28,12 +28,13 @@ class FakeClock:
 class FakeProbe:
     """Workers each burn ``per_worker`` cores; the main process burns ``main``."""
 
-    def __init__(self, clock, per_worker=1.0, main=0.1):
-        self.clock, self.per_worker, self.main, self.last = clock, per_worker, main, 0.0
+    def __init__(self, clock, per_worker=1.0, main=0.1, others=0.0):
+        self.clock, self.per_worker, self.main, self.others, self.last = clock, per_worker, main, others, 0.0
 
     def sample(self, pids, memory):
         dt, self.last = self.clock.t - self.last, self.clock.t
-        return self.per_worker * len(pids) * dt, self.main * dt, 100 * 2**20 * len(pids) if memory else 0
+        return (self.per_worker * len(pids) * dt, self.main * dt, 100 * 2**20 * len(pids) if memory else 0,
+                self.others * dt)
 
 
 def drive(a: Autoscaler, clock: FakeClock, rate_per_worker: float, demand: float, seconds: float, rows=32):
@@ -58,7 +59,7 @@ def test_windows_build_measurements_and_skip_the_start_up_window():
     clock = FakeClock()
     events = []
     a = Autoscaler(workers=1, prefetch=2, config=default_config(8), window_s=1.0, min_batches=3, clock=clock,
-                   probe=FakeProbe(clock), cores=8, callback=events.append)
+                   probe=FakeProbe(clock, others=1.5), cores=8, callback=events.append)
     decisions = drive(a, clock, rate_per_worker=100, demand=1000, seconds=4.0)  # windows of 4 batches, 1.28 s
     assert decisions, "windows closed"
     m = a.last_measurement
@@ -66,7 +67,7 @@ def test_windows_build_measurements_and_skip_the_start_up_window():
     assert m.delivered_rate == pytest.approx(100, rel=0.05)
     assert m.demand_rate == pytest.approx(1000, rel=0.05)
     assert m.wait_fraction == pytest.approx(0.9, abs=0.03)
-    assert m.cpu_budget == pytest.approx(8 - 0.1, abs=0.01)
+    assert m.cpu_budget == pytest.approx(8 - 0.1 - 1.5, abs=0.01)  # cores minus the main process and others
     assert len(events) == len(decisions) and set(events[0]) == {"t", "measurement", "decision"}
     # three windows close; the start-up one is not judged
     assert len(decisions) == 2

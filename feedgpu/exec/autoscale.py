@@ -7,8 +7,9 @@ autoscaler builds a :class:`~feedgpu.exec.balancer.Measurement` from what it saw
 * the consumer's wait (time spent inside ``next()``) and busy time (the rest of the window's
   wall time), hence the delivered rate, the demand rate (samples / busy time) and the wait
   fraction;
-* the CPU time of the worker processes (``psutil``), and of the main process, which sets the
-  CPU budget: the cores this process may run on minus what the training process used;
+* the CPU time of the worker processes (``psutil``), of the main process and of everything else
+  on the cores this process may run on, which sets the CPU budget: those cores minus what the
+  training process and other processes used;
 * the workers' unique memory (USS) plus the loader's batch buffers, and the RAM budget: what the
   loader holds plus half of the memory still available;
 * free GPU memory when the loader delivers to a CUDA device,
@@ -67,15 +68,28 @@ class _Probe:
         self._cpu: dict[int, float] = {}
         self._me = psutil.Process()
         self._my_cpu = self._cpu_of(self._me)
+        try:
+            self._cpus = sorted(os.sched_getaffinity(0))
+        except AttributeError:  # pragma: no cover - not Linux
+            self._cpus = None
+        self._busy = self._machine_busy()
+
+    def _machine_busy(self) -> float:
+        """Busy CPU seconds of the cores this process may use, all processes together."""
+        per = self._psutil.cpu_times(percpu=True)
+        cpus = per if self._cpus is None else [per[i] for i in self._cpus if i < len(per)]
+        return sum(sum(getattr(t, f, 0.0) for f in ("user", "nice", "system", "irq", "softirq", "steal"))
+                   for t in cpus)
 
     @staticmethod
     def _cpu_of(p) -> float:
         t = p.cpu_times()
         return t.user + t.system
 
-    def sample(self, pids: list[int], memory: bool) -> tuple[float, float, int]:
-        """(worker CPU seconds, main-process CPU seconds, worker USS bytes) since the last call;
-        a worker seen for the first time counts from its start."""
+    def sample(self, pids: list[int], memory: bool) -> tuple[float, float, int, float]:
+        """(worker CPU seconds, main-process CPU seconds, worker USS bytes, CPU seconds of other
+        processes on our cores) since the last call; a worker seen for the first time counts from
+        its start."""
         ps = self._psutil
         cpu, uss = 0.0, 0
         for pid in pids:
@@ -98,7 +112,9 @@ class _Probe:
             self._cpu.pop(pid, None)
         me = self._cpu_of(self._me)
         mine, self._my_cpu = me - self._my_cpu, me
-        return cpu, mine, uss
+        busy = self._machine_busy()
+        others, self._busy = max(0.0, busy - self._busy - cpu - mine), busy
+        return cpu, mine, uss, others
 
 
 class Autoscaler:
@@ -116,8 +132,8 @@ class Autoscaler:
             window's ``measurement``, the ``decision`` (both as dicts) and ``t``; exceptions it
             raises are logged and otherwise ignored.
         clock: seconds, monotonic (default ``time.perf_counter``); tests pass their own.
-        probe: an object with ``sample(pids, memory) -> (worker_cpu_s, main_cpu_s, uss_bytes)``
-            (default: psutil).
+        probe: an object with ``sample(pids, memory) -> (worker_cpu_s, main_cpu_s, uss_bytes,
+            others_cpu_s)`` (default: psutil).
     """
 
     def __init__(self, workers: int | None = None, prefetch: int = 2, config: PolicyConfig | None = None,
@@ -200,7 +216,7 @@ class Autoscaler:
     def _measure(self, now: float, wall: float, pids: list[int]) -> Measurement:
         self._windows += 1
         memory = self._windows % self._memory_every == 1
-        worker_cpu, main_cpu, uss = self._probe.sample(pids, memory)
+        worker_cpu, main_cpu, uss, others = self._probe.sample(pids, memory)
         if memory:
             self._uss = uss
         busy = max(wall - self._wait, 0.0)
@@ -216,7 +232,7 @@ class Autoscaler:
         return Measurement(
             t=now, workers=self.workers, delivered_rate=self._rows / wall, demand_rate=demand,
             wait_fraction=min(1.0, self._wait / wall), cpu_cores_used=max(0.0, worker_cpu / wall),
-            cpu_budget=max(1.0, self.cores - main_cpu / wall), rss_bytes=int(rss) if self._uss else 0,
+            cpu_budget=max(1.0, self.cores - (main_cpu + others) / wall), rss_bytes=int(rss) if self._uss else 0,
             ram_budget_bytes=ram_budget, gpu_mem_free_bytes=self._gpu_free(), prefetch=self.prefetch)
 
     def _gpu_free(self) -> int | None:
