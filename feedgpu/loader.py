@@ -420,7 +420,7 @@ class DataLoader:
             # with a cache, workers get time to write their last rows when they stop
             self._pool = ProcessPool(work.handle, self.num_workers, self.worker_init_fn, on_exit=work.on_exit,
                                      grace_s=10.0 if self.cache_settings is not None else 1.0,
-                                     describe=getattr(work, "describe", None))
+                                     describe=getattr(work, "describe", None), on_start=getattr(work, "on_start", None))
         return self._pool
 
     def _release_pool(self, force: bool = False) -> None:

@@ -83,7 +83,7 @@ def _run_hook(hook, wid: int, what: str) -> None:
         log.exception("feedgpu worker %d: %s failed", wid, what)
 
 
-def _worker_main(wid: int, handler: Callable, tasks, conn, init_fn, parent: int, on_exit, board) -> None:
+def _worker_main(wid: int, handler: Callable, tasks, conn, init_fn, parent: int, on_exit, board, on_start) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     board.attach(wid)
     try:
@@ -92,9 +92,12 @@ def _worker_main(wid: int, handler: Callable, tasks, conn, init_fn, parent: int,
         torch.set_num_threads(1)
     except ImportError:  # pragma: no cover
         pass
-    if init_fn is not None:
+    if init_fn is not None or on_start is not None:
         try:
-            init_fn(wid)
+            if on_start is not None:
+                on_start()
+            if init_fn is not None:
+                init_fn(wid)
         except BaseException as e:
             conn.send((None, -1, wid, False, _pack_exception(e, wid)))
             return
@@ -204,6 +207,7 @@ class ProcessPool:
             worker's id.
         on_exit: called in each worker when it is asked to stop or flush, and when it has been
             idle for ``IDLE_S`` seconds (e.g. to write buffered cache rows).
+        on_start: called in each worker first, before ``worker_init_fn`` (e.g. to map buffers in).
         grace_s: seconds workers get to stop (and flush) before they are terminated, also at
             garbage collection and interpreter exit (default 1).
         name: process name prefix.
@@ -223,7 +227,7 @@ class ProcessPool:
                  worker_init_fn: Callable[[int], None] | None = None, on_exit: Callable[[], None] | None = None,
                  name: str = "feedgpu-worker", grace_s: float = 1.0, respawn: bool = True,
                  max_task_deaths: int = 2, max_respawns: int = 8,
-                 describe: Callable[[int], str] | None = None):
+                 describe: Callable[[int], str] | None = None, on_start: Callable[[], None] | None = None):
         if "fork" not in mp.get_all_start_methods():
             raise WorkerError("feedgpu's process pool needs the 'fork' start method (Linux)")
         if num_workers < 1:
@@ -233,6 +237,7 @@ class ProcessPool:
         self._ctx = mp.get_context("fork")
         self.serial = next(_serials)   # tells pools apart (ids of collected objects are reused)
         self._handler, self._init_fn, self._on_exit, self._name = handler, worker_init_fn, on_exit, name
+        self._on_start = on_start
         self._parent = os.getpid()
         self.respawn, self.max_task_deaths, self.max_respawns = respawn, max_task_deaths, max_respawns
         self.board, self._describe = Board(), describe
@@ -273,7 +278,7 @@ class ProcessPool:
         reader, writer = self._ctx.Pipe(duplex=False)
         p = self._ctx.Process(target=_worker_main, name=f"{self._name}-{wid}", daemon=True,
                               args=(wid, self._handler, tasks, writer, self._init_fn, self._parent, self._on_exit,
-                                    self.board))
+                                    self.board, self._on_start))
         p.start()
         writer.close()  # the worker holds the only write end: its death reads as EOF here
         w = self._workers[wid] = _Worker(wid, p, tasks, reader)

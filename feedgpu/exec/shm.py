@@ -8,11 +8,17 @@ storage, and a ``weakref.finalize`` on that array releases the slot.
 """
 from __future__ import annotations
 
+import errno
 import mmap
 import threading
 import weakref
 
 import numpy as np
+
+
+#: ``madvise`` advice (Linux 5.14, include/uapi/asm-generic/mman-common.h); Python's mmap module
+#: lacks the constant before 3.13.
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
 class BatchSlots:
@@ -34,12 +40,28 @@ class BatchSlots:
         # It costs ~0.12 s per 154 MB slot when the loader starts. Persistent workers (the
         # pipeline default) take their faults once per run.
         populate = count if populate is None else min(count, populate)
+        self.populated = populate
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
         self._maps = [mmap.mmap(-1, self.nbytes, flags=flags if i < populate else mmap.MAP_SHARED)
                       for i in range(count)]
         self._free = list(range(count))[::-1]   # pop() takes the pre-faulted ones first
         self._lock = threading.Lock()
         self.held = 0       # slots the consumer still holds
+
+    def map_in(self) -> None:
+        """In a worker: map the pre-faulted buffers into this process's page tables now, in one
+        call per buffer (``MADV_POPULATE_WRITE``, Linux >= 5.14), instead of one page fault per
+        4 KiB page during its first batches. Measured on 154 MB buffers (float32 224 px, batch
+        256): 49 ms per buffer instead of ~59 ms of faults spread over the first writes, after
+        which a sample's normalize-and-write costs 0.135 ms either way. A no-op where the kernel
+        does not have it."""
+        for mm in self._maps[:self.populated]:
+            try:
+                mm.madvise(MADV_POPULATE_WRITE)
+            except OSError as e:
+                if e.errno in (errno.EINVAL, errno.ENOSYS):
+                    return
+                raise
 
     def __len__(self) -> int:
         return len(self._maps)

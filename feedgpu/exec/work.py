@@ -51,6 +51,11 @@ class PipelineWork:
         if self.assembler.cache is not None:
             self.assembler.cache.refresh()
 
+    def on_start(self) -> None:
+        """In each worker as it starts: map the batch buffers in (see :meth:`BatchSlots.map_in`)."""
+        if self.slots is not None:
+            self.slots.map_in()
+
     def on_exit(self) -> None:
         """In each worker as it stops (and after inline epochs): write what it cached."""
         if self.assembler.cache is not None:
