@@ -11,7 +11,7 @@ import functools
 
 @functools.lru_cache(maxsize=1)
 def pil_build() -> dict:
-    """``{"version", "simd", "avx2", "libjpeg_turbo"}``; ``avx2`` is None when unknown.
+    """``{"version", "simd", "avx2", "libjpeg_turbo", "webp"}``; ``avx2`` is None when unknown.
 
     Pillow-SIMD versions end in ``.postN``; AVX2 is read from the compiler flags recorded in the
     ``_imaging`` extension (``-mavx2``), present when it was built with debug info (the default).
@@ -33,7 +33,7 @@ def pil_build() -> dict:
     except OSError:
         pass
     return {"version": version, "simd": simd, "avx2": avx2,
-            "libjpeg_turbo": bool(features.check_feature("libjpeg_turbo"))}
+            "libjpeg_turbo": bool(features.check_feature("libjpeg_turbo")), "webp": bool(features.check("webp"))}
 
 
 def pil_label() -> str:

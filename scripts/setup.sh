@@ -10,10 +10,19 @@ PY="$VENV/bin/python"
 pip_() { "$PY" -m pip install -q --disable-pip-version-check "$@"; }
 # torch first, pinned to the CPU build (a bare `torch` would pull a CUDA build of several GB).
 "$PY" -c "import torch" 2>/dev/null || pip_ "torch==2.13.0"
+# WebP decoding needs libwebp's headers when Pillow-SIMD is compiled (Debian: libwebp-dev); without
+# them WebP files are skipped as "unsupported format" (feedgpu doctor shows what PIL can decode).
+WEBP_H=/usr/include/webp/decode.h
+if [ ! -e "$WEBP_H" ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q libwebp-dev >/dev/null 2>&1 \
+    || echo "setup: libwebp-dev could not be installed; WebP files will be skipped" >&2
+fi
 # Pillow-SIMD before anything else that could pull stock Pillow in: both own the PIL package.
-if ! "$PY" -c "import PIL, sys; sys.exit('.post' not in PIL.__version__)" 2>/dev/null; then
+# Built again (never from pip's wheel cache) when WebP headers are there but the build lacks WebP.
+if ! "$PY" -c "import PIL, os, sys; from PIL import features
+sys.exit('.post' not in PIL.__version__ or (os.path.exists('$WEBP_H') and not features.check('webp')))" 2>/dev/null; then
   if grep -qw avx2 /proc/cpuinfo 2>/dev/null; then export CC="${CC:-cc} -mavx2"; fi
-  pip_ --no-binary pillow-simd "pillow-simd>=10.0"
+  pip_ --no-cache-dir --force-reinstall --no-deps --no-binary pillow-simd "pillow-simd>=10.0"
 fi
 # DALI (CUDA 13 build; its CPU operators run without a GPU) for the DALI engine and its tests.
 pip_ -e ".[dev,dali]"

@@ -113,7 +113,10 @@ def doctor(as_json: bool) -> None:
         return
     pil = info["pil"]
     click.echo(f"PIL:   {'Pillow-SIMD' if pil['simd'] else 'Pillow'} {pil['version']}, "
-               f"AVX2: {pil['avx2']}, libjpeg-turbo: {pil['libjpeg_turbo']}")
+               f"AVX2: {pil['avx2']}, libjpeg-turbo: {pil['libjpeg_turbo']}, WebP: {pil['webp']}")
+    if not pil["webp"]:
+        click.echo("       this PIL build cannot decode WebP (WebP files are skipped): build Pillow-SIMD with "
+                   "libwebp's headers (scripts/setup.sh installs libwebp-dev)")
     if not pil["simd"]:
         click.echo("       stock Pillow is active: reinstall pillow-simd (scripts/setup.sh) for ~5x faster resize")
     click.echo(f"torch: {info['torch']}, CUDA available: {info['cuda_available']}")
