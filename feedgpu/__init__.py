@@ -3,7 +3,7 @@
 ``import feedgpu`` needs neither a GPU nor NVIDIA DALI; nothing here touches CUDA.
 """
 from .errors import (ConfigError, DecodeError, FeedgpuError, LoaderTimeout, SampleError, SkipBudgetExceeded,
-                     SourceError, StageError, StateError, WorkerError)
+                     SharedMemoryError, SourceError, StageError, StateError, WorkerError)
 from .exec.work import Batch
 from .imaging import pil_build
 from .loader import DataLoader
@@ -16,5 +16,5 @@ __version__ = "0.1.0"
 __all__ = [
     "Batch", "ConfigError", "DataLoader", "DatasetSource", "DecodeError", "FeedgpuError", "FolderSource",
     "LoaderTimeout", "ParquetSource", "Pipeline", "SampleError", "SkipBudgetExceeded", "SkippedSampleWarning",
-    "SourceError", "StageError", "StateError", "TarShardSource", "WorkerError", "pil_build",
+    "SharedMemoryError", "SourceError", "StageError", "StateError", "TarShardSource", "WorkerError", "pil_build",
 ]

@@ -77,6 +77,12 @@ class SkipBudgetExceeded(FeedgpuError):
         return (type(self), (self.args[0], self.counts, self.keys, self.limit))
 
 
+class SharedMemoryError(FeedgpuError, MemoryError):
+    """Not enough shared memory: for the batch buffers of a pipeline (anonymous shared mappings,
+    limited by RAM and the container's memory limit, not by ``/dev/shm``), or for a worker to send
+    a torch Dataset's batch back (torch's shared-memory files in ``/dev/shm``)."""
+
+
 class LoaderTimeout(FeedgpuError, TimeoutError):
     """No batch arrived within the DataLoader's ``timeout`` seconds."""
 

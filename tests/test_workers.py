@@ -17,7 +17,7 @@ import torch
 import torch.utils.data as tud
 
 from conftest import REPO, alive, wait_gone
-from feedgpu import DataLoader, LoaderTimeout, Pipeline, StageError, WorkerError
+from feedgpu import DataLoader, LoaderTimeout, Pipeline, SharedMemoryError, StageError, WorkerError
 from feedgpu.stages import Decode, PythonStage, RandomResizedCrop, ResizeCenterCrop
 
 pytestmark = pytest.mark.timeout(90)
@@ -351,3 +351,35 @@ def test_ctrl_c_while_waiting_for_a_batch_stops_the_workers(no_leaked_workers):
     finally:
         timer.cancel()
     assert not wait_gone(pids, timeout=15)
+
+
+class NoSpaceOnShm:
+    """Pickling it fails as torch's does when /dev/shm is full."""
+
+    def __reduce__(self):
+        raise OSError(28, "No space left on device")
+
+
+class NotPicklable:
+    def __reduce__(self):
+        raise TypeError("cannot pickle 'generator' object")
+
+
+def test_full_dev_shm_gives_a_clear_error_not_a_dead_worker(no_leaked_workers):
+    loader = DataLoader(Painted(), batch_size=4, num_workers=2, collate_fn=lambda b: NoSpaceOnShm(), timeout=30)
+    with pytest.raises(SharedMemoryError, match=r"/dev/shm.*--shm-size"):
+        next(iter(loader))
+    loader = DataLoader(Painted(), batch_size=4, num_workers=1, collate_fn=lambda b: NotPicklable(), timeout=30)
+    with pytest.raises(WorkerError, match="could not send its batch back.*picklable"):
+        next(iter(loader))
+
+
+def test_batch_buffers_that_do_not_fit_give_a_clear_error(src, monkeypatch, no_leaked_workers):
+    import feedgpu.exec.shm as shm
+
+    def no_memory(*a, **kw):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(shm.mmap, "mmap", no_memory)
+    with pytest.raises(SharedMemoryError, match=r"could not map 6 batch buffers of .* MiB .*Lower batch_size"):
+        next(iter(DataLoader(folder_pipeline(src, num_workers=2))))

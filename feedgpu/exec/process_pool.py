@@ -74,6 +74,21 @@ def unpack_exception(packed: tuple, context: str) -> BaseException:
     return exc
 
 
+def _unsendable(e: Exception) -> Exception:
+    """Why a worker could not send its result back, as the error the main process raises."""
+    import errno
+
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.ENOMEM) or "No space left" in str(e):
+        from ..errors import SharedMemoryError
+
+        return SharedMemoryError(
+            f"a worker could not put its batch in shared memory ({type(e).__name__}: {e}). torch shares tensors "
+            "through /dev/shm: give the container more (docker --shm-size), use "
+            "torch.multiprocessing.set_sharing_strategy('file_system'), or lower batch_size / prefetch_factor")
+    return WorkerError(f"a worker could not send its batch back to the main process ({type(e).__name__}: {e}); "
+                       "the batch must be picklable")
+
+
 def _run_hook(hook, wid: int, what: str) -> None:
     if hook is None:
         return
@@ -126,7 +141,10 @@ def _worker_main(wid: int, handler: Callable, tasks, conn, init_fn, parent: int,
             result = (tag, seq, wid, True, handler(task))
         except BaseException as e:  # noqa: BLE001 - everything goes back to the main process
             result = (tag, seq, wid, False, _pack_exception(e, wid))
-        conn.send(result)
+        try:
+            conn.send(result)
+        except Exception as e:  # noqa: BLE001 - the result cannot travel: say why instead of dying
+            conn.send((tag, seq, wid, False, _pack_exception(_unsendable(e), wid)))
 
 
 class _Worker:

@@ -42,8 +42,16 @@ class BatchSlots:
         populate = count if populate is None else min(count, populate)
         self.populated = populate
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        self._maps = [mmap.mmap(-1, self.nbytes, flags=flags if i < populate else mmap.MAP_SHARED)
-                      for i in range(count)]
+        try:
+            self._maps = [mmap.mmap(-1, self.nbytes, flags=flags if i < populate else mmap.MAP_SHARED)
+                          for i in range(count)]
+        except OSError as e:
+            from ..errors import SharedMemoryError
+
+            raise SharedMemoryError(
+                f"could not map {count} batch buffers of {self.nbytes / 2**20:,.0f} MiB "
+                f"({count * self.nbytes / 2**30:,.2f} GiB) of shared memory: {e}. Lower batch_size, "
+                "prefetch_factor or num_workers, or deliver uint8/float16 (output.dtype)") from None
         self._free = list(range(count))[::-1]   # pop() takes the pre-faulted ones first
         self._lock = threading.Lock()
         self.held = 0       # slots the consumer still holds
