@@ -42,10 +42,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_loader import wait_quiet, write_results  # noqa: E402  shared with the recorded CPU benchmark
 
 
-def pipeline(data: str):
+def pipeline(data: str, dtype: str = "float32"):
+    """The cached ImageNet pipeline; with ``dtype="uint8"`` without its normalize stage (uint8 NHWC
+    batches, normalized on the GPU in training), else normalizing to ``dtype``."""
+    import yaml
+
     from feedgpu import Pipeline
 
-    return Pipeline.from_yaml(PIPELINE, **{"source.path": data, "output.device": "cpu", "loader.drop_last": False})
+    d = yaml.safe_load(PIPELINE.read_text())
+    d.setdefault("source", {})["path"] = data
+    d.setdefault("output", {}).update(device="cpu", dtype=dtype)
+    d.setdefault("loader", {})["drop_last"] = False
+    if dtype == "uint8":
+        d["stages"] = [st for st in d["stages"] if st["op"] != "normalize"]
+        d["output"]["layout"] = "NHWC"
+    return Pipeline.from_config(d, where=str(PIPELINE))
 
 
 def subject(p, workers: int, batch_size: int, cache, name: str, persistent: bool = False, since=None):
@@ -133,6 +144,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-persistent-check", action="store_true",
                     help="skip the extra two-epoch run with persistent workers")
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "uint8"],
+                    help="output dtype (uint8: normalize left to the GPU); results go to cache_epochs[_<dtype>]")
     a = ap.parse_args(argv)
     comps = a.compression or ["zstd:1", "zstd:3", "none"]
 
@@ -147,7 +160,7 @@ def main(argv=None) -> int:
     data = Path(a.data) if a.data else REPO / "bench" / "out" / f"imagenet-like-{a.images}"
     if not a.data:
         build_imagenet_like(data, a.images, photos_dir=a.photos, progress=True)
-    p = pipeline(str(data))
+    p = pipeline(str(data), a.dtype)
     n = len(p.source)
     nb = fb.epoch_batches(p, a.batch_size)
     jpeg_bytes = int(p.source.sizes.sum()) if hasattr(p.source, "sizes") else None
@@ -158,7 +171,7 @@ def main(argv=None) -> int:
     base_root = Path(a.cache_root) if a.cache_root else REPO / "bench" / "out"
     base_root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="cache-epochs-", dir=base_root))
-    settings = {"pipeline": str(PIPELINE.relative_to(REPO)), "stages": [s.name for s in p.stages],
+    settings = {"pipeline": str(PIPELINE.relative_to(REPO)), "stages": [s.name for s in p.stages], "dtype": a.dtype,
                 "cached_prefix": [s.name for s in p.stages[:p.plan("cpu").cache_prefix]],
                 "workers": a.workers, "batch_size": a.batch_size, "batches_per_epoch": nb, "drop_last": False,
                 "warmup_batches": a.warmup, "timed_batches": nb - a.warmup, "rounds": a.rounds,
@@ -281,7 +294,7 @@ def main(argv=None) -> int:
            "fill_profile": profile, "runs": runs,
            "disturbed_runs_repeated": DISTURBED,
            "total_seconds": round(total, 1)}
-    write_results(a.out, "cache_epochs", doc, markdown)
+    write_results(a.out, "cache_epochs" if a.dtype == "float32" else f"cache_epochs_{a.dtype}", doc, markdown)
     return 0
 
 
@@ -412,7 +425,9 @@ def markdown(doc: dict) -> str:
               f"mean {_f(d['mean_bytes'] and d['mean_bytes'] / 1024, '.1f')} KB, {d['mean_width']}×{d['mean_height']} px "
               f"({d['mean_megapixels']} MP).",
               f"- Pipeline: `{s['pipeline']}`: {' → '.join(s['stages'])}; cached prefix: {' → '.join(s['cached_prefix'])} "
-              "(uint8 HWC, short side 256); random resized crop 224 + flip + normalize to float32 NCHW run every epoch.",
+              "(uint8 HWC, short side 256); random resized crop 224 + flip"
+              + (" run every epoch; batches are uint8 NHWC (normalize runs on the GPU in training)."
+                 if s.get("dtype") == "uint8" else " + normalize to float32 NCHW run every epoch."),
               f"- Loader: {s['workers']} workers, batch {s['batch_size']}, prefetch {s['prefetch_factor']}, shuffle, "
               f"drop_last=False ({s['batches_per_epoch']} batches per epoch, the last one partial), output on the CPU. "
               "Cache parts of 64 MiB, streamed to a temporary file in ~8 MiB record batches, CRC32, renamed (no fsync: "
