@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import click
 
-from ..exec.autoscale import fixed_workers
+from ..exec.autoscale import cpu_cores
 
 LOADERS = ("feedgpu", "torch")
 #: ``--engine`` choices -> loader kinds (keys of :data:`MAKERS`, and of the summary / JSON).
@@ -580,7 +580,9 @@ def pick_engines(engines: tuple[str, ...], pipeline, no_baseline: bool, device: 
 @click.option("--data", type=click.Path(exists=True), help="Dataset path (sets source.path).")
 @click.option("--images", default=2000, show_default=True, type=click.IntRange(1),
               help="Images in the default sample dataset (when no data is given).")
-@click.option("--workers", type=click.IntRange(0), help="Workers for both loaders (default: the pipeline's).")
+@click.option("--workers", type=click.IntRange(0),
+              help="Workers for both loaders (default: the pipeline's count; for 'auto', one per core, as the "
+                   "loaders are the only work; with --model/--consumer-rate, feedgpu's balancer decides).")
 @click.option("--batch-size", type=click.IntRange(1), help="Batch size (default: the pipeline's).")
 @click.option("--batches", type=click.IntRange(1),
               help="Timed batches per run (default: the rest of one epoch after the warm-up, "
@@ -641,7 +643,8 @@ def bench(pipeline_file, data, images, workers, batch_size, batches, rounds, war
         idle_bench(p, file, path, model, consumer_rate, duration, workers, batch_size, device, json_path, plot_path,
                    compare_engines)
         return
-    workers = fixed_workers(p.num_workers) if workers is None else workers
+    if workers is None:  # a side-by-side comparison needs one fixed count for both loaders
+        workers = cpu_cores() if p.num_workers == "auto" else p.num_workers
     batch_size = p.batch_size if batch_size is None else batch_size
     nb = epoch_batches(p, batch_size)
     batches = batches or default_batches(nb, warmup, workers)
