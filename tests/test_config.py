@@ -157,7 +157,7 @@ def test_file_errors(tmp_path):
 
 def test_overrides_with_dotted_keys_and_nested_mappings(folder_ds):
     p = Pipeline.from_yaml(TRAIN, **{"loader.batch_size": 8, "source.path": str(folder_ds)})
-    assert p.batch_size == 8 and p.shuffle is True and p.num_workers == 2  # the rest stays
+    assert p.batch_size == 8 and p.shuffle is True and p.num_workers == "auto"  # the rest stays
     p = Pipeline.from_yaml(TRAIN, loader={"num_workers": 0, "seed": 3}, source={"path": str(folder_ds)})
     assert (p.batch_size, p.num_workers, p.seed, p.drop_last) == (256, 0, 3, True)
     assert isinstance(p.source, FolderSource) and len(p.source) > 0

@@ -39,6 +39,7 @@ pytest.importorskip("nvidia.dali")
 from conftest import CASES, REPO, batches_equal, clone_all, open_format  # noqa: E402
 from feedgpu import ConfigError, DataLoader, Pipeline, SkippedSampleWarning  # noqa: E402
 from feedgpu.errors import DecodeError  # noqa: E402
+from feedgpu.exec.autoscale import fixed_workers  # noqa: E402
 from feedgpu.stages import (Decode, HorizontalFlip, Normalize, PythonStage, RandomResizedCrop,  # noqa: E402
                             Resize, ResizeCenterCrop, sample_rng)
 
@@ -455,7 +456,8 @@ def test_the_same_yaml_runs_on_either_engine(folder_ds):
     next(iter(loader))
     assert loader.stats()["engine"]["name"] == "dali"
     loader.shutdown()
-    assert "dali cpu (2 threads)" in da.explain("cpu")
+    # num_workers: auto gives DALI one thread per core but one
+    assert f"dali cpu ({fixed_workers('auto')} threads)" in da.explain("cpu")
     assert "dali cpu (3 threads)" in Pipeline.from_yaml(VAL_YAML, **kw, **{"engine.name": "dali", "engine.device": "cpu",
                                                                          "engine.threads": 3}).explain("cpu")
 
@@ -524,10 +526,10 @@ def test_explain_shows_the_dali_engine(folder_ds):
     res = CliRunner().invoke(main, ["pipeline", "explain", str(VAL_YAML), "--data", str(folder_ds), "--device", "cpu",
                                     "--set", "engine.name=dali", "--set", "engine.device=cpu"])
     assert res.exit_code == 0, res.output
-    assert "dali cpu (2 threads)" in res.stdout
+    assert f"dali cpu ({fixed_workers('auto')} threads)" in res.stdout
     for stage in ("decode", "resize_center_crop", "normalize"):
         line = next(ln for ln in res.stdout.splitlines() if ln.strip().startswith(stage))
-        assert "dali cpu (2 threads)" in line, line
+        assert f"dali cpu ({fixed_workers('auto')} threads)" in line, line
     res = CliRunner().invoke(main, ["pipeline", "explain", str(VAL_YAML), "--device", "cpu",
                                     "--set", "engine.name=dali", "--set", "engine.device=cpu",
                                     "--set", "engine.threads=4"])
