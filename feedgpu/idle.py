@@ -145,10 +145,13 @@ def time_model(consumer, batch, duration_s: float, warmup: int = 2, max_steps: i
     return {"steps": steps, "seconds_per_step": wall / steps, "samples_per_s": rows * steps / wall}
 
 
-def run_loader(loader, consumer, duration_s: float) -> dict:
-    """Phases 2 and 3: iterate ``loader`` (epoch after epoch) for ``duration_s`` seconds, giving
-    each batch to ``consumer`` (None: phase 2). The clock starts when the first batch arrives
-    (worker start-up excluded); that batch and its step count, its wait does not."""
+def run_loader(loader, consumer, duration_s: float, warmup_s: float = 0.0) -> dict:
+    """Phases 2 and 3: iterate ``loader`` (epoch after epoch) for ``warmup_s`` seconds untimed
+    (the balancer settling), then ``duration_s`` seconds timed, giving each batch to
+    ``consumer`` (None: phase 2). The clock starts with the first batch after the warm-up (worker
+    start-up excluded); that batch and its step count, its wait does not."""
+    if warmup_s > 0:
+        run_loader(loader, consumer, warmup_s)
     batches = samples = 0
     waits: list[float] = []
     t_first = None
@@ -274,6 +277,18 @@ def recommend(idle: float, diag: dict | None, costs: dict, on_gpu: bool) -> str:
             "shallow limits it; see the balancer's decisions.")
 
 
+def _fixed_diagnosis(both: dict, model: dict, workers: int) -> dict:
+    """Without a balancer: :func:`diagnose` of phase 3 as one window (CPU of the main process
+    and the workers against all cores)."""
+    from .exec.autoscale import cpu_cores
+    from .exec.balancer import Measurement
+
+    m = Measurement(t=0.0, workers=max(1, workers), delivered_rate=both["samples_per_s"],
+                    demand_rate=model["samples_per_s"], wait_fraction=min(1.0, both["wait_s"] / both["wall_s"]),
+                    cpu_cores_used=both["cpu_cores"], cpu_budget=float(cpu_cores()))
+    return diagnose(m).as_dict()
+
+
 def _diagnosis(ms: list) -> dict | None:
     """:func:`diagnose` of the windows at the latest setting measured at least twice (the
     window right after a change is not representative), else of the last window."""
@@ -290,9 +305,12 @@ def _diagnosis(ms: list) -> dict | None:
 
 
 def analyze(make_loader: Callable[..., Any], consumer, duration_s: float, on_gpu: bool,
-            compare_engines: bool = False) -> dict:
+            compare_engines: bool = False, warmup_s: float | None = None) -> dict:
     """Run the three phases; ``make_loader(**overrides)`` gives a fresh loader for phases 2 and
-    3. With ``compare_engines``, :func:`placement` also measures DALI's engines after phase 2."""
+    3, each run ``warmup_s`` seconds untimed first (default: ``duration_s / 2`` when the loader
+    sizes its pool itself, else 0), so the figures are the balancer's settled state; the
+    timeline keeps the ramp-up. With ``compare_engines``, :func:`placement` also measures DALI's
+    engines after phase 2."""
     loader = make_loader()
     first = next(iter(loader))
     sample = tuple(t.clone() for t in first[:2]) if isinstance(first, tuple) else first
@@ -300,22 +318,24 @@ def analyze(make_loader: Callable[..., Any], consumer, duration_s: float, on_gpu
     loader.shutdown()
     model = time_model(consumer, sample, duration_s)
     loader = make_loader()
-    alone = run_loader(loader, None, duration_s)
+    if warmup_s is None:
+        warmup_s = duration_s / 2 if loader.balancer is not None else 0.0
+    alone = run_loader(loader, None, duration_s, warmup_s)
     alone["workers"] = loader.num_workers
     loader.shutdown()
     placed = placement(make_loader, alone, duration_s, model["samples_per_s"], on_gpu) if compare_engines else None
     loader = make_loader()
-    both = run_loader(loader, consumer, duration_s)
+    both = run_loader(loader, consumer, duration_s, warmup_s)
     stats = loader.stats()
     loader.shutdown()
     idle = max(0.0, 1.0 - both["batches"] * model["seconds_per_step"] / both["wall_s"])
     bal = stats.get("balancer")
     scaler = loader.balancer
     ms = list(scaler.measurements) if scaler is not None else []
-    diag = _diagnosis(ms)
+    diag = _diagnosis(ms) if ms else _fixed_diagnosis(both, model, loader.num_workers)
     costs = stage_costs(stats)
     return {
-        "consumer": consumer.label, "duration_s": duration_s,
+        "consumer": consumer.label, "duration_s": duration_s, "warmup_s": warmup_s,
         "model_alone": model, "loader_alone": alone, "together": both,
         "gpu_idle_fraction": idle,
         "demand_samples_per_s": model["samples_per_s"],

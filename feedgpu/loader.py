@@ -169,6 +169,10 @@ class DataLoader:
         self.stats_callback = stats_callback
         self._autoscaler: Autoscaler | None = None
         self.num_workers = 1 if self.auto_workers else int(nw)  # the live count under "auto"
+        if not self.auto_workers and self.num_workers > cpu_cores():
+            warnings.warn(f"num_workers={self.num_workers} exceeds the {cpu_cores()} cores this process may use: the "
+                          "workers compete for them and each one's start-up and memory add up; consider "
+                          "num_workers='auto'", stacklevel=2)
         if self.num_workers == 0 and prefetch_factor is not None:
             raise ConfigError("prefetch_factor option could only be specified in multiprocessing; "
                               "let num_workers > 0 to enable multiprocessing")
@@ -240,6 +244,7 @@ class DataLoader:
                                        world_size=w, drop_last=self.drop_last)
         self._epoch = 0
         self._start = 0
+        self._restored: tuple[int, int] | None = None   # set by load_state_dict until the next iteration
         self._position = (0, 0)
         self._rows_seen = 0
         self._fingerprint: str | None = None
@@ -268,9 +273,18 @@ class DataLoader:
         return len(self._order)
 
     def set_epoch(self, epoch: int) -> None:
-        """Use ``epoch`` for the next iteration (its order and its random stages), from its start."""
-        self._epoch, self._start = int(epoch), 0
-        self._position = (self._epoch, 0)
+        """Use ``epoch`` for the next iteration (its order and its random stages), from its start.
+
+        Right after :meth:`load_state_dict`, ``set_epoch`` of the restored epoch keeps the restored
+        position (a loop ``for epoch in range(start, n): loader.set_epoch(epoch)`` resumes mid-epoch
+        without repeating batches); any other epoch starts from its first batch."""
+        epoch = int(epoch)
+        if self._restored is not None and self._restored[0] == epoch:
+            self._epoch, self._start = self._restored
+        else:
+            self._epoch, self._start = epoch, 0
+        self._restored = None
+        self._position = (self._epoch, self._start)
 
     @property
     def _dali_gpu(self) -> bool:
@@ -278,6 +292,7 @@ class DataLoader:
 
     def __iter__(self):
         self._close_live()
+        self._restored = None
         on_device = self.pipeline is not None and self.device != "cpu" and not self._dali_gpu
         it = _EpochIterator(self, self._epoch, self._start, deferred_commit=on_device)
         self._start = 0
@@ -344,6 +359,7 @@ class DataLoader:
         if b >= len(self):
             epoch, b = epoch + 1, 0
         self._epoch, self._start, self._position = epoch, b, (epoch, b)
+        self._restored = (epoch, b) if b else None
         self._rows_seen = int(state.get("samples_seen", 0))
 
     # -- observability -------------------------------------------------------------------------

@@ -125,8 +125,9 @@ class Pipeline:
             spec = dict(self._source)
             fmt, path = spec.pop("format"), spec.pop("path", None)
             if path is None:
-                raise ConfigError("source.path is not set; pass --data PATH (CLI) or "
-                                  "source={'path': ...} to Pipeline.from_yaml")
+                raise ConfigError("source.path is not set; pass --data PATH to feedgpu bench / pipeline explain, "
+                                  "--set source.path=PATH to feedgpu scan / cache build, or source={'path': ...} "
+                                  "to Pipeline.from_yaml")
             if fmt != "parquet":
                 spec.pop("image_column", None)
                 spec.pop("label_column", None)

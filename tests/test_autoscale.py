@@ -210,3 +210,70 @@ def test_next_epoch_is_submitted_while_this_one_ends(no_leaked_workers):
 def labels_of_epoch(loader, epoch):
     loader.set_epoch(epoch)
     return torch.cat([b.labels.clone() for b in loader])
+
+
+def test_set_epoch_of_the_restored_epoch_keeps_the_position(no_leaked_workers):
+    """``for epoch in range(start, n): loader.set_epoch(epoch)`` after load_state_dict resumes
+    mid-epoch without repeating a batch; another epoch starts from its first batch."""
+    full = DataLoader(pipeline(), num_workers=2)
+    expect = labels_of_epoch(full, 1)
+    loader = DataLoader(pipeline(), num_workers=2)
+    loader.set_epoch(1)
+    it = iter(loader)
+    head = [next(it).labels.clone() for _ in range(4)]
+    state = loader.state_dict()
+    loader.shutdown()
+    again = DataLoader(pipeline(), num_workers=2)
+    again.load_state_dict(state)
+    again.set_epoch(1)
+    assert torch.equal(torch.cat(head + [b.labels.clone() for b in again]), expect)
+    other = DataLoader(pipeline(), num_workers=0)
+    other.load_state_dict(state)
+    other.set_epoch(2)
+    assert len([b for b in other]) == len(other)
+
+
+class Tiny(tud.Dataset):
+    def __len__(self):
+        return 48
+
+    def __getitem__(self, i):
+        burn(None)
+        return torch.tensor([i])
+
+
+def test_windows_span_short_epochs_of_non_persistent_workers(no_leaked_workers):
+    events = []
+    loader = DataLoader(Tiny(), batch_size=4, num_workers="auto", stats_callback=events.append)
+    assert not loader.persistent_workers
+    loader.balancer.window_s, loader.balancer.min_batches = 0.3, 2
+    for e in range(8):  # 12 batches per epoch, a new pool each epoch
+        loader.set_epoch(e)
+        for _ in loader:
+            pass
+    assert loader.stats()["balancer"]["windows"] >= 2 and events
+
+
+def test_more_workers_than_cores_warns():
+    from feedgpu.exec.autoscale import cpu_cores
+
+    with pytest.warns(UserWarning, match="exceeds the .* cores"):
+        DataLoader(Tiny(), batch_size=4, num_workers=cpu_cores() + 1)
+
+
+class SlowSeven(tud.Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        if i == 7:
+            time.sleep(5)
+        return torch.tensor([i])
+
+
+def test_timeout_names_the_dataset_item(no_leaked_workers):
+    from feedgpu import LoaderTimeout
+
+    loader = DataLoader(SlowSeven(), batch_size=4, num_workers=1, timeout=1.0)
+    with pytest.raises(LoaderTimeout, match=r"in stage '__getitem__' on SlowSeven\[7\]"):
+        list(loader)

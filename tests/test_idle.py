@@ -138,3 +138,11 @@ def test_compare_engines_measures_dali_cpu_and_picks_a_placement(folder_ds, no_l
     other = "python" if pl["choice"] == "dali-cpu" else "dali-cpu"
     assert rates[pl["choice"]] >= 0.95 * rates[other]
     assert pl["choice"] in pl["reason"] and "Placement measured" in r["recommendation"]
+
+
+def test_fixed_workers_get_a_diagnosis_too(folder_ds, no_leaked_workers):
+    p = small_pipeline(folder_ds)
+    r = analyze(lambda: DataLoader(p, num_workers=1), RateConsumer(1e6), duration_s=1.5, on_gpu=False)
+    assert r["diagnosis"] is not None and r["diagnosis"]["workers"] == 1
+    assert "too few windows" not in r["recommendation"]
+    assert r["warmup_s"] == 0.0

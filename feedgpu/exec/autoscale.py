@@ -164,10 +164,12 @@ class Autoscaler:
         self._t0, self._rows, self._batches, self._wait = now, 0, 0, 0.0
 
     def start(self, pids: list[int], pool_key: object = None) -> None:
-        """A pool is running: a new pool (``pool_key`` differs from the last one's) starts a new
-        window, which is not judged (it holds the start-up); the same pool in a new epoch goes
-        on with the open window."""
-        if pool_key is not None and pool_key == self._pool_key and self._t0 is not None:
+        """A pool is running. The loader's first pool starts the first window, which is not judged
+        (it holds the start-up). Later, the same pool in a new epoch, or a new pool of
+        non-persistent workers, goes on with the open window: windows span epochs, so short
+        epochs are measured too, and restarting workers counts as the wait it is."""
+        if self._t0 is not None:
+            self._pool_key = pool_key
             return
         self._pool_key = pool_key
         if self._probe is None:

@@ -400,6 +400,8 @@ class ProcessPool:
         if w.retiring and not w.held and w.proc.exitcode == 0:
             return
         how = _death(w.proc)
+        if how == "signal SIGKILL":
+            how += ": killed from outside, often by the kernel's out-of-memory killer (see dmesg)"
         what = f"feedgpu worker {w.wid} (pid {w.proc.pid}) died unexpectedly ({how})"
         if not self.respawn or self.closed:
             raise WorkerError(what)

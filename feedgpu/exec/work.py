@@ -14,6 +14,7 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
+from . import progress
 from .assemble import Assembler, BatchReport
 from .shm import BatchSlots
 
@@ -145,7 +146,16 @@ class DatasetWork(PayloadWork):
     def handle(self, task: tuple):
         _, seq, epoch, indices = task
         seed_everything(self.seed, epoch, seq)
-        return self.collate_fn([self.dataset[i] for i in indices.tolist()])
+        items = []
+        for i in indices.tolist():
+            progress.at("__getitem__", i)
+            items.append(self.dataset[i])
+        progress.at("collate_fn", int(indices[0]) if len(indices) else -1)
+        return self.collate_fn(items)
+
+    def describe(self, index: int) -> str:
+        """``<Dataset class>[index]`` for messages."""
+        return f"{type(self.dataset).__name__}[{index}]"
 
     def finish(self, task: tuple, payload):
         return payload
