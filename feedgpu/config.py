@@ -194,9 +194,39 @@ def _path(loc: tuple) -> str:
     return out or "(top level)"
 
 
+_BRANCHES = {"int", "float", "str", "bool", "none", "list", "dict", "tuple"}
+
+
+def _is_branch(seg) -> bool:
+    """A location segment naming a branch of a union type (``literal['auto']``, ``constrained-int``),
+    not a key of the user's file."""
+    return isinstance(seg, str) and (seg in _BRANCHES or any(c in seg for c in "[]-'(") and not seg.startswith("_"))
+
+
+def _merge_branches(errors: list[dict]) -> list[dict]:
+    """One error per key for a value that matches no branch of a union: the branches' messages
+    joined with "or", the branch names dropped from the location."""
+    out: list[dict] = []
+    seen: dict[tuple, dict] = {}
+    for e in errors:
+        loc = tuple(e["loc"])
+        plain = tuple(s for s in loc if not _is_branch(s))
+        if plain == loc:
+            out.append(e)
+            continue
+        msg = e["msg"].removeprefix("Value error, ")
+        if plain in seen:
+            seen[plain]["msg"] += f", or {msg[0].lower() + msg[1:]}"
+            continue
+        merged = dict(e, loc=plain, msg=msg, type="union")
+        seen[plain] = merged
+        out.append(merged)
+    return out
+
+
 def format_errors(err: ValidationError, where: str) -> str:
     lines = [f"{where}: invalid pipeline definition"]
-    for e in err.errors():
+    for e in _merge_branches(err.errors()):
         loc = tuple(e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":

@@ -225,3 +225,15 @@ def test_pipeline_rejects_bad_settings(folder_ds):
         Pipeline(src, stages, batch_size=0)
     with pytest.raises(ConfigError):
         Pipeline(src, stages, prefetch_factor=0)
+
+
+@pytest.mark.parametrize("value, detail", [
+    ("many", "a valid integer, unable to parse string as an integer (got 'many')"),
+    (-1, "greater than or equal to 0 (got -1)"),
+])
+def test_a_value_matching_no_branch_of_a_union_gets_one_plain_message(value, detail):
+    with pytest.raises(ConfigError) as info:
+        Pipeline.from_yaml(TRAIN, **{"source.path": "/tmp", "loader.num_workers": value})
+    text = str(info.value)
+    assert f"  loader.num_workers: Input should be 'auto', or input should be {detail}" in text
+    assert "literal" not in text and "constrained" not in text and text.count("num_workers") == 1
