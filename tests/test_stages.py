@@ -22,25 +22,6 @@ def photo() -> Image.Image:
 
 
 # -- RandomResizedCrop parameters vs torchvision -------------------------------------------------
-def torchvision_get_params(width, height, scale, ratio):
-    """torchvision's RandomResizedCrop.get_params, drawing from torch's RNG (the torch baseline's
-    line-for-line copy; independent of feedgpu's numpy implementation under test)."""
-    return torchvision_rrc_params(width, height, scale, ratio)
-    in_ratio = float(width) / float(height)
-    if in_ratio < min(ratio):
-        w = width
-        h = int(round(w / min(ratio)))
-    elif in_ratio > max(ratio):
-        h = height
-        w = int(round(h * max(ratio)))
-    else:
-        w = width
-        h = height
-    i = (height - h) // 2
-    j = (width - w) // 2
-    return i, j, h, w
-
-
 def ks_statistic(a, b) -> float:
     """Two-sample Kolmogorov-Smirnov statistic (max distance between the empirical CDFs)."""
     a, b = np.sort(np.asarray(a, float)), np.sort(np.asarray(b, float))
@@ -63,7 +44,7 @@ KS_LIMIT = 0.045  # ~ p = 0.001 for 4000 vs 4000 draws (seeds are fixed: the tes
 @pytest.mark.parametrize("width, height", [(500, 375), (375, 500), (166, 166), (640, 120), (40, 300), (3, 2)])
 def test_random_resized_crop_params_follow_torchvision(width, height):
     torch.manual_seed(1234)
-    ref = np.array([torchvision_get_params(width, height, SCALE, RATIO) for _ in range(N_DRAWS)])
+    ref = np.array([torchvision_rrc_params(width, height, SCALE, RATIO) for _ in range(N_DRAWS)])
     rng = np.random.default_rng(1234)
     ours = np.array([random_resized_crop_params(width, height, SCALE, RATIO, rng) for _ in range(N_DRAWS)])
     for params in (ref, ours):
@@ -95,7 +76,7 @@ def test_random_resized_crop_params_follow_torchvision(width, height):
 def test_random_resized_crop_fallback_matches_torchvision_exactly(width, height):
     """On degenerate shapes every attempt fails: the result is torchvision's center crop."""
     torch.manual_seed(0)
-    refs = {torchvision_get_params(width, height, SCALE, RATIO) for _ in range(200)}
+    refs = {torchvision_rrc_params(width, height, SCALE, RATIO) for _ in range(200)}
     rng = np.random.default_rng(0)
     ours = {random_resized_crop_params(width, height, SCALE, RATIO, rng) for _ in range(200)}
     assert ours == refs
