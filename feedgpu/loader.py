@@ -517,7 +517,7 @@ class _EpochIterator:
         self.work.refresh()  # workers forked below inherit an up-to-date cache index
         self.pool = None if self.inline else loader._acquire_pool()
         if self.pool is not None and loader._autoscaler is not None:
-            loader._autoscaler.start(self.pool.pids(), pool_key=self.pool.serial)
+            loader._autoscaler.start(self.pool.pids())
         self.ahead: _Ahead | None = None     # the next epoch's batches this iterator submits
         self._adopt(loader, order, epoch, start)
         loader._position = (epoch, start)
@@ -550,34 +550,32 @@ class _EpochIterator:
         self._peeked = (b, next(self._batches))
         return self._peeked[1]
 
-    def _spares(self, b: int, size: int) -> np.ndarray:
-        return self.loader._order.spares(self.epoch, b, max(4, size)) if self.loader.pipeline is not None \
+    def _spares(self, b: int, size: int, epoch: int | None = None) -> np.ndarray:
+        epoch = self.epoch if epoch is None else epoch
+        return self.loader._order.spares(epoch, b, max(4, size)) if self.loader.pipeline is not None \
             else np.zeros(0, np.int64)
+
+    def _submit(self, tag: int, seq: int, epoch: int, indices: np.ndarray, pending: dict) -> None:
+        task = self.work.task(tag, seq, epoch, indices, self._spares(seq, len(indices), epoch))
+        self.pool.submit(task)
+        pending[seq] = task
 
     def _fill(self) -> None:
         limit = self.loader.num_workers * self.loader.prefetch_factor
         while (self.submitted < self.nb and len(self.pending) + len(self.ready) < limit
                and self.work.can_submit()):
-            indices = next(self._batches)
-            task = self.work.task(self.tag, self.submitted, self.epoch, indices, self._spares(self.submitted, len(indices)))
-            self.pool.submit(task)
-            self.pending[self.submitted] = task
+            self._submit(self.tag, self.submitted, self.epoch, next(self._batches), self.pending)
             self.submitted += 1
         if self.submitted < self.nb or not self._lookahead_ok():
             return
         # this epoch is all submitted: start the next one's first batches with the spare capacity
-        order, nxt = self.loader._order, self.epoch + 1
+        nxt = self.epoch + 1
         if self.ahead is None:
             self.ahead = _Ahead(nxt, self.pool)
         a = self.ahead
         while (a.submitted < self.nb and len(self.pending) + len(self.ready) + len(a) < limit
                and self.work.can_submit()):
-            indices = order.batch(nxt, a.submitted)
-            spares = order.spares(nxt, a.submitted, max(4, len(indices))) if self.loader.pipeline is not None \
-                else np.zeros(0, np.int64)
-            task = self.work.task(a.tag, a.submitted, nxt, indices, spares)
-            self.pool.submit(task)
-            a.pending[a.submitted] = task
+            self._submit(a.tag, a.submitted, nxt, self.loader._order.batch(nxt, a.submitted), a.pending)
             a.submitted += 1
 
     def __iter__(self):

@@ -152,10 +152,8 @@ class Autoscaler:
         self._probe = probe
         self.timeline: deque[dict] = deque(maxlen=100_000)
         self.measurements: deque[Measurement] = deque(maxlen=1000)
-        self.last_measurement: Measurement | None = None
         self._reset_window(None)
         self._skip = 0
-        self._pool_key: object = None
         self._memory_every = 5      # USS reads smaps: every 5th window is enough to see a trend
         self._windows = 0
         self._uss = 0
@@ -163,15 +161,18 @@ class Autoscaler:
     def _reset_window(self, now: float | None) -> None:
         self._t0, self._rows, self._batches, self._wait = now, 0, 0, 0.0
 
-    def start(self, pids: list[int], pool_key: object = None) -> None:
+    @property
+    def last_measurement(self) -> Measurement | None:
+        """The last window's measurement, None before the first."""
+        return self.measurements[-1] if self.measurements else None
+
+    def start(self, pids: list[int]) -> None:
         """A pool is running. The loader's first pool starts the first window, which is not judged
         (it holds the start-up). Later, the same pool in a new epoch, or a new pool of
         non-persistent workers, goes on with the open window: windows span epochs, so short
         epochs are measured too, and restarting workers counts as the wait it is."""
         if self._t0 is not None:
-            self._pool_key = pool_key
             return
-        self._pool_key = pool_key
         if self._probe is None:
             self._probe = _Probe()
         self._probe.sample(pids, memory=False)
@@ -199,7 +200,6 @@ class Autoscaler:
         m = self._measure(now, wall, pids)
         d = self.policy.decide(m)
         self.workers, self.prefetch = d.workers, d.prefetch
-        self.last_measurement = m
         self.measurements.append(m)
         point = {"t": round(m.t, 3), "workers": m.workers, "prefetch": m.prefetch,
                  "delivered_rate": m.delivered_rate, "demand_rate": m.demand_rate,

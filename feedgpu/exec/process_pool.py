@@ -31,7 +31,6 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
-import itertools
 import os
 import pickle
 import queue
@@ -48,7 +47,6 @@ log = logging.getLogger("feedgpu.pool")
 POLL_S = 0.1
 IDLE_S = 0.5   # a worker with no task for this long flushes its buffers (on_exit hook)
 FLUSH = "__feedgpu_flush__"
-_serials = itertools.count(1)
 STARTED = "__feedgpu_started__"   # a worker says which task it runs (a death is blamed on that one)
 
 
@@ -253,7 +251,6 @@ class ProcessPool:
         import torch.multiprocessing  # noqa: F401  registers tensor reductions for the pipes
 
         self._ctx = mp.get_context("fork")
-        self.serial = next(_serials)   # tells pools apart (ids of collected objects are reused)
         self._handler, self._init_fn, self._on_exit, self._name = handler, worker_init_fn, on_exit, name
         self._on_start = on_start
         self._parent = os.getpid()
