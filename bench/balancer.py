@@ -28,7 +28,6 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
@@ -38,22 +37,12 @@ from feedgpu import DataLoader, Pipeline  # noqa: E402
 from feedgpu.cli.bench import machine_info  # noqa: E402
 from feedgpu.exec.autoscale import cpu_cores  # noqa: E402
 from feedgpu.idle import RateConsumer, _diagnosis, run_loader  # noqa: E402
+from feedgpu.metrics import cpu_seconds  # noqa: E402
 from feedgpu.sample_data import default_sample  # noqa: E402
 
 PIPELINE = REPO / "pipelines" / "imagenet_train.yaml"
 TIE = 0.03
 REACH = 0.95
-
-
-def workers_cpu(pids: list[int]) -> float:
-    total = 0.0
-    for pid in pids:
-        try:
-            t = psutil.Process(pid).cpu_times()
-            total += t.user + t.system
-        except psutil.Error:
-            pass
-    return total
 
 
 def one(p, nw, demand: float, seconds: float, batch_size: int) -> dict:
@@ -63,10 +52,10 @@ def one(p, nw, demand: float, seconds: float, batch_size: int) -> dict:
     next(it)
     del it
     pids = loader.worker_pids()
-    c0, t0 = workers_cpu(pids), time.perf_counter()
+    c0, t0 = cpu_seconds(pids), time.perf_counter()
     r = run_loader(loader, consumer, seconds)
     wall = time.perf_counter() - t0
-    r["cores_used"] = (workers_cpu(loader.worker_pids()) - c0) / wall if nw != "auto" else None
+    r["cores_used"] = (cpu_seconds(loader.worker_pids()) - c0) / wall if nw != "auto" else None
     r["workers"] = nw
     if nw == "auto":
         b = loader.balancer

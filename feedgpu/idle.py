@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 from .errors import ConfigError
 from .exec.balancer import diagnose
+from .metrics import cpu_seconds
 
 log = logging.getLogger("feedgpu.idle")
 
@@ -150,6 +151,8 @@ def run_loader(loader, consumer, duration_s: float, warmup_s: float = 0.0) -> di
     (the balancer settling), then ``duration_s`` seconds timed, giving each batch to
     ``consumer`` (None: phase 2). The clock starts with the first batch after the warm-up (worker
     start-up excluded); that batch and its step count, its wait does not."""
+    import psutil
+
     if warmup_s > 0:
         run_loader(loader, consumer, warmup_s)
     batches = samples = 0
@@ -169,7 +172,8 @@ def run_loader(loader, consumer, duration_s: float, warmup_s: float = 0.0) -> di
             now = time.perf_counter()
             if t_first is None:
                 t_first = now
-                cpu0 = _cpu_seconds(loader.worker_pids())
+                me = psutil.Process()
+                cpu0 = cpu_seconds(loader.worker_pids(), me)
             else:
                 waits.append(now - t)
             batches += 1
@@ -181,25 +185,11 @@ def run_loader(loader, consumer, duration_s: float, warmup_s: float = 0.0) -> di
                 if consumer is not None:
                     consumer.sync()
                 wall = time.perf_counter() - t_first
-                cores = (_cpu_seconds(loader.worker_pids()) - cpu0) / wall
+                cores = (cpu_seconds(loader.worker_pids(), me) - cpu0) / wall
                 return {"batches": batches, "samples": samples, "wall_s": wall, "samples_per_s": samples / wall,
                         "cpu_cores": cores,
                         "wait_s": sum(waits), "median_wait_ms": 1e3 * statistics.median(waits) if waits else 0.0}
         epoch += 1
-
-
-def _cpu_seconds(pids: list[int]) -> float:
-    """CPU seconds of this process (all its threads: DALI's, the consumer's) and of ``pids``."""
-    import psutil
-
-    total = 0.0
-    for p in [psutil.Process(), *(psutil.Process(pid) for pid in pids if psutil.pid_exists(pid))]:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.Error:
-            pass
-    return total
 
 
 def placement(make_loader: Callable[..., Any], python_alone: dict, duration_s: float, demand: float,

@@ -6,6 +6,25 @@ import warnings
 from collections import Counter, deque
 
 
+def cpu_seconds(pids, me=None) -> float:
+    """CPU seconds (user + system) of the live processes ``pids`` and, when ``me`` (a
+    ``psutil.Process``, usually this one) is given, of it (all its threads) and of its children
+    already reaped (workers that exited meanwhile). Processes gone are skipped."""
+    import psutil
+
+    total = 0.0
+    if me is not None:
+        t = me.cpu_times()
+        total += t.user + t.system + t.children_user + t.children_system
+    for pid in pids:
+        try:
+            c = psutil.Process(pid).cpu_times()
+            total += c.user + c.system
+        except psutil.Error:  # exited (and then counted in children_*) or gone
+            pass
+    return total
+
+
 class SkippedSampleWarning(UserWarning):
     """Issued once per skipped sample, naming where it came from and why."""
 

@@ -38,6 +38,7 @@ from typing import Any, Callable
 import click
 
 from ..exec.autoscale import cpu_cores
+from ..metrics import cpu_seconds
 
 LOADERS = ("feedgpu", "torch")
 #: ``--engine`` choices -> loader kinds (keys of :data:`MAKERS`, and of the summary / JSON).
@@ -233,21 +234,6 @@ def _peak_rss(pid: int) -> int | None:
         return None
 
 
-def _cpu_seconds(me, pids: list[int]) -> float:
-    """CPU seconds of this process, its reaped children and the live processes ``pids``."""
-    import psutil
-
-    t = me.cpu_times()
-    total = t.user + t.system + t.children_user + t.children_system
-    for pid in pids:
-        try:
-            c = psutil.Process(pid).cpu_times()
-            total += c.user + c.system
-        except psutil.Error:  # exited (and then counted in children_*) or gone
-            pass
-    return total
-
-
 def _touch(batch) -> float:
     """Read a little of every batch, as a training step would; no heavy math."""
     images, labels = batch[0], batch[1]
@@ -282,7 +268,7 @@ def measure(subject: Subject, batches: int, warmup: int, on_batch: Callable[[], 
     try:
         t_iter = time.perf_counter()
         if warmup == 0:
-            t_start, cpu_start, sys_start = t_iter, _cpu_seconds(me, children()), psutil.cpu_times()
+            t_start, cpu_start, sys_start = t_iter, cpu_seconds(children(), me), psutil.cpu_times()
         it = iter(subject.loader)
         got = in_epoch = 0
         while got < needed:
@@ -305,7 +291,7 @@ def measure(subject: Subject, batches: int, warmup: int, on_batch: Callable[[], 
                 shape, dtype = list(batch[0].shape), str(batch[0].dtype).replace("torch.", "")
             if got <= warmup:
                 if got == warmup:
-                    t_start, cpu_start = time.perf_counter(), _cpu_seconds(me, children())
+                    t_start, cpu_start = time.perf_counter(), cpu_seconds(children(), me)
                     sys_start = psutil.cpu_times()
             else:
                 waits.append(t1 - t0)
@@ -324,7 +310,7 @@ def measure(subject: Subject, batches: int, warmup: int, on_batch: Callable[[], 
             if on_batch is not None:
                 on_batch()
         t_end = time.perf_counter()
-        cpu_end = _cpu_seconds(me, children())
+        cpu_end = cpu_seconds(children(), me)
         sys_end = psutil.cpu_times()
         extra = subject.extra()
     finally:
