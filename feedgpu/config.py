@@ -111,6 +111,7 @@ class EngineCfg(_Strict):
     device: Literal["auto", "cpu", "gpu"] = "auto"
     threads: Union[Annotated[int, Field(gt=0)], None] = None
     hw_decoder_load: Annotated[float, Field(ge=0, le=1)] = 0.75
+    window_decode: bool = True
 
 
 class CacheCfg(_Strict):

@@ -411,7 +411,8 @@ class DataLoader:
                 self._work = DaliWork(p.source, plan, self.seed, self.on_error, self.batch_size, device=dd,
                                       threads=self.engine.threads or max(1, self.num_workers), device_id=dev_id,
                                       hw_decoder_load=self.engine.hw_decoder_load,
-                                      in_dali_batch_stage=not plan.batch_on_device)
+                                      window_decode=self.engine.window_decode,
+                                      in_dali_batch_stage=not plan.batch_on_device, ahead=self.prefetch_factor)
             elif self.pipeline is not None:
                 p = self.pipeline
                 plan = p.plan(self.device)
@@ -511,7 +512,8 @@ class _EpochIterator:
             self._batches = itertools.islice(order.batches(epoch), start, None)
         self.submitted = start
         self.budget = SkipBudget(loader.max_skipped, epoch_samples(order), epoch)
-        self._peeked: tuple[int, np.ndarray] | None = None
+        self._peeked: dict[int, np.ndarray] = {}   # inline mode: batch -> indices, read ahead
+        self._peeked_to = start
         self.inline = loader.num_workers == 0 or loader.engine.name == "dali"
         self.work = loader._make_work()
         self.work.refresh()  # workers forked below inherit an up-to-date cache index
@@ -544,11 +546,13 @@ class _EpochIterator:
                 and loader.cache_settings is None)
 
     def _indices(self, b: int) -> np.ndarray:
-        """Indices of batch ``b`` (inline mode reads one batch ahead)."""
-        if self._peeked is not None and self._peeked[0] == b:
-            return self._peeked[1]
-        self._peeked = (b, next(self._batches))
-        return self._peeked[1]
+        """Indices of batch ``b`` (inline mode reads ``prefetch_factor`` batches ahead)."""
+        while self._peeked_to <= b:
+            self._peeked[self._peeked_to] = next(self._batches)
+            self._peeked_to += 1
+        for old in [k for k in self._peeked if k < self.next_b]:
+            del self._peeked[old]
+        return self._peeked[b]
 
     def _spares(self, b: int, size: int, epoch: int | None = None) -> np.ndarray:
         epoch = self.epoch if epoch is None else epoch
@@ -590,9 +594,10 @@ class _EpochIterator:
         try:
             if self.inline:
                 indices = self._indices(b)
-                if b + 1 < self.nb and hasattr(self.work, "prefetch"):  # DALI: prepare the next batch meanwhile
-                    nxt = self._indices(b + 1)
-                    self.work.prefetch(b + 1, self.epoch, nxt, self._spares(b + 1, len(nxt)))
+                if hasattr(self.work, "prefetch"):  # DALI: start this and the next batches, in order
+                    for k in range(b, min(self.nb, b + 1 + self.loader.prefetch_factor)):
+                        ks = self._indices(k)
+                        self.work.prefetch(k, self.epoch, ks, self._spares(k, len(ks)))
                 batch, report = self.work.run_inline(b, self.epoch, indices, self._spares(b, len(indices)))
             else:
                 batch, report = self._wait(b)

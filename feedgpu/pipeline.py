@@ -51,7 +51,7 @@ class Pipeline:
             disk: ``None``/``False`` (off, default), ``True``, a directory, a mapping
             ``{dir, compression, max_size}`` or :class:`~feedgpu.cache.CacheSettings`.
         engine: ``"python"`` (default), ``"dali"`` or a mapping ``{name, device, threads,
-            hw_decoder_load}`` (see :class:`~feedgpu.exec.engines.EngineSettings`).
+            hw_decoder_load, window_decode}`` (see :class:`~feedgpu.exec.engines.EngineSettings`).
         name: label in reports.
 
     Raises :class:`ConfigError` for invalid settings.
@@ -154,7 +154,7 @@ class Pipeline:
         dd = self.engine.dali_device(dev)
         threads = self.engine.threads or max(1, fixed_workers(self.num_workers))
         where = (f"dali gpu (mixed decode, hw_decoder_load {self.engine.hw_decoder_load})" if dd == "gpu"
-                 else f"dali cpu ({threads} threads)")
+                 else f"dali cpu ({threads} thread{'' if threads == 1 else 's'})")
         plan = make_plan(self.stages, dev, pool_where=where, batch_on_device=None if dd == "cpu" else False)
         check_dali_plan(plan)
         return plan

@@ -37,7 +37,7 @@ import yaml
 pytest.importorskip("nvidia.dali")
 
 from conftest import CASES, REPO, batches_equal, clone_all, open_format  # noqa: E402
-from feedgpu import ConfigError, DataLoader, Pipeline, SkippedSampleWarning  # noqa: E402
+from feedgpu import Batch, ConfigError, DataLoader, Pipeline, SkippedSampleWarning  # noqa: E402
 from feedgpu.errors import DecodeError  # noqa: E402
 from feedgpu.exec.autoscale import fixed_workers  # noqa: E402
 from feedgpu.stages import (Decode, HorizontalFlip, Normalize, PythonStage, RandomResizedCrop,  # noqa: E402
@@ -68,6 +68,10 @@ class IndexedPhotos(torch.utils.data.Dataset):
 @pytest.fixture(scope="module")
 def indexed(folder_ds):
     return IndexedPhotos(folder_ds)
+
+
+def threads_label(n: int) -> str:
+    return f"{n} thread" + ("" if n == 1 else "s")
 
 
 def val_stages(normalize=False, **norm):
@@ -174,6 +178,53 @@ def test_train_pipeline_with_normalize_agrees(indexed):
     assert torch.equal(pl, dl)
     assert pi.dtype == di.dtype == torch.float32 and pi.shape == di.shape == (len(indexed), 3, 224, 224)
     assert_close(pi, di, TRAIN_TOL, "train+normalize")
+
+
+@pytest.mark.parametrize("stages", [train_stages, lambda: val_stages(True)], ids=["train-normalize", "val-normalize"])
+def test_window_decode_gives_the_pixels_of_whole_decode(indexed, stages):
+    """Crop-on-decode (``decoders.image_slice`` over the resize window plus the filter's reach)
+    against decoding whole images: the same crops, within 1 level (libjpeg's chroma upsampling
+    at the window's edge)."""
+    win, sw = run(pipe(indexed, stages(), DALI_CPU, seed=5))
+    whole, sh = run(pipe(indexed, stages(), {**DALI_CPU, "window_decode": False}, seed=5))
+    assert sw["engine"]["window_decode"] and sw["engine"]["window_decoded"] == len(indexed)
+    assert not sh["engine"]["window_decode"] and sh["engine"]["whole_decoded"] == len(indexed)
+    (wi, wl), (hi, hl) = cat(win), cat(whole)
+    assert torch.equal(wl, hl)
+    s = assert_close(wi, hi, {"mean": 0.01, "max": 1.01}, "window vs whole decode")
+    assert not torch.equal(wi, hi) or s["max"] == 0
+
+
+def test_breaking_off_an_epoch_drops_the_batches_dali_computed_ahead(indexed):
+    """DALI runs up to prefetch_factor batches ahead; after a ``break`` the next epoch must not
+    receive the stale batches of the epoch left."""
+    ref = DataLoader(pipe(indexed, train_stages(True), DALI_CPU, seed=8, prefetch_factor=3))
+    e0, e1 = clone_all(ref), clone_all(ref)
+    loader = DataLoader(pipe(indexed, train_stages(True), DALI_CPU, seed=8, prefetch_factor=3))
+    for i, _ in enumerate(loader):
+        if i == 0:
+            break
+    loader.set_epoch(1)
+    assert batches_equal(clone_all(loader), e1)
+    loader.set_epoch(0)
+    assert batches_equal(clone_all(loader), e0)
+
+
+def test_batches_the_training_loop_keeps_are_never_overwritten(indexed):
+    """The engine reuses its output buffers only once the training loop drops a batch."""
+    ref, _ = run(pipe(indexed, train_stages(True), DALI_CPU, seed=9, batch_size=4))
+    loader = DataLoader(pipe(indexed, train_stages(True), DALI_CPU, seed=9, batch_size=4))
+    kept = list(loader)       # every batch held at once: the 4 kept buffers, then fresh memory
+    assert len(kept) > 4 and batches_equal(kept, ref)
+    ptrs = [b.images.data_ptr() for b in kept]
+    assert len(set(ptrs)) == len(kept)
+    del kept
+    loader.set_epoch(0)
+    again = []
+    for b in loader:          # each batch dropped before the next: the kept buffers come back
+        again.append((b.images.data_ptr(), b.images.clone(), b.labels.clone()))
+    assert batches_equal([Batch(i, lab) for _, i, lab in again], ref)
+    assert len({p for p, _, _ in again}) <= 4 and {p for p, _, _ in again} <= set(ptrs)
 
 
 # -- reproducibility, threads, resume, sharding ----------------------------------------------------
@@ -353,6 +404,8 @@ def test_cases_mixed_batches_on_dali(cases_datasets, fmt):
     assert eng.get("dali_errors", 0) == 0, "bad samples are found before DALI"
     assert eng["batches"] == len(da)
     assert 7 <= eng["python_decoded"] < len(src) // 2  # cmyk, ycck, png ...: Pillow; most JPEGs: DALI
+    # crop-on-decode for upright JPEGs; EXIF-rotated ones (orientations 2-8) are decoded whole
+    assert eng["window_decoded"] > eng["whole_decoded"] >= 7
     (pi, pl), (di, dl) = cat(py), cat(da)
     assert torch.equal(pl, dl) and di.shape == (len(src), 224, 224, 3)
     for r in range(len(src)):
@@ -387,15 +440,15 @@ def test_a_dali_failure_redoes_the_batch_on_python_and_dali_goes_on(indexed, mon
 
     ref_py, _ = run(pipe(indexed, train_stages(True), seed=1))
     ref_dali, _ = run(pipe(indexed, train_stages(True), DALI_CPU, seed=1))
-    real_run, calls = DaliPipeline.run, []
+    real_outputs, calls = DaliPipeline.outputs, []
 
-    def flaky(self, *a, **kw):
+    def flaky(self, *a, **kw):  # the engine collects batches in order: the 2nd is batch 1
         calls.append(1)
         if len(calls) == 2:
             raise RuntimeError("Critical error in pipeline:\nError in CPU operator `decoders.image`\nsimulated")
-        return real_run(self, *a, **kw)
+        return real_outputs(self, *a, **kw)
 
-    monkeypatch.setattr(DaliPipeline, "run", flaky)
+    monkeypatch.setattr(DaliPipeline, "outputs", flaky)
     loader = DataLoader(pipe(indexed, train_stages(True), DALI_CPU, seed=1))
     with pytest.warns(UserWarning, match=r"DALI failed on batch 1 of epoch 0 \(RuntimeError: Error in CPU "
                                          r"operator `decoders.image` simulated\); redone on the Python engine"):
@@ -457,7 +510,7 @@ def test_the_same_yaml_runs_on_either_engine(folder_ds):
     assert loader.stats()["engine"]["name"] == "dali"
     loader.shutdown()
     # num_workers: auto gives DALI one thread per core but one
-    assert f"dali cpu ({fixed_workers('auto')} threads)" in da.explain("cpu")
+    assert f"dali cpu ({threads_label(fixed_workers('auto'))})" in da.explain("cpu")
     assert "dali cpu (3 threads)" in Pipeline.from_yaml(VAL_YAML, **kw, **{"engine.name": "dali", "engine.device": "cpu",
                                                                          "engine.threads": 3}).explain("cpu")
 
@@ -526,10 +579,10 @@ def test_explain_shows_the_dali_engine(folder_ds):
     res = CliRunner().invoke(main, ["pipeline", "explain", str(VAL_YAML), "--data", str(folder_ds), "--device", "cpu",
                                     "--set", "engine.name=dali", "--set", "engine.device=cpu"])
     assert res.exit_code == 0, res.output
-    assert f"dali cpu ({fixed_workers('auto')} threads)" in res.stdout
+    assert f"dali cpu ({threads_label(fixed_workers('auto'))})" in res.stdout
     for stage in ("decode", "resize_center_crop", "normalize"):
         line = next(ln for ln in res.stdout.splitlines() if ln.strip().startswith(stage))
-        assert f"dali cpu ({fixed_workers('auto')} threads)" in line, line
+        assert f"dali cpu ({threads_label(fixed_workers('auto'))})" in line, line
     res = CliRunner().invoke(main, ["pipeline", "explain", str(VAL_YAML), "--device", "cpu",
                                     "--set", "engine.name=dali", "--set", "engine.device=cpu",
                                     "--set", "engine.threads=4"])
@@ -595,11 +648,11 @@ def test_bench_compares_engines_side_by_side(folder_ds, tmp_path):
     assert set(doc["summary"]) == want
     assert [r["loader"] for r in doc["runs"]] == [k for k in doc["settings"]["loaders"]] * 2  # alternating rounds
     dali = doc["summary"]["feedgpu_dali_cpu"]
-    assert dali["label"] == "feedgpu DALI CPU (1 threads)" and dali["threads"] == 1 and dali["samples_per_s"] > 0
+    assert dali["label"] == "feedgpu DALI CPU (1 thread)" and dali["threads"] == 1 and dali["samples_per_s"] > 0
     assert doc["summary"]["feedgpu"]["workers"] == 1
     run = next(r for r in doc["runs"] if r["loader"] == "feedgpu_dali_cpu")
     assert run["engine"]["name"] == "dali" and set(run["stage_ms_per_sample"]) >= {"read", "probe", "params", "dali"}
     assert doc["speedups"]["feedgpu_dali_cpu_over_feedgpu"] > 0
     if not torch.cuda.is_available():
         assert "dali-gpu skipped: torch sees no CUDA device" in res.output
-    assert "feedgpu DALI CPU (1 threads)" in res.stdout
+    assert "feedgpu DALI CPU (1 thread)" in res.stdout

@@ -149,7 +149,8 @@ def feedgpu_subject(pipeline, workers: int, batch_size: int, device: str = "cpu"
     eng = loader.engine
     if eng.name == "dali":
         dd = eng.dali_device()
-        label = f"feedgpu DALI {dd.upper()} ({eng.threads or max(1, workers)} threads)"
+        n = eng.threads or max(1, workers)
+        label = f"feedgpu DALI {dd.upper()} ({n} thread{'' if n == 1 else 's'})"
     else:
         label = f"feedgpu ({pil_label()})"
 

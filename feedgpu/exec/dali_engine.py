@@ -15,27 +15,46 @@ feedgpu keeps the order, the randomness and the error handling; DALI does the pi
 * If DALI fails on a batch anyway (a corrupt entropy-coded segment, say), the batch is redone on
   the Python engine and the DALI pipelines are rebuilt; the loader stays usable. All of it is
   counted in ``loader.stats()["engine"]``.
+* DALI runs ahead of the training loop: batch b+1's Python side (read, probe, parameters) runs
+  on one helper thread while DALI computes batch b on another (DALI releases the GIL), up to
+  the loader's ``prefetch_factor`` batches ahead, and the training step runs meanwhile.
+* Two graph rewrites that keep the output (``bench/results/dali_cpu.md`` measures each):
+  crop-on-decode — when the first stage after decode resizes a window (random resized crop,
+  resize + center crop), upright JPEGs are decoded only over that window plus the resampling
+  filter's reach (``decoders.image_slice``) and the window is shifted into it; and a
+  ``horizontal_flip`` right before normalize becomes ``crop_mirror_normalize(mirror=...)``.
 * ``device="cpu"`` runs DALI's CPU operators with ``device_id=None`` (C++ thread pool);
   ``device="gpu"`` decodes with ``device="mixed"`` (nvJPEG and the hardware JPEG decoder,
   ``hw_decoder_load``) and runs the rest on the GPU; outputs are copied into torch tensors with
-  DALI's ``feed_ndarray`` (pinned host memory when CUDA is present; on the GPU, on the training
-  loop's current stream, so the copy is ordered with it).
+  DALI's ``feed_ndarray``: on the CPU into reused, pre-faulted host buffers
+  (:class:`~feedgpu.exec.host_buffers.HostBuffers`, pinned when CUDA is present) that return
+  when the training loop drops the batch; on the GPU on a side stream, and the training loop's
+  stream waits on it before it uses the batch.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import math
+import threading
 import time
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
-from collections import Counter
 
 import numpy as np
 
 from ..errors import ConfigError, SampleError
 from ..stages.base import sample_rng
 from ..stages.decode import UNKNOWN_KEY, Decode
+from ..stages.geometry import HorizontalFlip
 from .assemble import Assembler, BatchReport, Spares
+from .host_buffers import HostBuffers
 from .plan import Plan
 from .work import Batch
+
+#: Sample groups of a batch, each run by its own DALI graph: JPEGs decoded over a window only,
+#: JPEGs decoded whole (EXIF-rotated ones, or no window stage), pixels decoded by Pillow.
+WINDOW, WHOLE, PIXELS = "window", "whole", "pixels"
 
 #: Share of JPEG decoding sent to the hardware decoder on the GPU. 0.75 was the fastest setting
 #: at 8 threads in shared/docs/anchors.md (30,851 img/s; 0.9: 29,579; defaults: 24,860 on H200).
@@ -72,11 +91,14 @@ class DaliWork:
         hw_decoder_load: share of JPEGs for the hardware decoder (GPU only).
         in_dali_batch_stage: run the batch stage (normalize) inside DALI; False when the loader
             runs it on the GPU after copying uint8.
+        window_decode: decode only the window a window-resizing first stage keeps (default True).
+        ahead: batches computed ahead of the training loop (the loader passes its
+            ``prefetch_factor``; default 2).
     """
 
     def __init__(self, source, plan: Plan, seed: int, on_error: str, batch_size: int, device: str = "cpu",
                  threads: int = 2, device_id: int = 0, hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD,
-                 in_dali_batch_stage: bool = True):
+                 in_dali_batch_stage: bool = True, window_decode: bool = True, ahead: int = 2):
         if not dali_available():
             raise ConfigError("engine 'dali' needs NVIDIA DALI: pip install 'feedgpu[dali]' "
                               "(nvidia-dali-cuda130)")
@@ -84,19 +106,34 @@ class DaliWork:
         self.source, self.plan, self.seed, self.on_error = source, plan, int(seed), on_error
         self.batch_size, self.device, self.threads = batch_size, device, max(1, int(threads))
         self.device_id, self.hw_decoder_load = device_id, float(hw_decoder_load)
+        self.ahead = max(1, int(ahead))
         self.decode: Decode = plan.sample_stages[0]
         self.ops = list(plan.sample_stages[1:])
         self.batch_stage = plan.batch_stage if in_dali_batch_stage else None
+        # crop-on-decode: the first stage after decode resizes a window
+        self.window = bool(window_decode and self.ops and self.ops[0].window_resize)
+        # a flip right before normalize is done by crop_mirror_normalize(mirror=...)
+        self.fold_flip = bool(self.batch_stage is not None and self.ops and isinstance(self.ops[-1], HorizontalFlip))
         probe_rng = np.random.default_rng(0)
         self.param_names = [sorted(st.dali_params(64, 64, probe_rng)[0]) for st in self.ops]
-        self._pipes: dict[bool, object] = {}
+        self._pipes: dict[str, object] = {}
         self._python = Assembler(source, plan, seed, on_error)  # whole-batch fallback
         spec = plan.out_spec if self.batch_stage is not None else plan.pool_spec
         self.out_shape, self.out_dtype = spec.shape, spec.dtype
         self.counters: Counter = Counter()
         self.orphans: dict = {}
+        self._host = None if device == "gpu" else HostBuffers(
+            batch_size, self.out_shape, self.out_dtype, pinned=_cuda_available(), count=self.ahead + 2)
+        self._stream = None
+        self._start_threads()
+        self._ahead: dict = {}   # (epoch, seq) -> (indices, Future of the finished batch)
+
+    def _start_threads(self) -> None:
+        # one thread prepares batches (Python: GIL), one drives DALI (feeds, schedules, copies out)
         self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="feedgpu-dali-prep")
-        self._ahead: dict = {}   # (epoch, seq) -> (indices, Future of the prepared batch)
+        self._runner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="feedgpu-dali-run")
+        self._lock = threading.Lock()
+        self._queue: deque[_InFlight] = deque()   # started batches not yet collected, in order
 
     # -- the pool-work interface the loader's iterator uses ------------------------------------
     def can_submit(self) -> bool:
@@ -106,7 +143,7 @@ class DaliWork:
         pass
 
     def on_exit(self) -> None:
-        """The loader's iterator ended or was dropped: a batch prepared ahead is stale (the next
+        """The loader's iterator ended or was dropped: batches started ahead are stale (the next
         iteration may run another epoch, from another batch)."""
         self._drop_ahead()
 
@@ -114,50 +151,78 @@ class DaliWork:
         for _, f in self._ahead.values():
             f.cancel()
         self._ahead.clear()
+        with self._lock:
+            stale, self._queue = list(self._queue), deque()
+        if stale:
+            # after the runner's current job: outputs DALI computed for the dropped batches
+            # would be collected in their place, so such pipelines are rebuilt
+            self._runner.submit(self._discard, stale)
+
+    def _discard(self, stale: list) -> None:
+        # a stale batch's job still running when the next epoch started may also have
+        # scheduled some of the new batches: _reset schedules those again
+        if any(f.fed for f in stale):
+            self._reset()
 
     def close(self) -> None:
         self._drop_ahead()
         self._prep.shutdown(wait=True, cancel_futures=True)
-        self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="feedgpu-dali-prep")
+        self._runner.shutdown(wait=True, cancel_futures=True)
         self._pipes.clear()
+        self._start_threads()
 
     def stats(self) -> dict:
         return {"name": "dali", "device": self.device, "threads": self.threads,
-                "hw_decoder_load": self.hw_decoder_load if self.device == "gpu" else None, **self.counters}
+                "hw_decoder_load": self.hw_decoder_load if self.device == "gpu" else None,
+                "window_decode": self.window, "ahead": self.ahead, **self.counters}
 
     # -- DALI graphs ---------------------------------------------------------------------------
-    def _pipe(self, encoded: bool):
-        pipe = self._pipes.get(encoded)
+    def _pipe(self, group: str):
+        pipe = self._pipes.get(group)
         if pipe is not None:
             return pipe
         from nvidia.dali import fn, pipeline_def, types
 
         dev = self.device
+        hw = {"hw_decoder_load": self.hw_decoder_load}
+        last = len(self.ops)
 
+        # DALI's dynamic executor (the default since DALI 2.0), asynchronous: schedule_run()
+        # returns at once, several scheduled iterations queue up and run while an earlier one's
+        # outputs are copied out; prefetch_queue_depth=1, as feedgpu feeds exactly the batches
+        # it wants (with 2, the first schedule_run would run two fed batches at once).
         @pipeline_def(batch_size=self.batch_size, num_threads=self.threads,
                       device_id=self.device_id if dev == "gpu" else None,
-                      exec_async=False, exec_pipelined=False, prefetch_queue_depth=1)
+                      exec_async=True, exec_pipelined=True, exec_dynamic=True, prefetch_queue_depth=1)
         def graph():
-            x = fn.external_source(name="x", dtype=types.UINT8, layout=None if encoded else "HWC")
-            if encoded:
-                x = self.decode.dali(x, {"hw_decoder_load": self.hw_decoder_load}, dev)
+            x = fn.external_source(name="x", dtype=types.UINT8, layout=None if group != PIXELS else "HWC")
+            if group == WINDOW:
+                x = self.decode.dali_window(x, fn.external_source(name="dec_start", dtype=types.INT32),
+                                            fn.external_source(name="dec_end", dtype=types.INT32), hw, dev)
+            elif group == WHOLE:
+                x = self.decode.dali(x, hw, dev)
             elif dev == "gpu":
                 x = x.gpu()
+            mirror = None
             for i, (st, names) in enumerate(zip(self.ops, self.param_names), start=1):
                 args = {n: fn.external_source(name=f"s{i}_{n}") for n in names}
+                if i == last and self.fold_flip:
+                    mirror = args["flip"]
+                    continue
                 x = st.dali(x, args, dev)
             if self.batch_stage is not None:
-                x = self.batch_stage.dali(x, {}, dev)
+                x = self.batch_stage.dali(x, {} if mirror is None else {"mirror": mirror}, dev)
             return x
 
         pipe = graph()
         pipe.build()
-        self._pipes[encoded] = pipe
+        self._pipes[group] = pipe
         return pipe
 
     # -- one batch -------------------------------------------------------------------------------
     def _prepare(self, idx: int, epoch: int, secs: dict):
-        """Read, probe (or Python-decode) one sample and draw its parameters."""
+        """Read, probe (or Python-decode) one sample and draw its parameters:
+        ``(group, item, params, label)``."""
         t0 = time.perf_counter()
         try:
             rec = self.source.read(idx)
@@ -167,10 +232,12 @@ class DaliWork:
         secs["read"] += t1 - t0
         try:
             payload = rec.payload
-            dali_ok = False
+            group = PIXELS
             if isinstance(payload, (bytes, bytearray, memoryview)):
-                w, h, dali_ok = self.decode.probe(payload)
-            if dali_ok:
+                w, h, dali_ok, upright = self.decode.header(payload)
+                if dali_ok:
+                    group = WINDOW if (upright and self.window) else WHOLE
+            if group != PIXELS:
                 item = np.frombuffer(payload, np.uint8)
             else:
                 item = np.ascontiguousarray(np.asarray(self.decode.apply(payload, None)))
@@ -179,31 +246,39 @@ class DaliWork:
         except SampleError as e:
             raise type(e)(rec.key if e.key == UNKNOWN_KEY else e.key, e.reason, e.detail) from None
         t2 = time.perf_counter()
-        secs["probe" if dali_ok else "python_decode"] += t2 - t1
+        secs["probe" if group != PIXELS else "python_decode"] += t2 - t1
         params = {}
         size = (w, h)
         for i, st in enumerate(self.ops, start=1):
             rng = None if st.deterministic else sample_rng(self.seed, epoch, idx, i)
-            args, size = st.dali_params(size[0], size[1], rng)
+            args, out = st.dali_params(size[0], size[1], rng)
+            if i == 1 and group == WINDOW:
+                args = _decode_window(args, size, out, params)
             for n, v in args.items():
                 params[f"s{i}_{n}"] = v
+            size = out
         secs["params"] += time.perf_counter() - t2
-        return dali_ok, item, params, rec.label
+        return group, item, params, rec.label
 
     def prefetch(self, seq: int, epoch: int, indices: np.ndarray, spares: np.ndarray) -> None:
-        """Prepare batch ``seq`` (read, probe, draw parameters) on a helper thread while DALI
-        runs the current one (DALI releases the GIL while it works)."""
+        """Start batch ``seq``: its Python side on the helper thread, then DALI, while the
+        training loop works on earlier batches. Batches start in the order of the calls; a batch
+        already started is left as it is."""
         if (epoch, seq) not in self._ahead:
-            self._ahead[(epoch, seq)] = (indices, self._prep.submit(self._prepare_batch, epoch, indices, spares))
+            job = _InFlight(self._prep.submit(self._prepare_batch, epoch, indices, spares), len(indices))
+            with self._lock:
+                self._queue.append(job)
+            self._ahead[(epoch, seq)] = (indices, self._runner.submit(self._compute, job))
 
     def _prepare_batch(self, epoch: int, indices: np.ndarray, spares: np.ndarray):
         rep = BatchReport(stage_seconds=Counter())
-        groups = {True: ([], [], {}), False: ([], [], {})}   # encoded? -> (positions, items, params)
+        groups = {g: ([], [], {}) for g in (WINDOW, WHOLE, PIXELS)}   # -> (positions, items, params)
         labels = np.empty(len(indices), np.int64)
         supply = Spares(spares, self.on_error, rep.skipped, len(indices))
         for j, idx in enumerate(indices.tolist()):
-            ok, item, params, labels[j] = supply.run(lambda i: self._prepare(i, epoch, rep.stage_seconds), idx)
-            pos, items, ps = groups[ok]
+            group, item, params, labels[j] = supply.run(lambda i: self._prepare(i, epoch, rep.stage_seconds), idx)
+            self.counters[f"{group}_decoded" if group != PIXELS else "pixels_fed"] += 1
+            pos, items, ps = groups[group]
             pos.append(j)
             items.append(item)
             for n, v in params.items():
@@ -211,30 +286,93 @@ class DaliWork:
         rep.rows = len(indices)
         return groups, labels, rep
 
+    def _compute(self, job: "_InFlight"):
+        """On the runner thread: ``(images or None, labels, report, DALI's exception or None,
+        CUDA event or None)`` of ``job``; a sample error from the Python side is raised.
+
+        Before waiting for ``job``'s outputs it schedules the batches after it whose Python side
+        is done (up to ``ahead``), so DALI's threads go on with them during the copy out."""
+        try:
+            groups, labels, rep = job.prepared.result()
+            t0 = time.perf_counter()
+            self._schedule(job)
+            with self._lock:
+                later = [j for j in self._queue if j is not job and not j.fed][:self.ahead]
+            for nxt in later:
+                if not nxt.prepared.done() or nxt.prepared.exception() is not None:
+                    break
+                self._schedule(nxt)
+            self._schedule(job)  # again, if a later batch's failure dropped the pipelines
+            if job.error is None:
+                try:
+                    images, event = self._collect(job)
+                except Exception as e:  # noqa: BLE001 - DALI raises RuntimeError for bad data
+                    job.error = e
+                    self._reset()
+            if job.error is not None:
+                return None, labels, rep, job.error, None
+            rep.stage_seconds["dali"] += time.perf_counter() - t0
+            return images, labels, rep, None, event
+        finally:
+            with self._lock:
+                if job in self._queue:
+                    self._queue.remove(job)
+
+    def _schedule(self, job: "_InFlight") -> None:
+        """Feed ``job``'s groups to their pipelines and schedule one iteration of each."""
+        if job.fed or job.error is not None:
+            return
+        groups = job.prepared.result()[0]
+        try:
+            for group, (pos, items, params) in groups.items():
+                if not pos:
+                    continue
+                pipe = self._pipe(group)
+                pipe.feed_input("x", items)
+                for name, values in params.items():
+                    pipe.feed_input(name, values)
+                pipe.schedule_run()
+                job.fed.append(group)
+        except Exception as e:  # noqa: BLE001 - DALI refused the batch: redo it on Python
+            job.error = e
+            self._reset()
+
+    def _reset(self) -> None:
+        """A pipeline failed: drop them all (a failed pipeline is not run again) and schedule the
+        batches that were waiting in them again on new ones."""
+        self._pipes.clear()
+        with self._lock:
+            for j in self._queue:
+                if j.error is None:
+                    j.fed.clear()
+
     def run_inline(self, seq: int, epoch: int, indices: np.ndarray, spares: np.ndarray):
         import torch
 
         ahead = self._ahead.pop((epoch, seq), None)
         if ahead is not None and not np.array_equal(ahead[0], indices):
-            ahead = None  # prepared for other samples (a user sampler that changed): redo
-        groups, labels, rep = ahead[1].result() if ahead is not None else self._prepare_batch(epoch, indices, spares)
-        t0 = time.perf_counter()
-        try:
-            images = self._run(groups, len(indices))
-        except Exception as e:  # noqa: BLE001 - DALI raises RuntimeError for bad data: redo on Python
-            return self._fallback(seq, epoch, indices, spares, e, rep)
-        rep.stage_seconds["dali"] += time.perf_counter() - t0
+            ahead = None  # computed for other samples (a user sampler that changed): redo
+        if ahead is None:
+            self.prefetch(seq, epoch, indices, spares)
+            ahead = self._ahead.pop((epoch, seq))
+        images, labels, rep, error, event = ahead[1].result()
+        if error is not None:
+            return self._fallback(seq, epoch, indices, spares, error, rep)
+        if event is not None:  # the training loop's stream waits for the copy on the side stream
+            stream = torch.cuda.current_stream(images.device)
+            stream.wait_event(event)
+            images.record_stream(stream)
         self.counters["batches"] += 1
         return Batch(images, torch.from_numpy(labels)), rep
 
     def _fallback(self, seq: int, epoch: int, indices, spares, error: Exception, rep: BatchReport):
-        """Redo a batch DALI failed on with the Python engine; rebuild the DALI pipelines."""
+        """Redo a batch DALI failed on with the Python engine (the DALI pipelines were dropped
+        and are rebuilt for the next batch)."""
         import warnings
 
         import torch
 
         self.counters["dali_errors"] += 1
-        self._pipes.clear()
         first = _reason(error)
         warnings.warn(f"feedgpu: DALI failed on batch {seq} of epoch {epoch} ({type(error).__name__}: {first}); "
                       "redone on the Python engine", stacklevel=3)
@@ -249,31 +387,85 @@ class DaliWork:
             images = self.batch_stage.apply_batch(images)
         return Batch(images, torch.from_numpy(labels)), rep
 
-    def _run(self, groups, n: int):
+    def _collect(self, job: "_InFlight"):
+        """Wait for ``job``'s iterations and copy their outputs to the rows of one batch tensor:
+        ``(images, CUDA event or None)``."""
         import torch
         from nvidia.dali.plugin.pytorch import feed_ndarray
 
-        on_gpu = self.device == "gpu"
+        groups, n = job.prepared.result()[0], job.n
         dtype = {"uint8": torch.uint8, "float32": torch.float32, "float16": torch.float16}[self.out_dtype]
-        if on_gpu:
-            out = torch.empty((n, *self.out_shape), dtype=dtype, device=f"cuda:{self.device_id}")
+        stream = None
+        if self.device == "gpu":
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(f"cuda:{self.device_id}")
+            stream = self._stream
+            with torch.cuda.stream(stream):
+                out = torch.empty((n, *self.out_shape), dtype=dtype, device=f"cuda:{self.device_id}")
+            buf = None
         else:
-            out = torch.empty((n, *self.out_shape), dtype=dtype, pin_memory=torch.cuda.is_available())
-        for encoded, (pos, items, params) in groups.items():
-            if not pos:
-                continue
-            pipe = self._pipe(encoded)
-            pipe.feed_input("x", items)
-            for name, values in params.items():
-                pipe.feed_input(name, values)
-            tl = pipe.run()[0].as_tensor()
-            whole = len(pos) == n
-            dst = out if whole else torch.empty((len(pos), *self.out_shape), dtype=dtype, device=out.device)
-            stream = torch.cuda.current_stream(out.device) if on_gpu else None
-            feed_ndarray(tl, dst, cuda_stream=stream)
-            if not whole:
-                out[torch.as_tensor(pos, device=out.device)] = dst
-        return out
+            buf = self._host.take()
+            out = torch.from_numpy(buf[:n])
+        try:
+            for group in list(job.fed):
+                pos = groups[group][0]
+                tl = self._pipes[group].outputs()[0].as_tensor()
+                whole = len(pos) == n
+                dst = out if whole else torch.empty((len(pos), *self.out_shape), dtype=dtype, device=out.device)
+                feed_ndarray(tl, dst, cuda_stream=stream)
+                if not whole:
+                    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                        out[torch.as_tensor(pos, device=out.device)] = dst
+        except BaseException:
+            if buf is not None:
+                self._host.give_back(buf)
+            raise
+        if stream is not None:
+            event = torch.cuda.Event()
+            event.record(stream)
+            return out, event
+        del out
+        return self._host.hand_out(buf, n), None
+
+
+class _InFlight:
+    """A batch started on the DALI engine: its Python side (a Future of ``(groups, labels,
+    report)``), its row count, the groups fed to DALI and scheduled, DALI's error if any."""
+
+    __slots__ = ("prepared", "n", "fed", "error")
+
+    def __init__(self, prepared, n: int):
+        self.prepared, self.n = prepared, n
+        self.fed: list[str] = []
+        self.error: Exception | None = None
+
+
+def _decode_window(args: dict, size: tuple[int, int], out: tuple[int, int], params: dict) -> dict:
+    """For crop-on-decode: the window of the stored image to decode — the stage's resize window
+    (float32 ``(y, x)`` ``roi_start``/``roi_end``) widened by the resampling filter's reach, so
+    the resize sees the same pixels as on the whole image, and clamped to it — into ``params``
+    (int32 ``dec_start``/``dec_end``); returns the stage's window shifted into the decoded one.
+
+    An antialiased linear or cubic filter reaches ``scale`` (or 2 ``scale``) source pixels from
+    an output pixel's centre when shrinking by ``scale``, at least 1 (2) when enlarging; the margin
+    is 2 ``scale`` + 2, enough for both (DALI resampling, dali/kernels/imgproc/resample)."""
+    (w, h), (ow, oh) = size, out
+    y0, x0 = (float(v) for v in args["roi_start"])
+    y1, x1 = (float(v) for v in args["roi_end"])
+    scale = max(abs(y1 - y0) / max(oh, 1), abs(x1 - x0) / max(ow, 1), 1.0)
+    m = 2.0 * scale + 2.0
+    top, left = max(0, math.floor(min(y0, y1) - m)), max(0, math.floor(min(x0, x1) - m))
+    bottom, right = min(h, math.ceil(max(y0, y1) + m)), min(w, math.ceil(max(x0, x1) + m))
+    params["dec_start"] = np.array([top, left], np.int32)
+    params["dec_end"] = np.array([bottom, right], np.int32)
+    shift = np.array([top, left], np.float32)
+    return {**args, "roi_start": args["roi_start"] - shift, "roi_end": args["roi_end"] - shift}
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _reason(error: Exception) -> str:

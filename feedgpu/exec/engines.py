@@ -17,12 +17,16 @@ class EngineSettings:
             sees CUDA).
         threads: DALI threads (default: the loader's ``num_workers``, at least 1).
         hw_decoder_load: DALI GPU only, share of JPEGs for the hardware decoder (default 0.75).
+        window_decode: DALI only: when the first stage after decode resizes a window (random
+            resized crop, resize + center crop), decode only that window of upright JPEGs
+            (crop-on-decode; default True). Pixels stay within 1 level of decoding whole images.
     """
 
     name: str = "python"
     device: str = "auto"
     threads: int | None = None
     hw_decoder_load: float = 0.75
+    window_decode: bool = True
 
     @classmethod
     def make(cls, value) -> "EngineSettings":
@@ -34,9 +38,10 @@ class EngineSettings:
             value = {"name": value}
         if not isinstance(value, dict):
             raise ConfigError(f"engine: expected 'python', 'dali' or a mapping, got {value!r}")
-        unknown = set(value) - {"name", "device", "threads", "hw_decoder_load"}
+        unknown = set(value) - {"name", "device", "threads", "hw_decoder_load", "window_decode"}
         if unknown:
-            raise ConfigError(f"engine: unknown keys {sorted(unknown)}; allowed: device, hw_decoder_load, name, threads")
+            raise ConfigError(f"engine: unknown keys {sorted(unknown)}; allowed: device, hw_decoder_load, name, "
+                              "threads, window_decode")
         s = cls(**value)
         if s.name not in ENGINES:
             raise ConfigError(f"engine.name {s.name!r} is not one of {list(ENGINES)}")

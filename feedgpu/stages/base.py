@@ -42,6 +42,10 @@ class Stage:
 class SampleStage(Stage):
     #: True when :meth:`dali` implements the stage for NVIDIA DALI (CPU or GPU).
     has_dali: ClassVar[bool] = False
+    #: True when :meth:`dali` resizes the window given by the ``roi_start``/``roi_end`` arguments
+    #: (float32 ``(y, x)`` pixels) to a fixed size: right after decode, the DALI engine then
+    #: decodes only that window (crop-on-decode) and shifts the window into it.
+    window_resize: ClassVar[bool] = False
 
     def apply(self, x: Any, rng: np.random.Generator | None) -> Any:  # pragma: no cover - abstract
         raise NotImplementedError

@@ -22,7 +22,7 @@ that this PIL build cannot decode: Pillow-SIMD is often built without libwebp; s
 from __future__ import annotations
 
 import io
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
@@ -105,6 +105,12 @@ class Decode(SampleStage):
         """Read the header only: ``(width, height, dali_ok)`` with EXIF orientation applied to the
         size. Raises :class:`DecodeError` for empty, unidentifiable or too large images, so such
         samples are never sent to DALI."""
+        return self.header(data)[:3]
+
+    def header(self, data) -> "Header":
+        """:meth:`probe`, and whether the stored pixels are upright (no EXIF rotation or mirror
+        to apply), so a window of the output is the same window of the stored image (what
+        decoding only a window, :meth:`dali_window`, needs)."""
         img = self._open(data, UNKNOWN_KEY)
         w, h = img.size
         if w * h > self.max_pixels:
@@ -112,15 +118,27 @@ class Decode(SampleStage):
         if not (img.format == "JPEG" and img.mode in self.DALI_JPEG_MODES and _has_eoi(data)):
             # decoded by :meth:`apply`, which finds the size and the errors itself (a PNG's
             # getexif() would decode the whole image here, and raise OSError if it is truncated)
-            return w, h, False
+            return Header(w, h, False, False)
+        orientation = 1
         if self.exif_orientation:
             try:
                 orientation = img.getexif().get(_EXIF_ORIENTATION, 1)
             except Exception:  # noqa: BLE001 - a broken EXIF block: let apply() decide
-                return w, h, False
+                return Header(w, h, False, False)
             if orientation in (5, 6, 7, 8):
                 w, h = h, w
-        return w, h, True
+        return Header(w, h, True, orientation in (1, None))
+
+    def dali_window(self, x, start, end, args, device):
+        """Decode only the window ``[start, end)`` (int32 ``(y, x)`` pixels per sample) of upright
+        JPEGs: libjpeg-turbo (CPU) or nvJPEG (``device="gpu"``) skip the rows and blocks outside it.
+        Output uint8 HWC RGB of the window's size."""
+        from nvidia.dali import fn, types
+
+        kw = {"hw_decoder_load": args["hw_decoder_load"]} if device == "gpu" else {}
+        return fn.decoders.image_slice(x, start=start, end=end, axis_names="HW",
+                                       device="mixed" if device == "gpu" else "cpu", output_type=types.RGB,
+                                       adjust_orientation=False, **kw)
 
     def dali(self, x, args, device):
         """``x``: encoded bytes. ``device="gpu"`` decodes with ``device="mixed"`` (nvJPEG and the
@@ -184,6 +202,16 @@ def sniff_format(data) -> str | None:
     if head[:12] == b"\x00\x00\x00\x0cjP  \r\n\x87\n" or head[:4] == b"\xff\x4f\xff\x51":
         return "JPEG 2000"
     return None
+
+
+class Header(NamedTuple):
+    """What :meth:`Decode.header` reads: the size after EXIF orientation, whether DALI's JPEG
+    decoder takes the file, and whether its stored pixels need no rotation."""
+
+    width: int
+    height: int
+    dali_ok: bool
+    upright: bool
 
 
 def _has_eoi(data) -> bool:

@@ -127,6 +127,7 @@ class RandomResizedCrop(SampleStage):
         return img.resize((self.size[1], self.size[0]), self._resample, box=(left, top, left + w, top + h))
 
     has_dali = True
+    window_resize = True
 
     def dali_params(self, width, height, rng):
         top, left, h, w = random_resized_crop_params(width, height, self.scale, self.ratio, rng)
@@ -216,13 +217,11 @@ class ResizeCenterCrop(SampleStage):
 
     def apply(self, img: Image.Image, rng=None) -> Image.Image:
         w, h = img.size
-        # torchvision's Resize truncates the long side: int(resize * long / short).
-        rw, rh = (self.resize, int(self.resize * h / w)) if w <= h else (int(self.resize * w / h), self.resize)
-        ch, cw = self.crop
         return img.resize((self.crop[1], self.crop[0]), self._resample, box=self._box(w, h))
 
     def _box(self, w: int, h: int) -> tuple[float, float, float, float]:
         """The source region (left, top, right, bottom) that resize + center crop keeps."""
+        # torchvision's Resize truncates the long side: int(resize * long / short).
         rw, rh = (self.resize, int(self.resize * h / w)) if w <= h else (int(self.resize * w / h), self.resize)
         ch, cw = self.crop
         top, left = int(round((rh - ch) / 2.0)), int(round((rw - cw) / 2.0))
@@ -230,6 +229,7 @@ class ResizeCenterCrop(SampleStage):
         return (left * sx, top * sy, (left + cw) * sx, (top + ch) * sy)
 
     has_dali = True
+    window_resize = True
 
     def dali_params(self, width, height, rng=None):
         x0, y0, x1, y1 = self._box(width, height)

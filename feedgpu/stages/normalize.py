@@ -86,13 +86,16 @@ class Normalize(BatchStage):
     has_dali = True
 
     def dali(self, x, args, device):
-        """``crop_mirror_normalize`` with mean/std on the 0-255 scale, to dtype and layout."""
+        """``crop_mirror_normalize`` with mean/std on the 0-255 scale, to dtype and layout.
+        ``args["mirror"]`` (optional, per sample 0/1) also flips left-right in the same pass: the
+        DALI engine folds a ``horizontal_flip`` that comes right before normalize into it."""
         from nvidia.dali import fn, types
 
+        kw = {"mirror": args["mirror"]} if "mirror" in args else {}
         return fn.crop_mirror_normalize(
             x, dtype=types.FLOAT if self.dtype == "float32" else types.FLOAT16,
             output_layout="CHW" if self.layout == "NCHW" else "HWC",
-            mean=[m * 255.0 for m in self.mean], std=[s * 255.0 for s in self.std], device=device)
+            mean=[m * 255.0 for m in self.mean], std=[s * 255.0 for s in self.std], device=device, **kw)
 
     def apply_batch(self, x):
         """``x``: uint8 NHWC torch tensor on any device -> normalized tensor in dtype/layout."""
