@@ -210,6 +210,18 @@ def test_breaking_off_an_epoch_drops_the_batches_dali_computed_ahead(indexed):
     assert batches_equal(clone_all(loader), e0)
 
 
+def test_headers_are_read_once_per_sample(indexed, monkeypatch):
+    """Later epochs reuse each file's header check (size, orientation, decoder) from the first."""
+    from feedgpu.stages.decode import Decode as D
+
+    ref = DataLoader(pipe(indexed, train_stages(True), DALI_CPU, seed=10))
+    e0, e1 = clone_all(ref), clone_all(ref)
+    loader = DataLoader(pipe(indexed, train_stages(True), DALI_CPU, seed=10))
+    assert batches_equal(clone_all(loader), e0)
+    monkeypatch.setattr(D, "header", lambda self, data: pytest.fail("header read again"))
+    assert batches_equal(clone_all(loader), e1)
+
+
 def test_batches_the_training_loop_keeps_are_never_overwritten(indexed):
     """The engine reuses its output buffers only once the training loop drops a batch."""
     ref, _ = run(pipe(indexed, train_stages(True), DALI_CPU, seed=9, batch_size=4))

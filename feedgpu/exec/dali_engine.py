@@ -125,6 +125,7 @@ class DaliWork:
         self._host = None if device == "gpu" else HostBuffers(
             batch_size, self.out_shape, self.out_dtype, pinned=_cuda_available(), count=self.ahead + 2)
         self._stream = None
+        self._headers = _Headers(len(source))
         self._start_threads()
         self._ahead: dict = {}   # (epoch, seq) -> (indices, Future of the finished batch)
 
@@ -234,9 +235,12 @@ class DaliWork:
             payload = rec.payload
             group = PIXELS
             if isinstance(payload, (bytes, bytearray, memoryview)):
-                w, h, dali_ok, upright = self.decode.header(payload)
-                if dali_ok:
-                    group = WINDOW if (upright and self.window) else WHOLE
+                w, h, kind = self._headers.get(idx, len(payload))
+                if kind == _Headers.UNKNOWN:
+                    w, h, dali_ok, upright = self.decode.header(payload)
+                    kind = self._headers.put(idx, len(payload), w, h, dali_ok, upright)
+                if kind != _Headers.PILLOW:
+                    group = WINDOW if (kind == _Headers.UPRIGHT and self.window) else WHOLE
             if group != PIXELS:
                 item = np.frombuffer(payload, np.uint8)
             else:
@@ -283,6 +287,9 @@ class DaliWork:
             items.append(item)
             for n, v in params.items():
                 ps.setdefault(n, []).append(v)
+        for _, _, ps in groups.values():   # one array per argument: DALI takes it as the batch
+            for n, v in ps.items():
+                ps[n] = np.stack(v)
         rep.rows = len(indices)
         return groups, labels, rep
 
@@ -426,6 +433,33 @@ class DaliWork:
             return out, event
         del out
         return self._host.hand_out(buf, n), None
+
+
+class _Headers:
+    """What :meth:`Decode.header` found per sample, kept for later epochs (9 bytes a sample):
+    the size after EXIF orientation and how the file is decoded. Keyed by index and checked
+    against the file's length, so a file replaced by one of another length is probed again.
+    Files the header check rejects are not kept: they are skipped (or raise) every epoch."""
+
+    UNKNOWN, UPRIGHT, ROTATED, PILLOW = 0, 1, 2, 3
+
+    def __init__(self, n: int):
+        self.size = np.zeros((n, 2), np.int32)
+        self.kind = np.zeros(n, np.int8)
+        self.nbytes = np.zeros(n, np.int64)
+
+    def get(self, idx: int, nbytes: int) -> tuple[int, int, int]:
+        if idx >= len(self.kind) or self.nbytes[idx] != nbytes:
+            return 0, 0, self.UNKNOWN
+        w, h = self.size[idx]
+        return int(w), int(h), int(self.kind[idx])
+
+    def put(self, idx: int, nbytes: int, w: int, h: int, dali_ok: bool, upright: bool) -> int:
+        kind = (self.UPRIGHT if upright else self.ROTATED) if dali_ok else self.PILLOW
+        if idx < len(self.kind):
+            self.size[idx] = (w, h)
+            self.kind[idx], self.nbytes[idx] = kind, nbytes
+        return kind
 
 
 class _InFlight:
