@@ -416,7 +416,7 @@ class DaliWork:
         try:
             for group in list(job.fed):
                 pos = groups[group][0]
-                tl = self._pipes[group].outputs()[0].as_tensor()
+                tl = self._pipes[group].outputs(cuda_stream=stream)[0].as_tensor()
                 whole = len(pos) == n
                 dst = out if whole else torch.empty((len(pos), *self.out_shape), dtype=dtype, device=out.device)
                 feed_ndarray(tl, dst, cuda_stream=stream)
