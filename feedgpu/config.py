@@ -113,6 +113,15 @@ class EngineCfg(_Strict):
     hw_decoder_load: Annotated[float, Field(ge=0, le=1)] = 0.75
 
 
+class ExecutorCfg(_Strict):
+    name: Literal["local", "ray"] = "local"
+    address: Union[str, None] = None
+    remote_workers: Union[Annotated[int, Field(ge=0)], None] = None
+    max_remote_workers: Annotated[int, Field(ge=0)] = 4
+    cpus_per_worker: Annotated[float, Field(gt=0)] = 1.0
+    max_local_workers: Union[Annotated[int, Field(ge=1)], None] = None
+
+
 class CacheCfg(_Strict):
     enabled: bool = False
     dir: Union[str, None] = None
@@ -140,6 +149,7 @@ class PipelineCfg(_Strict):
     output: OutputCfg = OutputCfg()
     cache: CacheCfg = CacheCfg()
     engine: EngineCfg = EngineCfg()
+    executor: Union[Literal["local", "ray"], ExecutorCfg] = "local"
 
     @model_validator(mode="after")
     def _output_matches_stages(self):
