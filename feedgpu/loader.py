@@ -670,7 +670,8 @@ class _EpochIterator:
         waited = time.perf_counter() - t0
         loader._stats.delivered(rows, waited)
         if loader._autoscaler is not None and not self.inline:
-            d = loader._autoscaler.on_batch(rows, waited, self.pool.pids())
+            d = loader._autoscaler.on_batch(rows, waited, self.pool.pids(),
+                                            remote_started=getattr(self.pool, "remote_started", None))
             if d is not None and d.changes:
                 self._apply(d)
         self.next_b = b + 1

@@ -95,7 +95,8 @@ class ExecutorTotals:
 
     def report(self, settings, live: dict | None) -> dict:
         """``loader.stats()["executor"]``: ``{name}`` for the local executor; for Ray also
-        ``address``, ``remote_workers`` and ``remote_names`` (live actors), ``local_workers``,
+        ``address``, ``remote_workers``, ``remote_started`` (placed by Ray and running) and
+        ``remote_names`` (live actors), ``local_workers``,
         ``remote_batches`` and ``local_batches`` (batches run on each side), ``retries`` (batches
         redone after a remote worker died), ``retry_reasons`` (count per reason), ``retried``
         (the last 100 as ``[tag, batch, worker, reason]``) and ``respawns`` (remote workers
@@ -106,7 +107,8 @@ class ExecutorTotals:
         reasons = Counter(self.retry_reasons)
         reasons.update(live.get("retry_reasons", {}))
         return {"name": settings.name, "address": settings.address,
-                "remote_workers": live.get("workers", 0), "remote_names": live.get("names", []),
+                "remote_workers": live.get("workers", 0), "remote_started": live.get("started", 0),
+                "remote_names": live.get("names", []),
                 "local_workers": live.get("local_workers", 0),
                 "remote_batches": self.batches + live.get("batches", 0),
                 "local_batches": self.local_batches + live.get("local_batches", 0),

@@ -64,12 +64,35 @@ def test_remote_only_batches_equal_the_local_pool_bitwise(sources, fmt):
 
 def test_local_and_remote_workers_together_equal_the_local_pool(sources):
     s = sources["folder"]
-    local = one_epoch(DataLoader(train(s)), epoch=2)
+    reference = DataLoader(train(s))
     loader = DataLoader(train(s, num_workers=1, prefetch_factor=4), executor={"name": "ray", "remote_workers": 1})
-    mixed = one_epoch(loader, epoch=2)
-    assert batches_equal(mixed, local)
+    # batches go to the local worker until Ray has started the remote one (a few seconds):
+    # every epoch equals the local pool's, before and after
+    deadline, epoch = time.monotonic() + 60, 0
+    while True:
+        reference.set_epoch(epoch)
+        loader.set_epoch(epoch)
+        assert batches_equal(clone_all(loader), clone_all(reference)), f"epoch {epoch}"
+        st = loader.stats()["executor"]
+        if st["remote_batches"] >= 4 or time.monotonic() > deadline:
+            break
+        epoch += 1
+    loader.shutdown()
+    reference.shutdown()
+    assert st["local_batches"] > 0 and st["remote_batches"] >= 4, st
+
+
+def test_a_remote_worker_the_cluster_cannot_place_holds_no_batch_back(sources):
+    s = sources["folder"]
+    want = one_epoch(DataLoader(train(s, num_workers=1)))
+    # 3 CPUs per remote worker on a 2-CPU cluster: Ray keeps it pending for ever
+    loader = DataLoader(train(s, num_workers=1), executor={"name": "ray", "remote_workers": 1, "cpus_per_worker": 3})
+    loader.set_epoch(1)
+    got = clone_all(loader)
     st = loader.stats()["executor"]
-    assert st["local_batches"] > 0 and st["remote_batches"] > 0, st
+    loader.shutdown()
+    assert batches_equal(got, want)
+    assert (st["remote_workers"], st["remote_started"], st["remote_batches"]) == (1, 0, 0), st
 
 
 def test_pipeline_yaml_executor_ray(folder_ds, tmp_path):

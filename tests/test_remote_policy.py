@@ -118,3 +118,44 @@ def test_same_measurements_same_decisions():
     a = run(Sim(demand=450), 60, *policies())[0]
     b = run(Sim(demand=450), 60, *policies())[0]
     assert [(d.kind, d.workers, d.remote_workers) for d in a] == [(d.kind, d.workers, d.remote_workers) for d in b]
+
+
+def test_a_step_is_judged_once_the_new_remote_worker_has_started():
+    local, remote = policies(max_local=8)
+    sim = Sim(demand=450)
+    state, late = (2, 2, 0), 6            # Ray takes 6 windows to start each new worker
+    started_at = {}
+    decisions = []
+    for t in range(40):
+        w, p, r = state
+        m = sim.measure(t, w, p, r)
+        started = sum(1 for k in range(1, r + 1) if t - started_at.get(k, t) >= late)
+        m = Measurement(**{**m.__dict__, "remote_started": started,
+                           "delivered_rate": min(sim.demand, 200 + 100 * started),
+                           "wait_fraction": max(0.0, 1 - (200 + 100 * started) / sim.demand)})
+        d = remote.decide(m, local)
+        decisions.append(d)
+        if d.remote_workers > r:
+            started_at[d.remote_workers] = t
+        state = (d.workers, d.prefetch, d.remote_workers)
+    judged = [d.reason.split(":")[0] for d in decisions if d.reason.startswith(("kept", "undone: 0", "undone: 1 ->",
+                                                                                 "undone: 2 -> 3"))]
+    assert judged[:3] == ["kept"] * 3, [(d.kind, d.reason) for d in decisions]   # no add judged before it ran
+    assert sum("waiting for Ray to start" in d.reason for d in decisions) >= 15
+
+
+def test_a_remote_worker_ray_never_starts_is_given_back():
+    local = policies(max_local=8)[0]
+    remote = RemotePolicy(RemoteConfig(max_remote=2, start_windows=3))
+    sim = Sim(demand=450)
+    state = (2, 2, 0)
+    decisions = []
+    for t in range(12):
+        w, p, r = state
+        m = Measurement(**{**sim.measure(t, w, p, 0).__dict__, "remote_workers": r, "remote_started": 0})
+        d = remote.decide(m, local)
+        decisions.append(d)
+        state = (d.workers, d.prefetch, d.remote_workers)
+    revert = next(d for d in decisions if d.kind == "revert")
+    assert revert.remote_workers == 0 and "did not start a remote worker within 3 windows" in revert.reason
+    assert [d.kind for d in decisions].count("remote-add") == 1, "not tried again while the loop still waits"

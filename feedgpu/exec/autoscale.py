@@ -165,6 +165,7 @@ class Autoscaler:
         self._memory_every = 5      # USS reads smaps: every 5th window is enough to see a trend
         self._windows = 0
         self._uss = 0
+        self._remote_started: int | None = None
 
     def _reset_window(self, now: float | None) -> None:
         self._t0, self._rows, self._batches, self._wait = now, 0, 0, 0.0
@@ -187,10 +188,12 @@ class Autoscaler:
         self._skip = 1  # the first window holds the pool's start-up: not judged
         self._reset_window(self.clock())
 
-    def on_batch(self, rows: int, waited_s: float, pids: list[int]) -> Decision | None:
+    def on_batch(self, rows: int, waited_s: float, pids: list[int], remote_started: int | None = None) -> Decision | None:
         """A batch of ``rows`` samples was handed out after the consumer waited ``waited_s``
-        seconds; ``pids`` are the pool's workers. Returns the decision when a window closes."""
+        seconds; ``pids`` are the pool's local workers, ``remote_started`` how many remote workers
+        Ray has started (None: all). Returns the decision when a window closes."""
         now = self.clock()
+        self._remote_started = remote_started
         if self._t0 is None:
             self.start(pids)
             return None
@@ -246,7 +249,7 @@ class Autoscaler:
             wait_fraction=min(1.0, self._wait / wall), cpu_cores_used=max(0.0, worker_cpu / wall),
             cpu_budget=max(1.0, self.cores - (main_cpu + others) / wall), rss_bytes=int(rss) if self._uss else 0,
             ram_budget_bytes=ram_budget, gpu_mem_free_bytes=self._gpu_free(), prefetch=self.prefetch,
-            remote_workers=self.remote)
+            remote_workers=self.remote, remote_started=self._remote_started)
 
     def _gpu_free(self) -> int | None:
         if not self.device.startswith("cuda"):

@@ -104,6 +104,8 @@ class Measurement:
         hw_decoder_load: DALI GPU's share of JPEGs sent to the hardware decoder, if any.
         remote_workers: remote workers (Ray actors, ``executor: ray``) running during the
             window, besides the ``workers`` local ones (see :mod:`feedgpu.exec.remote_policy`).
+        remote_started: how many of them Ray has started by the window's end (an actor waits
+            for a free CPU on the cluster, and its process starts in seconds); ``None``: all.
     """
 
     t: float
@@ -120,6 +122,7 @@ class Measurement:
     engine: str = "python"
     hw_decoder_load: float | None = None
     remote_workers: int = 0
+    remote_started: int | None = None
 
     def __post_init__(self):
         if self.remote_workers < 0:

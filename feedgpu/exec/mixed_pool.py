@@ -3,7 +3,8 @@
 ``executor: ray`` gives the loader a :class:`MixedPool`: an optional local
 :class:`~feedgpu.exec.process_pool.ProcessPool` (none with ``num_workers=0``) and
 :class:`~feedgpu.exec.ray_workers.RemoteWorkers`. Each task goes to whichever worker, local or
-remote, holds the fewest tasks (local first on a tie: no network, no copy); results come back as
+remote, holds the fewest tasks (local first on a tie: no network, no copy; a remote worker only
+once Ray has started it, so a cluster with no free CPU never holds a batch back); results come back as
 ``(tag, seq, worker_id, ok, payload)`` in the order they finish, and the loader puts them in
 batch order as it does for the local pool. A remote result is landed (``land(task, payload)``,
 e.g. copied into the task's shared-memory slot) before it is returned, so the loader handles
@@ -49,6 +50,11 @@ class MixedPool:
         return self.remote.num_workers
 
     @property
+    def remote_started(self) -> int:
+        """Remote workers Ray has placed and started."""
+        return self.remote.ready_workers
+
+    @property
     def closed(self) -> bool:
         return self.remote.closed
 
@@ -67,7 +73,7 @@ class MixedPool:
 
     def submit(self, task: tuple) -> None:
         local = self.local
-        if local is not None and (self.remote.num_workers == 0 or local.least_held() <= self.remote.least_held()):
+        if local is not None and local.least_held() <= self.remote.least_held():  # large until one has started
             local.submit(task)
         else:
             self.remote.submit(task)

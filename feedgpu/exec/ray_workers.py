@@ -107,12 +107,14 @@ def _reason(e: BaseException) -> str:
 
 
 class _Remote:
-    """One actor and the calls it holds: ``ref -> (tag, seq)``."""
+    """One actor, the calls it holds (``ObjectRef -> task``, in call order) and whether it has
+    started (``ready``: Ray placed it and its constructor ran; ``ready_ref`` resolves then)."""
 
-    def __init__(self, wid: str, actor):
-        self.wid, self.actor = wid, actor
-        self.held: dict[Any, tuple] = {}     # ObjectRef -> task
+    def __init__(self, wid: str, actor, ready_ref):
+        self.wid, self.actor, self.ready_ref = wid, actor, ready_ref
+        self.held: dict[Any, tuple] = {}
         self.retiring = False
+        self.ready = False
 
 
 class RemoteWorkers:
@@ -181,8 +183,16 @@ class RemoteWorkers:
         self._ids += 1
         actor = self._cls.options(name=wid, namespace=NAMESPACE, num_cpus=self.settings.cpus_per_worker,
                                   max_restarts=0, max_task_retries=0).remote(self._handler_ref)
-        r = self._workers[wid] = _Remote(wid, actor)
+        r = self._workers[wid] = _Remote(wid, actor, actor.pid.remote())
+        with self._lock:
+            self._inflight[r.ready_ref] = wid
+        self._new.set()
         return r
+
+    @property
+    def ready_workers(self) -> int:
+        """Active actors that have started (a cluster without a free CPU leaves new ones pending)."""
+        return sum(r.ready and not r.retiring for r in self._workers.values())
 
     def resize(self, n: int) -> None:
         """Run ``n`` (>= 0) actors from now on: new ones start at once (Ray schedules them where a
@@ -209,13 +219,14 @@ class RemoteWorkers:
             pass
 
     def least_held(self) -> int:
-        """Calls held by the least loaded active actor (a large number when there is none)."""
-        return min((len(r.held) for r in self._workers.values() if not r.retiring), default=1 << 30)
+        """Calls held by the least loaded started actor (a large number when none has started)."""
+        return min((len(r.held) for r in self._workers.values() if r.ready and not r.retiring), default=1 << 30)
 
     # -- tasks ----------------------------------------------------------------------------------
     def submit(self, task: tuple) -> None:
-        """Give ``task`` to the active actor holding the fewest calls."""
-        r = min((r for r in self._workers.values() if not r.retiring), key=lambda r: len(r.held))
+        """Give ``task`` to the started actor holding the fewest calls; while none has started,
+        to the active one holding the fewest (its call waits until Ray places it)."""
+        r = min((r for r in self._workers.values() if not r.retiring), key=lambda r: (not r.ready, len(r.held)))
         self._call(r, task)
 
     def _call(self, r: _Remote, task: tuple) -> None:
@@ -270,6 +281,12 @@ class RemoteWorkers:
             except queue.Empty:
                 return None
             r = self._workers.get(wid) or self._gone.get(wid)
+            if r is not None and ref == r.ready_ref:
+                if ok:
+                    r.ready = True
+                elif isinstance(value, self._deaths) and self._workers.get(wid) is r:
+                    self._died(r, value)
+                continue
             if r is None or ref not in r.held:  # a call of a worker already given up and redone elsewhere
                 continue
             if not ok and isinstance(value, self._deaths):
@@ -315,11 +332,10 @@ class RemoteWorkers:
             self._gone[r.wid] = r
         else:
             self._gone.pop(r.wid, None)
-        if not tasks:
-            return
-        key = (tasks[0][0], tasks[0][1])
-        self._task_deaths[key] += 1
-        if self._task_deaths[key] >= self.max_task_deaths:
+        key = (tasks[0][0], tasks[0][1]) if tasks else None
+        if key is not None:
+            self._task_deaths[key] += 1
+        if key is not None and self._task_deaths[key] >= self.max_task_deaths:
             raise WorkerError(f"remote worker {r.wid} died ({reason}); batch {key[1]} has now lost "
                               f"{self._task_deaths[key]} workers, so it is not retried (a sample that crashes "
                               f"a stage?)\n{e}")
@@ -343,15 +359,16 @@ class RemoteWorkers:
 
     def holding(self) -> str:
         """Which batches each actor holds, for timeout messages."""
-        parts = [f"remote worker {r.wid} holds batch(es) {[t[1] for t in r.held.values()]}"
-                 for r in self._workers.values() if r.held]
+        parts = [f"remote worker {r.wid} ({'started' if r.ready else 'not started: no free CPU on the cluster?'}) "
+                 f"holds batch(es) {[t[1] for t in r.held.values()]}" for r in self._workers.values() if r.held]
         return "; ".join(parts) or "no remote worker holds a task"
 
     def stats(self) -> dict:
-        """``{workers, names, batches, retries, retry_reasons, retried, respawns}``: batches run
+        """``{workers, started, names, batches, retries, retry_reasons, retried, respawns}``: batches run
         remotely, calls redone after a worker died and why (``retried``: the last 100 as
         ``[tag, batch, worker, reason]``)."""
-        return {"workers": self.num_workers, "names": self.names(), "batches": self.batches,
+        return {"workers": self.num_workers, "started": self.ready_workers, "names": self.names(),
+                "batches": self.batches,
                 "retries": self.retries, "retry_reasons": dict(self.retry_reasons),
                 "retried": [list(x) for x in self.retried], "respawns": self.respawns}
 

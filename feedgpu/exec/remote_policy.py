@@ -15,11 +15,15 @@ remote workers one step at a time:
    row (remote workers first: local ones cost no network and no cluster share). Keep the
    release while the loop still does not wait; else go back and stop releasing until demand
    moves.
-3. After a remote change, ``settle_windows`` windows are skipped and the step is judged on the
-   mean of ``measure_windows`` windows; the local policy's records are forgotten after each
-   kept or undone step (its rates were measured with another remote count).
-4. Demand moving (the local policy forgets its records on drift) clears the steps found not
-   worth it, in both directions.
+3. After a remote change, the windows until the new worker has started (Ray places it where a
+   CPU is free; its process starts in seconds) and ``settle_windows`` more are skipped; one not
+   started within ``start_windows`` is given back (the cluster has no free CPU). The step is
+   then judged on the mean of ``measure_windows`` windows; the local policy's records are
+   forgotten after each kept or undone step (its rates were measured with another remote count).
+4. An add found not worth it is tried again once the loop has stopped waiting and waits again,
+   or after ``recheck_windows`` windows (other jobs may have left the cluster); a release found
+   not worth it once demand (measurable while the loop does not wait) fell by more than
+   ``drift_threshold`` since.
 
 Everything else (local workers, prefetch) is the local policy's, consulted whenever no remote
 step is being judged; a local change goes first and the remote count stays.
@@ -30,7 +34,7 @@ import logging
 from dataclasses import dataclass, replace
 
 from ..errors import ConfigError
-from .balancer import WAIT_THRESHOLD, Decision, Measurement, Policy, _fmt_rate, _pct
+from .balancer import DRIFT_THRESHOLD, WAIT_THRESHOLD, Decision, Measurement, Policy, _fmt_rate, _pct
 
 log = logging.getLogger("feedgpu.balancer")
 
@@ -46,6 +50,11 @@ class RemoteConfig:
         release_windows: windows in a row without waiting before a release is tried (2).
         base_windows: windows at the current setting averaged for the rate a step is compared
             with, at most (3).
+        start_windows: windows a new remote worker may take to start before it is given back
+            (20; ours: an actor's process starts in 1-3 s on a busy 2-core machine, windows are
+            >= 1 s).
+        recheck_windows: windows after which an add found not worth it is tried again (60).
+        drift_threshold: demand falling by more than this re-opens a release (0.15).
     """
 
     max_remote: int = 4
@@ -55,14 +64,18 @@ class RemoteConfig:
     measure_windows: int = 2
     release_windows: int = 2
     base_windows: int = 3
+    start_windows: int = 20
+    recheck_windows: int = 60
+    drift_threshold: float = DRIFT_THRESHOLD
 
     def __post_init__(self):
         if not 0 <= self.min_remote <= self.max_remote:
             raise ConfigError(f"RemoteConfig: need 0 <= min_remote <= max_remote, got {self.min_remote}, "
                               f"{self.max_remote}")
-        if self.settle_windows < 0 or self.measure_windows < 1 or self.release_windows < 1 or self.base_windows < 1:
+        if self.settle_windows < 0 or min(self.measure_windows, self.release_windows, self.base_windows,
+                                          self.start_windows, self.recheck_windows) < 1:
             raise ConfigError("RemoteConfig: need settle_windows >= 0 and measure_windows, release_windows, "
-                              "base_windows >= 1")
+                              "base_windows, start_windows, recheck_windows >= 1")
 
 
 @dataclass(frozen=True)
@@ -72,6 +85,7 @@ class _Step:
     kind: str          # "add" or "remove"
     base_rate: float   # delivered rate at src before the step
     base_wait: float
+    base_demand: float
 
 
 class RemotePolicy:
@@ -90,21 +104,32 @@ class RemotePolicy:
         self._settle = 0
         self._calm = 0
         self._no_add: dict[int, str] = {}
-        self._no_remove: dict[int, str] = {}
-        self._resets = 0
+        self._no_remove: dict[int, tuple[str, float]] = {}   # count -> (why, demand then)
+        self._starting = 0        # windows waited for an added worker to start
+        self._since_no_add = 0    # windows since the last add found not worth it
         self.steps = 0
 
     def decide(self, m: Measurement, local: Policy) -> Decision:
         c = self.config
         r = m.remote_workers
-        resets = local.stats()["resets"]
-        if resets != self._resets:   # demand moved: what was not worth it may be now
-            self._resets = resets
-            self._no_add.clear()
-            self._no_remove.clear()
+        self._reopen(m)
         if r > c.max_remote:
             return self._change(m, local, r, c.max_remote, "remote-remove",
                                 f"{r} remote workers exceed max_remote_workers={c.max_remote}", judge=False)
+        started = r if m.remote_started is None else m.remote_started
+        if started < r:
+            self._starting += 1
+            if self._starting <= c.start_windows:
+                return self._same(m, "settle", f"waiting for Ray to start remote worker(s): {started} of {r} "
+                                               f"running ({self._starting}/{c.start_windows} windows)")
+            why = f"Ray did not start a remote worker within {c.start_windows} windows (no free CPU on the cluster?)"
+            s, self._step = self._step, None
+            if s is not None and s.kind == "add":
+                self._no_add[s.src] = why
+                self._since_no_add = 0
+                return self._revert(m, s, f"undone: {s.src} -> {s.dst} remote workers: {why}")
+            return self._change(m, local, r, started, "remote-remove", why, judge=False)
+        self._starting = 0
         if self._settle > 0:
             self._settle -= 1
             return self._same(m, "settle", f"letting {r} remote worker(s) settle")
@@ -122,22 +147,39 @@ class RemotePolicy:
             return replace(d, remote_workers=r)
         if waiting and d.kind == "hold" and r < c.max_remote:
             if r in self._no_add:
-                return replace(d, reason=f"{d.reason}; a remote worker more is not worth it ({self._no_add[r]})")
+                return replace(d, reason=f"{d.reason}; a remote worker more is not worth it ({self._no_add[r]})",
+                               remote_workers=r)
             return self._change(m, local, r, r + 1, "remote-add",
                                 f"the training loop waits {_pct(m.wait_fraction)} and the local pool cannot "
                                 f"grow ({d.reason}); adding a remote worker")
         return replace(d, remote_workers=r)
 
+    def _reopen(self, m: Measurement) -> None:
+        """Forget steps found not worth it once conditions changed (rule 4)."""
+        c = self.config
+        if self._no_add:
+            self._since_no_add += 1
+            if m.wait_fraction <= c.wait_threshold or self._since_no_add >= c.recheck_windows:
+                self._no_add.clear()
+        demand = m.demand_rate
+        if self._no_remove and m.wait_fraction <= c.wait_threshold and demand is not None and demand < float("inf"):
+            for k, (_, then) in list(self._no_remove.items()):
+                if demand < (1 - c.drift_threshold) * then:
+                    del self._no_remove[k]
+
     # -- steps ----------------------------------------------------------------------------------
-    def _base(self, m: Measurement) -> tuple[float, float]:
+    def _base(self, m: Measurement) -> tuple[float, float, float]:
+        """Mean delivered rate, wait and demand (inf when unknown) of the windows before a step."""
         ms = self._recent or [m]
-        return sum(x.delivered_rate for x in ms) / len(ms), sum(x.wait_fraction for x in ms) / len(ms)
+        demand = [x.demand_rate for x in ms if x.demand_rate is not None]
+        return (sum(x.delivered_rate for x in ms) / len(ms), sum(x.wait_fraction for x in ms) / len(ms),
+                sum(demand) / len(demand) if demand else float("inf"))
 
     def _change(self, m: Measurement, local: Policy, src: int, dst: int, kind: str, reason: str,
                 judge: bool = True) -> Decision:
-        rate, wait = self._base(m)
-        self._step = _Step(src, dst, kind.split("-")[1], rate, wait) if judge else None
-        self._judging, self._recent, self._calm = [], [], 0
+        rate, wait, demand = self._base(m)
+        self._step = _Step(src, dst, kind.split("-")[1], rate, wait, demand) if judge else None
+        self._judging, self._recent, self._calm, self._starting = [], [], 0, 0
         self._settle = self.config.settle_windows
         self.steps += 1
         d = Decision(m.workers, m.prefetch, kind, f"{reason}: {src} -> {dst}", t=m.t, engine=m.engine,
@@ -160,7 +202,6 @@ class RemotePolicy:
         wait = sum(x.wait_fraction for x in self._judging) / n
         self._step, self._judging = None, []
         local.forget()   # its records were measured with another remote count
-        self._resets = local.stats()["resets"]
         gain = rate / s.base_rate - 1 if s.base_rate > 0 else float("inf")
         got = (f"{s.src} -> {s.dst} remote workers: {_fmt_rate(s.base_rate)} -> {_fmt_rate(rate)} "
                f"({gain:+.1%}), wait {_pct(s.base_wait)} -> {_pct(wait)}")
@@ -169,10 +210,11 @@ class RemotePolicy:
             if gain > need or (gain > local.config.loss_threshold and wait <= c.wait_threshold):
                 return self._same(m, "hold", f"kept: {got}")
             self._no_add[s.src] = f"{got}, needed more than {_pct(need)}"
+            self._since_no_add = 0
             return self._revert(m, s, f"undone: {got}, needed more than {_pct(need)}")
         if wait <= c.wait_threshold:
             return self._same(m, "hold", f"kept: {got}; the loop still does not wait")
-        self._no_remove[s.src] = got
+        self._no_remove[s.src] = (got, s.base_demand)
         return self._revert(m, s, f"undone: {got}; the loop waits again")
 
     def _revert(self, m: Measurement, s: _Step, reason: str) -> Decision:
@@ -189,4 +231,5 @@ class RemotePolicy:
         s = self._step
         return {"steps": self.steps,
                 "judging": None if s is None else {"kind": s.kind, "from": s.src, "to": s.dst},
-                "not_worth_adding": dict(self._no_add), "not_worth_releasing": dict(self._no_remove)}
+                "not_worth_adding": dict(self._no_add),
+                "not_worth_releasing": {k: why for k, (why, _) in self._no_remove.items()}}
