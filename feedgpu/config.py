@@ -121,6 +121,11 @@ class ExecutorCfg(_Strict):
     cpus_per_worker: Annotated[float, Field(gt=0)] = 1.0
     max_local_workers: Union[Annotated[int, Field(ge=1)], None] = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _from_name(cls, v):
+        return {"name": v} if isinstance(v, str) else v  # `executor: ray` is `executor: {name: ray}`
+
 
 class CacheCfg(_Strict):
     enabled: bool = False
@@ -149,7 +154,7 @@ class PipelineCfg(_Strict):
     output: OutputCfg = OutputCfg()
     cache: CacheCfg = CacheCfg()
     engine: EngineCfg = EngineCfg()
-    executor: Union[Literal["local", "ray"], ExecutorCfg] = "local"
+    executor: ExecutorCfg = ExecutorCfg()
 
     @model_validator(mode="after")
     def _output_matches_stages(self):

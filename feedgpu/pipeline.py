@@ -122,7 +122,7 @@ class Pipeline:
                    seed=c.loader.seed, on_error=c.loader.on_error, max_skipped=c.loader.max_skipped,
                    timeout=c.loader.timeout, device=c.output.device, cache=cache,
                    engine=c.engine.model_dump(), name=c.name,
-                   executor=c.executor if isinstance(c.executor, str) else c.executor.model_dump(),
+                   executor=c.executor.model_dump(),
                    definition=c.model_dump())
 
     # -- source ---------------------------------------------------------------------------
@@ -156,6 +156,11 @@ class Pipeline:
         whole pipeline runs there (normalize included)."""
         dev = resolve_device(device or self.device)
         if self.engine.name != "dali":
+            if self.executor.remote:
+                from .imaging import pil_label
+
+                where = f"cpu pool + Ray {self.executor.address or '(ray.init default)'} ({pil_label()})"
+                return make_plan(self.stages, dev, pool_where=where)
             return make_plan(self.stages, dev)
         from .exec.dali_engine import check_dali_plan
 
