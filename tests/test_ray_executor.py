@@ -261,6 +261,22 @@ def test_a_sample_that_kills_every_remote_worker_raises_worker_error():
             pass
 
 
+def stuck(img):
+    time.sleep(30)
+    return img
+
+
+def test_a_stuck_remote_batch_raises_loader_timeout_naming_the_remote_worker():
+    from feedgpu import LoaderTimeout
+
+    loader = DataLoader(painted(stuck, timeout=2.0), executor={"name": "ray", "remote_workers": 1})
+    t0 = time.monotonic()
+    with pytest.raises(LoaderTimeout, match=r"remote worker feedgpu-\w+-0 \((started|not started).*\) holds batch"):
+        next(iter(loader))
+    assert time.monotonic() - t0 < 25, "raised at the timeout, not when the stage returned"
+    loader.shutdown()
+
+
 def test_executor_settings_errors(sources):
     s = sources["folder"]
     with pytest.raises(ConfigError, match="remote_workers >= 1"):

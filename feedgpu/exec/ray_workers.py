@@ -275,9 +275,9 @@ class RemoteWorkers:
             self.wake.recv_bytes()
         deadline = time.monotonic() + block_s
         while True:
+            left = deadline - time.monotonic()
             try:
-                ref, wid, value, ok = self._done.get(timeout=max(0.0, deadline - time.monotonic()) or None) \
-                    if block_s > 0 else self._done.get_nowait()
+                ref, wid, value, ok = self._done.get(timeout=left) if left > 0 else self._done.get_nowait()
             except queue.Empty:
                 return None
             r = self._workers.get(wid) or self._gone.get(wid)
