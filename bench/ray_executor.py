@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import statistics
 import sys
 import time
@@ -171,6 +173,9 @@ def main() -> None:
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
     ap.add_argument("--render", metavar="JSON", help="only write the markdown again from a recorded JSON")
     args = ap.parse_args()
+    # the one-node cluster talks over the loopback address (Ray's single-node mode; read when ray
+    # is imported) rather than the host's network address
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     if args.render:
         doc = json.loads(Path(args.render).read_text())
         doc["settings"]["command"] = doc["settings"]["command"].strip()
@@ -209,7 +214,8 @@ def main() -> None:
                 "relative": ry["ms_per_batch"] / lo["ms_per_batch"] - 1,
                 "per_sample_us": 1e3 * (ry["ms_per_batch"] - lo["ms_per_batch"]) / args.batch_size,
                 "mixed_vs_local2": medians["local 1 + ray 1"]["samples_per_s"] / medians["local 2"]["samples_per_s"]}
-    doc = {"machine": machine_info(), "ray_version": ray.__version__,
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
+    doc = {"machine": machine_info(), "ray_version": ray.__version__, "commit": commit,
            "settings": {"images": args.images, "batch_size": args.batch_size, "rounds": args.rounds,
                         "seconds": args.seconds, "auto_seconds": args.auto_seconds, "slow_rate": args.slow_rate,
                         "ray_cpus": cores, "batch_mb": args.batch_size * 3 * 224 * 224 * 4 / 1e6,

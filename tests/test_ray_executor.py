@@ -28,13 +28,9 @@ RAY = {"name": "ray", "remote_workers": 2}
 
 
 @pytest.fixture(scope="module", autouse=True)
-def cluster():
-    """A small local Ray cluster for this module; workers import feedgpu and these tests from the
-    repository under test."""
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=500 * 2**20, log_to_driver=False,
-             namespace="feedgpu", runtime_env={"env_vars": {"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}})
-    yield
-    ray.shutdown()
+def cluster(ray_cluster):
+    """Every test here runs on the module's local Ray cluster (conftest.ray_cluster)."""
+    return ray_cluster
 
 
 def train(src, **kw) -> Pipeline:
