@@ -21,11 +21,13 @@ _KEYS = ("address", "cpus_per_worker", "max_local_workers", "max_remote_workers"
 class ExecutorSettings:
     """Args:
         name: ``"local"`` (default) or ``"ray"``.
-        address: the Ray cluster: ``None`` (default) joins the cluster this process already joined
-            with ``ray.init``, else starts a local one as ``ray.init()`` does (one Ray worker
-            slot per core); ``"auto"`` joins the cluster started on this node with
-            ``ray start``; ``"ray://HOST:10001"`` connects through Ray Client; any other value
-            is passed to ``ray.init(address=...)``.
+        address: the Ray cluster: ``None`` (default) uses the one this process already joined
+            with ``ray.init``, else ``ray.init()``'s default (``RAY_ADDRESS``, a cluster started
+            on this node with ``ray start``, or a new local one with one CPU per core);
+            ``"auto"`` joins the cluster started on this node with ``ray start``;
+            ``"ray://HOST:10001"`` connects through Ray Client; any other value (``HOST:PORT``)
+            is passed to ``ray.init(address=...)``. Unreachable: :class:`ConfigError` at the
+            first iteration.
         remote_workers: remote workers (Ray actors, each ``cpus_per_worker`` CPUs) to start with.
             Default: ``max_remote_workers`` when ``num_workers`` is fixed, 0 under
             ``num_workers="auto"`` (the balancer adds them when the local pool is saturated and
