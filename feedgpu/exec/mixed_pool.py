@@ -89,7 +89,7 @@ class MixedPool:
                 return r
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
-                where = self.local._holding() + "; " if self.local is not None else ""
+                where = self.local.holding() + "; " if self.local is not None else ""
                 raise LoaderTimeout(f"no batch from the workers within timeout={timeout} s: {where}"
                                     f"{self.remote.holding()}")
             if self.local is None:

@@ -352,9 +352,9 @@ class ProcessPool:
             for w in [w for w in self._workers.values() if not w.proc.is_alive()]:
                 self._ended(w)
             if deadline is not None and time.monotonic() > deadline:
-                raise LoaderTimeout(f"no batch from the workers within timeout={timeout} s: {self._holding()}")
+                raise LoaderTimeout(f"no batch from the workers within timeout={timeout} s: {self.holding()}")
 
-    def _holding(self) -> str:
+    def holding(self) -> str:
         """What each busy worker is doing, from its progress slot."""
         parts = []
         for w in self._workers.values():
