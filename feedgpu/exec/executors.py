@@ -25,7 +25,8 @@ class ExecutorSettings:
             with ``ray.init``, else ``ray.init()``'s default (``RAY_ADDRESS``, a cluster started
             on this node with ``ray start``, or a new local one with one CPU per core);
             ``"auto"`` joins the cluster started on this node with ``ray start``;
-            ``"ray://HOST:10001"`` connects through Ray Client; any other value (``HOST:PORT``)
+            ``"ray://HOST:10001"`` connects through Ray Client (``pip install "ray[client]"``;
+            not covered by feedgpu's tests); any other value (``HOST:PORT``)
             is passed to ``ray.init(address=...)``. Unreachable: :class:`ConfigError` at the
             first iteration.
         remote_workers: remote workers (Ray actors, each ``cpus_per_worker`` CPUs) to start with.
