@@ -354,3 +354,40 @@ def test_import_feedgpu_without_ray():
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert out.returncode == 0, out.stderr
     assert "pip install 'feedgpu[ray]'" in out.stdout
+
+
+def square_or_exit(task, marker: str):
+    """A RemoteWorkers handler: ``task[2] ** 2``; kills its process once on 3 (marker file)."""
+    if task[2] == 3 and not os.path.exists(marker):
+        open(marker, "w").close()
+        os._exit(1)
+    return task[2] ** 2
+
+
+def test_a_retiring_remote_worker_that_dies_has_its_batches_finished_and_goes(tmp_path):
+    from feedgpu.exec.executors import ExecutorSettings
+    from feedgpu.exec.ray_workers import RemoteWorkers
+
+    rw = RemoteWorkers(functools.partial(square_or_exit, marker=str(tmp_path / "died")), 1, ExecutorSettings("ray"))
+    try:
+        for seq in range(6):
+            rw.submit((1, seq, seq))
+        rw.resize(0)    # released once its calls are done; it dies on the 4th one
+        assert rw.num_workers == 0
+        got = {}
+        deadline = time.monotonic() + 60
+        while len(got) < 6 and time.monotonic() < deadline:
+            r = rw.poll(block_s=1.0)
+            if r is not None:
+                assert r[3], r
+                got[r[1]] = r[4]
+        assert got == {s: s * s for s in range(6)}, "every call answered once"
+        st = rw.stats()
+        assert st["retries"] >= 1 and st["respawns"] == 1 and st["workers"] == 0
+        assert list(st["retry_reasons"])[0].startswith("worker process died")
+        deadline = time.monotonic() + 10
+        while rw._workers and time.monotonic() < deadline:   # the helper goes once it is done
+            rw.poll(block_s=0.2)
+        assert not rw._workers and not rw._gone
+    finally:
+        rw.close()
