@@ -114,6 +114,20 @@ class EngineCfg(_Strict):
     window_decode: bool = True
 
 
+class ExecutorCfg(_Strict):
+    name: Literal["local", "ray"] = "local"
+    address: Union[str, None] = None
+    remote_workers: Union[Annotated[int, Field(ge=0)], None] = None
+    max_remote_workers: Annotated[int, Field(ge=0)] = 4
+    cpus_per_worker: Annotated[float, Field(gt=0)] = 1.0
+    max_local_workers: Union[Annotated[int, Field(ge=1)], None] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_name(cls, v):
+        return {"name": v} if isinstance(v, str) else v  # `executor: ray` is `executor: {name: ray}`
+
+
 class CacheCfg(_Strict):
     enabled: bool = False
     dir: Union[str, None] = None
@@ -141,6 +155,7 @@ class PipelineCfg(_Strict):
     output: OutputCfg = OutputCfg()
     cache: CacheCfg = CacheCfg()
     engine: EngineCfg = EngineCfg()
+    executor: ExecutorCfg = ExecutorCfg()
 
     @model_validator(mode="after")
     def _output_matches_stages(self):

@@ -12,12 +12,13 @@ import numpy as np
 
 from .errors import ConfigError, SkipBudgetExceeded, StateError
 from .exec.assemble import Assembler
-from .exec.autoscale import Autoscaler, cpu_cores
+from .exec.autoscale import Autoscaler, cpu_cores, default_config
 from .exec.process_pool import ProcessPool, unpack_exception
 from .exec.work import DatasetWork, PipelineWork
-from .metrics import LoaderStats
+from .metrics import ExecutorTotals, LoaderStats
 from .cache.settings import CacheSettings
 from .exec.engines import EngineSettings
+from .exec.executors import ExecutorSettings, check_executor
 from .pipeline import Pipeline, resolve_device
 from .sampling import ShardedOrder
 from .skips import SkipBudget, check_max_skipped, epoch_samples
@@ -102,6 +103,14 @@ class DataLoader:
         engine: for a pipeline, overrides its engine (``"python"``, ``"dali"`` or a mapping; see
             :class:`~feedgpu.exec.engines.EngineSettings`). With DALI, ``num_workers`` gives DALI's
             thread count unless ``engine.threads`` is set, and no worker process is started.
+        executor: ``"local"``, ``"ray"`` or a mapping (see
+            :class:`~feedgpu.exec.executors.ExecutorSettings`); for a pipeline, overrides its
+            ``executor``. With ``"ray"`` batches also run on remote workers of a Ray cluster
+            (:mod:`feedgpu.exec.ray_workers`) and reach the training loop in the same order, with
+            the same sharding, random draws and ``state_dict()`` as the local pool; with
+            ``num_workers=0`` all of them do. Under ``num_workers="auto"`` the balancer adds remote
+            workers when the local pool is at its CPU budget and the training loop still waits,
+            and releases them when it stops waiting. ``worker_init_fn`` runs in local workers only.
         cache: for a pipeline, overrides its cache setting (``False`` turns it off; ``True``, a
             directory or a mapping turns it on; see :class:`~feedgpu.cache.CacheSettings`). The
             first epoch fills the cache while training; later epochs and runs read it.
@@ -132,7 +141,7 @@ class DataLoader:
                  generator=None, *, prefetch_factor: int | None = None, persistent_workers: bool = _UNSET,
                  pin_memory_device: str = "", in_order: bool = True, seed: int | None = None,
                  rank: int | None = None, world_size: int | None = None, device: str | None = None,
-                 on_error: str | None = None, cache=None, engine=None, max_skipped=_UNSET,
+                 on_error: str | None = None, cache=None, engine=None, max_skipped=_UNSET, executor=None,
                  stats_callback: Callable[[dict], None] | None = None):
         import torch.utils.data as tud
 
@@ -178,6 +187,7 @@ class DataLoader:
                               "let num_workers > 0 to enable multiprocessing")
         if persistent_workers is True and self.num_workers == 0:
             raise ConfigError("persistent_workers option needs num_workers > 0")
+        persistent_default = persistent_workers is _UNSET
         if persistent_workers is _UNSET:
             persistent_workers = bool(p.persistent_workers and self.num_workers > 0) if p else False
         self.prefetch_factor = int(prefetch_factor if prefetch_factor is not None else (p.prefetch_factor if p else 2))
@@ -206,11 +216,13 @@ class DataLoader:
 
                     check_dali_plan(make_plan(p.stages, "cpu"))
             self.engine = p.engine
+            self.executor = p.executor if executor is None else ExecutorSettings.make(executor)
             if self.engine.name == "dali" and self.cache_settings is not None:
                 raise ConfigError("cache and engine 'dali' cannot be combined yet: the DALI engine reads the "
                                   "source directly; use engine: python with a cache")
         else:
             self.engine = EngineSettings()
+            self.executor = ExecutorSettings.make(executor)
             if on_error is not None or device is not None or cache is not None or engine is not None \
                     or max_skipped is not _UNSET:
                 raise ConfigError("on_error, max_skipped, device, cache and engine apply to feedgpu Pipelines; for a torch Dataset, errors "
@@ -220,6 +232,14 @@ class DataLoader:
                 raise ConfigError("collate_fn cannot be used with a dataset that assembles its own batches "
                                   "(a feedgpu.tabular.TablePipeline)")
             self.collate_fn = collate_fn or tud.default_collate
+        check_executor(self.executor, self.engine, self.cache_settings)
+        self._remote_start = self.executor.start_remote(self.auto_workers) if self.executor.remote else 0
+        if self.executor.remote and self.num_workers == 0:
+            if self._remote_start < 1:
+                raise ConfigError("executor 'ray' with num_workers=0 runs every batch remotely: it needs "
+                                  "executor.remote_workers >= 1")
+            if persistent_default and p is not None:  # remote workers persist as local ones would
+                self.persistent_workers = p.persistent_workers
         if seed is None:
             if p is not None and generator is None:
                 seed = p.seed
@@ -252,6 +272,7 @@ class DataLoader:
         self._ahead: _Ahead | None = None   # the next epoch's first batches, already submitted
         self._work = None
         self._live = None
+        self._executor_totals = ExecutorTotals()
         self._stats = LoaderStats()
         if self.pin_memory:
             import torch
@@ -264,8 +285,12 @@ class DataLoader:
             if self.engine.name == "dali":  # DALI's threads are fixed when its pipeline is built
                 self.num_workers = max(1, cpu_cores() - 1)
             else:
+                ex = self.executor
+                cores = cpu_cores() if ex.max_local_workers is None else min(cpu_cores(), ex.max_local_workers)
                 self._autoscaler = Autoscaler(prefetch=self.prefetch_factor, device=self.device,
-                                              callback=stats_callback)
+                                              callback=stats_callback, config=default_config(cores),
+                                              max_remote=ex.max_remote_workers if ex.remote else 0,
+                                              remote=self._remote_start)
                 self.num_workers, self.prefetch_factor = self._autoscaler.workers, self._autoscaler.prefetch
 
     # -- torch DataLoader surface --------------------------------------------------------------
@@ -367,7 +392,10 @@ class DataLoader:
         """Counters since the loader was made: batches, samples, rate, consumer wait, seconds per
         stage (summed over workers), skipped samples by reason and the last skipped keys, the
         latest iteration's skip budget (``{max_skipped, limit, epoch, skipped, by_reason}``,
-        ``None`` before the first) and the cache's state (``None`` without a cache)."""
+        ``None`` before the first), the cache's state (``None`` without a cache) and the executor
+        (``{"name": "local"}``; with Ray the remote workers, batches run on each side, and the
+        batches redone after a remote worker died with the reasons, see
+        :meth:`~feedgpu.metrics.ExecutorTotals.report`)."""
         d = self._stats.as_dict()
         d.update(num_workers=self.num_workers, prefetch_factor=self.prefetch_factor, epoch=self._position[0],
                  batches_seen=self._position[1])
@@ -375,6 +403,9 @@ class DataLoader:
         live = self._live() if self._live is not None else None
         d["skip_budget"] = live.budget.as_dict() if live is not None else None
         d["engine"] = self._work.stats() if hasattr(self._work, "stats") else {"name": self.engine.name}
+        live_pool = self._pool if self._pool is not None and not self._pool.closed and hasattr(self._pool, "stats") \
+            else None
+        d["executor"] = self._executor_totals.report(self.executor, live_pool.stats() if live_pool else None)
         entry = getattr(getattr(self._work, "assembler", None), "cache", None)
         if entry is not None:
             entry.refresh()
@@ -400,7 +431,9 @@ class DataLoader:
             most = inflight
             if self._autoscaler is not None:  # buffers for the largest pool the balancer may choose
                 c = self._autoscaler.policy.config
-                most = max(inflight, c.max_workers * c.max_prefetch)
+                most = max(inflight, (c.max_workers + self._autoscaler.max_remote) * c.max_prefetch)
+            elif self.executor.remote:
+                inflight = most = (self.num_workers + self._remote_start) * self.prefetch_factor
             if self.pipeline is not None and self.engine.name == "dali":
                 from .exec.dali_engine import DaliWork
 
@@ -431,14 +464,35 @@ class DataLoader:
                 self._work = DatasetWork(self.dataset, self.collate_fn, self.seed)
         return self._work
 
-    def _acquire_pool(self) -> ProcessPool:
+    def _acquire_pool(self):
+        """The running pool: a :class:`ProcessPool`, or with ``executor: ray`` a
+        :class:`~feedgpu.exec.mixed_pool.MixedPool` (local workers, if any, and remote ones)."""
         if self._pool is None or self._pool.closed:
             work = self._make_work()
-            # with a cache, workers get time to write their last rows when they stop
-            self._pool = ProcessPool(work.handle, self.num_workers, self.worker_init_fn, on_exit=work.on_exit,
-                                     grace_s=10.0 if self.cache_settings is not None else 1.0,
-                                     describe=getattr(work, "describe", None), on_start=getattr(work, "on_start", None))
+            local = None
+            if self.num_workers > 0:
+                # with a cache, workers get time to write their last rows when they stop
+                local = ProcessPool(work.handle, self.num_workers, self.worker_init_fn, on_exit=work.on_exit,
+                                    grace_s=10.0 if self.cache_settings is not None else 1.0,
+                                    describe=getattr(work, "describe", None), on_start=getattr(work, "on_start", None))
+            if not self.executor.remote:
+                self._pool = local
+            else:
+                from .exec.mixed_pool import MixedPool
+
+                remote = self._autoscaler.remote if self._autoscaler is not None else self._remote_start
+                try:
+                    self._pool = MixedPool(local, work.remote_handler(), work.land, remote, self.executor)
+                except BaseException:
+                    if local is not None:
+                        local.close()
+                    raise
         return self._pool
+
+    def _inflight_limit(self) -> int:
+        """Batches in flight at most: ``prefetch_factor`` per worker, local and remote."""
+        remote = self._pool.remote_workers if self._pool is not None and hasattr(self._pool, "remote_workers") else 0
+        return (self.num_workers + remote) * self.prefetch_factor
 
     def _release_pool(self, force: bool = False) -> None:
         """Stop the workers unless they persist; ``force`` also frees the batch buffers, which
@@ -446,6 +500,8 @@ class DataLoader:
         if force:
             self._ahead = None  # its tasks die with the pool and its buffers with the work
         if self._pool is not None and (force or not self.persistent_workers):
+            if hasattr(self._pool, "stats"):  # remote workers: counters kept for stats()
+                self._executor_totals.add(self._pool.stats())
             self._pool.close()
             self._pool = None
         if force and self._work is not None:
@@ -514,7 +570,7 @@ class _EpochIterator:
         self.budget = SkipBudget(loader.max_skipped, epoch_samples(order), epoch)
         self._peeked: dict[int, np.ndarray] = {}   # inline mode: batch -> indices, read ahead
         self._peeked_to = start
-        self.inline = loader.num_workers == 0 or loader.engine.name == "dali"
+        self.inline = (loader.num_workers == 0 and not loader.executor.remote) or loader.engine.name == "dali"
         self.work = loader._make_work()
         self.work.refresh()  # workers forked below inherit an up-to-date cache index
         self.pool = None if self.inline else loader._acquire_pool()
@@ -565,7 +621,7 @@ class _EpochIterator:
         pending[seq] = task
 
     def _fill(self) -> None:
-        limit = self.loader.num_workers * self.loader.prefetch_factor
+        limit = self.loader._inflight_limit()
         while (self.submitted < self.nb and len(self.pending) + len(self.ready) < limit
                and self.work.can_submit()):
             self._submit(self.tag, self.submitted, self.epoch, next(self._batches), self.pending)
@@ -619,7 +675,8 @@ class _EpochIterator:
         waited = time.perf_counter() - t0
         loader._stats.delivered(rows, waited)
         if loader._autoscaler is not None and not self.inline:
-            d = loader._autoscaler.on_batch(rows, waited, self.pool.pids())
+            d = loader._autoscaler.on_batch(rows, waited, self.pool.pids(),
+                                            remote_started=getattr(self.pool, "remote_started", None))
             if d is not None and d.changes:
                 self._apply(d)
         self.next_b = b + 1
@@ -638,6 +695,8 @@ class _EpochIterator:
         loader = self.loader
         if d.workers != self.pool.num_workers:
             self.pool.resize(d.workers)
+        if d.remote_workers != getattr(self.pool, "remote_workers", 0):
+            self.pool.resize_remote(d.remote_workers)
         loader.num_workers, loader.prefetch_factor = d.workers, d.prefetch
         self._fill()
 

@@ -71,3 +71,47 @@ class LoaderStats:
             "skipped_total": sum(self.skipped.values()),
             "skipped_keys": list(self.skipped_keys),
         }
+
+
+class ExecutorTotals:
+    """Counters of the remote executor over the loader's life: each pool's counters are added
+    when it closes (non-persistent workers restart every epoch), the live pool's on top."""
+
+    def __init__(self):
+        self.batches = 0
+        self.local_batches = 0
+        self.retries = 0
+        self.respawns = 0
+        self.retry_reasons: Counter = Counter()
+        self.retried: deque = deque(maxlen=100)
+
+    def add(self, pool_stats: dict) -> None:
+        self.batches += pool_stats["batches"]
+        self.local_batches += pool_stats["local_batches"]
+        self.retries += pool_stats["retries"]
+        self.respawns += pool_stats["respawns"]
+        self.retry_reasons.update(pool_stats["retry_reasons"])
+        self.retried.extend(pool_stats["retried"])
+
+    def report(self, settings, live: dict | None) -> dict:
+        """``loader.stats()["executor"]``: ``{name}`` for the local executor; for Ray also
+        ``address``, ``remote_workers``, ``remote_started`` (placed by Ray and running) and
+        ``remote_names`` (live actors), ``local_workers``,
+        ``remote_batches`` and ``local_batches`` (batches run on each side), ``retries`` (batches
+        redone after a remote worker died), ``retry_reasons`` (count per reason), ``retried``
+        (the last 100 as ``[tag, batch, worker, reason]``) and ``respawns`` (remote workers
+        replaced)."""
+        if not settings.remote:
+            return {"name": settings.name}
+        live = live or {}
+        reasons = Counter(self.retry_reasons)
+        reasons.update(live.get("retry_reasons", {}))
+        return {"name": settings.name, "address": settings.address,
+                "remote_workers": live.get("workers", 0), "remote_started": live.get("started", 0),
+                "remote_names": live.get("names", []),
+                "local_workers": live.get("local_workers", 0),
+                "remote_batches": self.batches + live.get("batches", 0),
+                "local_batches": self.local_batches + live.get("local_batches", 0),
+                "retries": self.retries + live.get("retries", 0), "retry_reasons": dict(reasons),
+                "retried": list(self.retried) + list(live.get("retried", [])),
+                "respawns": self.respawns + live.get("respawns", 0)}

@@ -10,6 +10,7 @@ from .exec.autoscale import fixed_workers
 from .exec.plan import Plan, make_plan
 from .cache.settings import CacheSettings
 from .exec.engines import EngineSettings
+from .exec.executors import ExecutorSettings, check_executor
 from .skips import DEFAULT_MAX_SKIPPED, check_max_skipped
 from .sources import DatasetSource, Source, open_source
 from .stages import Normalize, Stage, stage_classes
@@ -52,6 +53,10 @@ class Pipeline:
             ``{dir, compression, max_size}`` or :class:`~feedgpu.cache.CacheSettings`.
         engine: ``"python"`` (default), ``"dali"`` or a mapping ``{name, device, threads,
             hw_decoder_load, window_decode}`` (see :class:`~feedgpu.exec.engines.EngineSettings`).
+        executor: ``"local"`` (default: worker processes on this machine), ``"ray"`` or a mapping
+            ``{name, address, remote_workers, max_remote_workers, cpus_per_worker,
+            max_local_workers}``: also run the stages on a Ray cluster (see
+            :class:`~feedgpu.exec.executors.ExecutorSettings`).
         name: label in reports.
 
     Raises :class:`ConfigError` for invalid settings.
@@ -61,7 +66,7 @@ class Pipeline:
                  drop_last: bool = False, num_workers: int | str = "auto", prefetch_factor: int = 2,
                  persistent_workers: bool = True, seed: int = 0,
                  on_error: str = "skip", timeout: float = 0.0, device: str = "auto", cache=None, engine=None,
-                 name: str = "pipeline", definition: dict | None = None, max_skipped=DEFAULT_MAX_SKIPPED):
+                 executor=None, name: str = "pipeline", definition: dict | None = None, max_skipped=DEFAULT_MAX_SKIPPED):
         if on_error not in ON_ERROR:
             raise ConfigError(f"on_error {on_error!r} is not one of {list(ON_ERROR)}")
         if num_workers != "auto" and (isinstance(num_workers, bool) or not isinstance(num_workers, int)
@@ -79,6 +84,8 @@ class Pipeline:
         self.device, self.name, self.definition = device, name, definition
         self.cache = CacheSettings.make(cache)
         self.engine = EngineSettings.make(engine)
+        self.executor = ExecutorSettings.make(executor)
+        check_executor(self.executor, self.engine, self.cache)
         plan = make_plan(self.stages, "cpu")  # validate the stage list now, not at the first batch
         if self.engine.name == "dali":
             from .exec.dali_engine import check_dali_plan
@@ -115,6 +122,7 @@ class Pipeline:
                    seed=c.loader.seed, on_error=c.loader.on_error, max_skipped=c.loader.max_skipped,
                    timeout=c.loader.timeout, device=c.output.device, cache=cache,
                    engine=c.engine.model_dump(), name=c.name,
+                   executor=c.executor.model_dump(),
                    definition=c.model_dump())
 
     # -- source ---------------------------------------------------------------------------
@@ -148,6 +156,11 @@ class Pipeline:
         whole pipeline runs there (normalize included)."""
         dev = resolve_device(device or self.device)
         if self.engine.name != "dali":
+            if self.executor.remote:
+                from .imaging import pil_label
+
+                where = f"cpu pool + Ray {self.executor.address or '(ray.init default)'} ({pil_label()})"
+                return make_plan(self.stages, dev, pool_where=where)
             return make_plan(self.stages, dev)
         from .exec.dali_engine import check_dali_plan
 

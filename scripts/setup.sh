@@ -24,8 +24,9 @@ sys.exit('.post' not in PIL.__version__ or (os.path.exists('$WEBP_H') and not fe
   if grep -qw avx2 /proc/cpuinfo 2>/dev/null; then export CC="${CC:-cc} -mavx2"; fi
   pip_ --no-cache-dir --force-reinstall --no-deps --no-binary pillow-simd "pillow-simd>=10.0"
 fi
-# DALI (CUDA 13 build; its CPU operators run without a GPU) for the DALI engine and its tests.
-pip_ -e ".[dev,dali]"
+# DALI (CUDA 13 build; its CPU operators run without a GPU) for the DALI engine and its tests, and
+# Ray (executor: ray; its tests start a 2-CPU local cluster). Ray does not depend on pillow.
+pip_ -e ".[dev,dali,ray]"
 # matplotlib (plots of `feedgpu bench --plot`) requires `pillow`, which pip would install over
 # Pillow-SIMD: install its other dependencies by name, then matplotlib without dependencies.
 if ! "$PY" -c "import matplotlib" 2>/dev/null; then

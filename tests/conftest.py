@@ -6,6 +6,7 @@ it is found relative to this file, never through an environment variable.
 from __future__ import annotations
 
 import io
+import os
 import tarfile
 import time
 from pathlib import Path
@@ -157,6 +158,29 @@ def no_leaked_workers():
     yield
     left = wait_gone(child_pids() - before, timeout=10.0)
     assert not left, f"worker processes left behind: {left}"
+
+
+#: Ray clusters started by the tests talk over the loopback address: without this Ray uses the
+#: host's network address for its own processes (this switch is Ray's single-node mode). Ray
+#: reads it when imported, so it is set here, before any test module imports ray; only Ray reads it.
+RAY_LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+os.environ.update(RAY_LOOPBACK_ENV)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A small local Ray cluster (2 CPUs, no dashboard, 500 MB object store, loopback only) for
+    one test module; its workers import feedgpu and the tests from the repository under test."""
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=500 * 2**20,
+             log_to_driver=False, namespace="feedgpu",
+             runtime_env={"env_vars": {"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}})
+    try:
+        assert ray.util.get_node_ip_address() == "127.0.0.1"
+        yield ray
+    finally:
+        ray.shutdown()
 
 
 def batches_equal(a, b) -> bool:

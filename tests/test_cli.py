@@ -87,7 +87,7 @@ def test_explain_without_data_still_plans(cli):
 def test_doctor(cli):
     res = run(cli, "doctor")
     assert res.exit_code == 0, res.output
-    assert "PIL:" in res.stdout and "torch:" in res.stdout and "DALI:" in res.stdout
+    assert "PIL:" in res.stdout and "torch:" in res.stdout and "DALI:" in res.stdout and "Ray:" in res.stdout
     res = run(cli, "doctor", "--json")
     info = json.loads(res.stdout)
     import PIL
@@ -95,6 +95,9 @@ def test_doctor(cli):
 
     assert info["pil"]["version"] == PIL.__version__ and info["torch"] == torch.__version__
     assert info["cuda_available"] == torch.cuda.is_available()
+    import ray
+
+    assert info["ray"] == ray.__version__  # the test environment has the ray extra
     assert info["pil"]["simd"] is True  # the project's environment runs Pillow-SIMD
 
 

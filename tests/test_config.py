@@ -237,3 +237,25 @@ def test_a_value_matching_no_branch_of_a_union_gets_one_plain_message(value, det
     text = str(info.value)
     assert f"  loader.num_workers: Input should be 'auto', or input should be {detail}" in text
     assert "literal" not in text and "constrained" not in text and text.count("num_workers") == 1
+
+
+def test_executor_key(tmp_path, train_data, folder_ds):
+    """``executor: ray`` or a mapping; errors name the key; explain says where the stages run.
+    (Running on Ray: tests/test_ray_executor.py.)"""
+    p = Pipeline.from_yaml(TRAIN, source={"path": str(folder_ds)}, executor="ray")
+    assert (p.executor.name, p.executor.address, p.executor.max_remote_workers) == ("ray", None, 4)
+    assert "cpu pool + Ray (ray.init default)" in p.explain("cpu")
+    p = Pipeline.from_yaml(TRAIN, executor={"name": "ray", "address": "auto", "max_local_workers": 2})
+    assert (p.executor.address, p.executor.max_local_workers) == ("auto", 2)
+    assert Pipeline.from_yaml(TRAIN).executor.name == "local"
+    for bad, fragment in [("spark", "executor.name: Input should be 'local' or 'ray'"),
+                          ({"name": "ray", "remote_workers": -1}, "executor.remote_workers: Input should be greater"),
+                          ({"name": "ray", "adress": "auto"}, "executor.adress: unknown key 'adress'; allowed keys: "
+                                                              "address, cpus_per_worker")]:
+        train_data["executor"] = bad
+        with pytest.raises(ConfigError, match=re.escape(fragment)):
+            _load(tmp_path, train_data)
+    with pytest.raises(ConfigError, match="remote_workers must be an int in"):
+        Pipeline.from_yaml(TRAIN, executor={"name": "ray", "remote_workers": 5, "max_remote_workers": 4})
+    with pytest.raises(ConfigError, match="need executor.name 'ray'"):
+        Pipeline.from_yaml(TRAIN, executor={"name": "local", "address": "auto"})

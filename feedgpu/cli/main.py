@@ -95,7 +95,7 @@ def _is_table(file: str) -> bool:
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def doctor(as_json: bool) -> None:
-    """Report the PIL build (Pillow-SIMD? AVX2?), torch, CUDA and DALI."""
+    """Report the PIL build (Pillow-SIMD? AVX2?), torch, CUDA, DALI and Ray."""
     import importlib.util
 
     import torch
@@ -106,8 +106,14 @@ def doctor(as_json: bool) -> None:
         dali = importlib.util.find_spec("nvidia.dali") is not None
     except ModuleNotFoundError:  # no "nvidia" namespace package at all
         dali = False
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ray = version("ray")   # the version only: importing ray takes seconds
+    except PackageNotFoundError:
+        ray = None
     info = {"pil": pil_build(), "torch": torch.__version__, "cuda_available": torch.cuda.is_available(),
-            "dali": dali}
+            "dali": dali, "ray": ray}
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return
@@ -121,6 +127,7 @@ def doctor(as_json: bool) -> None:
         click.echo("       stock Pillow is active: reinstall pillow-simd (scripts/setup.sh) for ~5x faster resize")
     click.echo(f"torch: {info['torch']}, CUDA available: {info['cuda_available']}")
     click.echo(f"DALI:  {'installed' if info['dali'] else 'not installed (pip install feedgpu[dali])'}")
+    click.echo(f"Ray:   {info['ray'] or 'not installed (pip install feedgpu[ray]) for executor: ray'}")
 
 
 def _register() -> None:

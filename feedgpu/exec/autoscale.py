@@ -27,6 +27,7 @@ from collections import deque
 from typing import Callable
 
 from .balancer import Decision, Measurement, Policy, PolicyConfig, diagnose, start_workers
+from .remote_policy import RemoteConfig, RemotePolicy
 
 log = logging.getLogger("feedgpu.balancer")
 
@@ -134,14 +135,21 @@ class Autoscaler:
         clock: seconds, monotonic (default ``time.perf_counter``); tests pass their own.
         probe: an object with ``sample(pids, memory) -> (worker_cpu_s, main_cpu_s, uss_bytes,
             others_cpu_s)`` (default: psutil).
+        max_remote: remote workers (``executor: ray``) the balancer may add, 0 for none (default);
+            with more, a :class:`~feedgpu.exec.remote_policy.RemotePolicy` decides them.
+        remote: remote workers running at the start (0).
     """
 
     def __init__(self, workers: int | None = None, prefetch: int = 2, config: PolicyConfig | None = None,
                  window_s: float = WINDOW_S, min_batches: int = MIN_BATCHES, buffer_bytes: int = 0,
                  device: str = "cpu", callback: Callable[[dict], None] | None = None,
-                 clock: Callable[[], float] = time.perf_counter, probe=None, cores: int | None = None):
+                 clock: Callable[[], float] = time.perf_counter, probe=None, cores: int | None = None,
+                 max_remote: int = 0, remote: int = 0):
         self.cores = cores or cpu_cores()
         self.policy = Policy(config or default_config(self.cores))
+        self.max_remote = max_remote
+        self.remote_policy = RemotePolicy(RemoteConfig(max_remote=max_remote)) if max_remote > 0 else None
+        self.remote = min(remote, max_remote)
         c = self.policy.config
         budget = max(1.0, self.cores - 1.0)
         self.workers = max(c.min_workers, min(c.max_workers, workers or start_workers(budget, c)))
@@ -157,6 +165,7 @@ class Autoscaler:
         self._memory_every = 5      # USS reads smaps: every 5th window is enough to see a trend
         self._windows = 0
         self._uss = 0
+        self._remote_started: int | None = None
 
     def _reset_window(self, now: float | None) -> None:
         self._t0, self._rows, self._batches, self._wait = now, 0, 0, 0.0
@@ -179,10 +188,12 @@ class Autoscaler:
         self._skip = 1  # the first window holds the pool's start-up: not judged
         self._reset_window(self.clock())
 
-    def on_batch(self, rows: int, waited_s: float, pids: list[int]) -> Decision | None:
+    def on_batch(self, rows: int, waited_s: float, pids: list[int], remote_started: int | None = None) -> Decision | None:
         """A batch of ``rows`` samples was handed out after the consumer waited ``waited_s``
-        seconds; ``pids`` are the pool's workers. Returns the decision when a window closes."""
+        seconds; ``pids`` are the pool's local workers, ``remote_started`` how many remote workers
+        Ray has started (None: all). Returns the decision when a window closes."""
         now = self.clock()
+        self._remote_started = remote_started
         if self._t0 is None:
             self.start(pids)
             return None
@@ -198,14 +209,16 @@ class Autoscaler:
             self._reset_window(self.clock())
             return None
         m = self._measure(now, wall, pids)
-        d = self.policy.decide(m)
-        self.workers, self.prefetch = d.workers, d.prefetch
+        d = self.policy.decide(m) if self.remote_policy is None else self.remote_policy.decide(m, self.policy)
+        self.workers, self.prefetch, self.remote = d.workers, d.prefetch, d.remote_workers
         self.measurements.append(m)
         point = {"t": round(m.t, 3), "workers": m.workers, "prefetch": m.prefetch,
                  "delivered_rate": m.delivered_rate, "demand_rate": m.demand_rate,
                  "wait_fraction": m.wait_fraction, "cpu_cores_used": m.cpu_cores_used,
                  "cpu_budget": m.cpu_budget, "rss_bytes": m.rss_bytes, "decision": d.kind,
                  "next_workers": d.workers}
+        if self.remote_policy is not None:
+            point.update(remote_workers=m.remote_workers, next_remote_workers=d.remote_workers, reason=d.reason)
         self.timeline.append(point)
         if self.callback is not None:
             try:
@@ -235,7 +248,8 @@ class Autoscaler:
             t=now, workers=self.workers, delivered_rate=self._rows / wall, demand_rate=demand,
             wait_fraction=min(1.0, self._wait / wall), cpu_cores_used=max(0.0, worker_cpu / wall),
             cpu_budget=max(1.0, self.cores - (main_cpu + others) / wall), rss_bytes=int(rss) if self._uss else 0,
-            ram_budget_bytes=ram_budget, gpu_mem_free_bytes=self._gpu_free(), prefetch=self.prefetch)
+            ram_budget_bytes=ram_budget, gpu_mem_free_bytes=self._gpu_free(), prefetch=self.prefetch,
+            remote_workers=self.remote, remote_started=self._remote_started)
 
     def _gpu_free(self) -> int | None:
         if not self.device.startswith("cuda"):
@@ -251,7 +265,8 @@ class Autoscaler:
         measured so far."""
         d = self.policy.stats()
         d.update(workers=self.workers, prefetch=self.prefetch, windows=self._windows,
-                 cores=self.cores, window_s=self.window_s)
+                 cores=self.cores, window_s=self.window_s, remote_workers=self.remote)
+        d["remote"] = self.remote_policy.stats() if self.remote_policy is not None else None
         m = self.last_measurement
         d["last_window"] = None if m is None else dict(m.__dict__)
         d["diagnosis"] = None if m is None else diagnose(m).as_dict()

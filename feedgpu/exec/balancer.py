@@ -71,7 +71,7 @@ NOISE_PRIOR = 0.02
 NOISE_FLOOR = 0.01
 
 ENGINES = ("python", "dali-cpu", "dali-gpu")
-KINDS = ("add", "remove", "revert", "prefetch", "probe", "hold", "settle", "measure")
+KINDS = ("add", "remove", "revert", "prefetch", "probe", "hold", "settle", "measure", "remote-add", "remote-remove")
 
 
 # -- measurements and decisions ---------------------------------------------------------------
@@ -102,6 +102,10 @@ class Measurement:
         prefetch: batches in flight per worker (``prefetch_factor``).
         engine: ``"python"``, ``"dali-cpu"`` or ``"dali-gpu"``.
         hw_decoder_load: DALI GPU's share of JPEGs sent to the hardware decoder, if any.
+        remote_workers: remote workers (Ray actors, ``executor: ray``) running during the
+            window, besides the ``workers`` local ones (see :mod:`feedgpu.exec.remote_policy`).
+        remote_started: how many of them Ray has started by the window's end (an actor waits
+            for a free CPU on the cluster, and its process starts in seconds); ``None``: all.
     """
 
     t: float
@@ -117,8 +121,12 @@ class Measurement:
     prefetch: int = 2
     engine: str = "python"
     hw_decoder_load: float | None = None
+    remote_workers: int = 0
+    remote_started: int | None = None
 
     def __post_init__(self):
+        if self.remote_workers < 0:
+            raise ConfigError(f"Measurement.remote_workers must be >= 0, got {self.remote_workers}")
         if self.workers < 1:
             raise ConfigError(f"Measurement.workers must be >= 1, got {self.workers}")
         if self.prefetch < 1:
@@ -154,6 +162,8 @@ class Decision:
         engine: where the stages run (unchanged by :class:`Policy`; see :func:`choose_placement`).
         dali_threads: DALI's thread count for the DALI engines (equal to ``workers``), else None.
         hw_decoder_load: for ``dali-gpu``, as measured.
+        remote_workers: remote workers for the next window (``executor: ray``; 0 otherwise).
+            ``"remote-add"`` and ``"remote-remove"`` change only this count.
     """
 
     workers: int
@@ -164,11 +174,13 @@ class Decision:
     engine: str = "python"
     dali_threads: int | None = None
     hw_decoder_load: float | None = None
+    remote_workers: int = 0
 
     @property
     def changes(self) -> bool:
-        """True when the loader has to resize the pool or change the prefetch depth."""
-        return self.kind in ("add", "remove", "revert", "prefetch", "probe")
+        """True when the loader has to resize the pool (local or remote) or change the prefetch
+        depth."""
+        return self.kind in ("add", "remove", "revert", "prefetch", "probe", "remote-add", "remote-remove")
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -443,7 +455,7 @@ class Policy:
         w, p = key
         dali = m.engine.startswith("dali")
         return Decision(w, p, kind, reason, t=m.t, engine=m.engine, dali_threads=w if dali else None,
-                        hw_decoder_load=m.hw_decoder_load)
+                        hw_decoder_load=m.hw_decoder_load, remote_workers=m.remote_workers)
 
     def _limit(self, m: Measurement) -> tuple[int, str]:
         """The largest pool the budgets allow, and which budget sets it."""

@@ -321,8 +321,13 @@ class ProcessPool:
         w.held[(task[0], task[1])] = task
         w.tasks.put(task)
 
-    def get(self, timeout: float | None = None) -> tuple:
-        """Next ``(tag, seq, worker_id, ok, payload)``.
+    def least_held(self) -> int:
+        """Tasks held by the least loaded worker taking tasks (what :meth:`submit` picks)."""
+        return min((len(w.held) for w in self._workers.values() if not w.retiring), default=0)
+
+    def get(self, timeout: float | None = None, wake=None) -> tuple | None:
+        """Next ``(tag, seq, worker_id, ok, payload)``; ``None`` when ``wake`` (an object with
+        ``fileno()``, e.g. the read end of a pipe another thread writes to) became readable first.
 
         Raises :class:`WorkerError` when a worker died and could not be replaced (see the class
         doc), and :class:`LoaderTimeout` after ``timeout`` seconds without a result (None or 0:
@@ -332,7 +337,10 @@ class ProcessPool:
             if self._salvaged:
                 return self._salvaged.pop(0)
             conns = {w.conn: w for w in self._workers.values()}
-            for conn in mpc.wait(list(conns), timeout=POLL_S):
+            ready = mpc.wait(list(conns) + ([wake] if wake is not None else []), timeout=POLL_S)
+            if wake is not None and wake in ready:
+                return None
+            for conn in ready:
                 w = conns[conn]
                 try:
                     result = conn.recv()
@@ -344,9 +352,9 @@ class ProcessPool:
             for w in [w for w in self._workers.values() if not w.proc.is_alive()]:
                 self._ended(w)
             if deadline is not None and time.monotonic() > deadline:
-                raise LoaderTimeout(f"no batch from the workers within timeout={timeout} s: {self._holding()}")
+                raise LoaderTimeout(f"no batch from the workers within timeout={timeout} s: {self.holding()}")
 
-    def _holding(self) -> str:
+    def holding(self) -> str:
         """What each busy worker is doing, from its progress slot."""
         parts = []
         for w in self._workers.values():

@@ -84,6 +84,19 @@ class PipelineWork:
     def discard(self, task: tuple) -> None:
         self.slots.release(task[2])
 
+    def remote_handler(self) -> "RemoteFill":
+        """What a remote worker runs for a task: fills new arrays instead of a shared slot."""
+        return RemoteFill(self.assembler, self._bs, self._shape, self._dtype)
+
+    def land(self, task: tuple, payload: tuple) -> BatchReport:
+        """Copy a remote worker's ``(images, labels, report)`` into the task's slot (one copy,
+        in the main process), so :meth:`finish` hands it out as a local batch."""
+        images, labels, report = payload
+        dst_images, dst_labels = self.slots.arrays(task[2])
+        dst_images[:report.rows] = images
+        dst_labels[:report.rows] = labels
+        return report
+
     def run_inline(self, seq: int, epoch: int, indices: np.ndarray, spares: np.ndarray) -> tuple[Batch, BatchReport]:
         import torch
 
@@ -97,6 +110,25 @@ class PipelineWork:
             self.slots.close()
         if self.assembler.cache is not None:
             self.assembler.cache.close()
+
+
+class RemoteFill:
+    """A pipeline task run away from the loader's shared memory (on a Ray worker): the same
+    :meth:`Assembler.fill` as a local worker, into new arrays.
+
+    Called with a :class:`PipelineWork` task ``(tag, seq, slot, epoch, indices, spares)``; returns
+    ``(images, labels, report)``: ``images`` ``(rows, *shape)`` of the plan's dtype, ``labels``
+    int64 ``(rows,)``, ``report`` a :class:`BatchReport`. Pickled once per remote worker."""
+
+    def __init__(self, assembler: Assembler, batch_size: int, shape: tuple, dtype):
+        self.assembler, self.batch_size, self.shape, self.dtype = assembler, batch_size, tuple(shape), dtype
+
+    def __call__(self, task: tuple) -> tuple:
+        _, _, _, epoch, indices, spares = task
+        images = np.empty((len(indices), *self.shape), self.dtype)
+        labels = np.empty(len(indices), np.int64)
+        rep = self.assembler.fill(images, labels, indices, spares, epoch)
+        return images[:rep.rows], labels[:rep.rows], rep
 
 
 def seed_everything(seed: int, epoch: int, batch: int) -> None:
@@ -131,6 +163,14 @@ class PayloadWork:
 
     def discard(self, task: tuple) -> None:
         pass
+
+    def remote_handler(self):
+        """What a remote worker runs for a task: this work's own ``handle`` (pickled with it)."""
+        return self.handle
+
+    def land(self, task: tuple, payload):
+        """A remote worker's payload is already the batch."""
+        return payload
 
     def close(self) -> None:
         pass

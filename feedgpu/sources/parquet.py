@@ -90,6 +90,16 @@ class ParquetSource(Source):
         self._pid = os.getpid()
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict:
+        """Pickled (to a Ray worker) without this process's open files, cached row groups and lock."""
+        state = self.__dict__.copy()
+        state.update(_cache=OrderedDict(), _cached=0, _files={}, _pid=None, _lock=None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._pid, self._lock = os.getpid(), threading.Lock()
+
     def key(self, index: int) -> str:
         """``file.parquet#row``: the row's number in its file (counted over all row groups)."""
         fid, rg, r = int(self.file_ids[index]), int(self.row_groups[index]), int(self.rows[index])

@@ -115,6 +115,16 @@ class TarShardSource(Source):
         self._fds: dict[int, int] = {}
         self._pid = os.getpid()
 
+    def __getstate__(self) -> dict:
+        """Pickled (to a Ray worker) without this process's file descriptors."""
+        state = self.__dict__.copy()
+        state.update(_fds={}, _pid=None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._pid = os.getpid()
+
     def _fd(self, sid: int) -> int:
         if self._pid != os.getpid():  # forked: file offsets are shared, descriptors are not ours
             self._fds, self._pid = {}, os.getpid()

@@ -1,0 +1,161 @@
+"""The balancer's remote decision (``executor: ray``) against a simulated local pool, remote
+workers and consumer: no processes, no Ray, no clock."""
+from __future__ import annotations
+
+import pytest
+
+from feedgpu.errors import ConfigError
+from feedgpu.exec.balancer import Measurement, Policy, PolicyConfig
+from feedgpu.exec.remote_policy import RemoteConfig, RemotePolicy
+
+
+class Sim:
+    """Local workers deliver ``local_rate`` each up to ``budget`` cores, remote ones
+    ``remote_rate`` each; the consumer takes ``demand`` samples/s."""
+
+    def __init__(self, local_rate=100.0, remote_rate=100.0, demand=250.0, budget=2.0):
+        self.local_rate, self.remote_rate, self.demand, self.budget = local_rate, remote_rate, demand, budget
+
+    def measure(self, t: int, workers: int, prefetch: int, remote: int) -> Measurement:
+        local = min(workers, self.budget) * self.local_rate
+        supply = local + remote * self.remote_rate
+        delivered = min(self.demand, supply)
+        wait = max(0.0, 1.0 - supply / self.demand)
+        return Measurement(t=float(t), workers=workers, delivered_rate=delivered, demand_rate=self.demand,
+                           wait_fraction=wait, cpu_cores_used=min(workers, self.budget) * min(1.0, delivered / supply),
+                           cpu_budget=self.budget, prefetch=prefetch, remote_workers=remote)
+
+
+def run(sim: Sim, windows: int, policy: Policy, remote: RemotePolicy, start=(2, 2, 0), t0: int = 0):
+    workers, prefetch, r = start
+    out = []
+    for t in range(t0, t0 + windows):
+        m = sim.measure(t, workers, prefetch, r)
+        d = remote.decide(m, policy)
+        out.append(d)
+        workers, prefetch, r = d.workers, d.prefetch, d.remote_workers
+    return out, (workers, prefetch, r)
+
+
+def policies(max_local=2, max_remote=4):
+    return Policy(PolicyConfig(min_workers=1, max_workers=max_local, max_prefetch=4)), \
+        RemotePolicy(RemoteConfig(max_remote=max_remote))
+
+
+def test_adds_remote_workers_only_when_the_local_pool_is_at_its_budget_and_the_loop_waits():
+    local, remote = policies(max_local=8)   # the CPU budget (2 cores) is the limit
+    sim = Sim(demand=450)   # 2 local cores give 200/s: 3 remote workers more are needed (500/s)
+    ds, (w, _, r) = run(sim, 60, local, remote)
+    assert (w, r) == (2, 3)
+    adds = [d for d in ds if d.kind == "remote-add"]
+    assert [d.remote_workers for d in adds][:3] == [1, 2, 3]
+    assert "cannot grow" in adds[0].reason and "CPU budget" in adds[0].reason
+    assert all(d.workers <= 2 for d in ds), "the local pool never exceeds its budget"
+    assert all(d.workers == 2 for d in ds[:12]), "remote workers are added with the local pool at its budget"
+    # a 4th remote worker: tried when the loop still waits at 3? It does not (450 < 500)
+    assert sim.measure(0, w, 2, r).wait_fraction == 0.0
+
+
+def test_no_remote_worker_while_the_local_pool_can_still_grow():
+    local, remote = policies(max_local=4)
+    sim = Sim(demand=300, budget=4.0)   # 3 local workers meet demand
+    ds, (w, _, r) = run(sim, 60, local, remote, start=(1, 2, 0))
+    assert r == 0 and w >= 3
+    assert not any(d.kind == "remote-add" for d in ds)
+
+
+def test_a_remote_worker_that_adds_nothing_is_undone_and_not_tried_again():
+    local, remote = policies()
+    sim = Sim(demand=450, remote_rate=0.0)   # e.g. a one-node cluster on the same busy cores
+    ds, (_, _, r) = run(sim, 60, local, remote)
+    assert r == 0
+    assert [d.kind for d in ds].count("remote-add") == 1
+    revert = next(d for d in ds if d.kind == "revert")
+    assert revert.remote_workers == 0 and "undone: 0 -> 1 remote workers" in revert.reason
+    assert remote.stats()["not_worth_adding"].keys() == {0}
+
+
+def test_releases_remote_workers_when_demand_falls_and_keeps_what_is_needed():
+    local, remote = policies()
+    sim = Sim(demand=450)
+    _, state = run(sim, 60, local, remote)
+    assert state[2] == 3
+    sim.demand = 320          # 2 local + 2 remote (400/s) meet it; 2 local + 1 remote (300/s) do not
+    ds, (w, _, r) = run(sim, 80, local, remote, start=state, t0=60)
+    assert (w, r) == (2, 2)
+    kinds = [d.kind for d in ds]
+    assert kinds.count("remote-remove") == 2 and "revert" in kinds   # 3 -> 2 kept, 2 -> 1 undone
+    sim.demand = 150          # the local pool alone is enough: every remote worker goes
+    ds, (w, _, r) = run(sim, 80, local, remote, start=(w, 2, r), t0=140)
+    assert r == 0
+    assert all(d.kind != "remote-add" for d in ds)
+
+
+def test_remote_steps_are_released_before_local_workers():
+    local, remote = policies()
+    sim = Sim(demand=450)
+    _, state = run(sim, 60, local, remote)
+    sim.demand = 100
+    ds, _ = run(sim, 12, local, remote, start=state, t0=60)
+    first_change = next(d for d in ds if d.changes)
+    assert first_change.kind == "remote-remove" and first_change.workers == 2
+
+
+def test_the_limit_applies_at_once_and_bad_config_is_refused():
+    local, remote = policies(max_remote=1)
+    d = remote.decide(Sim().measure(0, 2, 2, 3), local)
+    assert (d.kind, d.remote_workers) == ("remote-remove", 1)
+    with pytest.raises(ConfigError):
+        RemoteConfig(max_remote=-1)
+    with pytest.raises(ConfigError):
+        RemoteConfig(measure_windows=0)
+    with pytest.raises(ConfigError):
+        Measurement(t=0, workers=1, delivered_rate=1, demand_rate=1, wait_fraction=0, cpu_cores_used=0,
+                    cpu_budget=1, remote_workers=-1)
+
+
+def test_same_measurements_same_decisions():
+    a = run(Sim(demand=450), 60, *policies())[0]
+    b = run(Sim(demand=450), 60, *policies())[0]
+    assert [(d.kind, d.workers, d.remote_workers) for d in a] == [(d.kind, d.workers, d.remote_workers) for d in b]
+
+
+def test_a_step_is_judged_once_the_new_remote_worker_has_started():
+    local, remote = policies(max_local=8)
+    sim = Sim(demand=450)
+    state, late = (2, 2, 0), 6            # Ray takes 6 windows to start each new worker
+    started_at = {}
+    decisions = []
+    for t in range(40):
+        w, p, r = state
+        m = sim.measure(t, w, p, r)
+        started = sum(1 for k in range(1, r + 1) if t - started_at.get(k, t) >= late)
+        m = Measurement(**{**m.__dict__, "remote_started": started,
+                           "delivered_rate": min(sim.demand, 200 + 100 * started),
+                           "wait_fraction": max(0.0, 1 - (200 + 100 * started) / sim.demand)})
+        d = remote.decide(m, local)
+        decisions.append(d)
+        if d.remote_workers > r:
+            started_at[d.remote_workers] = t
+        state = (d.workers, d.prefetch, d.remote_workers)
+    judged = [d.reason.split(":")[0] for d in decisions if d.reason.startswith(("kept", "undone: 0", "undone: 1 ->",
+                                                                                 "undone: 2 -> 3"))]
+    assert judged[:3] == ["kept"] * 3, [(d.kind, d.reason) for d in decisions]   # no add judged before it ran
+    assert sum("waiting for Ray to start" in d.reason for d in decisions) >= 15
+
+
+def test_a_remote_worker_ray_never_starts_is_given_back():
+    local = policies(max_local=8)[0]
+    remote = RemotePolicy(RemoteConfig(max_remote=2, start_windows=3))
+    sim = Sim(demand=450)
+    state = (2, 2, 0)
+    decisions = []
+    for t in range(12):
+        w, p, r = state
+        m = Measurement(**{**sim.measure(t, w, p, 0).__dict__, "remote_workers": r, "remote_started": 0})
+        d = remote.decide(m, local)
+        decisions.append(d)
+        state = (d.workers, d.prefetch, d.remote_workers)
+    revert = next(d for d in decisions if d.kind == "revert")
+    assert revert.remote_workers == 0 and "did not start a remote worker within 3 windows" in revert.reason
+    assert [d.kind for d in decisions].count("remote-add") == 1, "not tried again while the loop still waits"
