@@ -38,6 +38,7 @@ PIPELINE = REPO / "pipelines" / "imagenet_train_cached.yaml"
 TARGET_READ = 4.0       # epoch 2 (cache) / epoch 1 (JPEG) samples/s
 TARGET_WRITE = 0.15     # extra time of the filling epoch over the uncached one
 
+sys.path.insert(0, str(REPO))  # this checkout's feedgpu, not the one the venv has installed
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_loader import wait_quiet, write_results  # noqa: E402  shared with the recorded CPU benchmark
 
