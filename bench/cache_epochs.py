@@ -306,7 +306,7 @@ def fill_profile(p, comps: list[str], n_rows: int = 450) -> dict:
     file, CRC32 of the file, rename; no fsync)."""
     import numpy as np
 
-    from feedgpu.cache.parts import PartWriter, RowEncoder
+    from feedgpu.cache.parts import PartWriter, RowBuffer, RowEncoder
     from feedgpu.cache.settings import parse_compression
     from feedgpu.cache.store import BATCH_BYTES
 
@@ -329,17 +329,13 @@ def fill_profile(p, comps: list[str], n_rows: int = 450) -> dict:
                 encoded.append((i, arr.shape, *enc.encode(arr)))
             t1 = time.perf_counter()
             w = PartWriter(tmp, "part.arrow", enc)
-            rows = {k: [] for k in ("index", "key", "label", "height", "width", "check", "data")}
-            size = 0
+            rows = RowBuffer(BATCH_BYTES + (1 << 20))
             for i, shape, data, check in encoded:
-                for k, v in zip(rows, (i, str(i), 0, shape[0], shape[1], check, data)):
-                    rows[k].append(v)
-                size += len(data)
-                if size >= BATCH_BYTES:
+                rows.add(i, str(i), 0, shape[0], shape[1], check, data)
+                if rows.nbytes >= BATCH_BYTES:
                     w.write(rows)
-                    rows = {k: [] for k in rows}
-                    size = 0
-            if rows["index"]:
+                    rows.clear()
+            if len(rows):
                 w.write(rows)
             entry = w.close()
             t2 = time.perf_counter()

@@ -99,8 +99,7 @@ class Assembler:
             pixels = cache.get(idx)
             if pixels is not None:
                 key, label = None, cache.label(idx)
-                # frombuffer shares the decompressed pixels instead of copying them like fromarray
-                x = Image.frombuffer("RGB", (pixels.shape[1], pixels.shape[0]), pixels, "raw", "RGB", 0, 1)
+                x = rgb_image(pixels)
                 start = self.prefix
         if x is None:
             progress.at("read", idx)
@@ -130,10 +129,14 @@ class Assembler:
             secs[st.name] += t2 - t1
             t1 = t2
             if cache is not None and pos + 1 == self.prefix:
-                pixels = np.ascontiguousarray(np.asarray(_rgb(x)))
-                cache.put(idx, key, label, pixels)
                 # the stages after the cache get what a cache hit gives them: a PIL RGB image
-                x = Image.frombuffer("RGB", (pixels.shape[1], pixels.shape[0]), pixels, "raw", "RGB", 0, 1)
+                if isinstance(x, Image.Image):
+                    x = _rgb(x)
+                    cache.put(idx, key, label, np.asarray(x))
+                else:  # a prefix that returns arrays
+                    pixels = np.ascontiguousarray(x)
+                    cache.put(idx, key, label, pixels)
+                    x = rgb_image(pixels)
                 t1 = time.perf_counter()
                 secs["cache"] += t1 - t2
         arr = np.asarray(_rgb(x))
@@ -147,6 +150,16 @@ class Assembler:
             images[j] = arr
         secs["write"] += time.perf_counter() - t1
         return label
+
+
+def rgb_image(pixels: np.ndarray) -> Image.Image:
+    """A PIL RGB image of uint8 HWC ``pixels`` (one unpacking copy: PIL keeps RGB as 4 bytes per
+    pixel, so ``Image.frombuffer`` cannot share 3-byte pixels either; the image memory is not
+    cleared first as ``Image.frombuffer``/``frombytes`` do)."""
+    h, w = pixels.shape[:2]
+    im = Image.new("RGB", (w, h), None)
+    im.frombytes(pixels)
+    return im
 
 
 def _rgb(x):
