@@ -17,6 +17,7 @@ from ..sources.base import Source
 from ..stages.base import sample_rng
 from .plan import Plan
 from . import progress
+from .pixels import rgb_array, rgb_image
 
 
 @dataclass
@@ -132,14 +133,15 @@ class Assembler:
                 # the stages after the cache get what a cache hit gives them: a PIL RGB image
                 if isinstance(x, Image.Image):
                     x = _rgb(x)
-                    cache.put(idx, key, label, np.asarray(x))
+                    cache.put(idx, key, label, rgb_array(x))
                 else:  # a prefix that returns arrays
                     pixels = np.ascontiguousarray(x)
                     cache.put(idx, key, label, pixels)
                     x = rgb_image(pixels)
                 t1 = time.perf_counter()
                 secs["cache"] += t1 - t2
-        arr = np.asarray(_rgb(x))
+        x = _rgb(x)
+        arr = rgb_array(x) if isinstance(x, Image.Image) else np.asarray(x)
         if arr.shape != self.want or arr.dtype != np.uint8:
             last = self.stages[-1].name if self.stages else "source"
             raise StageError(f"stage {last!r} gave {arr.dtype} {arr.shape} for {key or self.source.key(idx)}; "
@@ -150,16 +152,6 @@ class Assembler:
             images[j] = arr
         secs["write"] += time.perf_counter() - t1
         return label
-
-
-def rgb_image(pixels: np.ndarray) -> Image.Image:
-    """A PIL RGB image of uint8 HWC ``pixels`` (one unpacking copy: PIL keeps RGB as 4 bytes per
-    pixel, so ``Image.frombuffer`` cannot share 3-byte pixels either; the image memory is not
-    cleared first as ``Image.frombuffer``/``frombytes`` do)."""
-    h, w = pixels.shape[:2]
-    im = Image.new("RGB", (w, h), None)
-    im.frombytes(pixels)
-    return im
 
 
 def _rgb(x):
