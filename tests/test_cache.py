@@ -827,7 +827,7 @@ def test_settings_from_values(tmp_path, monkeypatch):
     monkeypatch.setenv("FEEDGPU_CACHE_DIR", str(tmp_path / "env"))
     assert CacheSettings.make(None) is None and CacheSettings.make(False) is None
     s = CacheSettings.make(True)
-    assert s.dir == tmp_path / "env" / "cache" and s.compression == "zstd:1" and s.max_size is None
+    assert s.dir == tmp_path / "env" / "cache" and s.compression == "none" and s.max_size is None
     s = CacheSettings.make(str(tmp_path / "x"))
     assert s.dir == tmp_path / "x"
     s = CacheSettings.make({"dir": str(tmp_path), "compression": "zstd:3", "max_size": "512MiB", "enabled": True})
@@ -901,7 +901,7 @@ def test_files_are_not_world_writable_and_the_manifest_is_json(src, tmp_path):
         assert not mode & stat.S_IWOTH, f"{f} is world-writable ({oct(mode)})"
     m = json.loads((entry / "manifest.json").read_text())  # JSON, no pickle
     assert m["format"] == "feedgpu.cache/2" and m["fingerprint"] == entry.name
-    assert m["samples"] == N_IMAGES and m["compression"] == "zstd:1" and m["quarantine"] == []
+    assert m["samples"] == N_IMAGES and m["compression"] == "none" and m["quarantine"] == []
     assert m["schema"] == {"dtype": "uint8", "layout": "HWC", "channels": 3}
     assert m["feedgpu_version"] and m["meta"]["stages"][1] == {"name": "resize", "config": Resize(SIZE).config()}
     for p in m["parts"]:
@@ -944,7 +944,7 @@ def test_cli_build_info_verify_clear(folder_ds, tmp_path, monkeypatch):
     assert f"entry holds {N_IMAGES}/{N_IMAGES}" in res.output
     entry = entry_dir(root)
     m = manifest(entry)
-    assert m["compression"] == "zstd:1" and sum(p["rows"] for p in m["parts"]) == N_IMAGES
+    assert m["compression"] == "none" and sum(p["rows"] for p in m["parts"]) == N_IMAGES
     # again: nothing to do
     res = cli("cache", "build", "--pipeline", CACHED_YAML, "--data", folder_ds, "--cache-dir", root)
     assert res.exit_code == 0 and f"{N_IMAGES} of {N_IMAGES} samples cached, 0 to build" in res.output
@@ -952,13 +952,13 @@ def test_cli_build_info_verify_clear(folder_ds, tmp_path, monkeypatch):
     res = cli("cache", "info", "--cache-dir", root)
     assert res.exit_code == 0, res.output
     assert f"cache root {root}: 1 entry" in res.output
-    assert entry.name in res.output and f"{N_IMAGES}/{N_IMAGES} rows" in res.output and "zstd:1" in res.output
+    assert entry.name in res.output and f"{N_IMAGES}/{N_IMAGES} rows" in res.output and "none" in res.output
     res = cli("cache", "info", "--cache-dir", root, "--json")
     info = json.loads(res.stdout)
     assert len(info) == 1
     e = info[0]
     assert (e["fingerprint"], e["rows"], e["samples"], e["quarantined"], e["compression"], e["manifest"]) == \
-        (entry.name, N_IMAGES, N_IMAGES, 0, "zstd:1", True)
+        (entry.name, N_IMAGES, N_IMAGES, 0, "none", True)
     assert e["bytes"] == sum(f.stat().st_size for f in entry.iterdir() if f.is_file())
 
     res = cli("cache", "verify", "--cache-dir", root)
