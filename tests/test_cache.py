@@ -607,6 +607,30 @@ def test_row_buffer_grows_and_round_trips_through_a_part(tmp_path):
             Part(path, entry["meta_xxh3"] ^ 1)
 
 
+def test_writing_and_reading_parts_does_not_import_pandas(tmp_path):
+    """pyarrow imports pandas (~0.25 s) on ``pa.array(...)`` and ``to_numpy()``; a filling worker
+    would pay that in its first batch. Parts are built from and read through buffers instead."""
+    import subprocess
+
+    code = (
+        "import sys, numpy as np\n"
+        "from feedgpu.cache.parts import Part, PartWriter, RowBuffer, RowEncoder\n"
+        "enc, buf = RowEncoder('none', 0), RowBuffer(1 << 16)\n"
+        f"w = PartWriter({str(tmp_path)!r}, 'p.arrow', enc)\n"
+        "a = np.zeros((4, 5, 3), np.uint8)\n"
+        "data, check = enc.encode(a)\n"
+        "buf.add(0, 'k', 1, 4, 5, check, data)\n"
+        "w.write(buf)\n"
+        "e = w.close()\n"
+        f"part = Part({str(tmp_path / 'p.arrow')!r}, e['meta_xxh3'])\n"
+        "assert (part.pixels(0) == a).all() and part.labels.tolist() == [1]\n"
+        "print('pandas' in sys.modules)\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
 # -- 4. quarantine ------------------------------------------------------------------------------------
 @pytest.fixture
 def bad_ds(small_ds) -> Path:
