@@ -38,6 +38,7 @@ PIPELINE = REPO / "pipelines" / "imagenet_train_cached.yaml"
 TARGET_READ = 4.0       # epoch 2 (cache) / epoch 1 (JPEG) samples/s
 TARGET_WRITE = 0.15     # extra time of the filling epoch over the uncached one
 
+sys.path.insert(0, str(REPO))  # this checkout's feedgpu, not the one the venv has installed
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_loader import wait_quiet, write_results  # noqa: E402  shared with the recorded CPU benchmark
 
@@ -298,14 +299,19 @@ def main(argv=None) -> int:
     return 0
 
 
-def fill_profile(p, comps: list[str], n_rows: int = 450) -> dict:
+def fill_profile(p, comps: list[str], n_rows: int = 450, fast_levels=(-20, -5)) -> dict:
     """What filling costs per sample, without a loader (one process): the prefix output of the
-    first ``n_rows`` images (about one 64 MiB part at zstd:1) encoded row by row, then streamed
-    into a part file as the cache writes it (``PartWriter``: ~8 MiB record batches to a temporary
-    file, CRC32 of the file, rename; no fsync)."""
+    first ``n_rows`` images (about one 64 MiB part at zstd:1) encoded row by row (zstd, or the
+    xxh3-64 of the raw row), then copied into the reused batch buffer and streamed into a part
+    file as the cache writes it (``PartWriter``: ~8 MiB record batches to a temporary file, xxh3
+    of the file, rename; no fsync). Each part is written twice: into fresh page-cache pages
+    (after the machine was quiet), then again at once after deleting the first (pages the kernel
+    has just freed). ``fast_levels``: zstd's negative levels, encode and decode only (not offered
+    as settings), for the choice of what to store."""
     import numpy as np
+    import zstandard
 
-    from feedgpu.cache.parts import PartWriter, RowEncoder
+    from feedgpu.cache.parts import PartWriter, RowBuffer, RowEncoder
     from feedgpu.cache.settings import parse_compression
     from feedgpu.cache.store import BATCH_BYTES
 
@@ -317,35 +323,52 @@ def fill_profile(p, comps: list[str], n_rows: int = 450) -> dict:
         for st in prefix:
             x = st.apply(x, None)
         arrays.append(np.asarray(x))
-    out = {"rows": len(arrays), "raw_mib": sum(a.nbytes for a in arrays) / 2**20}
+    raw = sum(a.nbytes for a in arrays)
+    out = {"rows": len(arrays), "raw_mib": raw / 2**20}
+    k = len(arrays) / 1e3
     tmp = Path(tempfile.mkdtemp(prefix="fill-profile-", dir=REPO / "bench" / "out"))
+
+    def write_part(enc, encoded) -> tuple[float, dict]:
+        t = time.perf_counter()
+        w = PartWriter(tmp, "part.arrow", enc)
+        rows = RowBuffer(BATCH_BYTES + (1 << 20))
+        for i, shape, data, check in encoded:
+            rows.add(i, str(i), 0, shape[0], shape[1], check, data)
+            if rows.nbytes >= BATCH_BYTES:
+                w.write(rows)
+                rows.clear()
+        if len(rows):
+            w.write(rows)
+        entry = w.close()
+        return time.perf_counter() - t, entry
+
     try:
         for c in comps:
             enc = RowEncoder(*parse_compression(c))
-            encoded = []
             t0 = time.perf_counter()
-            for i, arr in enumerate(arrays):
-                encoded.append((i, arr.shape, *enc.encode(arr)))
-            t1 = time.perf_counter()
-            w = PartWriter(tmp, "part.arrow", enc)
-            rows = {k: [] for k in ("index", "key", "label", "height", "width", "check", "data")}
-            size = 0
-            for i, shape, data, check in encoded:
-                for k, v in zip(rows, (i, str(i), 0, shape[0], shape[1], check, data)):
-                    rows[k].append(v)
-                size += len(data)
-                if size >= BATCH_BYTES:
-                    w.write(rows)
-                    rows = {k: [] for k in rows}
-                    size = 0
-            if rows["index"]:
-                w.write(rows)
-            entry = w.close()
-            t2 = time.perf_counter()
-            k = len(arrays) / 1e3
-            out[c] = {"encode_ms": (t1 - t0) / k, "part_write_ms": (t2 - t1) / k, "part_mib": entry["bytes"] / 2**20}
-            out[c]["total_ms"] = out[c]["encode_ms"] + out[c]["part_write_ms"]
+            encoded = [(i, arr.shape, *enc.encode(arr)) for i, arr in enumerate(arrays)]
+            t_enc = time.perf_counter() - t0
+            t_write, entry = write_part(enc, encoded)
             (tmp / "part.arrow").unlink()
+            t_again, _ = write_part(enc, encoded)
+            (tmp / "part.arrow").unlink()
+            out[c] = {"encode_ms": t_enc / k, "part_write_ms": t_write / k, "part_write_again_ms": t_again / k,
+                      "part_mib": entry["bytes"] / 2**20}
+            out[c]["total_ms"] = out[c]["encode_ms"] + out[c]["part_write_ms"]
+        fast = {}
+        raws = [a.tobytes() for a in arrays]
+        for lvl in fast_levels:
+            cz = zstandard.ZstdCompressor(level=lvl, write_checksum=True)
+            dz = zstandard.ZstdDecompressor()
+            t0 = time.perf_counter()
+            frames = [cz.compress(b) for b in raws]
+            t1 = time.perf_counter()
+            for f in frames:
+                dz.decompress(f)
+            t2 = time.perf_counter()
+            fast[str(lvl)] = {"encode_ms": (t1 - t0) / k, "decode_ms": (t2 - t1) / k,
+                              "ratio": sum(len(f) for f in frames) / raw}
+        out["zstd_fast_levels"] = fast
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
@@ -430,8 +453,9 @@ def markdown(doc: dict) -> str:
                  if s.get("dtype") == "uint8" else " + normalize to float32 NCHW run every epoch."),
               f"- Loader: {s['workers']} workers, batch {s['batch_size']}, prefetch {s['prefetch_factor']}, shuffle, "
               f"drop_last=False ({s['batches_per_epoch']} batches per epoch, the last one partial), output on the CPU. "
-              "Cache parts of 64 MiB, streamed to a temporary file in ~8 MiB record batches, CRC32, renamed (no fsync: "
-              "row and meta checksums catch a torn part), then listed in the manifest.",
+              "Cache parts of 64 MiB: rows copied into a reused ~8 MiB buffer, streamed to a temporary file as record "
+              "batches, xxh3-64 per row, over the small columns and over the file, renamed (no fsync: row and meta "
+              "checksums catch a torn part), then listed in the manifest.",
               f"- Rounds: one unrecorded warm-up run each of `no_cache` and a fill, then {s['rounds']} rounds. Each round: "
               "`no_cache`, then per compression (order rotated per round) `fill` → `read`. Every fill starts from an empty "
               "cache directory; every read is a new loader on the cache the fill just wrote (in the page cache). These "
@@ -486,10 +510,12 @@ def markdown(doc: dict) -> str:
         sp = x["stage_ms_per_sample"]
         cells = " | ".join(f"{sp.get(k, 0.0):.3f}" for k in stages)
         lines.append(f"| {_label(name)} | {cells} | {sum(sp.values()):.3f} |")
-    lines += ["", "`read`: the encoded file; `cache`: when reading, the cached row (decompress or CRC32 check) as a PIL "
-              "image; when filling, the row encoded (zstd or CRC32), buffered, and every 64 MiB the part written (Arrow "
-              "table, IPC file in memory, blake2b, write, fsync, rename, manifest update); `write`: the crop's output to "
-              "numpy and normalize to float32 NCHW into the shared batch buffer (with a new worker's page faults on it).", ""]
+    lines += ["", "`read`: the encoded file; `cache`: when reading, the cached row (zstd decompression, or the xxh3-64 "
+              "check of the raw row) as a PIL image; when filling, the resized image packed to bytes, encoded (zstd, or "
+              "xxh3-64 of the raw row), copied into the batch buffer, every ~8 MiB a record batch written to the part "
+              "file and every 64 MiB the part closed (xxh3 of the file, rename, manifest update); `write`: the crop's "
+              "output packed into the shared batch buffer"
+              + (" (uint8 NHWC)." if s.get("dtype") == "uint8" else " and normalized to float32 NCHW.") + "", ""]
     pw = doc.get("persistent_workers_check")
     if pw:
         e1, e2 = pw["epochs"]
@@ -499,20 +525,33 @@ def markdown(doc: dict) -> str:
                   f"cached after it: {e1['cached_after']} of {pw['samples']}; epoch 2 {e2['samples_per_s']:.0f} samples/s, "
                   f"decode {e2['stage_ms_per_sample'].get('decode', 0):.2f} ms/sample (every sample decoded would be "
                   f"{su['no_cache']['stage_ms_per_sample'].get('decode', 0):.2f}), cached after it: {e2['cached_after']}; "
-                  f"rows stored after shutdown: {pw['rows_stored_after_shutdown']} for {pw['samples']} samples. Workers "
-                  "write a part only when their buffer reaches 64 MiB or when they exit, and persistent workers exit at "
-                  "shutdown, so epoch 2 reads only the full parts and buffers the rest again (stored twice).", ""]
+                  f"rows stored after shutdown: {pw['rows_stored_after_shutdown']} for {pw['samples']} samples. "
+                  + ("Each worker closes its part when its first task of the next epoch arrives, so epoch 2 reads what "
+                     "epoch 1 cached and nothing is stored twice."
+                     if e1["cached_after"] == pw["samples"] and pw["rows_stored_after_shutdown"] == pw["samples"]
+                     else "Not everything epoch 1 computed was readable in epoch 2, or some rows were stored twice."), ""]
     fp = doc.get("fill_profile")
     if fp:
         lines += ["## What filling costs (one process, no loader)", "",
                   f"The prefix output of the first {fp['rows']} images ({fp['raw_mib']:.0f} MiB of pixels), encoded, "
                   "assembled into one part and written as the cache does it; ms per sample:", "",
-                  "| compression | encode row | stream to the part file + CRC32 + rename | total | part MiB |",
-                  "| --- | ---: | ---: | ---: | ---: |"]
+                  "| compression | encode row (zstd, or xxh3 of the raw row) | copy + stream to the part file + xxh3 + "
+                  "rename | total | the same part written again at once | part MiB |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: |"]
         for c in comps:
             x = fp[c]
             lines.append(f"| `{c}` | {x['encode_ms']:.3f} | {x['part_write_ms']:.3f} | **{x['total_ms']:.3f}** | "
-                         f"{x['part_mib']:.1f} |")
+                         f"{_f(x.get('part_write_again_ms'), '.3f')} | {x['part_mib']:.1f} |")
+        lines += ["", "*the same part written again at once*: the part file deleted and written again right away, into "
+                  "page-cache pages the kernel has just freed. The first write goes into pages that were free while the "
+                  "machine was quiet, which is what a fill of fresh data pays; on this VM such pages cost several times "
+                  "more to fill (likely the hypervisor backing them again: its balloon driver reports free guest memory "
+                  "to the host)."]
+        fast = fp.get("zstd_fast_levels") or {}
+        if fast:
+            lines += ["", "zstd's fast (negative) levels on the same rows, one process (not offered as settings): "
+                      + "; ".join(f"level {lv}: {v['ratio']:.2f} of the raw bytes, encode {v['encode_ms']:.3f} ms, "
+                                  f"decode {v['decode_ms']:.3f} ms per row" for lv, v in fast.items()) + "."]
         lines.append("")
     lines += analysis(doc)
     others = max(x["others_cpu_percent"] for x in su.values())
@@ -524,14 +563,17 @@ def markdown(doc: dict) -> str:
 
 
 def analysis(doc: dict) -> list[str]:
-    """Where epoch 2 and the filling epoch lose against the targets, from this run's numbers."""
-    su, t = doc["summary"], doc["targets"]
+    """Where epoch 2 and the filling epoch stand against the targets, from this run's numbers,
+    and what the default compression is and why."""
+    from feedgpu.cache.settings import CacheSettings
+
+    su, t, pc = doc["summary"], doc["targets"], doc["per_compression"]
     comps = doc["settings"]["compressions"]
     base = su["no_cache"]["stage_ms_per_sample"]
     base_sum = sum(base.values())
     budget_read = base_sum / t["read_speedup_min"]
     budget_write = base_sum * t["write_cost_max"]
-    lines = ["## Why the targets are missed, and ideas", "",
+    lines = ["## Against the targets", "",
              f"Epoch 1 from JPEG costs {base_sum:.2f} ms of worker time per sample (decode {base.get('decode', 0):.2f}, "
              f"resize {base.get('resize', 0):.2f}, crop {base.get('random_resized_crop', 0):.2f}, flip "
              f"{base.get('horizontal_flip', 0):.2f}, write {base.get('write', 0):.2f}). A 4× epoch 2 has "
@@ -546,53 +588,54 @@ def analysis(doc: dict) -> list[str]:
                             f"{sp.get('random_resized_crop', 0):.2f} + flip {sp.get('horizontal_flip', 0):.2f} + write "
                             f"{sp.get('write', 0):.2f} (budget {budget_read:.2f}).")
     lines += ["Epoch 2, ms per sample:", ""] + rows + [""]
+    rows = []
+    for c in comps:
+        sp = su[f"fill:{c}"]["stage_ms_per_sample"]
+        rows.append(f"- `fill:{c}`: {sum(sp.values()) - base_sum:+.2f} ms over the uncached epoch, of which the `cache` "
+                    f"stage {sp.get('cache', 0):.2f} (budget {budget_write:.2f}); measured write cost "
+                    f"{pc[c]['write_cost'] * 100:+.0f} %.")
+    lines += ["Filling, ms per sample:", ""] + rows + [""]
 
-    def cache_ms(c: str) -> str:
-        return f"{su[f'read:{c}']['stage_ms_per_sample'].get('cache', 0):.2f}" if f"read:{c}" in su else "?"
-
-    zstd = [c for c in comps if c.startswith("zstd")]
-    read_zstd = " / ".join(f"{cache_ms(c)} ms (`{c}`)" for c in zstd) or "–"
-    read_none = f"{cache_ms('none')} ms" if "none" in comps else "–"
-    fills = [su[f"fill:{c}"]["uss_mb_per_worker"] for c in comps]
-    extra_mem = statistics.median(fills) - su["no_cache"]["uss_mb_per_worker"]
     fp = doc.get("fill_profile") or {}
-    enc1 = next((f"{fp[c]['encode_ms']:.2f} ms (`{c}`)" for c in zstd if c in fp), "–")
-    encn = f"{fp['none']['encode_ms']:.2f} ms" if "none" in fp else "–"
-    first = su["no_cache"]["stage_ms_per_sample"].get("write", 0)
-    steady = su.get("no_cache_steady", {}).get("stage_ms_per_sample", {}).get("write")
+    default = CacheSettings.__dataclass_fields__["compression"].default
+    zstd = [c for c in comps if c.startswith("zstd")]
+    if "none" in comps and zstd:
+        z = zstd[0]
+        enc = f"{fp[z]['encode_ms']:.2f} ms per row" if z in fp else "?"
+        fast = fp.get("zstd_fast_levels") or {}
+        fast_txt = "; ".join(f"level {lv} keeps {v['ratio']:.2f} of the bytes for {v['encode_ms']:.2f} ms per row"
+                             for lv, v in fast.items())
+        lines += ["## The default compression", "",
+                  f"Default in `CacheSettings` and the shipped cached pipeline: **`{default}`**. Measured here: `none` "
+                  f"gives epoch 2 / epoch 1 {pc['none']['read_speedup']:.2f}× at {pc['none']['write_cost'] * 100:+.0f} % "
+                  f"write cost and {pc['none']['cache_bytes_per_image'] / 1024:.0f} KB per image; `{z}` "
+                  f"{pc[z]['read_speedup']:.2f}× at {pc[z]['write_cost'] * 100:+.0f} % and "
+                  f"{pc[z]['cache_bytes_per_image'] / 1024:.0f} KB per image "
+                  f"({pc[z]['cache_bytes'] / pc['none']['cache_bytes']:.2f} of `none`'s bytes). Encoding with `{z}` "
+                  f"costs {enc} (the whole write budget is {budget_write:.2f} ms) and its decode is the largest part of "
+                  f"its epoch 2 ({su[f'read:{z}']['stage_ms_per_sample'].get('cache', 0):.2f} ms against "
+                  f"{su['read:none']['stage_ms_per_sample'].get('cache', 0):.2f} for `none`), so only `none` comes "
+                  "near the targets"
+                  + (f"; zstd's fast levels do not change that ({fast_txt})" if fast_txt else "") + ". "
+                  f"`{z}` stays the setting for a cache that must be smaller (disk, or a cache larger than RAM, where "
+                  "every epoch reads its bytes from the disk).", ""]
+
+    lines += ["## What is left", ""]
+    if "none" in fp and fp["none"].get("part_write_again_ms"):
+        x = fp["none"]
+        lines.append(f"1. **Fresh page-cache pages.** Writing a raw part costs {x['part_write_ms']:.3f} ms per row into "
+                     f"pages that were free while the machine was quiet and {x['part_write_again_ms']:.3f} ms into pages "
+                     "just freed (fill profile above): on this VM the largest part of the fill's write cost is taking new "
+                     "pages into the page cache, paid per byte written. Only fewer bytes lower it, and every compressor "
+                     "measured here costs more CPU per row than the page-cache writes it saves.")
     lines += [
-        "Epoch 2 ideas, largest first:",
-        "",
-        "1. **Persistent workers must read in epoch 2 what they wrote in epoch 1.** Today a worker writes its buffered "
-        "rows only at 64 MiB or when it exits; with persistent workers (the default) it exits at shutdown, so the "
-        "training run's epoch 2 decodes the tail again and stores it twice (see above; on a data set under "
-        "64 MiB per worker nothing is read from the cache in the same run). Flushing at the end of each epoch "
-        "(e.g. each worker flushes when the epoch's last task is done, or the loader sends one flush task per "
-        "worker when an epoch ends) makes the *steady* column the real epoch 2.",
-        "2. **`write` (normalize to float32 into the shared batch) is the largest stage of a cached epoch**: "
-        f"{first:.2f} ms per sample in a loader's first epoch"
-        + (f" against {steady:.2f} ms in its later epochs: the difference is page faults of fresh workers on the "
-           "shared buffers." if steady is not None else ".") + " Pre-faulting the slots in each worker after fork (e.g. "
-        "`madvise(MADV_POPULATE_WRITE)` once per worker) would remove that from epoch 1 and from every new loader. "
-        "With a GPU, normalize runs on the device and only uint8 is written on the CPU.",
-        f"3. **Cache read**: zstd decompression of a 256 px image costs {read_zstd}; `none` costs {read_none} (CRC32 "
-        "of the raw row + wrapping the mapped bytes). Only `none` comes near the budget. The CRC could be checked once "
-        "per row group or once per part on first use per process instead of per read, or with a faster checksum "
-        "(crc32c/xxh3).",
-        "4. **Crop + flip** (~0.2 ms): fold the flip into the normalize write (a reversed-stride view) and crop "
-        "straight from the mapped pixels; a smaller cached side (e.g. 160–192 px instead of 256) cuts read and "
-        "crop cost roughly by the pixel count.",
-        "",
-        "Filling ideas (the write cost is CPU on a machine whose cores the workers already use):",
-        "",
-        "1-3. Done since the first recording: parts stream to their temporary file in ~8 MiB record batches, the "
-        "file checksum is CRC32 (zlib, ~3.5 GB/s here, blake2b ~0.8), and there is no fsync (row and meta checksums "
-        f"find a torn part). Filling workers still hold {extra_mem:.0f} MB more than uncached ones.",
-        f"4. **zstd encoding costs {enc1} per sample** on this CPU — more than the whole write budget. Without "
-        f"compression (`none`) the encode is a copy + CRC32 ({encn}); zstd's fast negative levels, or compressing "
-        "in a second pass when the machine is idle, are the options if disk size matters.",
-        "",
-    ]
+        "2. **Seeding per sample and stage**: every random stage builds a NumPy generator from a SeedSequence "
+        "(`sample_rng`), twice per sample here (crop, flip), a fixed cost in both epochs that weighs more in the short "
+        "cached epoch.",
+        "3. **Crop + flip**: fold the flip into the batch write (a reversed-stride copy) and crop straight from the "
+        "mapped pixels; a smaller cached side (e.g. 160–192 px instead of 256) cuts the bytes written, read and "
+        "cropped roughly by the pixel count.",
+        ""]
     return lines
 
 

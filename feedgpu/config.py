@@ -131,7 +131,7 @@ class ExecutorCfg(_Strict):
 class CacheCfg(_Strict):
     enabled: bool = False
     dir: Union[str, None] = None
-    compression: Annotated[str, Field(pattern=r"^(none|zstd(:([1-9]|1[0-9]|2[0-2]))?)$")] = "zstd:1"
+    compression: Annotated[str, Field(pattern=r"^(none|zstd(:([1-9]|1[0-9]|2[0-2]))?)$")] = "none"
     max_size: Union[Annotated[int, Field(gt=0)], str, None] = None
 
     @field_validator("max_size")

@@ -10,7 +10,6 @@ import hashlib
 import importlib
 import inspect
 import json
-import zlib
 import logging
 import multiprocessing as mp
 import os
@@ -25,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
+import xxhash
 import yaml
 from click.testing import CliRunner
 
@@ -415,7 +415,7 @@ def test_flipped_bytes_are_detected_dropped_and_recomputed(src, tmp_path, compre
     flip_row_bytes(bad, row=2)
     loader = DataLoader(pipe(src, settings(root, compression=compression)))
     stl: list[dict] = []
-    why = "CRC32 mismatch" if compression == "none" else "[^;]*([Cc]hecksum|[Cc]orrupt|[Ee]rror)"
+    why = "checksum mismatch" if compression == "none" else "[^;]*([Cc]hecksum|[Cc]orrupt|[Ee]rror)"
     with pytest.warns(UserWarning, match=f"{bad.name} row 2: {why}.*; the part is dropped and its samples recomputed"):
         got = run_epochs(loader, 2, stl)
     loader.shutdown()
@@ -536,6 +536,99 @@ def test_damaged_label_column_is_never_served(src, tmp_path):
     got = run_epochs(loader, 1)
     loader.shutdown()
     assert same(got, reference(src, epochs=1))
+
+
+def test_rows_swapped_with_their_checksums_are_never_served(src, tmp_path):
+    """Two rows' pixels and checks exchanged: each row is consistent on its own, but the part's
+    meta checksum (which covers the check column and the row lengths) no longer matches."""
+    root = tmp_path / "c"
+    entry = fill(src, root, compression="none", part_bytes=120_000)
+    bad = part_files(entry)[0]
+    with pa.memory_map(str(bad)) as mm:
+        t = pa.ipc.open_file(mm).read_all()
+    order = list(range(t.num_rows))
+    order[0], order[1] = 1, 0
+    for name in ("check", "data"):
+        col = t.column(name).take(order)
+        t = t.set_column(t.schema.get_field_index(name), name, col)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, t.schema) as w:
+        w.write_table(t)
+    bad.write_bytes(sink.getvalue().to_pybytes())
+    loader = DataLoader(pipe(src, settings(root, compression="none")))
+    stl: list[dict] = []
+    assert same(run_epochs(loader, 1, stl), reference(src, epochs=1))
+    loader.shutdown()
+    assert decode_s(stl)[0] > 0 and bad.name not in [p["name"] for p in manifest(entry)["parts"]]
+
+
+def test_an_entry_of_the_previous_format_is_rebuilt_not_read(src, tmp_path, monkeypatch):
+    """Format 1 stored CRC32 checks in a uint32 column: its manifest is not accepted (and the
+    format is part of the fingerprint, so a format-2 loader looks elsewhere anyway)."""
+    fpm = importlib.import_module("feedgpu.cache.fingerprint")
+    root = tmp_path / "c"
+    entry = fill(src, root)
+    m = manifest(entry)
+    m["format"] = "feedgpu.cache/1"
+    (entry / "manifest.json").write_text(json.dumps(m))
+    loader = DataLoader(pipe(src, settings(root)))
+    stl: list[dict] = []
+    assert same(run_epochs(loader, 1, stl), reference(src, epochs=1))
+    loader.shutdown()
+    assert decode_s(stl)[0] > 0 and manifest(entry)["format"] == "feedgpu.cache/2"
+    base = fp(src, prefix())
+    monkeypatch.setattr(fpm, "CACHE_FORMAT", "feedgpu.cache/1")
+    assert fp(src, prefix()) != base
+
+
+def test_row_buffer_grows_and_round_trips_through_a_part(tmp_path):
+    """Rows larger than the buffer grow it; the part written from it reads back byte for byte,
+    with the file and meta checksums of what is on disk."""
+    from feedgpu.cache.parts import Part, PartWriter, RowBuffer, RowEncoder, file_checksum
+
+    rng = np.random.default_rng(0)
+    imgs = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in ((5, 7), (40, 30), (1, 1), (64, 64))]
+    for codec, level in (("none", 0), ("zstd", 1)):
+        enc, buf = RowEncoder(codec, level), RowBuffer(capacity=100)
+        w = PartWriter(tmp_path, f"p-{codec}.arrow", enc)
+        for batch in (imgs[:2], imgs[2:]):
+            for i, a in enumerate(batch):
+                data, check = enc.encode(a)
+                buf.add(len(buf) + 10 * i, f"k{i}", i, a.shape[0], a.shape[1], check, data)
+            w.write(buf)
+            buf.clear()
+        entry = w.close()
+        path = str(tmp_path / entry["name"])
+        assert entry["rows"] == 4 and entry["file_xxh3"] == file_checksum(path)
+        assert entry["file_xxh3"] == xxhash.xxh3_64_intdigest(Path(path).read_bytes())
+        part = Part(path, entry["meta_xxh3"])
+        assert [np.array_equal(part.pixels(r), a) for r, a in enumerate(imgs)] == [True] * 4
+        with pytest.raises(Exception, match="do not match their checksum"):
+            Part(path, entry["meta_xxh3"] ^ 1)
+
+
+def test_writing_and_reading_parts_does_not_import_pandas(tmp_path):
+    """pyarrow imports pandas (~0.25 s) on ``pa.array(...)`` and ``to_numpy()``; a filling worker
+    would pay that in its first batch. Parts are built from and read through buffers instead."""
+    import subprocess
+
+    code = (
+        "import sys, numpy as np\n"
+        "from feedgpu.cache.parts import Part, PartWriter, RowBuffer, RowEncoder\n"
+        "enc, buf = RowEncoder('none', 0), RowBuffer(1 << 16)\n"
+        f"w = PartWriter({str(tmp_path)!r}, 'p.arrow', enc)\n"
+        "a = np.zeros((4, 5, 3), np.uint8)\n"
+        "data, check = enc.encode(a)\n"
+        "buf.add(0, 'k', 1, 4, 5, check, data)\n"
+        "w.write(buf)\n"
+        "e = w.close()\n"
+        f"part = Part({str(tmp_path / 'p.arrow')!r}, e['meta_xxh3'])\n"
+        "assert (part.pixels(0) == a).all() and part.labels.tolist() == [1]\n"
+        "print('pandas' in sys.modules)\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
 
 
 # -- 4. quarantine ------------------------------------------------------------------------------------
@@ -758,7 +851,7 @@ def test_settings_from_values(tmp_path, monkeypatch):
     monkeypatch.setenv("FEEDGPU_CACHE_DIR", str(tmp_path / "env"))
     assert CacheSettings.make(None) is None and CacheSettings.make(False) is None
     s = CacheSettings.make(True)
-    assert s.dir == tmp_path / "env" / "cache" and s.compression == "zstd:1" and s.max_size is None
+    assert s.dir == tmp_path / "env" / "cache" and s.compression == "none" and s.max_size is None
     s = CacheSettings.make(str(tmp_path / "x"))
     assert s.dir == tmp_path / "x"
     s = CacheSettings.make({"dir": str(tmp_path), "compression": "zstd:3", "max_size": "512MiB", "enabled": True})
@@ -831,14 +924,14 @@ def test_files_are_not_world_writable_and_the_manifest_is_json(src, tmp_path):
         mode = stat.S_IMODE(f.stat().st_mode)
         assert not mode & stat.S_IWOTH, f"{f} is world-writable ({oct(mode)})"
     m = json.loads((entry / "manifest.json").read_text())  # JSON, no pickle
-    assert m["format"] == "feedgpu.cache/1" and m["fingerprint"] == entry.name
-    assert m["samples"] == N_IMAGES and m["compression"] == "zstd:1" and m["quarantine"] == []
+    assert m["format"] == "feedgpu.cache/2" and m["fingerprint"] == entry.name
+    assert m["samples"] == N_IMAGES and m["compression"] == "none" and m["quarantine"] == []
     assert m["schema"] == {"dtype": "uint8", "layout": "HWC", "channels": 3}
     assert m["feedgpu_version"] and m["meta"]["stages"][1] == {"name": "resize", "config": Resize(SIZE).config()}
     for p in m["parts"]:
         f = entry / p["name"]
         assert p["bytes"] == f.stat().st_size
-        assert p["crc32"] == zlib.crc32(f.read_bytes()) and isinstance(p["meta_crc32"], int)
+        assert p["file_xxh3"] == xxhash.xxh3_64_intdigest(f.read_bytes()) and isinstance(p["meta_xxh3"], int)
     assert sum(p["rows"] for p in m["parts"]) == N_IMAGES
 
 
@@ -875,7 +968,7 @@ def test_cli_build_info_verify_clear(folder_ds, tmp_path, monkeypatch):
     assert f"entry holds {N_IMAGES}/{N_IMAGES}" in res.output
     entry = entry_dir(root)
     m = manifest(entry)
-    assert m["compression"] == "zstd:1" and sum(p["rows"] for p in m["parts"]) == N_IMAGES
+    assert m["compression"] == "none" and sum(p["rows"] for p in m["parts"]) == N_IMAGES
     # again: nothing to do
     res = cli("cache", "build", "--pipeline", CACHED_YAML, "--data", folder_ds, "--cache-dir", root)
     assert res.exit_code == 0 and f"{N_IMAGES} of {N_IMAGES} samples cached, 0 to build" in res.output
@@ -883,13 +976,13 @@ def test_cli_build_info_verify_clear(folder_ds, tmp_path, monkeypatch):
     res = cli("cache", "info", "--cache-dir", root)
     assert res.exit_code == 0, res.output
     assert f"cache root {root}: 1 entry" in res.output
-    assert entry.name in res.output and f"{N_IMAGES}/{N_IMAGES} rows" in res.output and "zstd:1" in res.output
+    assert entry.name in res.output and f"{N_IMAGES}/{N_IMAGES} rows" in res.output and "none" in res.output
     res = cli("cache", "info", "--cache-dir", root, "--json")
     info = json.loads(res.stdout)
     assert len(info) == 1
     e = info[0]
     assert (e["fingerprint"], e["rows"], e["samples"], e["quarantined"], e["compression"], e["manifest"]) == \
-        (entry.name, N_IMAGES, N_IMAGES, 0, "zstd:1", True)
+        (entry.name, N_IMAGES, N_IMAGES, 0, "none", True)
     assert e["bytes"] == sum(f.stat().st_size for f in entry.iterdir() if f.is_file())
 
     res = cli("cache", "verify", "--cache-dir", root)

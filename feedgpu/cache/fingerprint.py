@@ -13,7 +13,9 @@ import json
 from ..stages.base import Stage
 from ..stages.custom import PythonStage
 
-CACHE_FORMAT = "feedgpu.cache/1"
+CACHE_FORMAT = "feedgpu.cache/2"
+"""Bumped whenever the files' layout changes (2: xxh3-64 checksums, ``check`` uint64): the
+fingerprint includes it, so a cache written in another format is rebuilt, never misread."""
 
 
 class NotFingerprintable(Exception):

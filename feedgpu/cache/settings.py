@@ -53,16 +53,17 @@ def default_cache_root() -> Path:
 class CacheSettings:
     """Args:
         dir: cache root (default ``<user cache dir>/feedgpu/cache``, or ``$FEEDGPU_CACHE_DIR/cache``).
-        compression: ``"zstd:N"`` (per sample, with zstd's frame checksum) or ``"none"`` (raw
-            pixels with a CRC32 per sample). Default ``"zstd:1"``, chosen from
-            ``bench/results/cache_formats.md``.
+        compression: ``"none"`` (raw pixels with an xxh3-64 per sample) or ``"zstd:N"`` (per
+            sample, with zstd's frame checksum). Default ``"none"``: the fastest to fill and to
+            read (``bench/results/cache_epochs_uint8.md``); ``"zstd:1"`` stores about 2/3 of the
+            bytes (``bench/results/cache_formats.md``) at several times the CPU per sample.
         max_size: size budget of the whole cache root (``"20GiB"``); least recently used
             entries of other pipelines are evicted first; ``None``: no limit.
         part_bytes: target size of one part file (default 64 MiB).
     """
 
     dir: Path
-    compression: str = "zstd:1"
+    compression: str = "none"
     max_size: int | None = None
     part_bytes: int = 64 << 20
 
@@ -85,6 +86,6 @@ class CacheSettings:
         if unknown:
             raise ConfigError(f"cache: unknown keys {sorted(unknown)}; allowed: compression, dir, max_size, part_bytes")
         root = Path(d["dir"]).expanduser() if d.get("dir") else default_cache_root()
-        compression = d.get("compression") or "zstd:1"
+        compression = d.get("compression") or cls.compression
         parse_compression(compression)
         return cls(root, compression, parse_size(d.get("max_size")), parse_size(d.get("part_bytes")) or 64 << 20)

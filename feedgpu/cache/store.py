@@ -23,14 +23,13 @@ from pathlib import Path
 import numpy as np
 
 from . import manifest as mf
-from .parts import CorruptPart, CorruptRow, Part, PartWriter, RowEncoder, file_crc32
+from .parts import CorruptPart, CorruptRow, Part, PartWriter, RowBuffer, RowEncoder, file_checksum
 from .settings import CacheSettings, parse_compression
 
 log = logging.getLogger("feedgpu.cache")
 STRAY_AGE_S = 3600
 BATCH_BYTES = 8 << 20   # rows are streamed to the part file in record batches of about this size
 INUSE = ".inuse"
-COLUMNS = ("index", "key", "label", "height", "width", "check", "data")
 
 
 class CacheEntry:
@@ -97,7 +96,7 @@ class CacheEntry:
             if p["name"] in self._loaded:
                 continue
             try:
-                part = Part(str(self.dir / p["name"]), p.get("meta_crc32"))
+                part = Part(str(self.dir / p["name"]), p.get("meta_xxh3"))
             except (OSError, ValueError, CorruptPart) as e:  # missing, truncated or damaged
                 log.warning("cache part %s is unreadable (%s); dropped, its samples are recomputed", p["name"], e)
                 bad.append(p["name"])
@@ -150,8 +149,7 @@ class CacheEntry:
 
     # -- filling ------------------------------------------------------------------------------
     def _reset_buffer(self) -> None:
-        self._rows = {c: [] for c in COLUMNS}
-        self._bytes = 0
+        self._rows = RowBuffer(min(BATCH_BYTES, self.settings.part_bytes) + (1 << 20))
         self._buffered: set[int] = set()
         self._quarantine: list[dict] = []
         self._part: PartWriter | None = None
@@ -168,17 +166,9 @@ class CacheEntry:
         if self.full or self.part_of[index] >= 0 or index in self._buffered:
             return
         data, check = self._encoder.encode(pixels)
-        r = self._rows
-        r["index"].append(index)
-        r["key"].append(key)
-        r["label"].append(label)
-        r["height"].append(pixels.shape[0])
-        r["width"].append(pixels.shape[1])
-        r["check"].append(check)
-        r["data"].append(data)
+        self._rows.add(index, key, label, pixels.shape[0], pixels.shape[1], check, data)
         self._buffered.add(index)
-        self._bytes += len(data)
-        if self._bytes >= min(BATCH_BYTES, self.settings.part_bytes):
+        if self._rows.nbytes >= min(BATCH_BYTES, self.settings.part_bytes):
             self._write_batch()
             if self._part is not None and self._part.bytes >= self.settings.part_bytes:
                 self.flush()
@@ -191,7 +181,7 @@ class CacheEntry:
             self._quarantine.append({"index": index, "key": key, "reason": reason})
 
     def _write_batch(self) -> None:
-        if not self._rows["index"]:
+        if not len(self._rows):
             return
         try:
             if self._part is None:
@@ -199,8 +189,7 @@ class CacheEntry:
             self._part.write(self._rows)
         except OSError as e:
             self._give_up(e)
-        self._rows = {c: [] for c in COLUMNS}
-        self._bytes = 0
+        self._rows.clear()
 
     def flush(self) -> None:
         """Close the current part (renamed into place) and list it, with new quarantined samples,
@@ -326,10 +315,10 @@ def verify(entry: Path, repair: bool = True) -> dict:
     for p in m["parts"]:
         path = entry / p["name"]
         try:
-            if file_crc32(str(path)) != p.get("crc32"):
+            if file_checksum(str(path)) != p.get("file_xxh3"):
                 bad.append((p["name"], "checksum mismatch"))
                 continue
-            part = Part(str(path), p.get("meta_crc32"))
+            part = Part(str(path), p.get("meta_xxh3"))
             for r in range(len(part)):
                 part.pixels(r)
             rows += len(part)

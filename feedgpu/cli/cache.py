@@ -32,7 +32,7 @@ def cache() -> None:
 @click.option("--pipeline", "pipeline_file", type=click.Path(exists=True, dir_okay=False), required=True)
 @click.option("--data", type=click.Path(exists=True), help="Dataset path (sets source.path).")
 @click.option("--cache-dir", type=click.Path(file_okay=False), help="Cache root (default: the pipeline's or the user cache).")
-@click.option("--compression", help="none or zstd:N (default: the pipeline's, else zstd:1).")
+@click.option("--compression", help="none or zstd:N (default: the pipeline's, else none).")
 @click.option("--workers", type=int, default=None, help="Worker processes (default: the pipeline's).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a pipeline key.")
 def build_cmd(pipeline_file, data, cache_dir, compression, workers, sets) -> None:

@@ -17,6 +17,7 @@ from ..sources.base import Source
 from ..stages.base import sample_rng
 from .plan import Plan
 from . import progress
+from .pixels import rgb_array, rgb_image
 
 
 @dataclass
@@ -99,8 +100,7 @@ class Assembler:
             pixels = cache.get(idx)
             if pixels is not None:
                 key, label = None, cache.label(idx)
-                # frombuffer shares the decompressed pixels instead of copying them like fromarray
-                x = Image.frombuffer("RGB", (pixels.shape[1], pixels.shape[0]), pixels, "raw", "RGB", 0, 1)
+                x = rgb_image(pixels)
                 start = self.prefix
         if x is None:
             progress.at("read", idx)
@@ -130,13 +130,18 @@ class Assembler:
             secs[st.name] += t2 - t1
             t1 = t2
             if cache is not None and pos + 1 == self.prefix:
-                pixels = np.ascontiguousarray(np.asarray(_rgb(x)))
-                cache.put(idx, key, label, pixels)
                 # the stages after the cache get what a cache hit gives them: a PIL RGB image
-                x = Image.frombuffer("RGB", (pixels.shape[1], pixels.shape[0]), pixels, "raw", "RGB", 0, 1)
+                if isinstance(x, Image.Image):
+                    x = _rgb(x)
+                    cache.put(idx, key, label, rgb_array(x))
+                else:  # a prefix that returns arrays
+                    pixels = np.ascontiguousarray(x)
+                    cache.put(idx, key, label, pixels)
+                    x = rgb_image(pixels)
                 t1 = time.perf_counter()
                 secs["cache"] += t1 - t2
-        arr = np.asarray(_rgb(x))
+        x = _rgb(x)
+        arr = rgb_array(x) if isinstance(x, Image.Image) else np.asarray(x)
         if arr.shape != self.want or arr.dtype != np.uint8:
             last = self.stages[-1].name if self.stages else "source"
             raise StageError(f"stage {last!r} gave {arr.dtype} {arr.shape} for {key or self.source.key(idx)}; "
