@@ -30,7 +30,7 @@ from click.testing import CliRunner
 
 from conftest import CASES, N_IMAGES, REPO
 from feedgpu import ConfigError, DataLoader, FolderSource, Pipeline, SkippedSampleWarning
-from feedgpu.cache import CacheSettings, entries, fingerprint, open_entry, parse_compression, parse_size, verify
+from feedgpu.cache import CacheEntry, CacheSettings, entries, fingerprint, open_entry, parse_compression, parse_size, verify
 from feedgpu.cache.fingerprint import NotFingerprintable, stage_key
 from feedgpu.stages import Decode, HorizontalFlip, Normalize, PythonStage, RandomResizedCrop, Resize
 
@@ -427,6 +427,28 @@ def test_flipped_bytes_are_detected_dropped_and_recomputed(src, tmp_path, compre
     r = verify(entry, repair=False)
     assert r["bad_parts"] == [] and r["rows"] >= N_IMAGES
 
+
+def test_a_part_another_process_dropped_is_no_longer_counted_as_cached(src, tmp_path):
+    """A worker that finds a bad row drops its part from the manifest; the loader's own view of
+    the entry (``stats()["cache"]``) follows on refresh instead of still counting those rows."""
+    root = tmp_path / "c"
+    entry = fill(src, root, part_bytes=120_000)
+    bad = part_files(entry)[1]
+    flip_row_bytes(bad, row=2)
+    main = CacheEntry(CacheSettings(dir=root), entry.name, len(src))
+    worker = CacheEntry(CacheSettings(dir=root), entry.name, len(src))
+    assert main.cached == worker.cached == len(src) and main.complete
+    pid = [p.path for p in worker.parts].index(str(bad))
+    rows = int(np.count_nonzero(worker.part_of == pid))
+    index = int(worker.parts[pid].index[2])
+    with pytest.warns(UserWarning, match="the part is dropped"):
+        assert worker.get(index) is None
+    time.sleep(0.01)  # the manifest's mtime moves on
+    main.refresh()
+    assert main.cached == worker.cached == len(src) - rows
+    assert not main.complete and main.get(index) is None
+    main.close()
+    worker.close()
 
 @pytest.mark.parametrize("compression", ["zstd:3", "none"])
 def test_cache_verify_reports_and_drops_a_damaged_part(src, tmp_path, compression):

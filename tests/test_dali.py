@@ -476,6 +476,63 @@ def test_a_dali_failure_redoes_the_batch_on_python_and_dali_goes_on(indexed, mon
     assert len(more) == len(ref_py) and loader.stats()["engine"]["dali_errors"] == 1
 
 
+
+def test_a_dali_failure_while_scheduling_ahead_keeps_every_batch_in_its_place(indexed, monkeypatch):
+    """DALI refuses batch 2 while batch 1 is being computed and batch 3 is also ready to go: the
+    pipelines are rebuilt and batch 1 must be fed to the new ones before batch 3 (each pipeline
+    returns outputs in feeding order). Before the fix batch 3 went in first and batches 1 and 3
+    came out swapped."""
+    from nvidia.dali import Pipeline as DaliPipeline
+
+    import time
+
+    from feedgpu.exec import dali_engine
+    from feedgpu.exec.dali_engine import DaliWork
+
+    ref_py, _ = run(pipe(indexed, train_stages(True), seed=1))
+    ref_dali, _ = run(pipe(indexed, train_stages(True), DALI_CPU, seed=1))
+    jobs, state = [], {"job": None, "failed": False}
+    real_compute, real_schedule = DaliWork._compute, DaliWork._schedule
+    real_run = DaliPipeline.schedule_run
+
+    class InFlight(dali_engine._InFlight):  # batches in the order they are started
+        def __init__(self, *a):
+            super().__init__(*a)
+            jobs.append(self)
+
+    def compute(self, job):
+        if len(jobs) > 1 and job is jobs[1]:  # batches 2 and 3 prepared by then: both go ahead
+            deadline = time.monotonic() + 30
+            while len(jobs) < 4 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            for j in jobs[2:4]:
+                j.prepared.result(timeout=30)
+        return real_compute(self, job)
+
+    def schedule(self, job):
+        state["job"] = job
+        return real_schedule(self, job)
+
+    def schedule_run(self, *a, **kw):
+        if len(jobs) > 2 and state["job"] is jobs[2] and not state["failed"]:
+            state["failed"] = True
+            raise RuntimeError("simulated: DALI refused the batch")
+        return real_run(self, *a, **kw)
+
+    monkeypatch.setattr(dali_engine, "_InFlight", InFlight)
+    monkeypatch.setattr(DaliWork, "_compute", compute)
+    monkeypatch.setattr(DaliWork, "_schedule", schedule)
+    monkeypatch.setattr(DaliPipeline, "schedule_run", schedule_run)
+    loader = DataLoader(pipe(indexed, train_stages(True), DALI_CPU, seed=1, prefetch_factor=3))
+    with pytest.warns(UserWarning, match="DALI failed on batch 2 of epoch 0"):
+        got = clone_all(loader)
+    assert state["failed"]
+    print("MATRIX", [[int(torch.equal(g.images, r.images)) for r in ref_dali[:5]] for g in got[:5]])
+    assert torch.equal(got[2].images, ref_py[2].images), "the refused batch is the Python engine's"
+    for b in (0, 1, 3, 4):
+        assert torch.equal(got[b].images, ref_dali[b].images), f"batch {b} holds another batch's pixels"
+    assert batches_equal(got[:2] + got[3:], ref_dali[:2] + ref_dali[3:])
+
 def test_a_jpeg_dali_cannot_decode_is_skipped_via_the_python_engine(cases_datasets, monkeypatch):
     """A JPEG cut short that reaches DALI anyway (the end-of-image check turned off here) makes
     DALI raise; the batch is redone on Python, which skips the file as truncated."""

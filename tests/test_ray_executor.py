@@ -356,6 +356,49 @@ def test_import_feedgpu_without_ray():
     assert "pip install 'feedgpu[ray]'" in out.stdout
 
 
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:{port}", "ray://127.0.0.1:{port}", "no-such-host.invalid:6379"])
+def test_an_unreachable_address_raises_config_error_quickly(address):
+    """A HOST:PORT where no cluster listens: ConfigError naming the address within seconds, not
+    ray.init's endless "Failed to get cluster ID from GCS server" retries (checked in a fresh
+    process: this one has joined the module's cluster, and connect() then returns at once)."""
+    address = address.format(port=_closed_port())
+    code = textwrap.dedent(f"""
+        import time
+        import feedgpu
+        from feedgpu.stages import Decode, ResizeCenterCrop
+        import numpy as np
+
+        class Four:
+            def __len__(self):
+                return 4
+
+            def __getitem__(self, i):
+                return np.zeros((8, 8, 3), np.uint8), i
+
+        p = feedgpu.Pipeline(Four(), [Decode(), ResizeCenterCrop(8, 8)],
+                             batch_size=2, num_workers=0, device="cpu", executor="ray")
+        t = time.monotonic()
+        try:
+            feedgpu.DataLoader(p, executor={{"name": "ray", "address": {address!r}, "remote_workers": 1}})._acquire_pool()
+        except feedgpu.ConfigError as e:
+            print("ConfigError:", e)
+        print("seconds", time.monotonic() - t)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr
+    assert f"ConfigError: executor.address {address!r}: cannot join the Ray cluster" in out.stdout, out.stdout
+    assert float(out.stdout.split("seconds")[-1]) < 20
+
 def square_or_exit(task, marker: str):
     """A RemoteWorkers handler: ``task[2] ** 2``; kills its process once on 3 (marker file)."""
     if task[2] == 3 and not os.path.exists(marker):

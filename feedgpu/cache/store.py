@@ -91,6 +91,12 @@ class CacheEntry:
         if m is None or m["fingerprint"] != self.fingerprint:
             return
         self._mtime = mtime
+        listed = {p["name"] for p in m["parts"]}
+        for pid, part in enumerate(self.parts):  # dropped by another process (a bad row, verify)
+            name = os.path.basename(part.path)
+            if name in self._loaded and name not in listed:
+                self._loaded.discard(name)
+                self.part_of[self.part_of == pid] = -1
         bad = []
         for p in m["parts"]:
             if p["name"] in self._loaded:

@@ -309,6 +309,10 @@ class DaliWork:
                 if not nxt.prepared.done() or nxt.prepared.exception() is not None:
                     break
                 self._schedule(nxt)
+                if nxt.error is not None:
+                    # the pipelines were dropped: ``job`` goes into the new ones before any later
+                    # batch, as each pipeline returns its outputs in the order it was fed
+                    break
             self._schedule(job)  # again, if a later batch's failure dropped the pipelines
             if job.error is None:
                 try:

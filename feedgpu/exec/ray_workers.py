@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import queue
+import socket
 import threading
 import time
 import uuid
@@ -37,6 +39,8 @@ log = logging.getLogger("feedgpu.ray")
 #: Seconds one ``ray.wait`` blocks before the collector thread picks up new calls.
 WAIT_S = 0.05
 NAMESPACE = "feedgpu"
+#: Seconds :func:`connect` waits for a TCP connection to an explicit ``HOST:PORT`` address.
+CONNECT_CHECK_S = 5.0
 
 
 def import_ray():
@@ -55,6 +59,7 @@ def connect(settings: ExecutorSettings) -> None:
     ray = import_ray()
     if ray.is_initialized():
         return
+    _check_reachable(settings.address if settings.address is not None else os.environ.get("RAY_ADDRESS"))
     try:
         if settings.address is None:
             ray.init(include_dashboard=False, log_to_driver=False, namespace=NAMESPACE)
@@ -62,6 +67,26 @@ def connect(settings: ExecutorSettings) -> None:
             ray.init(address=settings.address, log_to_driver=False, namespace=NAMESPACE)
     except (ConnectionError, RuntimeError, ValueError) as e:
         raise ConfigError(f"executor.address {settings.address!r}: cannot join the Ray cluster ({e})") from e
+
+
+def _check_reachable(address: str | None, timeout_s: float = CONNECT_CHECK_S) -> None:
+    """Raises :class:`ConfigError` when ``address`` is ``HOST:PORT`` (or ``ray://HOST:PORT``) and
+    nothing accepts a TCP connection there within ``timeout_s``. ``ray.init`` would otherwise
+    retry such an address for ever (Ray 2.x logs "Failed to get cluster ID from GCS server"
+    every 30 s and never returns). ``None``, ``auto``, ``local`` and other forms are Ray's."""
+    if not address or address in ("auto", "local"):
+        return
+    hostport = address[len("ray://"):] if address.startswith("ray://") else address
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return
+    host = host.strip("[]")  # [IPv6]:PORT
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ConfigError(f"executor.address {address!r}: cannot join the Ray cluster (nothing answers at "
+                          f"{host}:{port} within {timeout_s:g} s: {e}); check the head's address and port "
+                          "(ray start --head prints them) and that this node can reach it") from None
 
 
 def _actor_class(ray):
