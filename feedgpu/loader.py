@@ -568,6 +568,7 @@ class _EpochIterator:
             self._batches = itertools.islice(order.batches(epoch), start, None)
         self.submitted = start
         self.budget = SkipBudget(loader.max_skipped, epoch_samples(order), epoch)
+        self._bad: set[str] = set()   # keys skipped in this epoch
         self._peeked: dict[int, np.ndarray] = {}   # inline mode: batch -> indices, read ahead
         self._peeked_to = start
         self.inline = (loader.num_workers == 0 and not loader.executor.remote) or loader.engine.name == "dali"
@@ -663,6 +664,9 @@ class _EpochIterator:
             raise
         loader = self.loader
         if report is not None:
+            if report.skipped:  # a bad sample met again as another's spare: one skip per epoch
+                report.skipped = [s for s in report.skipped if s[0] not in self._bad]
+                self._bad.update(key for key, _, _ in report.skipped)
             loader._stats.add_report(report)
             if report.skipped:
                 try:

@@ -164,3 +164,40 @@ def test_skip_budget_exceeded_pickles_with_its_fields():
         b.add([("a.jpg", "empty", "")])
     e = pickle.loads(pickle.dumps(info.value))
     assert (e.counts, e.keys, e.limit) == ({"empty": 1}, [("a.jpg", "empty")], 0)
+
+
+def test_a_bad_sample_drawn_again_as_a_spare_is_counted_once_per_epoch(cases_datasets):
+    """Without shuffling, a batch's spares are the samples after it: a bad sample replacing
+    another bad one is met twice in one epoch. It is one bad sample: skipped once, counted once
+    in the stats and in the skip budget, one warning."""
+    import collections
+    import warnings
+
+    from conftest import open_format
+    from feedgpu import DataLoader, Pipeline
+    from feedgpu.stages import Decode, RandomResizedCrop
+
+    src = open_format("folder", cases_datasets["folder"])
+
+    def loader(max_skipped):
+        return DataLoader(Pipeline(src, [Decode(), RandomResizedCrop(32)], batch_size=8, shuffle=False, seed=0,
+                                   num_workers=0, max_skipped=max_skipped, device="cpu"))
+
+    probe = loader(None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        list(probe)
+    bad = len({k for k, _ in probe.stats()["skipped_keys"]})
+    assert bad >= 3
+    exact = loader(bad)     # a budget of exactly the bad samples: passes only if each counts once
+    for epoch in range(2):
+        exact.set_epoch(epoch)
+        before = len(exact.stats()["skipped_keys"])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rows = sum(len(b.labels) for b in exact)
+        keys = [k for k, _ in exact.stats()["skipped_keys"][before:]]
+        skips = [str(w.message) for w in caught if "skipped" in str(w.message)]
+        assert not [k for k, n in collections.Counter(keys).items() if n > 1], keys
+        assert len(skips) == len(keys) == bad
+        assert rows == len(src)   # every row refilled by a good spare
