@@ -328,23 +328,27 @@ def test_balancer_adds_remote_workers_when_local_ones_are_capped_and_releases_th
     loader.shutdown()
 
 
+#: a 4-sample pipeline with executor ray, for the tests that run in a fresh interpreter
+_FOUR_PIPELINE = textwrap.dedent("""
+    import feedgpu
+    from feedgpu.stages import Decode, ResizeCenterCrop
+    import numpy as np
+
+    class Four:
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return np.zeros((8, 8, 3), np.uint8), i
+
+    p = feedgpu.Pipeline(Four(), [Decode(), ResizeCenterCrop(8, 8)],
+                         batch_size=2, num_workers=0, device="cpu", executor="ray")
+""")
+
+
 def test_import_feedgpu_without_ray():
-    code = textwrap.dedent("""
-        import sys
-        sys.modules["ray"] = None   # import ray raises ImportError
-        import feedgpu
-        from feedgpu.stages import Decode, ResizeCenterCrop
-        import numpy as np
-
-        class Four:
-            def __len__(self):
-                return 4
-
-            def __getitem__(self, i):
-                return np.zeros((8, 8, 3), np.uint8), i
-
-        p = feedgpu.Pipeline(Four(), [Decode(), ResizeCenterCrop(8, 8)],
-                             batch_size=2, num_workers=0, device="cpu", executor="ray")
+    code = "import sys\nsys.modules['ray'] = None   # import ray raises ImportError\n" + _FOUR_PIPELINE + \
+        textwrap.dedent("""
         try:
             feedgpu.DataLoader(p, executor={"name": "ray", "remote_workers": 1})._acquire_pool()
         except feedgpu.ConfigError as e:
@@ -371,21 +375,7 @@ def test_an_unreachable_address_raises_config_error_quickly(address):
     ray.init's endless "Failed to get cluster ID from GCS server" retries (checked in a fresh
     process: this one has joined the module's cluster, and connect() then returns at once)."""
     address = address.format(port=_closed_port())
-    code = textwrap.dedent(f"""
-        import time
-        import feedgpu
-        from feedgpu.stages import Decode, ResizeCenterCrop
-        import numpy as np
-
-        class Four:
-            def __len__(self):
-                return 4
-
-            def __getitem__(self, i):
-                return np.zeros((8, 8, 3), np.uint8), i
-
-        p = feedgpu.Pipeline(Four(), [Decode(), ResizeCenterCrop(8, 8)],
-                             batch_size=2, num_workers=0, device="cpu", executor="ray")
+    code = "import time\n" + _FOUR_PIPELINE + textwrap.dedent(f"""
         t = time.monotonic()
         try:
             feedgpu.DataLoader(p, executor={{"name": "ray", "address": {address!r}, "remote_workers": 1}})._acquire_pool()
