@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from .section import section_fields
 
 ENGINES = ("python", "dali")
 DEVICES = ("auto", "cpu", "gpu")
@@ -34,14 +35,8 @@ class EngineSettings:
             return cls()
         if isinstance(value, EngineSettings):
             return value
-        if isinstance(value, str):
-            value = {"name": value}
-        if not isinstance(value, dict):
-            raise ConfigError(f"engine: expected 'python', 'dali' or a mapping, got {value!r}")
-        unknown = set(value) - {"name", "device", "threads", "hw_decoder_load", "window_decode"}
-        if unknown:
-            raise ConfigError(f"engine: unknown keys {sorted(unknown)}; allowed: device, hw_decoder_load, name, "
-                              "threads, window_decode")
+        value = section_fields(value, "engine", "'python', 'dali'",
+                               ("device", "hw_decoder_load", "name", "threads", "window_decode"))
         s = cls(**value)
         if s.name not in ENGINES:
             raise ConfigError(f"engine.name {s.name!r} is not one of {list(ENGINES)}")

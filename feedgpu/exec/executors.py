@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from .section import section_fields
 
 EXECUTORS = ("local", "ray")
 _KEYS = ("address", "cpus_per_worker", "max_local_workers", "max_remote_workers", "name", "remote_workers")
@@ -57,14 +58,7 @@ class ExecutorSettings:
             return cls()
         if isinstance(value, ExecutorSettings):
             return value
-        if isinstance(value, str):
-            value = {"name": value}
-        if not isinstance(value, dict):
-            raise ConfigError(f"executor: expected 'local', 'ray' or a mapping, got {value!r}")
-        unknown = set(value) - set(_KEYS)
-        if unknown:
-            raise ConfigError(f"executor: unknown keys {sorted(unknown)}; allowed: {', '.join(_KEYS)}")
-        s = cls(**value)
+        s = cls(**section_fields(value, "executor", "'local', 'ray'", _KEYS))
         if s.name not in EXECUTORS:
             raise ConfigError(f"executor.name {s.name!r} is not one of {list(EXECUTORS)}")
         if s.address is not None and (not isinstance(s.address, str) or not s.address):
