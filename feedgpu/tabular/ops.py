@@ -129,14 +129,29 @@ class Fill(Stage):
             cols[f"{c}_missing"] = miss.astype(np.float32)
 
 
-class Standardize(Stage):
+class _Affine(Stage):
+    """``(x - shift) / scale`` of one column with constants from the fit pass (:meth:`_k`). float32."""
+
+    def __init__(self, column: str):
+        super().__init__([column], [column])
+
+    def _k(self) -> tuple[np.float32, np.float32]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def apply(self, cols):
+        shift, scale = self._k()
+        cols[self.outputs[0]] = (f32(cols, self.inputs[0], self.label) - shift) / scale
+
+    def dali(self, node):
+        shift, scale = self._k()
+        return {self.outputs[0]: (node(self.inputs[0]) - float(shift)) / float(scale)}
+
+
+class Standardize(_Affine):
     """``(x - mean) / std`` with the fit pass's mean and standard deviation (population, NaN
     ignored; a zero std counts as 1). float32."""
 
     op, needs_fit = "standardize", True
-
-    def __init__(self, column: str):
-        super().__init__([column], [column])
 
     def fit(self, cols):
         x = fit_values(cols, self.inputs[0], self.label)
@@ -146,22 +161,11 @@ class Standardize(Stage):
     def _k(self):
         return np.float32(self.state["mean"]), np.float32(self.state["std"])
 
-    def apply(self, cols):
-        m, s = self._k()
-        cols[self.outputs[0]] = (f32(cols, self.inputs[0], self.label) - m) / s
 
-    def dali(self, node):
-        m, s = self._k()
-        return {self.outputs[0]: (node(self.inputs[0]) - float(m)) / float(s)}
-
-
-class MinMax(Stage):
+class MinMax(_Affine):
     """``(x - min) / (max - min)`` with the fit pass's min and max (a zero range counts as 1). float32."""
 
     op, needs_fit = "minmax", True
-
-    def __init__(self, column: str):
-        super().__init__([column], [column])
 
     def fit(self, cols):
         x = fit_values(cols, self.inputs[0], self.label)
@@ -170,14 +174,6 @@ class MinMax(Stage):
     def _k(self):
         lo, hi = self.state["min"], self.state["max"]
         return np.float32(lo), np.float32(hi - lo if hi > lo else 1.0)
-
-    def apply(self, cols):
-        lo, r = self._k()
-        cols[self.outputs[0]] = (f32(cols, self.inputs[0], self.label) - lo) / r
-
-    def dali(self, node):
-        lo, r = self._k()
-        return {self.outputs[0]: (node(self.inputs[0]) - float(lo)) / float(r)}
 
 
 class Log1p(Stage):
