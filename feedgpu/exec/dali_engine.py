@@ -405,7 +405,7 @@ class DaliWork:
         from nvidia.dali.plugin.pytorch import feed_ndarray
 
         groups, n = job.prepared.result()[0], job.n
-        dtype = {"uint8": torch.uint8, "float32": torch.float32, "float16": torch.float16}[self.out_dtype]
+        dtype = getattr(torch, self.out_dtype)
         stream = None
         if self.device == "gpu":
             if self._stream is None:

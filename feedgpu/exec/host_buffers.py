@@ -37,8 +37,7 @@ class HostBuffers:
         self.dtype, self.pinned, self.count = np.dtype(dtype), bool(pinned), int(count)
         self._free: list[np.ndarray] = []
         self._made = 0
-        self._kept: set[int] = set()   # ids of the kept buffers
-        self._hold: list[np.ndarray] = []   # keeps them alive, so their ids stay theirs
+        self._kept: list[np.ndarray] = []   # the buffers kept for reuse (at most ``count``)
         self._lock = threading.Lock()
         self.fresh = 0      # batches that found every kept buffer held
 
@@ -63,13 +62,15 @@ class HostBuffers:
         arr = self._allocate()
         if keep:
             with self._lock:
-                self._kept.add(id(arr))
-                self._hold.append(arr)
+                self._kept.append(arr)
         return arr
+
+    def _is_kept(self, arr: np.ndarray) -> bool:
+        return any(arr is k for k in self._kept)
 
     def give_back(self, arr: np.ndarray) -> None:
         """Return a buffer that was never handed out (a failed batch)."""
-        if id(arr) in self._kept:
+        if self._is_kept(arr):
             with self._lock:
                 self._free.append(arr)
 
@@ -79,7 +80,7 @@ class HostBuffers:
         import torch
 
         view = arr[:rows]
-        if id(arr) in self._kept:
+        if self._is_kept(arr):
             weakref.finalize(view, _release, weakref.ref(self), arr)
         return torch.from_numpy(view)
 
