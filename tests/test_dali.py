@@ -41,7 +41,8 @@ from feedgpu import Batch, ConfigError, DataLoader, Pipeline, SkippedSampleWarni
 from feedgpu.errors import DecodeError  # noqa: E402
 from feedgpu.exec.autoscale import fixed_workers  # noqa: E402
 from feedgpu.stages import (Decode, HorizontalFlip, Normalize, PythonStage, RandomResizedCrop,  # noqa: E402
-                            Resize, ResizeCenterCrop, sample_rng)
+                            Resize, ResizeCenterCrop)
+from feedgpu.stages.draws import sample_uniforms  # noqa: E402
 
 pytestmark = [pytest.mark.dali, pytest.mark.timeout(120)]
 
@@ -153,7 +154,7 @@ def test_resize_stage_agrees_with_the_python_engine(indexed):
 
 
 def test_train_pipeline_same_crops_and_flips_as_the_python_engine(indexed):
-    """Crop windows and flips come from ``sample_rng(seed, epoch, index, stage)`` on both engines."""
+    """Crop windows and flips come from ``sample_uniforms(seed, epoch, index, stage)`` on both engines."""
     seed = 7
     py, _ = run(pipe(indexed, train_stages(), seed=seed, shuffle=False))
     da, _ = run(pipe(indexed, train_stages(), DALI_CPU, seed=seed, shuffle=False))
@@ -161,7 +162,7 @@ def test_train_pipeline_same_crops_and_flips_as_the_python_engine(indexed):
     (pi, pl), (di, dl), (ni, _) = cat(py), cat(da), cat(noflip)
     assert torch.equal(pl, dl) and pl.tolist() == list(range(len(indexed)))
     assert_close(pi, di, TRAIN_TOL, "train")
-    flips = [sample_rng(seed, 0, i, 2).random() < 0.5 for i in range(len(indexed))]
+    flips = (sample_uniforms(seed, 0, np.arange(len(indexed)), 2, 1)[:, 0] < 0.5).tolist()
     assert 0.25 < np.mean(flips) < 0.75
     for i, f in enumerate(flips):
         want = torch.flip(ni[i], dims=[1]) if f else ni[i]

@@ -22,7 +22,8 @@ from PIL import Image, ImageOps
 from conftest import CASES, N_GOOD, REPO, case_files, open_format
 from feedgpu import DataLoader, DecodeError, Pipeline, SampleError, SkippedSampleWarning
 from feedgpu.sources import open_source
-from feedgpu.stages import Decode, HorizontalFlip, RandomResizedCrop, ResizeCenterCrop, sample_rng
+from feedgpu.stages import Decode, HorizontalFlip, RandomResizedCrop, ResizeCenterCrop
+from feedgpu.stages.base import stage_random
 from feedgpu.stages.decode import IMAGENET_MEAN_PIXEL
 
 pytestmark = pytest.mark.timeout(120)
@@ -94,8 +95,9 @@ def test_indexing_finds_empty_files(cases_datasets, fmt):
 def _reference_row(payload, idx: int, seed: int) -> np.ndarray:
     """What the pipeline's stages give for sample ``idx`` of epoch 0, done here in-process."""
     img = Decode().apply(payload)
-    img = RandomResizedCrop(224).apply(img, sample_rng(seed, 0, idx, 1))
-    img = HorizontalFlip().apply(img, sample_rng(seed, 0, idx, 2))
+    crop, flip = RandomResizedCrop(224), HorizontalFlip()
+    img = crop.apply(img, stage_random(crop, seed, 0, idx, 1))
+    img = flip.apply(img, stage_random(flip, seed, 0, idx, 2))
     return np.asarray(img)
 
 

@@ -14,7 +14,7 @@ from PIL import Image
 
 from ..errors import DecodeError, SampleError, SkipBudgetExceeded, StageError
 from ..sources.base import Source
-from ..stages.base import sample_rng
+from ..stages.base import stage_random
 from .plan import Plan
 from . import progress
 from .pixels import rgb_array, rgb_image
@@ -60,7 +60,7 @@ class Assembler:
     Args:
         source: where records come from.
         plan: stages and specs (see :func:`~feedgpu.exec.plan.make_plan`).
-        seed: base seed; random stages draw from ``sample_rng(seed, epoch, index, position)``.
+        seed: base seed; random stages draw from ``stage_random(stage, seed, epoch, index, position)``.
         on_error: ``"skip"`` (replace bad samples with spares) or ``"raise"``.
     """
 
@@ -113,7 +113,7 @@ class Assembler:
         secs["read" if start == 0 else "cache"] += t1 - t0
         for pos in range(start, len(self.stages)):
             st = self.stages[pos]
-            rng = None if st.deterministic else sample_rng(self.seed, epoch, idx, pos)
+            rng = stage_random(st, self.seed, epoch, idx, pos)
             progress.at(getattr(st, "label", st.name), idx)
             try:
                 x = st.apply(x, rng)

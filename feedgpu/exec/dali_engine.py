@@ -5,9 +5,10 @@ feedgpu keeps the order, the randomness and the error handling; DALI does the pi
 * Samples are fed through ``fn.external_source`` in feedgpu's sampler order (DALI's own readers
   shuffle and shard their own way, which would break the seeded order, the equal batch counts
   per rank and exact mid-epoch resume), so both engines see the same batches.
-* Random parameters (crop window, flip) are drawn in Python from the same per-sample generator as
-  the Python engine, ``sample_rng(seed, epoch, index, stage position)``, and fed per sample: both
-  engines crop and flip identically; only the resampling arithmetic differs.
+* Random parameters (crop window, flip) are computed in Python for the whole batch from the same
+  per-sample draws as on the Python engine (``sample_uniforms(seed, epoch, index, stage
+  position)``, :mod:`feedgpu.stages.draws`), and fed per sample: both engines crop and flip
+  identically; only the resampling arithmetic differs.
 * Each header is read in Python first (:meth:`Decode.probe`): empty, unidentifiable or oversized
   files never reach DALI (they are skipped or raised as on the Python engine). Files whose
   decoding rules are Pillow's (PNG/WebP/GIF, CMYK or YCCK JPEG, alpha, 16-bit) are decoded by
@@ -35,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import math
 import threading
 import time
 from collections import Counter, deque
@@ -44,7 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from ..errors import ConfigError, SampleError
-from ..stages.base import sample_rng
+from ..stages.draws import sample_uniforms
 from ..stages.decode import UNKNOWN_KEY, Decode
 from ..stages.geometry import HorizontalFlip
 from .assemble import Assembler, BatchReport, Spares
@@ -77,6 +77,10 @@ def check_dali_plan(plan: Plan) -> None:
                           "; custom Python stages run on the Python pool: use engine: python")
     if not isinstance(plan.sample_stages[0], Decode):
         raise ConfigError("engine 'dali': the first stage must be decode")
+    undrawn = [s.name for s in plan.sample_stages[1:] if not s.deterministic and not s.draws]
+    if undrawn:   # DALI arguments are computed per batch from uniform draws (stages.draws)
+        raise ConfigError("engine 'dali': random stages must declare their uniform draws per sample "
+                          f"(the stage attribute 'draws'): {', '.join(undrawn)}")
 
 
 class DaliWork:
@@ -114,8 +118,9 @@ class DaliWork:
         self.window = bool(window_decode and self.ops and self.ops[0].window_resize)
         # a flip right before normalize is done by crop_mirror_normalize(mirror=...)
         self.fold_flip = bool(self.batch_stage is not None and self.ops and isinstance(self.ops[-1], HorizontalFlip))
-        probe_rng = np.random.default_rng(0)
-        self.param_names = [sorted(st.dali_params(64, 64, probe_rng)[0]) for st in self.ops]
+        one = np.array([[64, 64]], np.int64)
+        self.param_names = [sorted(st.dali_params(one, None if st.deterministic else np.zeros((1, st.draws)))[0])
+                            for st in self.ops]
         self._pipes: dict[str, object] = {}
         self._python = Assembler(source, plan, seed, on_error)  # whole-batch fallback
         spec = plan.out_spec if self.batch_stage is not None else plan.pool_spec
@@ -221,9 +226,8 @@ class DaliWork:
         return pipe
 
     # -- one batch -------------------------------------------------------------------------------
-    def _prepare(self, idx: int, epoch: int, secs: dict):
-        """Read, probe (or Python-decode) one sample and draw its parameters:
-        ``(group, item, params, label)``."""
+    def _prepare(self, idx: int, secs: dict):
+        """Read and probe (or Python-decode) one sample: ``(group, item, width, height, label, idx)``."""
         t0 = time.perf_counter()
         try:
             rec = self.source.read(idx)
@@ -249,20 +253,23 @@ class DaliWork:
                 self.counters["python_decoded"] += 1
         except SampleError as e:
             raise type(e)(rec.key if e.key == UNKNOWN_KEY else e.key, e.reason, e.detail) from None
-        t2 = time.perf_counter()
-        secs["probe" if group != PIXELS else "python_decode"] += t2 - t1
+        secs["probe" if group != PIXELS else "python_decode"] += time.perf_counter() - t1
+        return group, item, w, h, rec.label, idx
+
+    def _params(self, epoch: int, indices: np.ndarray, sizes: np.ndarray, window: np.ndarray) -> dict:
+        """Every stage's DALI arguments for the batch's samples (``indices``: the samples kept,
+        spares included; ``sizes``: int64 ``(n, 2)`` width, height after decode), each an array
+        with a row per sample; for the rows of ``window`` (crop-on-decode) the decode window too."""
         params = {}
-        size = (w, h)
         for i, st in enumerate(self.ops, start=1):
-            rng = None if st.deterministic else sample_rng(self.seed, epoch, idx, i)
-            args, out = st.dali_params(size[0], size[1], rng)
-            if i == 1 and group == WINDOW:
-                args = _decode_window(args, size, out, params)
+            u = None if st.deterministic else sample_uniforms(self.seed, epoch, indices, i, st.draws)
+            args, out = st.dali_params(sizes, u)
+            if i == 1 and window.any():
+                args = _decode_windows(args, sizes, out, window, params)
             for n, v in args.items():
                 params[f"s{i}_{n}"] = v
-            size = out
-        secs["params"] += time.perf_counter() - t2
-        return group, item, params, rec.label
+            sizes = out
+        return params
 
     def prefetch(self, seq: int, epoch: int, indices: np.ndarray, spares: np.ndarray) -> None:
         """Start batch ``seq``: its Python side on the helper thread, then DALI, while the
@@ -276,22 +283,26 @@ class DaliWork:
 
     def _prepare_batch(self, epoch: int, indices: np.ndarray, spares: np.ndarray):
         rep = BatchReport(stage_seconds=Counter())
-        groups = {g: ([], [], {}) for g in (WINDOW, WHOLE, PIXELS)}   # -> (positions, items, params)
-        labels = np.empty(len(indices), np.int64)
         supply = Spares(spares, self.on_error, rep.skipped, len(indices))
-        for j, idx in enumerate(indices.tolist()):
-            group, item, params, labels[j] = supply.run(lambda i: self._prepare(i, epoch, rep.stage_seconds), idx)
-            self.counters[f"{group}_decoded" if group != PIXELS else "pixels_fed"] += 1
-            pos, items, ps = groups[group]
-            pos.append(j)
-            items.append(item)
-            for n, v in params.items():
-                ps.setdefault(n, []).append(v)
-        for _, _, ps in groups.values():   # one array per argument: DALI takes it as the batch
-            for n, v in ps.items():
-                ps[n] = np.stack(v)
+        secs = rep.stage_seconds
+        rows = [supply.run(lambda i: self._prepare(i, secs), idx) for idx in indices.tolist()]
+        t0 = time.perf_counter()
+        kinds, items, ws, hs, labels, used = zip(*rows)
+        kinds = np.array(kinds)
+        sizes = np.stack([np.array(ws, np.int64), np.array(hs, np.int64)], axis=1)
+        params = self._params(epoch, np.array(used, np.int64), sizes, kinds == WINDOW)
+        groups = {}   # group -> (positions, items, {argument: array with a row per position})
+        for g in (WINDOW, WHOLE, PIXELS):
+            pos = np.flatnonzero(kinds == g)
+            self.counters[f"{g}_decoded" if g != PIXELS else "pixels_fed"] += len(pos)
+            if g != WINDOW:   # only the crop-on-decode rows have a decode window
+                pos_params = {n: v[pos] for n, v in params.items() if not n.startswith("dec_")}
+            else:
+                pos_params = {n: v if n.startswith("dec_") else v[pos] for n, v in params.items()}
+            groups[g] = (pos.tolist(), [items[j] for j in pos.tolist()], pos_params)
+        secs["params"] += time.perf_counter() - t0
         rep.rows = len(indices)
-        return groups, labels, rep
+        return groups, np.array(labels, np.int64), rep
 
     def _compute(self, job: "_InFlight"):
         """On the runner thread: ``(images or None, labels, report, DALI's exception or None,
@@ -478,25 +489,28 @@ class _InFlight:
         self.error: Exception | None = None
 
 
-def _decode_window(args: dict, size: tuple[int, int], out: tuple[int, int], params: dict) -> dict:
-    """For crop-on-decode: the window of the stored image to decode — the stage's resize window
-    (float32 ``(y, x)`` ``roi_start``/``roi_end``) widened by the resampling filter's reach, so
-    the resize sees the same pixels as on the whole image, and clamped to it — into ``params``
-    (int32 ``dec_start``/``dec_end``); returns the stage's window shifted into the decoded one.
+def _decode_windows(args: dict, sizes: np.ndarray, out: np.ndarray, rows: np.ndarray, params: dict) -> dict:
+    """For crop-on-decode: the window of each stored image of ``rows`` (a boolean mask) to
+    decode — the stage's resize window (float32 ``(n, 2)`` ``(y, x)`` ``roi_start``/``roi_end``)
+    widened by the resampling filter's reach, so the resize sees the same pixels as on the whole
+    image, and clamped to it — into ``params`` (int32 ``(rows, 2)`` ``dec_start``/``dec_end``, one
+    row per True of ``rows``); returns the stage's windows with those rows shifted into the
+    decoded ones.
 
     An antialiased linear or cubic filter reaches ``scale`` (or 2 ``scale``) source pixels from
     an output pixel's centre when shrinking by ``scale``, at least 1 (2) when enlarging; the margin
     is 2 ``scale`` + 2, enough for both (DALI resampling, dali/kernels/imgproc/resample)."""
-    (w, h), (ow, oh) = size, out
-    y0, x0 = (float(v) for v in args["roi_start"])
-    y1, x1 = (float(v) for v in args["roi_end"])
-    scale = max(abs(y1 - y0) / max(oh, 1), abs(x1 - x0) / max(ow, 1), 1.0)
-    m = 2.0 * scale + 2.0
-    top, left = max(0, math.floor(min(y0, y1) - m)), max(0, math.floor(min(x0, x1) - m))
-    bottom, right = min(h, math.ceil(max(y0, y1) + m)), min(w, math.ceil(max(x0, x1) + m))
-    params["dec_start"] = np.array([top, left], np.int32)
-    params["dec_end"] = np.array([bottom, right], np.int32)
-    shift = np.array([top, left], np.float32)
+    w, h = sizes[rows, 0], sizes[rows, 1]
+    ow, oh = np.maximum(out[rows, 0], 1), np.maximum(out[rows, 1], 1)
+    start, end = args["roi_start"][rows].astype(np.float64), args["roi_end"][rows].astype(np.float64)
+    lo, hi = np.minimum(start, end), np.maximum(start, end)
+    scale = np.maximum(np.maximum((hi[:, 0] - lo[:, 0]) / oh, (hi[:, 1] - lo[:, 1]) / ow), 1.0)
+    m = (2.0 * scale + 2.0)[:, None]
+    top_left = np.maximum(0, np.floor(lo - m)).astype(np.int32)
+    bottom_right = np.minimum(np.stack([h, w], axis=1), np.ceil(hi + m)).astype(np.int32)
+    params["dec_start"], params["dec_end"] = top_left, bottom_right
+    shift = np.zeros_like(args["roi_start"])
+    shift[rows] = top_left
     return {**args, "roi_start": args["roi_start"] - shift, "roi_end": args["roi_end"] - shift}
 
 

@@ -5,9 +5,12 @@ changes, for cache fingerprints), ``deterministic`` (False when it draws random 
 its parameters (:meth:`config`) and the spec of its output (:meth:`out_spec`).
 
 * :class:`SampleStage` runs on one sample: ``apply(x, rng)`` where ``x`` is a PIL image (RGB)
-  after decode, and ``rng`` is a ``numpy.random.Generator`` seeded from
-  ``(seed, epoch, sample index, stage position)`` for random stages (``None`` otherwise), so the
-  output does not depend on which worker runs it.
+  after decode, and ``rng`` is ``None`` for deterministic stages. A random stage that declares
+  ``draws = k`` (the built-in ones) gets ``k`` uniform draws in ``[0, 1)`` keyed by ``(seed,
+  epoch, sample index, stage position)`` (:func:`~feedgpu.stages.draws.sample_uniforms`, computed
+  for whole batches by the DALI engine); other random stages (custom ones) get a
+  ``numpy.random.Generator`` seeded from the same key (:func:`sample_rng`). Either way the output
+  does not depend on which worker runs it.
 * :class:`BatchStage` turns the fixed-size uint8 HWC images into the batch's final dtype and
   layout: ``write(dst, img)`` writes one sample into its row of the batch buffer (CPU, numpy),
   ``apply_batch(x)`` does the same to a whole ``uint8 NHWC`` tensor on any device (used when the
@@ -20,6 +23,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..spec import ImageSpec
+from .draws import Draws
 
 
 class Stage:
@@ -50,12 +54,19 @@ class SampleStage(Stage):
     def apply(self, x: Any, rng: np.random.Generator | None) -> Any:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    #: Uniform draws per sample a random stage takes (see the module docstring); 0: the stage
+    #: gets a ``numpy.random.Generator`` instead.
+    draws: ClassVar[int] = 0
+
     # -- DALI implementation (see feedgpu.exec.dali_engine) ---------------------------------------
-    # Random parameters are drawn in Python from the same per-sample generator as ``apply`` uses,
-    # then fed to DALI per sample, so both engines crop, flip ... identically.
-    def dali_params(self, width: int, height: int, rng) -> tuple[dict[str, np.ndarray], tuple[int, int]]:
-        """Per-sample DALI arguments for an input of ``width`` x ``height``, and the output size."""
-        return {}, (width, height)
+    # Random parameters are computed in Python for a whole batch from the same draws ``apply``
+    # gets, then fed to DALI per sample, so both engines crop, flip ... identically.
+    def dali_params(self, sizes: np.ndarray, u: np.ndarray | None) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """DALI arguments for a batch of inputs of ``sizes`` (int64 ``(n, 2)``: width, height in
+        pixels) given its draws ``u`` (float64 ``(n, draws)``, ``None`` for deterministic stages):
+        ``({name: array (n, ...)}, output sizes (n, 2))``; row ``i`` of each array is sample
+        ``i``'s argument."""
+        return {}, sizes
 
     def dali(self, x, args: dict, device: str):  # pragma: no cover - abstract
         """DALI graph for the stage: ``x`` is an HWC uint8 DataNode, ``args`` the DataNodes of
@@ -77,5 +88,15 @@ class BatchStage(Stage):
 
 
 def sample_rng(seed: int, epoch: int, index: int, stage_pos: int) -> np.random.Generator:
-    """The generator a random stage draws from for one sample (PCG64 via SeedSequence)."""
+    """The generator a random stage without ``draws`` gets for one sample (PCG64 via SeedSequence)."""
     return np.random.default_rng([seed & 0xFFFFFFFFFFFFFFFF, epoch, index, stage_pos])
+
+
+def stage_random(stage: Stage, seed: int, epoch: int, index: int, stage_pos: int):
+    """What ``stage.apply`` gets as ``rng`` for one sample: ``None`` (deterministic), its
+    uniform draws (:class:`~feedgpu.stages.draws.Draws`) or a :func:`sample_rng` generator."""
+    if stage.deterministic:
+        return None
+    if getattr(stage, "draws", 0):
+        return Draws(seed, epoch, index, stage_pos)
+    return sample_rng(seed, epoch, index, stage_pos)

@@ -14,6 +14,7 @@ from PIL import Image
 from ..errors import ConfigError
 from ..spec import ImageSpec
 from .base import SampleStage
+from .draws import as_uniforms
 
 INTERPOLATIONS = {"nearest": Image.Resampling.NEAREST, "bilinear": Image.Resampling.BILINEAR,
                   "bicubic": Image.Resampling.BICUBIC, "lanczos": Image.Resampling.LANCZOS,
@@ -35,11 +36,6 @@ def _resample(name: str):
         raise ConfigError(f"interpolation {name!r} is not one of {sorted(INTERPOLATIONS)}") from None
 
 
-def _roi(top, left, bottom, right) -> dict[str, np.ndarray]:
-    """DALI's resize ROI: coordinates in tensor-shape order (y, x), in pixels."""
-    return {"roi_start": np.array([top, left], np.float32), "roi_end": np.array([bottom, right], np.float32)}
-
-
 _DALI_INTERP = {"nearest": "INTERP_NN", "bilinear": "INTERP_LINEAR", "bicubic": "INTERP_CUBIC",
                 "lanczos": "INTERP_LANCZOS3", "box": "INTERP_LINEAR", "hamming": "INTERP_TRIANGULAR"}
 
@@ -59,23 +55,39 @@ def _dali_resize(x, width: int, height: int, interpolation: str, args):
                      roi_relative=False, interp_type=_dali_interp(interpolation), antialias=True)
 
 
+#: Uniform draws a random resized crop takes per sample: draws 2i and 2i+1 are attempt i's area
+#: and log aspect ratio (10 attempts), draws 20 and 21 the kept window's top and left.
+RRC_DRAWS = 22
+
+
 def random_resized_crop_params(width: int, height: int, scale, ratio, rng) -> tuple[int, int, int, int]:
-    """torchvision's ``RandomResizedCrop.get_params``: returns ``(top, left, h, w)``.
+    """torchvision's ``RandomResizedCrop.get_params`` from uniform draws: ``(top, left, h, w)``.
 
     Ten attempts at an area fraction uniform in ``scale`` and a log-uniform aspect ratio in
-    ``ratio``; then a center crop clamped to ``ratio`` (torchvision/transforms/transforms.py).
+    ``ratio``; the first attempt that fits is kept and placed uniformly; if none fits, a center
+    crop clamped to ``ratio`` (torchvision/transforms/transforms.py).
+
+    Args:
+        width, height: input size in pixels.
+        scale, ratio: ``(min, max)`` of the area fraction and of the aspect ratio w/h.
+        rng: the uniform draws (:class:`~feedgpu.stages.draws.Draws`, a row of
+            :func:`~feedgpu.stages.draws.sample_uniforms` with :data:`RRC_DRAWS` columns, see
+            there for which is which) or a ``numpy.random.Generator``.
+
+    The draws after the first attempt that fits are not used (a :class:`Draws` computes only
+    those it is asked for). Pure Python per sample: the DALI engine calls it for every sample
+    of a batch, so both engines get the same windows to the last bit.
     """
+    u = as_uniforms(rng, RRC_DRAWS)
     area = width * height
     log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
-    for _ in range(10):
-        target_area = area * rng.uniform(scale[0], scale[1])
-        aspect = math.exp(rng.uniform(log_lo, log_hi))
+    for i in range(10):
+        target_area = area * (scale[0] + (scale[1] - scale[0]) * u[2 * i])
+        aspect = math.exp(log_lo + (log_hi - log_lo) * u[2 * i + 1])
         w = int(round(math.sqrt(target_area * aspect)))
         h = int(round(math.sqrt(target_area / aspect)))
         if 0 < w <= width and 0 < h <= height:
-            top = int(rng.integers(0, height - h + 1))
-            left = int(rng.integers(0, width - w + 1))
-            return top, left, h, w
+            return int(u[20] * (height - h + 1)), int(u[21] * (width - w + 1)), h, w
     in_ratio = width / height
     if in_ratio < min(ratio):
         w = width
@@ -87,6 +99,16 @@ def random_resized_crop_params(width: int, height: int, scale, ratio, rng) -> tu
         w, h = width, height
     h, w = max(1, min(h, height)), max(1, min(w, width))
     return (height - h) // 2, (width - w) // 2, h, w
+
+
+def _rois(top, left, bottom, right) -> dict[str, np.ndarray]:
+    """DALI's resize ROIs for a batch: float32 ``(n, 2)`` coordinates in (y, x) order, in pixels."""
+    return {"roi_start": np.stack([top, left], axis=1).astype(np.float32),
+            "roi_end": np.stack([bottom, right], axis=1).astype(np.float32)}
+
+
+def _sizes(w, h) -> np.ndarray:
+    return np.stack(np.broadcast_arrays(np.asarray(w, np.int64), np.asarray(h, np.int64)), axis=1)
 
 
 class RandomResizedCrop(SampleStage):
@@ -122,16 +144,22 @@ class RandomResizedCrop(SampleStage):
     def out_spec(self, spec: ImageSpec) -> ImageSpec:
         return spec.with_(height=self.size[0], width=self.size[1])
 
+    draws = RRC_DRAWS
+
     def apply(self, img: Image.Image, rng) -> Image.Image:
+        """``rng``: the uniform draws (see :func:`random_resized_crop_params`) or a Generator."""
         top, left, h, w = random_resized_crop_params(img.width, img.height, self.scale, self.ratio, rng)
         return img.resize((self.size[1], self.size[0]), self._resample, box=(left, top, left + w, top + h))
 
     has_dali = True
     window_resize = True
 
-    def dali_params(self, width, height, rng):
-        top, left, h, w = random_resized_crop_params(width, height, self.scale, self.ratio, rng)
-        return _roi(top, left, top + h, left + w), (self.size[1], self.size[0])
+    def dali_params(self, sizes, u):
+        rows = u.tolist()
+        win = np.array([random_resized_crop_params(w, h, self.scale, self.ratio, r)
+                        for (w, h), r in zip(sizes.tolist(), rows)], np.int64).reshape(-1, 4)
+        top, left, h, w = win.T
+        return _rois(top, left, top + h, left + w), _sizes(self.size[1], np.full(len(sizes), self.size[0]))
 
     def dali(self, x, args, device):
         return _dali_resize(x, self.size[1], self.size[0], self.interpolation, args)
@@ -176,9 +204,15 @@ class Resize(SampleStage):
 
     has_dali = True
 
-    def dali_params(self, width, height, rng=None):
-        w, h = self._target(width, height)
-        return {"size": np.array([h, w], np.float32)}, (w, h)
+    def dali_params(self, sizes, u=None):
+        w, h = sizes[:, 0], sizes[:, 1]
+        short = np.minimum(w, h)
+        keep = (short == self.size) | ((short < self.size) & (not self.upscale))
+        # torchvision's rule as in _target: the long side is int(size * long / short)
+        tw = np.where(w <= h, self.size, np.maximum(1, (self.size * w / h).astype(np.int64)))
+        th = np.where(w <= h, np.maximum(1, (self.size * h / w).astype(np.int64)), self.size)
+        tw, th = np.where(keep, w, tw), np.where(keep, h, th)
+        return {"size": np.stack([th, tw], axis=1).astype(np.float32)}, _sizes(tw, th)
 
     def dali(self, x, args, device):
         from nvidia.dali import fn
@@ -231,9 +265,10 @@ class ResizeCenterCrop(SampleStage):
     has_dali = True
     window_resize = True
 
-    def dali_params(self, width, height, rng=None):
-        x0, y0, x1, y1 = self._box(width, height)
-        return _roi(y0, x0, y1, x1), (self.crop[1], self.crop[0])
+    def dali_params(self, sizes, u=None):
+        boxes = np.array([self._box(int(w), int(h)) for w, h in sizes.tolist()], np.float64).reshape(-1, 4)
+        return (_rois(boxes[:, 1], boxes[:, 0], boxes[:, 3], boxes[:, 2]),
+                _sizes(self.crop[1], np.full(len(sizes), self.crop[0])))
 
     def dali(self, x, args, device):
         return _dali_resize(x, self.crop[1], self.crop[0], self.interpolation, args)
@@ -253,15 +288,18 @@ class HorizontalFlip(SampleStage):
     def config(self) -> dict[str, Any]:
         return {"p": self.p}
 
+    draws = 1
+
     def apply(self, img: Image.Image, rng) -> Image.Image:
-        if rng.random() < self.p:
+        """``rng``: one uniform draw (flip when it is below ``p``) or a Generator."""
+        if as_uniforms(rng, 1)[0] < self.p:
             return img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         return img
 
     has_dali = True
 
-    def dali_params(self, width, height, rng):
-        return {"flip": np.array(int(rng.random() < self.p), np.int32)}, (width, height)
+    def dali_params(self, sizes, u):
+        return {"flip": (u[:, 0] < self.p).astype(np.int32)}, sizes
 
     def dali(self, x, args, device):
         from nvidia.dali import fn
