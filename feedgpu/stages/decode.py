@@ -30,6 +30,7 @@ from PIL import Image, UnidentifiedImageError
 from ..errors import DecodeError
 from ..spec import ImageSpec
 from .base import SampleStage
+from .jpeg_header import read_jpeg_header
 
 IMAGENET_MEAN_PIXEL = (124, 116, 104)
 PILLOW_MAX_PIXELS = 89_478_485
@@ -110,7 +111,11 @@ class Decode(SampleStage):
     def header(self, data) -> "Header":
         """:meth:`probe`, and whether the stored pixels are upright (no EXIF rotation or mirror
         to apply), so a window of the output is the same window of the stored image (what
-        decoding only a window, :meth:`dali_window`, needs)."""
+        decoding only a window, :meth:`dali_window`, needs). Common JPEGs are read by
+        :func:`~feedgpu.stages.jpeg_header.read_jpeg_header`, the rest by Pillow."""
+        fast = self._jpeg_header(data)
+        if fast is not None:
+            return fast
         img = self._open(data, UNKNOWN_KEY)
         w, h = img.size
         if w * h > self.max_pixels:
@@ -128,6 +133,23 @@ class Decode(SampleStage):
             if orientation in (5, 6, 7, 8):
                 w, h = h, w
         return Header(w, h, True, orientation in (1, None))
+
+    def _jpeg_header(self, data) -> "Header | None":
+        """:meth:`header` from the markers alone, when :func:`read_jpeg_header` answers and the
+        file ends with its EOI marker; None to ask Pillow."""
+        head = read_jpeg_header(data) if len(data) else None
+        if head is None or not _has_eoi(data):
+            return None
+        w, h = head.width, head.height
+        limit = Image.MAX_IMAGE_PIXELS
+        if limit and w * h > 2 * limit:
+            return None   # Pillow raises DecompressionBombError: the same reason, its message
+        if w * h > self.max_pixels:
+            raise DecodeError(UNKNOWN_KEY, "too many pixels", f"{w}x{h} > max_pixels={self.max_pixels}")
+        orientation = head.orientation if self.exif_orientation else 1
+        if orientation in (5, 6, 7, 8):
+            w, h = h, w
+        return Header(w, h, True, orientation == 1)
 
     def dali_window(self, x, start, end, args, device):
         """Decode only the window ``[start, end)`` (int32 ``(y, x)`` pixels per sample) of upright

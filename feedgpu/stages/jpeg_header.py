@@ -1,0 +1,122 @@
+"""A JPEG header reader for the common case: size, components and EXIF orientation from the
+markers before the first scan, without building a PIL image (~5 us instead of ~45 us a file).
+
+It answers only for baseline/progressive 8-bit JPEGs with 1 or 3 components whose orientation
+is in an EXIF APP1 block it can read; for anything else (MPO files, XMP blocks, which Pillow
+also reads the orientation from, 12-bit or CMYK files, two frame headers, odd EXIF layouts,
+malformed segments) it returns ``None`` and the caller asks Pillow, so its answers are always
+Pillow's. Marker layout: ITU-T T.81 annex B; EXIF: CIPA DC-008 (TIFF IFD0, tag 0x0112).
+"""
+from __future__ import annotations
+
+import struct
+from typing import NamedTuple
+
+_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}   # frame headers (DHT, JPG, DAC are not)
+_STANDALONE = frozenset(range(0xD0, 0xD8)) | {0x01}          # RSTn, TEM: no length field
+_EXIF = b"Exif\x00\x00"
+_XMP = b"http://ns.adobe.com/xap/1.0/\x00"
+_MPF = b"MPF\x00"
+_ORIENTATION = 0x0112
+
+
+class JpegHeader(NamedTuple):
+    width: int           # stored size, before EXIF orientation
+    height: int
+    components: int      # 1 (gray) or 3
+    orientation: int     # EXIF orientation 1..8 (1 when there is no EXIF block or no tag)
+
+
+def read_jpeg_header(data) -> JpegHeader | None:
+    """The header of ``data`` (bytes-like, a whole JPEG file), or ``None`` when this reader does
+    not answer for it (see the module docstring): the caller then uses Pillow."""
+    head = bytes(data[:65536]) if not isinstance(data, bytes) else data
+    n = len(head)
+    if n < 4 or head[0] != 0xFF or head[1] != 0xD8:
+        return None
+    pos, frame, orientation = 2, None, 1
+    exif_seen = False
+    while pos + 4 <= n:
+        if head[pos] != 0xFF:
+            return None
+        marker = head[pos + 1]
+        if marker == 0xFF:          # fill byte
+            pos += 1
+            continue
+        if marker in _STANDALONE:
+            pos += 2
+            continue
+        if marker < 0xC0:           # not a marker Pillow knows: it raises "no marker found"
+            return None
+        if marker == 0xDA:          # start of scan: the header ends here
+            break
+        if marker == 0xD9:
+            return None
+        (length,) = struct.unpack_from(">H", head, pos + 2)
+        body = pos + 4
+        end = pos + 2 + length
+        if length < 2 or end > n:
+            return None
+        if marker in _SOF:
+            if frame is not None or length < 8:
+                return None
+            precision, height, width, comps = struct.unpack_from(">BHHB", head, body)
+            frame = (precision, width, height, comps)
+        elif marker == 0xE1:        # APP1: EXIF or XMP
+            if head.startswith(_XMP, body):
+                return None
+            if head.startswith(_EXIF, body):
+                if exif_seen:       # Pillow joins the blocks
+                    return None
+                exif_seen = True
+                orientation = _exif_orientation(head[body + 6:end])
+                if orientation is None:
+                    return None
+        elif marker == 0xE2 and head.startswith(_MPF, body):
+            return None             # Pillow opens it as MPO
+        elif marker == 0xDB and not _tables_fit(head[body:end]):
+            return None             # Pillow raises "bad quantization table marker"
+        pos = end
+    else:
+        return None                 # no start of scan within the bytes read
+    if frame is None:
+        return None
+    precision, width, height, comps = frame
+    if precision != 8 or comps not in (1, 3) or width == 0 or height == 0:
+        return None
+    return JpegHeader(width, height, comps, orientation)
+
+
+def _exif_orientation(tiff: bytes) -> int | None:
+    """Orientation tag of IFD0 in a TIFF block: 1..8, 1 if absent, None if unreadable or odd."""
+    if len(tiff) < 8:
+        return None
+    order = {b"II": "<", b"MM": ">"}.get(tiff[:2])
+    if order is None or struct.unpack_from(order + "H", tiff, 2)[0] != 42:
+        return None
+    (ifd,) = struct.unpack_from(order + "I", tiff, 4)
+    if ifd + 2 > len(tiff):
+        return None
+    (count,) = struct.unpack_from(order + "H", tiff, ifd)
+    if ifd + 2 + 12 * count > len(tiff):
+        return None
+    found = []
+    for k in range(count):
+        tag, typ, num = struct.unpack_from(order + "HHI", tiff, ifd + 2 + 12 * k)
+        if tag == _ORIENTATION:
+            if typ != 3 or num != 1:
+                return None
+            found.append(struct.unpack_from(order + "H", tiff, ifd + 2 + 12 * k + 8)[0])
+    if not found:
+        return 1
+    return found[0] if len(found) == 1 and 1 <= found[0] <= 8 else None
+
+
+def _tables_fit(s: bytes) -> bool:
+    """Pillow's DQT check: each table is 1 + 64 (8-bit) or 1 + 128 (16-bit) bytes."""
+    while s:
+        size = 1 + 64 * (1 if s[0] // 16 == 0 else 2)
+        if len(s) < size:
+            return False
+        s = s[size:]
+    return True
