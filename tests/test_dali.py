@@ -223,21 +223,28 @@ def test_headers_are_read_once_per_sample(indexed, monkeypatch):
     assert batches_equal(clone_all(loader), e1)
 
 
-def test_batches_the_training_loop_keeps_are_never_overwritten(indexed):
-    """The engine reuses its output buffers only once the training loop drops a batch."""
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["dali-buffers", "host-buffers"])
+def test_batches_the_training_loop_keeps_are_never_overwritten(indexed, monkeypatch, zero_copy):
+    """Batches are DALI's own output buffers (no CUDA: zero copy), which DALI does not reuse while
+    referenced, or copies in the engine's host buffers (with CUDA: pinned), which it reuses only
+    once the training loop drops a batch."""
+    import feedgpu.exec.dali_engine as engine
+
+    monkeypatch.setattr(engine, "_zero_copy_output", lambda device: zero_copy)
     ref, _ = run(pipe(indexed, train_stages(True), DALI_CPU, seed=9, batch_size=4))
     loader = DataLoader(pipe(indexed, train_stages(True), DALI_CPU, seed=9, batch_size=4))
-    kept = list(loader)       # every batch held at once: the 4 kept buffers, then fresh memory
+    kept = list(loader)       # every batch held at once (host buffers: the 4 kept, then fresh memory)
     assert len(kept) > 4 and batches_equal(kept, ref)
     ptrs = [b.images.data_ptr() for b in kept]
     assert len(set(ptrs)) == len(kept)
     del kept
     loader.set_epoch(0)
     again = []
-    for b in loader:          # each batch dropped before the next: the kept buffers come back
+    for b in loader:          # each batch dropped before the next (host buffers: the kept ones come back)
         again.append((b.images.data_ptr(), b.images.clone(), b.labels.clone()))
     assert batches_equal([Batch(i, lab) for _, i, lab in again], ref)
-    assert len({p for p, _, _ in again}) <= 4 and {p for p, _, _ in again} <= set(ptrs)
+    if not zero_copy:
+        assert len({p for p, _, _ in again}) <= 4 and {p for p, _, _ in again} <= set(ptrs)
 
 
 # -- reproducibility, threads, resume, sharding ----------------------------------------------------
@@ -363,6 +370,71 @@ def test_every_source_feeds_dali(sources, fmt):
     assert len(da) == len(py) == 4 and torch.equal(pl, dl)
     assert_close(pi, di, VAL_TOL, fmt)
     assert st["engine"]["batches"] == 4 and st["engine"].get("python_decoded", 0) == 0
+
+
+def _folder_copy(folder_ds, tmp_path, n=40):
+    """The first ``n`` images of ``folder_ds`` in a fresh ImageFolder (tests change files in it)."""
+    from feedgpu import FolderSource
+
+    for f in sorted(folder_ds.rglob("*.jpg"))[:n]:
+        dst = tmp_path / f.parent.name / f.name
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_bytes(f.read_bytes())
+    return FolderSource(tmp_path)
+
+
+def test_later_epochs_let_dali_read_local_files(folder_ds, tmp_path, monkeypatch):
+    """A folder source's files are read in Python once, for the header check; later epochs hand
+    DALI the paths (fn.io.file.read) and give what the Python engine gives."""
+    from feedgpu import FolderSource
+
+    src = _folder_copy(folder_ds, tmp_path)
+    py = DataLoader(pipe(src, train_stages(True), seed=4, batch_size=8))
+    p0, p1 = clone_all(py), clone_all(py)
+    loader = DataLoader(pipe(src, train_stages(True), DALI_CPU, seed=4, batch_size=8))
+    d0 = clone_all(loader)
+    reads = []
+    real_read = FolderSource.read
+    monkeypatch.setattr(FolderSource, "read", lambda self, i: reads.append(i) or real_read(self, i))
+    d1 = clone_all(loader)
+    assert reads == [], "epoch 2 read no file in Python"
+    for d, p in ((d0, p0), (d1, p1)):
+        (di, dl), (pi, pl) = cat(d), cat(p)
+        assert torch.equal(dl, pl)
+        assert_close(pi, di, TRAIN_TOL, "folder")
+
+
+def test_a_local_file_changed_after_the_first_epoch(folder_ds, tmp_path):
+    """Each local file is stat()ed before DALI is given its path. Deleted: skipped as unreadable,
+    named, counted. Replaced by another image, even one of the same length: its header is read
+    again (the kept header is keyed by length and modification time) and the new image is used.
+    Garbage of the same length: read again, skipped as not an image. The loader goes on."""
+    src = _folder_copy(folder_ds, tmp_path)
+    loader = DataLoader(pipe(src, val_stages(), DALI_CPU, batch_size=8, shuffle=False, max_skipped=None))
+    first = clone_all(loader)
+    assert sum(len(b.labels) for b in first) == 40
+    files = sorted(tmp_path.rglob("*.jpg"))
+    size = [f.stat().st_size for f in files]
+    # an image a little smaller than another: padded after its end marker to the same length
+    donor, other = next((j, i) for i in range(8, 24) for j in range(26, 40) if 0 < size[i] - size[j] < 900)
+    gone, junk = files[3], files[25]
+    gone.unlink()
+    files[other].write_bytes(files[donor].read_bytes() + b"\0" * (size[other] - size[donor]))
+    assert files[other].stat().st_size == size[other]
+    junk.write_bytes(b"\xff" * size[25])
+    with pytest.warns(UserWarning) as caught:
+        again = clone_all(loader)
+    text = " ".join(str(w.message) for w in caught)
+    assert str(gone) in text and str(junk) in text
+    assert sum(len(b.labels) for b in again) == 40, "skipped samples are replaced, batches keep their size"
+    assert loader.stats()["skipped"] == {"unreadable": 1, "not an image": 1}
+    img, img2 = cat(first)[0], cat(again)[0]
+    assert_close(img2[other:other + 1], img[donor:donor + 1], {"mean": 0.01}, "replaced file")
+    keep = [i for i in range(40) if i not in (3, 25, other)]
+    assert torch.equal(img2[keep], img[keep])
+    with pytest.warns(SkippedSampleWarning):   # every epoch
+        more = clone_all(loader)
+    assert sum(len(b.labels) for b in more) == 40
 
 
 # -- hard inputs ---------------------------------------------------------------------------------------

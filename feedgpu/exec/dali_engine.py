@@ -19,6 +19,10 @@ feedgpu keeps the order, the randomness and the error handling; DALI does the pi
 * DALI runs ahead of the training loop: batch b+1's Python side (read, probe, parameters) runs
   on one helper thread while DALI computes batch b on another (DALI releases the GIL), up to
   the loader's ``prefetch_factor`` batches ahead, and the training step runs meanwhile.
+* Local files (a folder source) are read in Python only for the first header check; later
+  epochs stat() each file and, when its length and modification time are those checked, give
+  DALI its path (``fn.io.file.read``, C++ threads): the Python side then costs ~15 us a sample
+  (one thread: ~65,000 samples/s), so it does not cap the GPU path.
 * Two graph rewrites that keep the output (``bench/results/dali_cpu.md`` measures each):
   crop-on-decode — when the first stage after decode resizes a window (random resized crop,
   resize + center crop), upright JPEGs are decoded only over that window plus the resampling
@@ -26,16 +30,18 @@ feedgpu keeps the order, the randomness and the error handling; DALI does the pi
   ``horizontal_flip`` right before normalize becomes ``crop_mirror_normalize(mirror=...)``.
 * ``device="cpu"`` runs DALI's CPU operators with ``device_id=None`` (C++ thread pool);
   ``device="gpu"`` decodes with ``device="mixed"`` (nvJPEG and the hardware JPEG decoder,
-  ``hw_decoder_load``) and runs the rest on the GPU; outputs are copied into torch tensors with
-  DALI's ``feed_ndarray``: on the CPU into reused, pre-faulted host buffers
-  (:class:`~feedgpu.exec.host_buffers.HostBuffers`, pinned when CUDA is present) that return
-  when the training loop drops the batch; on the GPU on a side stream, and the training loop's
-  stream waits on it before it uses the batch.
+  ``hw_decoder_load``) and runs the rest on the GPU. CPU batches on a machine without CUDA are
+  DALI's output buffers themselves (DLPack, no copy, as DALI's own PyTorch iterator does with
+  the dynamic executor); with CUDA they are copied with DALI's ``feed_ndarray`` into reused,
+  pinned host buffers (:class:`~feedgpu.exec.host_buffers.HostBuffers`) that return when the
+  training loop drops the batch. GPU batches are copied on a side stream, and the training
+  loop's stream waits on it before it uses the batch.
 """
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import threading
 import time
 from collections import Counter, deque
@@ -129,8 +135,12 @@ class DaliWork:
         self.orphans: dict = {}
         self._host = None if device == "gpu" else HostBuffers(
             batch_size, self.out_shape, self.out_dtype, pinned=_cuda_available(), count=self.ahead + 2)
+        self._zero_copy = _zero_copy_output(device)
         self._stream = None
         self._headers = _Headers(len(source))
+        # local files (a folder source) are read by DALI's C++ threads, except where the header
+        # check needs their bytes (first epoch) or Pillow decodes them
+        self._local = source.local_file(0) is not None if len(source) else False
         self._start_threads()
         self._ahead: dict = {}   # (epoch, seq) -> (indices, Future of the finished batch)
 
@@ -202,6 +212,8 @@ class DaliWork:
                       exec_async=True, exec_pipelined=True, exec_dynamic=True, prefetch_queue_depth=1)
         def graph():
             x = fn.external_source(name="x", dtype=types.UINT8, layout=None if group != PIXELS else "HWC")
+            if self._local and group != PIXELS:
+                x = fn.io.file.read(x)   # x: the files' paths
             if group == WINDOW:
                 x = self.decode.dali_window(x, fn.external_source(name="dec_start", dtype=types.INT32),
                                             fn.external_source(name="dec_end", dtype=types.INT32), hw, dev)
@@ -227,8 +239,23 @@ class DaliWork:
 
     # -- one batch -------------------------------------------------------------------------------
     def _prepare(self, idx: int, secs: dict):
-        """Read and probe (or Python-decode) one sample: ``(group, item, width, height, label, idx)``."""
+        """Read and probe (or Python-decode) one sample: ``(group, item, width, height, label, idx)``.
+        ``item`` is the encoded file, or for a local file its path (DALI reads it), or pixels."""
         t0 = time.perf_counter()
+        local = self.source.local_file(idx) if self._local else None
+        stamp = None   # a local file's (size, mtime in ns): its header is kept for that version
+        if local is not None:
+            try:
+                st = os.stat(local[0])
+                stamp = (st.st_size, st.st_mtime_ns)
+            except OSError:
+                pass    # read() below names the error
+            else:       # a header known from an earlier epoch: DALI reads the file
+                w, h, kind = self._headers.get(idx, *stamp)
+                if kind in (_Headers.UPRIGHT, _Headers.ROTATED):
+                    group = WINDOW if (kind == _Headers.UPRIGHT and self.window) else WHOLE
+                    secs["probe"] += time.perf_counter() - t0
+                    return group, _encoded_path(local[0]), w, h, local[1], idx
         try:
             rec = self.source.read(idx)
         except OSError as e:
@@ -239,18 +266,20 @@ class DaliWork:
             payload = rec.payload
             group = PIXELS
             if isinstance(payload, (bytes, bytearray, memoryview)):
-                w, h, kind = self._headers.get(idx, len(payload))
+                # other sources: 0; a local file that changed between stat() and read: -1, not kept
+                mtime = 0 if local is None else (stamp[1] if stamp and stamp[0] == len(payload) else -1)
+                w, h, kind = self._headers.get(idx, len(payload), mtime)
                 if kind == _Headers.UNKNOWN:
                     w, h, dali_ok, upright = self.decode.header(payload)
-                    kind = self._headers.put(idx, len(payload), w, h, dali_ok, upright)
+                    kind = self._headers.put(idx, len(payload), mtime, w, h, dali_ok, upright)
                 if kind != _Headers.PILLOW:
                     group = WINDOW if (kind == _Headers.UPRIGHT and self.window) else WHOLE
-            if group != PIXELS:
-                item = np.frombuffer(payload, np.uint8)
-            else:
+            if group == PIXELS:
                 item = np.ascontiguousarray(np.asarray(self.decode.apply(payload, None)))
                 h, w = item.shape[:2]
                 self.counters["python_decoded"] += 1
+            else:
+                item = _encoded_path(local[0]) if local is not None else np.frombuffer(payload, np.uint8)
         except SampleError as e:
             raise type(e)(rec.key if e.key == UNKNOWN_KEY else e.key, e.reason, e.detail) from None
         secs["probe" if group != PIXELS else "python_decode"] += time.perf_counter() - t1
@@ -425,6 +454,9 @@ class DaliWork:
             with torch.cuda.stream(stream):
                 out = torch.empty((n, *self.out_shape), dtype=dtype, device=f"cuda:{self.device_id}")
             buf = None
+        elif self._zero_copy and len(job.fed) == 1 and len(groups[job.fed[0]][0]) == n:
+            # one group holds the whole batch: DALI's output buffer itself (_zero_copy_output)
+            return torch.from_dlpack(self._pipes[job.fed[0]].outputs()[0].as_tensor()), None
         else:
             buf = self._host.take()
             out = torch.from_numpy(buf[:n])
@@ -451,10 +483,11 @@ class DaliWork:
 
 
 class _Headers:
-    """What :meth:`Decode.header` found per sample, kept for later epochs (9 bytes a sample):
+    """What :meth:`Decode.header` found per sample, kept for later epochs (17 bytes a sample):
     the size after EXIF orientation and how the file is decoded. Keyed by index and checked
-    against the file's length, so a file replaced by one of another length is probed again.
-    Files the header check rejects are not kept: they are skipped (or raise) every epoch."""
+    against the file's length and, for local files, its modification time in ns (``mtime``; 0
+    for other sources), so a replaced file is probed again. Files the header check rejects are
+    not kept: they are skipped (or raise) every epoch."""
 
     UNKNOWN, UPRIGHT, ROTATED, PILLOW = 0, 1, 2, 3
 
@@ -462,18 +495,19 @@ class _Headers:
         self.size = np.zeros((n, 2), np.int32)
         self.kind = np.zeros(n, np.int8)
         self.nbytes = np.zeros(n, np.int64)
+        self.mtime = np.zeros(n, np.int64)
 
-    def get(self, idx: int, nbytes: int) -> tuple[int, int, int]:
-        if idx >= len(self.kind) or self.nbytes[idx] != nbytes:
+    def get(self, idx: int, nbytes: int, mtime: int = 0) -> tuple[int, int, int]:
+        if idx >= len(self.kind) or self.nbytes[idx] != nbytes or self.mtime[idx] != mtime or mtime < 0:
             return 0, 0, self.UNKNOWN
         w, h = self.size[idx]
         return int(w), int(h), int(self.kind[idx])
 
-    def put(self, idx: int, nbytes: int, w: int, h: int, dali_ok: bool, upright: bool) -> int:
+    def put(self, idx: int, nbytes: int, mtime: int, w: int, h: int, dali_ok: bool, upright: bool) -> int:
         kind = (self.UPRIGHT if upright else self.ROTATED) if dali_ok else self.PILLOW
-        if idx < len(self.kind):
+        if idx < len(self.kind) and mtime >= 0:
             self.size[idx] = (w, h)
-            self.kind[idx], self.nbytes[idx] = kind, nbytes
+            self.kind[idx], self.nbytes[idx], self.mtime[idx] = kind, nbytes, mtime
         return kind
 
 
@@ -512,6 +546,19 @@ def _decode_windows(args: dict, sizes: np.ndarray, out: np.ndarray, rows: np.nda
     shift = np.zeros_like(args["roi_start"])
     shift[rows] = top_left
     return {**args, "roi_start": args["roi_start"] - shift, "roi_end": args["roi_end"] - shift}
+
+
+def _encoded_path(path: str) -> np.ndarray:
+    """A path as ``fn.io.file.read`` takes it: its UTF-8 bytes as a uint8 array."""
+    return np.frombuffer(path.encode("utf-8", "surrogateescape"), np.uint8)
+
+
+def _zero_copy_output(device: str) -> bool:
+    """CPU batches on a machine without CUDA are DALI's own output buffers, handed over through
+    DLPack (the dynamic executor does not reuse an output buffer while it is referenced; DALI's
+    PyTorch iterator does the same since DALI 1.44). With CUDA they are copied into pinned
+    buffers, from which the copy to the GPU is asynchronous."""
+    return device == "cpu" and not _cuda_available()
 
 
 def _cuda_available() -> bool:

@@ -95,6 +95,11 @@ class Source:
     def key(self, index: int) -> str:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def local_file(self, index: int) -> tuple[str, int] | None:
+        """``(path, label)`` when the sample is a whole local file another reader may open
+        itself (the DALI engine's ``fn.io.file.read``), else None."""
+        return None
+
     def identity(self) -> str:
         """A stable hex digest of what the source holds (for state and cache fingerprints)."""
         h = hashlib.blake2b(digest_size=16)

@@ -67,6 +67,9 @@ class FolderSource(Source):
     def key(self, index: int) -> str:
         return os.path.join(str(self.root), self.paths[index])
 
+    def local_file(self, index: int) -> tuple[str, int]:
+        return self.key(index), int(self.labels[index])
+
     def read(self, index: int) -> Record:
         path = self.key(index)
         with open(path, "rb") as f:
