@@ -190,10 +190,38 @@ def serve(base: dict) -> None:
         cmd = json.loads(line)
         if cmd["mode"] == "exit":
             return
-        with fb.progress_bar(_warmup(base) + base["batches"], cmd["desc"]) as bar:
-            res = one_run(base, p, lambda: bar.update(1))
+        warm, snaps, done = _warmup(base), [], [0]
+
+        def on_batch():
+            bar.update(1)
+            done[0] += 1
+            if done[0] in (warm, warm + base["batches"]):   # the timed window's ends (as measure's)
+                snaps.append(thread_cpu())
+
+        with fb.progress_bar(warm + base["batches"], cmd["desc"]) as bar:
+            res = one_run(base, p, on_batch)
         res["pil"] = pil_label()
+        if len(snaps) == 2 and res.get("samples"):
+            res["thread_cpu_ms_per_sample"] = {k: 1e3 * (snaps[1].get(k, 0.0) - snaps[0].get(k, 0.0)) / res["samples"]
+                                               for k in snaps[1]}
         print(RESULT_MARK + json.dumps(res), flush=True)
+
+
+def thread_cpu() -> dict:
+    """CPU seconds of this process's threads so far: DALI's (named ``[DALI]...``) and the rest
+    (the main thread and feedgpu's helper threads), from ``/proc/self/task`` (Linux)."""
+    out = {"dali": 0.0, "python": 0.0}
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue   # the thread ended meanwhile
+        out["dali" if name.startswith("[DALI]") else "python"] += (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 # -- the parent ------------------------------------------------------------------------------------------
@@ -342,6 +370,9 @@ def main(argv=None) -> int:
             stages = rs[0]["stage_ms_per_sample"].keys()
             s["stage_ms_per_sample"] = {k: round(statistics.median(r["stage_ms_per_sample"].get(k, 0.0) for r in rs), 4)
                                         for k in stages}
+        if name.startswith(("feedgpu_dali", "dali_hand")) and all("thread_cpu_ms_per_sample" in r for r in rs):
+            s["thread_cpu_ms_per_sample"] = {
+                k: round(statistics.median(r["thread_cpu_ms_per_sample"][k] for r in rs), 4) for k in ("dali", "python")}
     ratios = {k: fb.ratio(summary, x, y) for k, (x, y, _) in RATIOS.items() if x in summary and y in summary}
     ratios_per_round = {k: per_round(runs, a.rounds, x, y) for k, (x, y, _) in RATIOS.items()
                         if x in summary and y in summary}
@@ -415,11 +446,13 @@ def markdown(doc: dict) -> str:
         f"- Pipeline: `{s['pipeline']}` — decode → RandomResizedCrop(224, scale 0.08–1, ratio 3/4–4/3, bilinear) → "
         "horizontal flip (p 0.5) → normalize to float32 NCHW, on the CPU. feedgpu's DALI engine runs the same "
         "file with `engine: {name: dali, device: cpu}`: `fn.external_source` (samples in feedgpu's sampler "
-        "order; each header checked in Python, crop windows and flips drawn in Python from the per-sample "
-        "generator) → `fn.decoders.image_slice` (crop-on-decode: the crop window plus the resampling filter's "
+        "order; each file's header checked in Python in the first epoch, then only stat()ed; crop windows and "
+        "flips computed per batch in Python from feedgpu's per-sample draws, as on the Python engine) → "
+        "`fn.io.file.read` (the files' paths; in the first epoch the bytes Python read for the header check are "
+        "fed instead) → `fn.decoders.image_slice` (crop-on-decode: the crop window plus the resampling filter's "
         "reach) → `fn.resize` (the window, to 224) → `fn.crop_mirror_normalize(mirror=...)`, DALI's asynchronous "
-        "dynamic executor with up to `prefetch_factor` (2) batches scheduled ahead, copied out into reused host "
-        "buffers. The `window_decode off` variant decodes whole images (`fn.decoders.image`) and resizes the window "
+        "dynamic executor with up to `prefetch_factor` (2) batches scheduled ahead; the batch is DALI's output "
+        "buffer itself (DLPack, no copy: this machine has no CUDA). The `window_decode off` variant decodes whole images (`fn.decoders.image`) and resizes the window "
         "(ROI) instead; the `2nd epoch` variant is the default engine timed after one whole epoch.",
         "- Hand-written DALI: `fn.readers.file(random_shuffle=True)` → `fn.decoders.image` → "
         "`fn.random_resized_crop` (DALI draws the window; same ranges, linear, antialias) → "
@@ -461,9 +494,16 @@ def markdown(doc: dict) -> str:
             "doing it): " + ", ".join(f"{k} {v:.3f}" for k, v in dst.items()) + ". The Python side (read + header "
             f"check + crop windows and flips{' + python_decode' if 'python_decode' in dst else ''}: {py_side:.3f} ms "
             "per sample) runs on one helper thread for batches ahead of the one DALI works on; `dali` is the runner "
-            "thread's time from scheduling a batch to its copy into a host buffer, which overlaps the next batches' "
-            "DALI work. On 2 cores the helper thread's CPU time is taken from DALI's threads.",
+            "thread's time from scheduling a batch to handing it out, which overlaps the next batches' "
+            "DALI work. These are wall times of threads sharing 2 cores with DALI's; the CPU time is below.",
         ]
+    tc = {k: x["thread_cpu_ms_per_sample"] for k, x in su.items() if x.get("thread_cpu_ms_per_sample")}
+    if tc:
+        L += ["", "CPU time per sample in the timed window (ms, median over the runs), in DALI's threads and in "
+              "the process's other threads (the main thread; for feedgpu also its helper threads preparing and "
+              "collecting batches):", "", "| loader | DALI threads | other threads | total |", "| --- | ---: | ---: | ---: |"]
+        for k, v in tc.items():
+            L.append(f"| {su[k]['label']} | {v['dali']:.3f} | {v['python']:.3f} | {v['dali'] + v['python']:.3f} |")
     e2 = su.get("feedgpu_dali_cpu_epoch2", {}).get("stage_ms_per_sample")
     if e2:
         L += ["", "In the second epoch (each file's header check kept from the first): " +
