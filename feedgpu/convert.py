@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
 
-from .sources.base import Source
+from .sources.base import CLASS_NAMES_FILE, Source
 from .sources.folder import FolderSource
 from .sources.tar import TarShardSource
 
@@ -38,11 +38,20 @@ def _header(data) -> tuple[str | None, int, int]:
         return None, -1, -1
 
 
+def write_class_names(out: Path, classes: list[str]) -> None:
+    """:data:`~feedgpu.sources.base.CLASS_NAMES_FILE` in ``out``: the class names in label order, one per line, which the tar and
+    Parquet sources read back (:func:`feedgpu.sources.base.class_names`)."""
+    if classes:
+        (out / CLASS_NAMES_FILE).write_text("".join(f"{c}\n" for c in classes), encoding="utf-8")
+
+
 def folder_to_tar(folder, out_dir, samples_per_shard: int = 1000, progress: bool = False) -> list[Path]:
-    """Write ``shard-000000.tar`` ... with ``<class>/<name>.<ext>`` + ``<class>/<name>.cls``."""
+    """Write ``shard-000000.tar`` ... with ``<class>/<name>.<ext>`` + ``<class>/<name>.cls``, and
+    the class names in ``_classes.txt``."""
     src = FolderSource(folder)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    write_class_names(out, src.classes)
     shards: list[Path] = []
     tf = None
     with _progress(len(src), "tar shards", progress) as bar:
@@ -69,9 +78,10 @@ def source_to_parquet(src: Source, out_dir, keys, rows_per_file: int = 1000, row
                       progress: bool = False) -> list[Path]:
     """Write ``part-000000.parquet`` ... with columns key, image (large_binary), label, format,
     width, height (from the header; -1 when unreadable); row groups of about ``row_group_bytes``
-    of image data, uncompressed (JPEG bytes do not compress)."""
+    of image data, uncompressed (JPEG bytes do not compress); the class names in ``_classes.txt``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    write_class_names(out, list(getattr(src, "classes", [])))
     files: list[Path] = []
     with _progress(len(src), "parquet", progress) as bar:
         for start in range(0, len(src), rows_per_file):

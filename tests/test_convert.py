@@ -156,3 +156,17 @@ def test_library_functions_write_row_groups_of_about_the_given_size(folder_ds, t
     assert f.metadata.row_group(0).column(1).compression == "UNCOMPRESSED"
     data = io.BytesIO(files[0].read_bytes())
     assert pq.read_table(data).num_rows == 60
+
+
+@pytest.mark.parametrize("to", ["parquet", "tar"])
+def test_converted_datasets_keep_the_class_names(folder_ds, tmp_path, to):
+    from feedgpu import TarShardSource
+
+    cli("convert", folder_ds, tmp_path / to, "--to", to, "--per-file", 40)
+    folder = FolderSource(folder_ds)
+    src = ParquetSource(tmp_path / to) if to == "parquet" else TarShardSource(tmp_path / to)
+    assert src.classes == folder.classes and not folder.classes[0].isdigit()
+    # without the names file: the labels as strings, as before
+    (tmp_path / to / "_classes.txt").unlink()
+    src = ParquetSource(tmp_path / to) if to == "parquet" else TarShardSource(tmp_path / to)
+    assert src.classes == [str(i) for i in range(len(folder.classes))]

@@ -44,6 +44,24 @@ def expand_paths(spec, suffix: str) -> list[str]:
     return [spec]
 
 
+#: A converted dataset's class names, one per line in label order, beside its shards or files
+#: (written by :mod:`feedgpu.convert`; tar shards and Parquet files have no place of their own).
+CLASS_NAMES_FILE = "_classes.txt"  # a leading "_": pyarrow's dataset readers skip it
+
+
+def class_names(first_file, labels: np.ndarray) -> list[str]:
+    """Class names for ``labels``: the :data:`CLASS_NAMES_FILE` beside ``first_file`` when it
+    names every label, else the labels as strings (``[]`` without labels)."""
+    n = int(labels.max()) + 1 if len(labels) and labels.max() >= 0 else 0
+    path = os.path.join(os.path.dirname(os.path.abspath(first_file)), CLASS_NAMES_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            names = f.read().splitlines()
+    except OSError:
+        names = []
+    return names if n and len(names) >= n else [str(c) for c in range(n)]
+
+
 class StringTable:
     """Many strings in two arrays: one UTF-8 byte blob and int64 offsets (no per-item objects)."""
 

@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..errors import SourceError
-from .base import Record, Source, expand_paths
+from .base import Record, Source, class_names, expand_paths
 
 
 class ParquetSource(Source):
@@ -83,7 +83,7 @@ class ParquetSource(Source):
         self.labels = np.concatenate(labels)
         if len(self.labels) == 0:
             raise SourceError(f"parquet source: no non-empty images in {len(self.files)} file(s)")
-        self.classes = [str(c) for c in range(int(self.labels.max()) + 1)] if self.labels.max() >= 0 else []
+        self.classes = class_names(self.files[0], self.labels)
         self._cache: OrderedDict = OrderedDict()
         self._cached = 0
         self._files: dict = {}

@@ -15,7 +15,7 @@ import tarfile
 import numpy as np
 
 from ..errors import SourceError
-from .base import Record, Source, StringTable, expand_paths
+from .base import Record, Source, StringTable, class_names, expand_paths
 
 IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "tif", "tiff", "gif")
 LABEL_SUFFIXES = ("cls", "label", "cls.txt")
@@ -111,7 +111,7 @@ class TarShardSource(Source):
         self.offsets = np.asarray(offsets, dtype=np.int64)
         self.sizes = np.asarray(sizes, dtype=np.int64)
         self.labels = np.asarray(labels, dtype=np.int64)
-        self.classes = [str(c) for c in range(int(self.labels.max()) + 1)] if self.labels.max() >= 0 else []
+        self.classes = class_names(self.shards[0], self.labels)
         self._fds: dict[int, int] = {}
         self._pid = os.getpid()
 
