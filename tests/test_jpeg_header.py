@@ -9,6 +9,7 @@ from PIL import Image
 
 from feedgpu.errors import DecodeError
 from feedgpu.stages import Decode
+from feedgpu.stages.decode import Header
 from feedgpu.stages.jpeg_header import read_jpeg_header
 
 # Pillow warns about the broken EXIF and MPO blocks made here
@@ -94,6 +95,58 @@ def made_variants() -> dict[str, bytes]:
     return v
 
 
+def _before_scan(data: bytes, raw: bytes) -> bytes:
+    i = data.index(b"\xff\xda")
+    return data[:i] + raw + data[i:]
+
+
+def _exif_entries(entries) -> bytes:
+    """An EXIF block whose IFD0 holds ``entries`` (tag, type, count, 4 value/offset bytes)."""
+    body = b"II" + struct.pack("<HI", 42, 8) + struct.pack("<H", len(entries))
+    body += b"".join(struct.pack("<HHI", tag, typ, num) + raw for tag, typ, num, raw in entries)
+    return b"Exif\x00\x00" + body + struct.pack("<I", 0)
+
+
+#: a 32 x 16 frame header (3 components), hidden where Pillow reads it and the standard does not
+SOF_32x16 = b"\x08\x00\x10\x00\x20\x03\x01\x22\x00\x02\x11\x01\x03\x11\x01"
+
+
+def pillow_odd_variants() -> dict[str, tuple[bytes, object]]:
+    """Headers Pillow reads otherwise than the standard, with Pillow's answer (exif applied)."""
+    img = _photo()
+    base = _jpeg(img)
+    sof = b"\xff\xc0" + struct.pack(">H", len(SOF_32x16) + 2) + SOF_32x16
+    hidden = struct.pack(">H", len(sof) + 2) + sof   # a length field Pillow does not read
+    i = base.index(b"\xff\xc0")
+    (n,) = struct.unpack_from(">H", base, i + 2)
+    not_an_image = ("error", "not an image")
+    orient_6 = struct.pack("<HH", 6, 0)
+    return {
+        # markers Pillow does not skip by their length
+        "tem_marker": (base[:2] + b"\xff\x01" + base[2:], not_an_image),
+        "dhp_after_frame": (_before_scan(base, b"\xff\xde" + struct.pack(">H", len(SOF_32x16) + 2) + SOF_32x16),
+                            Header(32, 16, True, True)),
+        "jpg_marker_hides_frame": (_before_scan(base, b"\xff\xc8" + hidden), Header(32, 16, True, True)),
+        "jpgn_marker_hides_frame": (_before_scan(base, b"\xff\xf3" + hidden), Header(32, 16, True, True)),
+        "second_soi_hides_frame": (_before_scan(base, b"\xff\xd8" + hidden), Header(32, 16, True, True)),
+        # blocks Pillow fails on
+        "frame_component_list_cut": (base[:i + 2] + struct.pack(">H", n + 1) + base[i + 4:i + 2 + n] + b"\x01"
+                                     + base[i + 2 + n:], not_an_image),
+        "short_jfif": (_insert_app(base, 0xE0, b"JFIF\x00"), not_an_image),
+        "short_adobe": (_insert_app(base, 0xEE, b"Adobe\x00"), not_an_image),
+        "short_icc": (_insert_app(base, 0xE2, b"ICC_PROFILE\x00\x01"), not_an_image),
+        "photoshop_cut_after_code": (_insert_app(base, 0xED, b"Photoshop 3.0\x008BIM\x04\x04"), not_an_image),
+        # Pillow stops reading IFD0 at the Make entry (20 bytes at offset 5000): no orientation
+        "exif_entry_outside_block": (_jpeg(img, exif=_exif_entries([(0x010F, 2, 20, struct.pack("<I", 5000)),
+                                                                    (0x0112, 3, 1, orient_6)])),
+                                     Header(120, 80, True, True)),
+        # the same entries within the block: rotated
+        "exif_entry_inside_block": (_jpeg(img, exif=_exif_entries([(0x010F, 2, 4, b"abc\x00"),
+                                                                   (0x0112, 3, 1, orient_6)])),
+                                    Header(80, 120, True, False)),
+    }
+
+
 def _twelve_bit(data: bytes) -> bytes:
     i = data.index(b"\xff\xc0")
     return data[:i + 4] + b"\x0c" + data[i + 5:]
@@ -126,6 +179,18 @@ def test_the_reader_answers_for_common_files_and_not_for_odd_ones():
     h = read_jpeg_header(v["exif_6"])
     assert (h.width, h.height, h.components, h.orientation) == (120, 80, 3, 6)
     assert read_jpeg_header(memoryview(v["gray"])).components == 1
+
+
+@pytest.mark.parametrize("name", sorted(pillow_odd_variants()))
+def test_headers_pillow_reads_its_own_way_get_pillows_answer(name):
+    """Markers Pillow reads without a length (TEM, JPG, JPGn, SOI) or as a frame (DHP), blocks it
+    fails on, and an EXIF IFD0 it stops reading early: the reader declines (so the answer is
+    Pillow's) for all but the well-formed EXIF block."""
+    data, want = pillow_odd_variants()[name]
+    fast, slow = both(Decode(), data)
+    assert slow == want, "Pillow's own answer changed"
+    assert fast == want
+    assert (read_jpeg_header(data) is None) == (name != "exif_entry_inside_block")
 
 
 def test_every_photo_gets_pillows_answer():
@@ -167,3 +232,24 @@ def test_random_byte_damage_never_disagrees_with_pillow():
             b[pos] = int(rng.integers(0, 256))
         fast, slow = both(d, bytes(b))
         assert fast == slow
+
+
+def test_every_marker_with_common_block_prefixes_gets_pillows_answer():
+    """A segment of each marker Pillow might meet before the scan (TEM, C0-FE), holding the start
+    of a block Pillow parses (JFIF, Adobe, ICC, Photoshop, EXIF, MPF, XMP, a frame) cut at
+    several lengths, inserted before the frame header and before the scan."""
+    base = _jpeg(_photo())
+    exif = _exif(6)
+    blocks = [b"JFIF\x00\x01\x01\x00\x00\x01\x00\x01\x00\x00", b"Adobe\x00\x64\x00\x00\x00\x00\x01",
+              b"ICC_PROFILE\x00\x01\x01abc", b"Photoshop 3.0\x008BIM\x04\x04\x00\x00\x00\x00\x00\x02ab",
+              exif, b"MPF\x00II*\x00\x08\x00\x00\x00", b"http://ns.adobe.com/xap/1.0/\x00<x/>", SOF_32x16]
+    d = Decode()
+    for marker in [0x01, *range(0xC0, 0xFF)]:
+        if marker in (0xD9, 0xDA):
+            continue
+        for block in blocks:
+            for cut in sorted({0, 4, 6, 7, 13, 14, 18, len(block)}):
+                seg = bytes([0xFF, marker]) + struct.pack(">H", min(cut, len(block)) + 2) + block[:cut]
+                for data in (base[:2] + seg + base[2:], _before_scan(base, seg)):
+                    fast, slow = both(d, data)
+                    assert fast == slow, (hex(marker), block[:12], cut)

@@ -6,6 +6,13 @@ is in an EXIF APP1 block it can read; for anything else (MPO files, XMP blocks, 
 also reads the orientation from, 12-bit or CMYK files, two frame headers, odd EXIF layouts,
 malformed segments) it returns ``None`` and the caller asks Pillow, so its answers are always
 Pillow's. Marker layout: ITU-T T.81 annex B; EXIF: CIPA DC-008 (TIFF IFD0, tag 0x0112).
+
+Where Pillow's JPEG plugin (``JpegImagePlugin._open``, 12.x) reads a header differently from
+the standard, the reader declines too: markers Pillow takes without a length field (JPG, JPGn,
+a second SOI) or as a frame header (DHP), TEM (not in Pillow's table: "no marker found"),
+segments Pillow fails on (a frame header whose component list is cut, a JFIF or Adobe block
+under 7 bytes, an ICC block under 14, a Photoshop resource cut after its code) and EXIF blocks
+where Pillow stops reading IFD0 before the orientation (an earlier entry's data out of the block).
 """
 from __future__ import annotations
 
@@ -13,7 +20,9 @@ import struct
 from typing import NamedTuple
 
 _SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}   # frame headers (DHT, JPG, DAC are not)
-_STANDALONE = frozenset(range(0xD0, 0xD8)) | {0x01}          # RSTn, TEM: no length field
+_STANDALONE = frozenset(range(0xD0, 0xD8))                   # RSTn: no length field
+# markers Pillow reads otherwise than by their length field (see the module docstring)
+_PILLOW_ODD = frozenset(range(0xF0, 0xFE)) | {0x01, 0xC8, 0xD8, 0xDE}
 _EXIF = b"Exif\x00\x00"
 _XMP = b"http://ns.adobe.com/xap/1.0/\x00"
 _MPF = b"MPF\x00"
@@ -46,7 +55,7 @@ def read_jpeg_header(data) -> JpegHeader | None:
         if marker in _STANDALONE:
             pos += 2
             continue
-        if marker < 0xC0:           # not a marker Pillow knows: it raises "no marker found"
+        if marker < 0xC0 or marker in _PILLOW_ODD:   # not read as a segment by Pillow
             return None
         if marker == 0xDA:          # start of scan: the header ends here
             break
@@ -57,8 +66,8 @@ def read_jpeg_header(data) -> JpegHeader | None:
         end = pos + 2 + length
         if length < 2 or end > n:
             return None
-        if marker in _SOF:
-            if frame is not None or length < 8:
+        if marker in _SOF:          # Pillow reads the component list 3 bytes at a time
+            if frame is not None or length < 8 or (length - 8) % 3:
                 return None
             precision, height, width, comps = struct.unpack_from(">BHHB", head, body)
             frame = (precision, width, height, comps)
@@ -76,6 +85,8 @@ def read_jpeg_header(data) -> JpegHeader | None:
             return None             # Pillow opens it as MPO
         elif marker == 0xDB and not _tables_fit(head[body:end]):
             return None             # Pillow raises "bad quantization table marker"
+        elif 0xE0 <= marker <= 0xEF and not _app_fits(marker, head[body:end]):
+            return None             # Pillow fails on the block (IndexError, struct.error)
         pos = end
     else:
         return None                 # no start of scan within the bytes read
@@ -103,6 +114,12 @@ def _exif_orientation(tiff: bytes) -> int | None:
     found = []
     for k in range(count):
         tag, typ, num = struct.unpack_from(order + "HHI", tiff, ifd + 2 + 12 * k)
+        size = num * _TIFF_UNIT.get(typ, 0)
+        if size > 4 and not found:
+            # Pillow stops reading IFD0 at an entry whose data lies outside the block
+            (offset,) = struct.unpack_from(order + "I", tiff, ifd + 2 + 12 * k + 8)
+            if offset + size > len(tiff):
+                return None
         if tag == _ORIENTATION:
             if typ != 3 or num != 1:
                 return None
@@ -110,6 +127,34 @@ def _exif_orientation(tiff: bytes) -> int | None:
     if not found:
         return 1
     return found[0] if len(found) == 1 and 1 <= found[0] <= 8 else None
+
+
+#: bytes per value of each TIFF type Pillow reads (``ImageFileDirectory_v2._load_dispatch``)
+_TIFF_UNIT = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 1, 7: 1, 8: 2, 9: 4, 10: 8, 11: 4, 12: 8, 13: 4, 16: 8}
+
+
+def _app_fits(marker: int, s: bytes) -> bool:
+    """False for the APPn blocks Pillow's ``APP`` handler or its SOF handler fail on."""
+    if marker in (0xE0, 0xEE) and s.startswith(b"JFIF" if marker == 0xE0 else b"Adobe"):
+        return len(s) >= 7           # i16(s, 5)
+    if marker == 0xE2 and s.startswith(b"ICC_PROFILE\0"):
+        return len(s) >= 14          # the frame header reads the fragment count, s[13]
+    if marker == 0xED and s.startswith(b"Photoshop 3.0\0"):
+        offset = 14                  # Pillow's 8BIM walk: only a cut name length raises
+        while s[offset:offset + 4] == b"8BIM":
+            offset += 4
+            if offset + 2 > len(s):
+                return True          # struct.error: Pillow stops there
+            offset += 2
+            if offset >= len(s):
+                return False         # s[offset]: IndexError
+            offset += 1 + s[offset]
+            offset += offset & 1
+            if offset + 4 > len(s):
+                return True
+            offset += 4 + struct.unpack_from(">I", s, offset)[0]
+            offset += offset & 1
+    return True
 
 
 def _tables_fit(s: bytes) -> bool:
