@@ -407,7 +407,7 @@ def test_later_epochs_let_dali_read_local_files(folder_ds, tmp_path, monkeypatch
 def test_a_local_file_changed_after_the_first_epoch(folder_ds, tmp_path):
     """Each local file is stat()ed before DALI is given its path. Deleted: skipped as unreadable,
     named, counted. Replaced by another image, even one of the same length: its header is read
-    again (the kept header is keyed by length and modification time) and the new image is used.
+    again (the kept header is keyed by length, inode and status-change time) and the new image is used.
     Garbage of the same length: read again, skipped as not an image. The loader goes on."""
     src = _folder_copy(folder_ds, tmp_path)
     loader = DataLoader(pipe(src, val_stages(), DALI_CPU, batch_size=8, shuffle=False, max_skipped=None))
@@ -435,6 +435,40 @@ def test_a_local_file_changed_after_the_first_epoch(folder_ds, tmp_path):
     with pytest.warns(SkippedSampleWarning):   # every epoch
         more = clone_all(loader)
     assert sum(len(b.labels) for b in more) == 40
+
+
+def test_a_local_file_rewritten_with_its_modification_time_kept(tmp_path):
+    """``exiftool -Orientation#=6 -P`` rewrites one byte of a JPEG and sets the modification time
+    back: same length, same mtime, now rotated. The next epoch must decode the rotated image (as
+    a fresh loader and the Python engine do), not crop the stored pixels by the kept header."""
+    import os
+    import shutil
+
+    from feedgpu import FolderSource
+
+    (tmp_path / "a").mkdir()
+    shutil.copy(CASES / "exif_orient_1.jpg", tmp_path / "a" / "x.jpg")
+    shutil.copy(CASES / "ok_rgb.jpg", tmp_path / "a" / "y.jpg")
+    rotated = (CASES / "exif_orient_6.jpg").read_bytes()
+
+    def loader(engine):
+        return DataLoader(pipe(FolderSource(tmp_path), [Decode(), ResizeCenterCrop(60, 48)], engine,
+                               batch_size=2, shuffle=False, num_workers=0))
+
+    dali = loader(DALI_CPU)
+    upright = clone_all(dali)[0].images[0]
+    f = tmp_path / "a" / "x.jpg"
+    st = f.stat()
+    assert len(rotated) == st.st_size
+    with open(f, "r+b") as fh:
+        fh.write(rotated)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert f.stat().st_mtime_ns == st.st_mtime_ns and f.stat().st_size == st.st_size
+    got = clone_all(dali)[0].images[0]
+    want = clone_all(loader(DALI_CPU))[0].images[0]
+    assert torch.equal(got, want), "the kept header was used for the rewritten file"
+    assert_close(got[None], clone_all(loader("python"))[0].images[:1], VAL_TOL, "rotated")
+    assert (got.float() - upright.float()).abs().mean() > 10
 
 
 # -- hard inputs ---------------------------------------------------------------------------------------

@@ -20,8 +20,8 @@ feedgpu keeps the order, the randomness and the error handling; DALI does the pi
   on one helper thread while DALI computes batch b on another (DALI releases the GIL), up to
   the loader's ``prefetch_factor`` batches ahead, and the training step runs meanwhile.
 * Local files (a folder source) are read in Python only for the first header check; later
-  epochs stat() each file and, when its length and modification time are those checked, give
-  DALI its path (``fn.io.file.read``, C++ threads): the Python side then costs ~15 us a sample
+  epochs stat() each file and, when its length, inode and status-change time are those checked,
+  give DALI its path (``fn.io.file.read``, C++ threads): the Python side then costs ~15 us a sample
   (one thread: ~65,000 samples/s), so it does not cap the GPU path.
 * Two graph rewrites that keep the output (``bench/results/dali_cpu.md`` measures each):
   crop-on-decode — when the first stage after decode resizes a window (random resized crop,
@@ -243,11 +243,11 @@ class DaliWork:
         ``item`` is the encoded file, or for a local file its path (DALI reads it), or pixels."""
         t0 = time.perf_counter()
         local = self.source.local_file(idx) if self._local else None
-        stamp = None   # a local file's (size, mtime in ns): its header is kept for that version
+        stamp = None   # a local file's (size, version): its header is kept for that version
         if local is not None:
             try:
                 st = os.stat(local[0])
-                stamp = (st.st_size, st.st_mtime_ns)
+                stamp = (st.st_size, _file_version(st))
             except OSError:
                 pass    # read() below names the error
             else:       # a header known from an earlier epoch: DALI reads the file
@@ -267,11 +267,11 @@ class DaliWork:
             group = PIXELS
             if isinstance(payload, (bytes, bytearray, memoryview)):
                 # other sources: 0; a local file that changed between stat() and read: -1, not kept
-                mtime = 0 if local is None else (stamp[1] if stamp and stamp[0] == len(payload) else -1)
-                w, h, kind = self._headers.get(idx, len(payload), mtime)
+                version = 0 if local is None else (stamp[1] if stamp and stamp[0] == len(payload) else -1)
+                w, h, kind = self._headers.get(idx, len(payload), version)
                 if kind == _Headers.UNKNOWN:
                     w, h, dali_ok, upright = self.decode.header(payload)
-                    kind = self._headers.put(idx, len(payload), mtime, w, h, dali_ok, upright)
+                    kind = self._headers.put(idx, len(payload), version, w, h, dali_ok, upright)
                 if kind != _Headers.PILLOW:
                     group = WINDOW if (kind == _Headers.UPRIGHT and self.window) else WHOLE
             if group == PIXELS:
@@ -485,8 +485,8 @@ class DaliWork:
 class _Headers:
     """What :meth:`Decode.header` found per sample, kept for later epochs (17 bytes a sample):
     the size after EXIF orientation and how the file is decoded. Keyed by index and checked
-    against the file's length and, for local files, its modification time in ns (``mtime``; 0
-    for other sources), so a replaced file is probed again. Files the header check rejects are
+    against the file's length and, for local files, its version (:func:`_file_version`; 0 for
+    other sources), so a replaced or rewritten file is probed again. Files the header check rejects are
     not kept: they are skipped (or raise) every epoch."""
 
     UNKNOWN, UPRIGHT, ROTATED, PILLOW = 0, 1, 2, 3
@@ -495,19 +495,20 @@ class _Headers:
         self.size = np.zeros((n, 2), np.int32)
         self.kind = np.zeros(n, np.int8)
         self.nbytes = np.zeros(n, np.int64)
-        self.mtime = np.zeros(n, np.int64)
+        self.version = np.zeros(n, np.int64)
 
-    def get(self, idx: int, nbytes: int, mtime: int = 0) -> tuple[int, int, int]:
-        if idx >= len(self.kind) or self.nbytes[idx] != nbytes or self.mtime[idx] != mtime or mtime < 0:
+    def get(self, idx: int, nbytes: int, version: int = 0) -> tuple[int, int, int]:
+        if (idx >= len(self.kind) or self.nbytes[idx] != nbytes or self.version[idx] != version
+                or version < 0):
             return 0, 0, self.UNKNOWN
         w, h = self.size[idx]
         return int(w), int(h), int(self.kind[idx])
 
-    def put(self, idx: int, nbytes: int, mtime: int, w: int, h: int, dali_ok: bool, upright: bool) -> int:
+    def put(self, idx: int, nbytes: int, version: int, w: int, h: int, dali_ok: bool, upright: bool) -> int:
         kind = (self.UPRIGHT if upright else self.ROTATED) if dali_ok else self.PILLOW
-        if idx < len(self.kind) and mtime >= 0:
+        if idx < len(self.kind) and version >= 0:
             self.size[idx] = (w, h)
-            self.kind[idx], self.nbytes[idx], self.mtime[idx] = kind, nbytes, mtime
+            self.kind[idx], self.nbytes[idx], self.version[idx] = kind, nbytes, version
         return kind
 
 
@@ -546,6 +547,15 @@ def _decode_windows(args: dict, sizes: np.ndarray, out: np.ndarray, rows: np.nda
     shift = np.zeros_like(args["roi_start"])
     shift[rows] = top_left
     return {**args, "roi_start": args["roi_start"] - shift, "roi_end": args["roi_end"] - shift}
+
+
+def _file_version(st: os.stat_result) -> int:
+    """A local file's version for the kept headers: its inode and status-change time (ns) folded
+    into a non-negative int64. Not the modification time, which tools set back (``cp -p``,
+    ``rsync -a``, ``exiftool -P`` after rewriting an orientation tag, ``os.utime``): the
+    status-change time moves with every write, ``utime`` or rename and cannot be set, and the
+    inode tells apart a file renamed over the checked one."""
+    return hash((st.st_ino, st.st_ctime_ns)) & 0x7FFFFFFFFFFFFFFF
 
 
 def _encoded_path(path: str) -> np.ndarray:
