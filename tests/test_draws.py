@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from feedgpu.stages import HorizontalFlip, RandomResizedCrop
-from feedgpu.stages.base import stage_random
+from feedgpu.stages.base import sample_rng, stage_random
 from feedgpu.stages.draws import Draws, as_uniforms, sample_uniforms
 from feedgpu.stages.geometry import RRC_DRAWS, random_resized_crop_params
 
@@ -120,3 +120,19 @@ def test_window_area_and_ratio_follow_the_ranges():
     # the window's position is uniform over where it fits
     rel = top / np.maximum(4000 - h, 1)
     assert abs(rel.mean() - 0.5) < 0.01
+
+
+def test_numpy_integers_anywhere_give_the_same_draws():
+    """Seeds, epochs, indices, stage positions and draw numbers as NumPy integers (a custom stage
+    with ``draws`` indexing ``rng[np.int64(j)]``, a seed read from an array) give the draws of the
+    same Python ints; before, ``Draws[np.int64(j)]`` and ``sample_rng(np.int64(-3), ...)`` raised
+    OverflowError."""
+    want = sample_uniforms(-3, 2, [7], 1, 4)[0].tolist()
+    d = Draws(np.int64(-3), np.uint8(2), np.int64(7), np.int16(1))
+    assert [d[np.int64(j)] for j in range(4)] == want
+    assert [d[j] for j in np.arange(4)] == want
+    assert sample_uniforms(np.int64(-3), np.int64(2), np.array([7], np.int32), np.int64(1), 4)[0].tolist() == want
+    with pytest.raises(TypeError):
+        d[1.0]
+    a = sample_rng(np.int64(-3), np.int64(2), np.int64(7), np.int64(1)).random(3)
+    np.testing.assert_array_equal(a, sample_rng(2**64 - 3, 2, 7, 1).random(3))

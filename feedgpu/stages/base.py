@@ -89,7 +89,7 @@ class BatchStage(Stage):
 
 def sample_rng(seed: int, epoch: int, index: int, stage_pos: int) -> np.random.Generator:
     """The generator a random stage without ``draws`` gets for one sample (PCG64 via SeedSequence)."""
-    return np.random.default_rng([seed & 0xFFFFFFFFFFFFFFFF, epoch, index, stage_pos])
+    return np.random.default_rng([int(seed) & 0xFFFFFFFFFFFFFFFF, int(epoch), int(index), int(stage_pos)])
 
 
 def stage_random(stage: Stage, seed: int, epoch: int, index: int, stage_pos: int):

@@ -17,6 +17,7 @@ stages still get).
 from __future__ import annotations
 
 import functools
+import operator
 
 import numpy as np
 
@@ -80,6 +81,7 @@ class Draws:
         self._base = _mix_int(((int(index) * _GAMMA) & _MASK) ^ _key(int(seed), int(epoch), int(stage_pos)))
 
     def __getitem__(self, j: int) -> float:
+        j = operator.index(j)   # a NumPy integer too (its arithmetic would overflow int64 below)
         if j < 0:
             raise IndexError("draw numbers start at 0")
         return (_mix_int(self._base + (j + 1) * _GAMMA) >> 11) * _UNIT
