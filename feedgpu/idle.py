@@ -192,37 +192,55 @@ def run_loader(loader, consumer, duration_s: float, warmup_s: float = 0.0) -> di
         epoch += 1
 
 
-def placement(make_loader: Callable[..., Any], python_alone: dict, duration_s: float, demand: float,
-              on_gpu: bool) -> dict:
-    """Measure the loader alone on DALI's engines too (``dali-cpu``; ``dali-gpu`` on a GPU) and
-    let :func:`~feedgpu.exec.balancer.choose_placement` pick where the stages run: the rate each
-    delivers (counted up to ``demand``) for the cores it uses (main process and workers)."""
+#: The engines :func:`placement` compares: label -> the loader's ``engine=`` argument.
+PLACEMENT_ENGINES = {"python": {"name": "python"}, "dali-cpu": {"name": "dali", "device": "cpu"},
+                     "dali-gpu": {"name": "dali", "device": "gpu"}}
+
+
+def engine_label(loader) -> tuple[str, int]:
+    """The placement label of ``loader``'s engine (``python``, ``dali-cpu``, ``dali-gpu``) and
+    its workers (processes, or DALI threads)."""
+    eng = loader.stats()["engine"]
+    if eng.get("name") == "dali":
+        return f"dali-{eng.get('device', 'cpu')}", int(eng.get("threads") or 1)
+    return "python", int(loader.num_workers)
+
+
+def placement(make_loader: Callable[..., Any], alone: dict, duration_s: float, demand: float,
+              on_gpu: bool, warmup_s: float = 0.0) -> dict:
+    """Measure the loader alone on the other engines too (``python``, ``dali-cpu``; ``dali-gpu``
+    on a GPU) and let :func:`~feedgpu.exec.balancer.choose_placement` pick where the stages run:
+    the rate each delivers (counted up to ``demand``) for the cores it uses (main process and
+    workers). ``alone``: the configured loader measured alone, with its ``engine`` label and
+    ``workers`` (:func:`engine_label`), so a pipeline configured for DALI is not reported as the
+    Python engine. A Python loader that sizes its pool itself runs ``warmup_s`` untimed first."""
     from .exec.autoscale import cpu_cores
     from .exec.balancer import EngineRate, choose_placement
 
-    options = [EngineRate("python", python_alone["samples_per_s"], python_alone["cpu_cores"],
-                          max(1, python_alone["workers"]))]
-    measured, errors = {"python": python_alone}, {}
-    for name, device in (("dali-cpu", "cpu"), ("dali-gpu", "gpu")):
-        if device == "gpu" and not on_gpu:
+    mine = alone.get("engine", "python")
+    options = [EngineRate(mine, alone["samples_per_s"], alone["cpu_cores"], max(1, alone["workers"]))]
+    measured, errors = {mine: alone}, {}
+    for name, engine in PLACEMENT_ENGINES.items():
+        if name == mine or (name == "dali-gpu" and not on_gpu):
             continue
         try:
-            loader = make_loader(engine={"name": "dali", "device": device})
-            r = run_loader(loader, None, duration_s)
-            threads = loader.stats()["engine"].get("threads") or max(1, cpu_cores() - 1)
+            loader = make_loader(engine=engine)
+            r = run_loader(loader, None, duration_s, warmup_s if loader.balancer is not None else 0.0)
+            workers = engine_label(loader)[1] if name != "python" else loader.num_workers
             loader.shutdown()
         except Exception as e:  # noqa: BLE001 - an engine that cannot run this pipeline is no option
             errors[name] = f"{type(e).__name__}: {e}"
             continue
         measured[name] = r
-        options.append(EngineRate(name, r["samples_per_s"], r["cpu_cores"], int(threads)))
+        options.append(EngineRate(name, r["samples_per_s"], r["cpu_cores"], max(1, int(workers))))
     gpu_free = None
     if on_gpu:
         import torch
 
         gpu_free = int(torch.cuda.mem_get_info()[0])
     pick = choose_placement(options, cpu_budget=float(cpu_cores()), gpu_mem_free_bytes=gpu_free, demand_rate=demand)
-    return {"measured": {k: {"samples_per_s": v["samples_per_s"], "cpu_cores": v["cpu_cores"]}
+    return {"configured": mine,
+            "measured": {k: {"samples_per_s": v["samples_per_s"], "cpu_cores": v["cpu_cores"]}
                          for k, v in measured.items()},
             "not_measured": errors, "choice": pick.engine, "engine_settings": pick.engine_settings(),
             "reason": pick.reason}
@@ -299,8 +317,8 @@ def analyze(make_loader: Callable[..., Any], consumer, duration_s: float, on_gpu
     """Run the three phases; ``make_loader(**overrides)`` gives a fresh loader for phases 2 and
     3, each run ``warmup_s`` seconds untimed first (default: ``duration_s / 2`` when the loader
     sizes its pool itself, else 0), so the figures are the balancer's settled state; the
-    timeline keeps the ramp-up. With ``compare_engines``, :func:`placement` also measures DALI's
-    engines after phase 2."""
+    timeline keeps the ramp-up. With ``compare_engines``, :func:`placement` also measures the
+    other engines after phase 2."""
     loader = make_loader()
     first = next(iter(loader))
     sample = tuple(t.clone() for t in first[:2]) if isinstance(first, tuple) else first
@@ -312,8 +330,12 @@ def analyze(make_loader: Callable[..., Any], consumer, duration_s: float, on_gpu
         warmup_s = duration_s / 2 if loader.balancer is not None else 0.0
     alone = run_loader(loader, None, duration_s, warmup_s)
     alone["workers"] = loader.num_workers
+    alone["engine"], threads = engine_label(loader)
     loader.shutdown()
-    placed = placement(make_loader, alone, duration_s, model["samples_per_s"], on_gpu) if compare_engines else None
+    placed = None
+    if compare_engines:
+        placed = placement(make_loader, {**alone, "workers": threads}, duration_s, model["samples_per_s"], on_gpu,
+                           warmup_s)
     loader = make_loader()
     both = run_loader(loader, consumer, duration_s, warmup_s)
     stats = loader.stats()

@@ -140,6 +140,29 @@ def test_compare_engines_measures_dali_cpu_and_picks_a_placement(folder_ds, no_l
     assert pl["choice"] in pl["reason"] and "Placement measured" in r["recommendation"]
 
 
+def test_compare_engines_labels_a_dali_pipeline_as_dali(folder_ds, no_leaked_workers):
+    """A pipeline configured for DALI (``--set engine.name=dali`` with ``--compare-engines``, as
+    bench/gpu_check.py runs it): its loader-alone rate is dali-cpu's, the Python engine is the one
+    measured besides it. Before, the DALI rate was reported as "python" and DALI measured twice."""
+    pytest.importorskip("nvidia.dali")
+    p = Pipeline({"format": "folder", "path": str(folder_ds)}, [Decode(), RandomResizedCrop(64)],
+                 batch_size=8, device="cpu", seed=1, engine={"name": "dali", "device": "cpu"})
+    asked = []
+
+    def make_loader(**over):
+        asked.append(over.get("engine"))
+        return DataLoader(p, num_workers=1, **over)
+
+    r = analyze(make_loader, RateConsumer(1e6), duration_s=1.0, on_gpu=False, compare_engines=True)
+    pl = r["placement"]
+    assert pl["configured"] == "dali-cpu" and r["loader_alone"]["engine"] == "dali-cpu"
+    assert set(pl["measured"]) == {"python", "dali-cpu"} and not pl["not_measured"]
+    assert pl["measured"]["dali-cpu"]["samples_per_s"] == r["loader_alone"]["samples_per_s"]
+    assert [e for e in asked if e is not None] == [{"name": "python"}]
+    assert pl["engine_settings"] == ({"name": "python"} if pl["choice"] == "python"
+                                     else {"name": "dali", "device": "cpu", "threads": 1})
+
+
 def test_fixed_workers_get_a_diagnosis_too(folder_ds, no_leaked_workers):
     p = small_pipeline(folder_ds)
     r = analyze(lambda: DataLoader(p, num_workers=1), RateConsumer(1e6), duration_s=1.5, on_gpu=False)
