@@ -13,7 +13,10 @@ Steps (each in its own process, with a time limit; a failed step is reported and
    loader alone, both; GPU idle share; placement), once with the Python engine and once with the
    DALI GPU engine, as the end-to-end table of anchors.md.
 
-Outputs (logs, JSON, plots) go to ``--out``. ``--cpu`` runs every step on the CPU with small
+Outputs (logs, JSON, plots) go to ``--out``; a step's JSON and plot are removed before it runs,
+and the table shows figures only from the steps of this run that succeeded (never a file left
+by an earlier run). The tests step counts as failed on a GPU run when no test passed (all
+skipped: no CUDA device or no DALI). ``--cpu`` runs every step on the CPU with small
 settings (tests skip, DALI GPU left out, a synthetic consumer instead of the models): use it to
 try this script on a machine without a GPU before spending GPU time.
 
@@ -42,18 +45,19 @@ def _feedgpu(*args: str) -> list[str]:
             *args]
 
 
-def steps(a) -> list[tuple[str, list[str], int]]:
-    """``(name, command, time limit in s)`` of each step."""
+def steps(a) -> list[tuple[str, list[str], int, list[Path]]]:
+    """``(name, command, time limit in s, files it writes)`` of each step."""
     out = Path(a.out)
     device = "cpu" if a.cpu else "cuda"
     engines = ["python", "dali-cpu", "torch"] + ([] if a.cpu else ["dali-gpu"])
     data = ["--images", str(a.images), "--workers", str(a.workers), "--rounds", str(a.rounds),
             "--batch-size", str(a.batch_size)]
-    todo = [("doctor", _feedgpu("doctor"), 120),
-            ("gpu tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
-                           "tests/test_dali.py"], 600),
+    todo = [("doctor", _feedgpu("doctor"), 120, []),
+            (TESTS, [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
+                     "tests/test_dali.py"], 600, []),
             ("data only", _feedgpu("bench", *data, *sum((["--engine", e] for e in engines), []),
-                                   "--device", device, "--json", str(out / "data_only.json")), 900)]
+                                   "--device", device, "--json", str(out / "data_only.json")), 900,
+             [out / "data_only.json"])]
     consumer = ["--consumer-rate", "3000"] if a.cpu else None
     plots = importlib.util.find_spec("matplotlib") is not None   # not on the GPU machine
     for model in (["synthetic"] if a.cpu else ["resnet50", "resnet18"]):
@@ -62,12 +66,21 @@ def steps(a) -> list[tuple[str, list[str], int]]:
                 sets = ["--set", "engine.name=dali", "--set", "engine.device=cpu"]
                 engine = "dali-cpu"
             name = f"{model} {engine}"
+            js, png = out / f"e2e_{model}_{engine}.json", out / f"e2e_{model}_{engine}.png"
             todo.append((name, _feedgpu("bench", *(consumer or ["--model", model]), "--compare-engines",
                                         "--images", str(a.images), "--batch-size", str(a.batch_size),
                                         "--duration", str(a.duration), "--device", device, *sets,
-                                        "--json", str(out / f"e2e_{model}_{engine}.json"),
-                                        *(["--plot", str(out / f"e2e_{model}_{engine}.png")] if plots else [])), 900))
+                                        "--json", str(js), *(["--plot", str(png)] if plots else [])), 900,
+                         [js, png]))
     return todo
+
+
+TESTS = "gpu tests"
+
+
+def tests_passed(last: str) -> bool:
+    """True when pytest's summary line (``"3 passed, 2 skipped in 4.1s"``) counts a passed test."""
+    return any(part.strip().split(" ")[-1] == "passed" for part in last.split(" in ")[0].split(","))
 
 
 def run_step(name: str, cmd: list[str], limit: int, out: Path) -> dict:
@@ -77,26 +90,31 @@ def run_step(name: str, cmd: list[str], limit: int, out: Path) -> dict:
     try:
         p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit)
         rc, text = p.returncode, p.stdout + p.stderr
-    except subprocess.TimeoutExpired as e:
-        rc, text = "timeout", (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+    except subprocess.TimeoutExpired as e:   # its output so far (bytes, even with text=True)
+        parts = [x.decode(errors="replace") if isinstance(x, bytes) else x for x in (e.stdout, e.stderr) if x]
+        rc, text = "timeout", "".join(parts)
     log.write_text(text)
     lines = [ln for ln in text.strip().splitlines() if ln.strip()]
     return {"step": name, "rc": rc, "seconds": round(time.perf_counter() - t0, 1), "last": lines[-1] if lines else ""}
 
 
 def summary(out: Path, results: list[dict]) -> list[str]:
-    """The table printed last: each step's status, then the figures the JSON files hold."""
+    """The table printed last: each step's status, then the figures the JSON files of this run's
+    successful steps hold."""
     rows = ["| step | status | s | last line |", "| --- | --- | ---: | --- |"]
     for r in results:
         status = "ok" if r["rc"] == 0 else f"FAILED ({r['rc']})"
+        if r.get("all_skipped") and r["rc"] == 0:
+            status = "skipped (no test ran)"
         rows.append(f"| {r['step']} | {status} | {r['seconds']} | {r['last'][:100]} |")
+    fresh = {Path(f) for r in results if r["rc"] == 0 for f in r.get("outputs", [])}
     d = out / "data_only.json"
-    if d.exists():
+    if d in fresh and d.exists():
         doc = json.loads(d.read_text())
         rows += ["", "| data only: loader | samples/s | ms/batch | CPU % |", "| --- | ---: | ---: | ---: |"]
         for x in doc["summary"].values():
             rows.append(f"| {x['label']} | {x['samples_per_s']:.0f} | {x['ms_per_batch']:.1f} | {x['cpu_percent']:.0f} |")
-    e2e = sorted(out.glob("e2e_*.json"))
+    e2e = sorted(f for f in out.glob("e2e_*.json") if f in fresh)
     if e2e:
         rows += ["", "| end to end | model alone /s | loader alone /s | both /s | GPU idle | placement |",
                  "| --- | ---: | ---: | ---: | ---: | --- |"]
@@ -128,11 +146,19 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     results = []
-    for name, cmd, limit in steps(a):
+    for name, cmd, limit, outputs in steps(a):
         if a.only and not any(name.startswith(o) for o in a.only):
             continue
         print(f"== {name}: {' '.join(cmd[3:] if cmd[1] == '-c' else cmd)}", flush=True)
+        for f in outputs:   # what an earlier run left must not pass for this run's figures
+            f.unlink(missing_ok=True)
         r = run_step(name, cmd, limit, out)
+        r["outputs"] = [str(f) for f in outputs]
+        if name == TESTS and not tests_passed(r["last"]):
+            r["all_skipped"] = True
+            if r["rc"] == 0 and not a.cpu:   # a GPU run whose GPU tests did not run checked nothing
+                r["rc"] = "no test ran"
+
         print(f"   {r['rc']} in {r['seconds']} s: {r['last']}", flush=True)
         results.append(r)
     table = summary(out, results)
