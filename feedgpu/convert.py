@@ -40,9 +40,12 @@ def _header(data) -> tuple[str | None, int, int]:
 
 def write_class_names(out: Path, classes: list[str]) -> None:
     """:data:`~feedgpu.sources.base.CLASS_NAMES_FILE` in ``out``: the class names in label order, one per line, which the tar and
-    Parquet sources read back (:func:`feedgpu.sources.base.class_names`)."""
+    Parquet sources read back (:func:`feedgpu.sources.base.class_names`). A folder name that is not
+    UTF-8 (Python decodes it with surrogate escapes) is written as its own bytes, as the tar member
+    names are."""
     if classes:
-        (out / CLASS_NAMES_FILE).write_text("".join(f"{c}\n" for c in classes), encoding="utf-8")
+        (out / CLASS_NAMES_FILE).write_text("".join(f"{c}\n" for c in classes), encoding="utf-8",
+                                            errors="surrogateescape")
 
 
 def folder_to_tar(folder, out_dir, samples_per_shard: int = 1000, progress: bool = False) -> list[Path]:

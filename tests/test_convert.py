@@ -170,3 +170,28 @@ def test_converted_datasets_keep_the_class_names(folder_ds, tmp_path, to):
     (tmp_path / to / "_classes.txt").unlink()
     src = ParquetSource(tmp_path / to) if to == "parquet" else TarShardSource(tmp_path / to)
     assert src.classes == [str(i) for i in range(len(folder.classes))]
+
+
+def test_class_folders_named_in_another_encoding_convert_to_tar(tmp_path):
+    """A class folder whose name is not UTF-8 (b"caf\\xe9", Latin-1): the names file keeps its
+    bytes, so the tar source's class names equal the folder source's; before, folder_to_tar raised
+    UnicodeEncodeError writing _classes.txt. A names file in another encoding opens too."""
+    import os
+
+    from feedgpu.convert import folder_to_tar
+
+    root = tmp_path / "in"
+    root.mkdir()
+    os.mkdir(os.path.join(os.fsencode(root), b"caf\xe9"))
+    (root / "ok").mkdir()
+    latin = os.fsdecode(b"caf\xe9")
+    (root / latin / "a.jpg").write_bytes((CASES / "ok_rgb.jpg").read_bytes())
+    (root / "ok" / "b.jpg").write_bytes((CASES / "gray.jpg").read_bytes())
+    folder = FolderSource(root)
+    assert folder.classes == [latin, "ok"]
+    folder_to_tar(root, tmp_path / "tar")
+    assert (tmp_path / "tar" / "_classes.txt").read_bytes() == b"caf\xe9\nok\n"
+    tar = TarShardSource(tmp_path / "tar")
+    assert tar.classes == folder.classes and records(tar) == records(folder)
+    (tmp_path / "tar" / "_classes.txt").write_bytes("ni\u00f1o\ncaf\u00e9\n".encode("latin-1"))
+    assert TarShardSource(tmp_path / "tar").classes == [os.fsdecode(b"ni\xf1o"), latin]

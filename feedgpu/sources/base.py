@@ -51,11 +51,12 @@ CLASS_NAMES_FILE = "_classes.txt"  # a leading "_": pyarrow's dataset readers sk
 
 def class_names(first_file, labels: np.ndarray) -> list[str]:
     """Class names for ``labels``: the :data:`CLASS_NAMES_FILE` beside ``first_file`` when it
-    names every label, else the labels as strings (``[]`` without labels)."""
+    names every label, else the labels as strings (``[]`` without labels). Bytes that are not
+    UTF-8 come back as surrogate escapes, as Python gives such folder names."""
     n = int(labels.max()) + 1 if len(labels) and labels.max() >= 0 else 0
     path = os.path.join(os.path.dirname(os.path.abspath(first_file)), CLASS_NAMES_FILE)
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8", errors="surrogateescape") as f:
             names = f.read().splitlines()
     except OSError:
         names = []
