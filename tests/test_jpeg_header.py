@@ -136,15 +136,23 @@ def pillow_odd_variants() -> dict[str, tuple[bytes, object]]:
         "short_adobe": (_insert_app(base, 0xEE, b"Adobe\x00"), not_an_image),
         "short_icc": (_insert_app(base, 0xE2, b"ICC_PROFILE\x00\x01"), not_an_image),
         "photoshop_cut_after_code": (_insert_app(base, 0xED, b"Photoshop 3.0\x008BIM\x04\x04"), not_an_image),
-        # Pillow stops reading IFD0 at the Make entry (20 bytes at offset 5000): no orientation
+        # Pillow stops reading IFD0 at the Make entry (20 bytes at offset 5000): no orientation;
+        # DALI may read the tag: Pillow decodes it
         "exif_entry_outside_block": (_jpeg(img, exif=_exif_entries([(0x010F, 2, 20, struct.pack("<I", 5000)),
                                                                     (0x0112, 3, 1, orient_6)])),
-                                     Header(120, 80, True, True)),
+                                     Header(120, 80, False, True)),
+        # an orientation only in XMP (Pillow reads it, DALI does not): Pillow decodes it
+        "xmp_orientation_only": (_insert_app(base, 0xE1, XMP_6), Header(80, 120, False, False)),
         # the same entries within the block: rotated
         "exif_entry_inside_block": (_jpeg(img, exif=_exif_entries([(0x010F, 2, 4, b"abc\x00"),
                                                                    (0x0112, 3, 1, orient_6)])),
                                     Header(80, 120, True, False)),
+        # EXIF has the orientation (3): Pillow ignores the XMP's; DALI reads the same EXIF tag
+        "xmp_and_exif_orientation": (_insert_app(_jpeg(img, exif=_exif(3)), 0xE1, XMP_6), Header(120, 80, True, False)),
     }
+
+
+XMP_6 = b"http://ns.adobe.com/xap/1.0/\x00" b'<x:xmpmeta><rdf:Description tiff:Orientation="6"/></x:xmpmeta>'
 
 
 def _twelve_bit(data: bytes) -> bytes:
@@ -184,13 +192,13 @@ def test_the_reader_answers_for_common_files_and_not_for_odd_ones():
 @pytest.mark.parametrize("name", sorted(pillow_odd_variants()))
 def test_headers_pillow_reads_its_own_way_get_pillows_answer(name):
     """Markers Pillow reads without a length (TEM, JPG, JPGn, SOI) or as a frame (DHP), blocks it
-    fails on, and an EXIF IFD0 it stops reading early: the reader declines (so the answer is
-    Pillow's) for all but the well-formed EXIF block."""
+    fails on, an EXIF IFD0 it stops reading early and an orientation only in XMP: the reader
+    declines (so the answer is Pillow's) for all but the well-formed EXIF blocks."""
     data, want = pillow_odd_variants()[name]
     fast, slow = both(Decode(), data)
     assert slow == want, "Pillow's own answer changed"
     assert fast == want
-    assert (read_jpeg_header(data) is None) == (name != "exif_entry_inside_block")
+    assert (read_jpeg_header(data) is None) == (name not in ("exif_entry_inside_block", "xmp_and_exif_orientation"))
 
 
 def test_every_photo_gets_pillows_answer():
@@ -218,6 +226,12 @@ def test_long_headers():
     for x in (data, memoryview(data)):
         fast, slow = both(Decode(), x)
         assert fast == slow and fast[:3] == (120, 80, True)
+    # with an EXIF orientation past those 64 KiB (a Parquet cell is a buffer): still DALI's
+    rotated = _insert_app(_insert_app(_jpeg(_photo(), exif=_exif(6)), 0xED, big_app), 0xED, big_app)
+    assert rotated.index(b"Exif") > 65536 or read_jpeg_header(memoryview(rotated)) is None
+    for x in (rotated, memoryview(rotated)):
+        fast, slow = both(Decode(), x)
+        assert fast == slow == Header(80, 120, True, False)
 
 
 def test_random_byte_damage_never_disagrees_with_pillow():

@@ -112,7 +112,10 @@ class Decode(SampleStage):
         """:meth:`probe`, and whether the stored pixels are upright (no EXIF rotation or mirror
         to apply), so a window of the output is the same window of the stored image (what
         decoding only a window, :meth:`dali_window`, needs). Common JPEGs are read by
-        :func:`~feedgpu.stages.jpeg_header.read_jpeg_header`, the rest by Pillow."""
+        :func:`~feedgpu.stages.jpeg_header.read_jpeg_header`, the rest by Pillow. DALI takes a
+        JPEG only if its orientation is none or a plain EXIF tag: one Pillow finds in an XMP
+        block or an EXIF block the marker reader declines is decoded by Pillow (``dali_ok``
+        False), as DALI's own EXIF reading (``adjust_orientation``) could differ."""
         fast = self._jpeg_header(data)
         if fast is not None:
             return fast
@@ -132,6 +135,11 @@ class Decode(SampleStage):
                 return Header(w, h, False, False)
             if orientation in (5, 6, 7, 8):
                 w, h = h, w
+            if ("exif" in img.info or orientation not in (1, None)) and read_jpeg_header(bytes(data)) is None:
+                # an orientation DALI's decoder may read otherwise (it reads EXIF, not XMP, and
+                # not every EXIF layout as Pillow): Pillow decodes it, as the Python engine does
+                # (bytes: a buffer's header past 64 KiB is read too)
+                return Header(w, h, False, orientation in (1, None))
         return Header(w, h, True, orientation in (1, None))
 
     def _jpeg_header(self, data) -> "Header | None":
