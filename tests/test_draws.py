@@ -136,3 +136,16 @@ def test_numpy_integers_anywhere_give_the_same_draws():
         d[1.0]
     a = sample_rng(np.int64(-3), np.int64(2), np.int64(7), np.int64(1)).random(3)
     np.testing.assert_array_equal(a, sample_rng(2**64 - 3, 2, 7, 1).random(3))
+
+
+def test_a_subclass_can_ask_for_a_generator_again():
+    """Subclasses of the built-in random stages that call ``rng.random()`` set ``draws = 0``."""
+    class MyFlip(HorizontalFlip):
+        draws = 0
+
+        def apply(self, img, rng):
+            return super().apply(img, rng) if rng.random() < 2 else img
+
+    rng = stage_random(MyFlip(), 1, 0, 5, 2)
+    assert isinstance(rng, np.random.Generator)
+    assert isinstance(stage_random(HorizontalFlip(), 1, 0, 5, 2), Draws)

@@ -55,7 +55,9 @@ class SampleStage(Stage):
         raise NotImplementedError
 
     #: Uniform draws per sample a random stage takes (see the module docstring); 0: the stage
-    #: gets a ``numpy.random.Generator`` instead.
+    #: gets a ``numpy.random.Generator`` instead. A subclass of a built-in random stage that
+    #: overrides ``apply`` gets the same draws (``rng[j]``, floats in [0, 1)); one that wants a
+    #: Generator sets ``draws = 0`` (it then runs on the Python engine only).
     draws: ClassVar[int] = 0
 
     # -- DALI implementation (see feedgpu.exec.dali_engine) ---------------------------------------
