@@ -629,6 +629,86 @@ def test_row_buffer_grows_and_round_trips_through_a_part(tmp_path):
             Part(path, entry["meta_xxh3"] ^ 1)
 
 
+def _write_part(tmp_path, imgs, name="p.arrow", codec="none", **kw) -> tuple[str, dict]:
+    from feedgpu.cache.parts import PartWriter, RowBuffer, RowEncoder
+
+    enc, buf = RowEncoder(codec, 1), RowBuffer(capacity=1 << 16)
+    w = PartWriter(tmp_path, name, enc, **kw)
+    for i, a in enumerate(imgs):
+        data, check = enc.encode(a)
+        buf.add(i, f"k{i}", i, a.shape[0], a.shape[1], check, data)
+    w.write(buf)
+    return str(tmp_path / name), w.close()
+
+
+def test_part_files_reach_the_kernel_in_writes_of_at_most_1_mib(tmp_path, monkeypatch):
+    """Large writes make the kernel use 2 MiB page-cache folios, which on a VM with free page
+    reporting come from memory the host took back (feedgpu/cache/sink.py). A 4.4 MiB record batch
+    reaches the file in pieces of at most 1 MiB, the small framing writes gathered, and a short
+    write() is continued where it stopped."""
+    from feedgpu.cache import sink
+    from feedgpu.cache.parts import Part
+
+    rng = np.random.default_rng(1)
+    imgs = [rng.integers(0, 256, (700, 700, 3), dtype=np.uint8) for _ in range(3)]
+    sizes: list[int] = []
+    real = os.write
+
+    def spy(fd, data):
+        sizes.append(memoryview(data).nbytes)
+        return real(fd, data)
+
+    monkeypatch.setattr(sink.os, "write", spy)
+    path, entry = _write_part(tmp_path, imgs)
+    assert sum(sizes) == entry["bytes"] == os.path.getsize(path) > 3 * imgs[0].nbytes
+    assert max(sizes) == sink.WRITE_CHUNK == 1 << 20
+    assert len(sizes) <= entry["bytes"] // sink.WRITE_CHUNK + 4
+    part = Part(path, entry["meta_xxh3"])
+    assert all(np.array_equal(part.pixels(r), a) for r, a in enumerate(imgs))
+
+    offered: list[int] = []
+
+    def short(fd, data):  # the kernel takes at most 100 kB per call
+        offered.append(memoryview(data).nbytes)
+        return real(fd, memoryview(data)[:100_000])
+
+    monkeypatch.setattr(sink.os, "write", short)
+    path, entry = _write_part(tmp_path, imgs, name="short.arrow", write_chunk=8 << 20)
+    assert max(offered) > 1 << 20 and len(offered) > entry["bytes"] // 100_000
+    part = Part(path, entry["meta_xxh3"])
+    assert all(np.array_equal(part.pixels(r), a) for r, a in enumerate(imgs))
+
+
+def test_a_failed_part_write_raises_oserror_and_abort_leaves_nothing(tmp_path, monkeypatch):
+    """ENOSPC in the middle of a record batch reaches the cache as OSError (it then stops caching
+    with a warning); abort closes the file and removes the temporary part."""
+    import errno
+
+    from feedgpu.cache import sink
+    from feedgpu.cache.parts import PartWriter, RowBuffer, RowEncoder
+
+    enc, buf = RowEncoder("none", 0), RowBuffer(1 << 16)
+    a = np.zeros((400, 400, 3), np.uint8)
+    data, check = enc.encode(a)
+    buf.add(0, "k", 0, 400, 400, check, data)
+    w = PartWriter(tmp_path, "p.arrow", enc)
+    real, calls = os.write, []
+
+    def full(fd, data):
+        calls.append(fd)
+        if len(calls) > 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data)
+
+    monkeypatch.setattr(sink.os, "write", full)
+    with pytest.raises(OSError, match="No space left"):
+        w.write(buf)
+    w.abort()
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(OSError):
+        os.fstat(calls[0])                                  # the part's descriptor is closed
+
+
 def test_writing_and_reading_parts_does_not_import_pandas(tmp_path):
     """pyarrow imports pandas (~0.25 s) on ``pa.array(...)`` and ``to_numpy()``; a filling worker
     would pay that in its first batch. Parts are built from and read through buffers instead."""

@@ -21,6 +21,7 @@ pages to fault in), the file write, and one hash pass over the written file.
 """
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 
@@ -28,6 +29,8 @@ import numpy as np
 import pyarrow as pa
 import xxhash
 import zstandard
+
+from .sink import WRITE_CHUNK, ChunkedFile
 
 SCHEMA = pa.schema([("index", pa.int64()), ("key", pa.string()), ("label", pa.int64()),
                     ("height", pa.int32()), ("width", pa.int32()), ("check", pa.uint64()),
@@ -173,15 +176,14 @@ def _column(table: pa.Table, name: str, dtype) -> np.ndarray:
 
 
 class PartWriter:
-    """Streams record batches into ``dir/.name.tmp``; :meth:`close` renames it to ``name`` and
-    returns the manifest entry ``{name, rows, bytes, file_xxh3, meta_xxh3}``."""
+    """Streams record batches into ``dir/.name.tmp``, at most ``write_chunk`` bytes per
+    ``write()`` (see :mod:`.sink`); :meth:`close` renames it to ``name`` and returns the manifest
+    entry ``{name, rows, bytes, file_xxh3, meta_xxh3}``."""
 
-    def __init__(self, directory, name: str, encoder: RowEncoder):
+    def __init__(self, directory, name: str, encoder: RowEncoder, write_chunk: int = WRITE_CHUNK):
         self.dir, self.name = str(directory), name
         self.tmp = os.path.join(self.dir, f".{name}.tmp")
-        fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        self._sink = pa.OSFile(self.tmp, "wb")
-        os.close(fd)
+        self._sink = ChunkedFile(os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), write_chunk)
         self._writer = pa.ipc.new_file(self._sink, SCHEMA.with_metadata(encoder.metadata()))
         self.rows = 0
         self.bytes = 0
@@ -206,9 +208,12 @@ class PartWriter:
                 "meta_xxh3": meta_checksum(self._meta)}
 
     def abort(self) -> None:
+        """Drop the temporary file (after a failed write: what is left to write is discarded)."""
         try:
-            self._writer.close()
-            self._sink.close()
+            with contextlib.suppress(Exception):
+                self._writer.close()
+            with contextlib.suppress(OSError):
+                self._sink.close()  # closes the descriptor even when the last write fails
         finally:
             if os.path.exists(self.tmp):
                 os.unlink(self.tmp)
