@@ -722,33 +722,36 @@ def _write_part(tmp_path, imgs, name="p.arrow", codec="none", **kw) -> tuple[str
     return str(tmp_path / name), w.close()
 
 
-def test_part_files_reach_the_kernel_in_writes_of_at_most_1_mib(tmp_path, monkeypatch):
-    """Large writes make the kernel use 2 MiB page-cache folios, which on a VM with free page
-    reporting come from memory the host took back (feedgpu/cache/sink.py). A 4.4 MiB record batch
-    reaches the file in pieces of at most 1 MiB, the small framing writes gathered, and a short
-    write() is continued where it stopped."""
+def test_part_files_reach_the_kernel_in_aligned_pieces_of_at_most_256_kib(tmp_path, monkeypatch):
+    """Large writes make the kernel use large page-cache folios, which on a VM with free page
+    reporting come from memory the host took back (feedgpu/cache/sink.py). A 4.4 MiB record
+    batch reaches the file in pieces of at most 256 KiB that never cross a multiple of 256 KiB,
+    the small framing writes gathered, and a short write() is continued where it stopped."""
     from feedgpu.cache import sink
 
     rng = np.random.default_rng(1)
     imgs = [rng.integers(0, 256, (700, 700, 3), dtype=np.uint8) for _ in range(3)]
-    sizes: list[int] = []
+    pieces: list[tuple[int, int]] = []   # (file offset, size) of each write()
     real = os.write
 
     def spy(fd, data):
-        sizes.append(memoryview(data).nbytes)
-        return real(fd, data)
+        n = real(fd, data)
+        pieces.append((os.lseek(fd, 0, os.SEEK_CUR) - n, n))
+        return n
 
     monkeypatch.setattr(sink.os, "write", spy)
     path, entry = _write_part(tmp_path, imgs)
-    assert sum(sizes) == entry["bytes"] == os.path.getsize(path) > 3 * imgs[0].nbytes
-    assert max(sizes) == sink.WRITE_CHUNK == 1 << 20
-    assert len(sizes) <= entry["bytes"] // sink.WRITE_CHUNK + 4
+    chunk = sink.WRITE_CHUNK
+    assert chunk == 256 << 10
+    assert sum(n for _, n in pieces) == entry["bytes"] == os.path.getsize(path) > 3 * imgs[0].nbytes
+    assert all(at // chunk == (at + n - 1) // chunk for at, n in pieces)   # within one aligned stretch
+    assert max(n for _, n in pieces) == chunk and len(pieces) <= entry["bytes"] // chunk + 8
     part = Part(path, entry["meta_xxh3"])
     assert all(np.array_equal(part.pixels(r), a) for r, a in enumerate(imgs))
 
     offered: list[int] = []
 
-    def short(fd, data):  # the kernel takes at most 100 kB per call
+    def short(fd, data):  # the kernel takes at most 100 kB per call (write_chunk 8 MiB offers more)
         offered.append(memoryview(data).nbytes)
         return real(fd, memoryview(data)[:100_000])
 
