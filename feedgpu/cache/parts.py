@@ -18,7 +18,7 @@ Parts are written to a temporary file and renamed without fsync: after a power l
 be incomplete, and the checks above find it and drop it; it is never served.
 
 Writing costs one copy per row into a reused batch buffer (no per-batch allocation, so no fresh
-pages to fault in) and the file write, in pieces of at most 1 MiB (:mod:`.sink`); nothing is read
+pages to fault in) and the file write, in pieces of at most 256 KiB (:mod:`.sink`); nothing is read
 back.
 """
 from __future__ import annotations
