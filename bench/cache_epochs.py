@@ -299,39 +299,55 @@ def main(argv=None) -> int:
     return 0
 
 
-def fill_profile(p, comps: list[str], n_rows: int = 450, fast_levels=(-20, -5)) -> dict:
-    """What filling costs per sample, without a loader (one process): the prefix output of the
-    first ``n_rows`` images (about one 64 MiB part at zstd:1) encoded row by row (zstd, or the
-    xxh3-64 of the raw row), then copied into the reused batch buffer and streamed into a part
-    file as the cache writes it (``PartWriter``: ~8 MiB record batches to a temporary file, xxh3
-    of the file, rename; no fsync). Each part is written twice: into fresh page-cache pages
-    (after the machine was quiet), then again at once after deleting the first (pages the kernel
-    has just freed). ``fast_levels``: zstd's negative levels, encode and decode only (not offered
-    as settings), for the choice of what to store."""
-    import numpy as np
+def fill_profile(p, comps: list[str], n_rows: int = 450, fast_levels=(-20, -5), pause_s: float = 6.0) -> dict:
+    """What filling costs per sample, without a loader (one process): the prefix output (PIL
+    images) of the first ``n_rows`` images (about one 64 MiB part at zstd:1) packed to RGB bytes
+    (``rgb_array``; timed one image at a time, each result dropped before the next as in the
+    loader, so the allocator reuses its memory), encoded row by row (zstd, or the xxh3-64 of the
+    raw row), then copied into the reused batch buffer (allocated and touched once, as a worker's)
+    and streamed into a part file as the cache writes it (``PartWriter``: ~8 MiB record batches to
+    a temporary file in pieces of at most 256 KiB, checksums from the rows, rename; no fsync). The
+    part is written three times, each time after deleting the one before: as the cache does, after
+    ``pause_s`` seconds (for the balloon driver to report the freed memory to the host); with one
+    ``write()`` per record batch buffer (~8 MiB, as before format 3), after the same pause; and
+    that again at once (into pages the kernel has just freed). ``fast_levels``: zstd's negative
+    levels, encode and decode only (not offered as settings), for the choice of what to store."""
     import zstandard
 
     from feedgpu.cache.parts import PartWriter, RowBuffer, RowEncoder
     from feedgpu.cache.settings import parse_compression
     from feedgpu.cache.store import BATCH_BYTES
+    from feedgpu.exec.pixels import rgb_array
 
     plan = p.plan("cpu")
     prefix = plan.sample_stages[:plan.cache_prefix]
-    arrays = []
+    images = []
     for i in range(min(n_rows, len(p.source))):
         x = p.source.read(i).payload
         for st in prefix:
             x = st.apply(x, None)
-        arrays.append(np.asarray(x))
+        images.append(x)
+    t_pack = 0.0
+    for x in images:
+        t0 = time.perf_counter()
+        rgb_array(x)
+        t_pack += time.perf_counter() - t0
+    arrays = [rgb_array(x) for x in images]
+    del images
     raw = sum(a.nbytes for a in arrays)
-    out = {"rows": len(arrays), "raw_mib": raw / 2**20}
     k = len(arrays) / 1e3
+    out = {"rows": len(arrays), "raw_mib": raw / 2**20, "pack_ms": t_pack / k, "pause_s": pause_s}
     tmp = Path(tempfile.mkdtemp(prefix="fill-profile-", dir=REPO / "bench" / "out"))
+    rows = RowBuffer(BATCH_BYTES + (1 << 20))
+    for a in arrays:  # touch the buffer's memory once
+        rows.add(0, "", 0, a.shape[0], a.shape[1], 0, a)
+        if rows.nbytes >= BATCH_BYTES:
+            break
+    rows.clear()
 
-    def write_part(enc, encoded) -> tuple[float, dict]:
+    def write_part(enc, encoded, **kw) -> tuple[float, dict]:
         t = time.perf_counter()
-        w = PartWriter(tmp, "part.arrow", enc)
-        rows = RowBuffer(BATCH_BYTES + (1 << 20))
+        w = PartWriter(tmp, "part.arrow", enc, **kw)
         for i, shape, data, check in encoded:
             rows.add(i, str(i), 0, shape[0], shape[1], check, data)
             if rows.nbytes >= BATCH_BYTES:
@@ -339,8 +355,11 @@ def fill_profile(p, comps: list[str], n_rows: int = 450, fast_levels=(-20, -5)) 
                 rows.clear()
         if len(rows):
             w.write(rows)
+            rows.clear()
         entry = w.close()
-        return time.perf_counter() - t, entry
+        dt = time.perf_counter() - t
+        (tmp / "part.arrow").unlink()
+        return dt / k, entry
 
     try:
         for c in comps:
@@ -348,20 +367,20 @@ def fill_profile(p, comps: list[str], n_rows: int = 450, fast_levels=(-20, -5)) 
             t0 = time.perf_counter()
             encoded = [(i, arr.shape, *enc.encode(arr)) for i, arr in enumerate(arrays)]
             t_enc = time.perf_counter() - t0
+            time.sleep(pause_s)
             t_write, entry = write_part(enc, encoded)
-            (tmp / "part.arrow").unlink()
-            t_again, _ = write_part(enc, encoded)
-            (tmp / "part.arrow").unlink()
-            out[c] = {"encode_ms": t_enc / k, "part_write_ms": t_write / k, "part_write_again_ms": t_again / k,
-                      "part_mib": entry["bytes"] / 2**20}
-            out[c]["total_ms"] = out[c]["encode_ms"] + out[c]["part_write_ms"]
+            time.sleep(pause_s)
+            t_big, _ = write_part(enc, encoded, write_chunk=BATCH_BYTES + (1 << 20))
+            t_big_again, _ = write_part(enc, encoded, write_chunk=BATCH_BYTES + (1 << 20))
+            out[c] = {"encode_ms": t_enc / k, "part_write_ms": t_write, "part_write_one_per_batch_ms": t_big,
+                      "part_write_one_per_batch_again_ms": t_big_again, "part_mib": entry["bytes"] / 2**20}
+            out[c]["total_ms"] = out["pack_ms"] + out[c]["encode_ms"] + out[c]["part_write_ms"]
         fast = {}
-        raws = [a.tobytes() for a in arrays]
         for lvl in fast_levels:
             cz = zstandard.ZstdCompressor(level=lvl, write_checksum=True)
             dz = zstandard.ZstdDecompressor()
             t0 = time.perf_counter()
-            frames = [cz.compress(b) for b in raws]
+            frames = [cz.compress(a) for a in arrays]
             t1 = time.perf_counter()
             for f in frames:
                 dz.decompress(f)
@@ -454,7 +473,8 @@ def markdown(doc: dict) -> str:
               f"- Loader: {s['workers']} workers, batch {s['batch_size']}, prefetch {s['prefetch_factor']}, shuffle, "
               f"drop_last=False ({s['batches_per_epoch']} batches per epoch, the last one partial), output on the CPU. "
               "Cache parts of 64 MiB: rows copied into a reused ~8 MiB buffer, streamed to a temporary file as record "
-              "batches, xxh3-64 per row, over the small columns and over the file, renamed (no fsync: row and meta "
+              "batches in writes of at most 256 KiB, xxh3-64 per row (of its stored bytes) and over the small columns, "
+              "the part's checksum from those and the keys (nothing read back), renamed (no fsync: row and meta "
               "checksums catch a torn part), then listed in the manifest.",
               f"- Rounds: one unrecorded warm-up run each of `no_cache` and a fill, then {s['rounds']} rounds. Each round: "
               "`no_cache`, then per compression (order rotated per round) `fill` → `read`. Every fill starts from an empty "
@@ -513,7 +533,8 @@ def markdown(doc: dict) -> str:
     lines += ["", "`read`: the encoded file; `cache`: when reading, the cached row (zstd decompression, or the xxh3-64 "
               "check of the raw row) as a PIL image; when filling, the resized image packed to bytes, encoded (zstd, or "
               "xxh3-64 of the raw row), copied into the batch buffer, every ~8 MiB a record batch written to the part "
-              "file and every 64 MiB the part closed (xxh3 of the file, rename, manifest update); `write`: the crop's "
+              "file (pieces of at most 256 KiB) and every 64 MiB the part closed (its checksum from the rows' checks and "
+              "keys, rename, manifest update); `write`: the crop's "
               "output packed into the shared batch buffer"
               + (" (uint8 NHWC)." if s.get("dtype") == "uint8" else " and normalized to float32 NCHW.") + "", ""]
     pw = doc.get("persistent_workers_check")
@@ -533,20 +554,25 @@ def markdown(doc: dict) -> str:
     fp = doc.get("fill_profile")
     if fp:
         lines += ["## What filling costs (one process, no loader)", "",
-                  f"The prefix output of the first {fp['rows']} images ({fp['raw_mib']:.0f} MiB of pixels), encoded, "
-                  "assembled into one part and written as the cache does it; ms per sample:", "",
-                  "| compression | encode row (zstd, or xxh3 of the raw row) | copy + stream to the part file + xxh3 + "
-                  "rename | total | the same part written again at once | part MiB |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: |"]
+                  f"The prefix output of the first {fp['rows']} images ({fp['raw_mib']:.0f} MiB of pixels), packed to "
+                  "RGB bytes, encoded, assembled into one part and written as the cache does it; ms per sample:", "",
+                  "| compression | pack the image to RGB bytes | encode row (zstd, or xxh3 of the stored row) | copy + "
+                  "write the part (≤ 256 KiB per write) + rename | total | the same part, one write() per ~8 MiB batch "
+                  "| the same, again at once | part MiB |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for c in comps:
             x = fp[c]
-            lines.append(f"| `{c}` | {x['encode_ms']:.3f} | {x['part_write_ms']:.3f} | **{x['total_ms']:.3f}** | "
-                         f"{_f(x.get('part_write_again_ms'), '.3f')} | {x['part_mib']:.1f} |")
-        lines += ["", "*the same part written again at once*: the part file deleted and written again right away, into "
-                  "page-cache pages the kernel has just freed. The first write goes into pages that were free while the "
-                  "machine was quiet, which is what a fill of fresh data pays; on this VM such pages cost several times "
-                  "more to fill (likely the hypervisor backing them again: its balloon driver reports free guest memory "
-                  "to the host)."]
+            lines.append(f"| `{c}` | {fp['pack_ms']:.3f} | {x['encode_ms']:.3f} | {x['part_write_ms']:.3f} | "
+                         f"**{x['total_ms']:.3f}** | {x['part_write_one_per_batch_ms']:.3f} | "
+                         f"{x['part_write_one_per_batch_again_ms']:.3f} | {x['part_mib']:.1f} |")
+        lines += ["", "The part is written three times, each after deleting the one before: as the cache does it and "
+                  "with one write() per record batch buffer (how parts were written before format 3), each after a "
+                  f"{fp.get('pause_s', 6):.0f} s pause, and the latter *again at once*, into pages the kernel has just freed. Writes of 2 MiB or "
+                  "more get 2 MiB page-cache folios, taken from free blocks of 2 MiB and more: the ones this VM's "
+                  "balloon driver reports to the host (free page reporting) once they have been free for a moment, "
+                  "so each 4 KiB of them costs a host fault when first written. Writes of at most 256 KiB get folios "
+                  "of at most 256 KiB, taken from smaller free blocks, which the guest never reports "
+                  "(`feedgpu/cache/sink.py`)."]
         fast = fp.get("zstd_fast_levels") or {}
         if fast:
             lines += ["", "zstd's fast (negative) levels on the same rows, one process (not offered as settings): "
@@ -621,13 +647,22 @@ def analysis(doc: dict) -> list[str]:
                   "every epoch reads its bytes from the disk).", ""]
 
     lines += ["## What is left", ""]
-    if "none" in fp and fp["none"].get("part_write_again_ms"):
+    if "none" in fp and fp["none"].get("part_write_one_per_batch_ms"):
         x = fp["none"]
-        lines.append(f"1. **Fresh page-cache pages.** Writing a raw part costs {x['part_write_ms']:.3f} ms per row into "
-                     f"pages that were free while the machine was quiet and {x['part_write_again_ms']:.3f} ms into pages "
-                     "just freed (fill profile above): on this VM the largest part of the fill's write cost is taking new "
-                     "pages into the page cache, paid per byte written. Only fewer bytes lower it, and every compressor "
-                     "measured here costs more CPU per row than the page-cache writes it saves.")
+        fill_cache = su["fill:none"]["stage_ms_per_sample"].get("cache", 0) if "fill:none" in su else None
+        lines.append(f"1. **The fill's CPU per byte.** Per raw row (fill profile above): packing the image to RGB bytes "
+                     f"{fp['pack_ms']:.3f} ms, its xxh3-64 {x['encode_ms']:.3f}, the copy into the batch buffer and the "
+                     f"write into the page cache {x['part_write_ms']:.3f}, together {x['total_ms']:.3f} ms"
+                     + (f", of the `cache` stage's {fill_cache:.2f} ms in the loader (the rest: building record batches, "
+                        "Python per row, each part's manifest update with its fsync, the workers' caches shared with "
+                        "decoding)" if fill_cache is not None else "") + ". "
+                     "Writing the packed rows straight from their own bytes, without the batch-buffer copy, measured no "
+                     "faster outside this benchmark (one process, 2,000 rows: 0.13–0.14 ms per row either way; the "
+                     "writes slow down by what the copy saves), and every compressor measured here costs more CPU per "
+                     "row than the bytes it saves. The page-cache pages themselves were the largest part before "
+                     f"format 3: one write() per ~8 MiB batch costs {x['part_write_one_per_batch_ms']:.3f} ms per row "
+                     f"into memory the host has taken back ({x['part_write_one_per_batch_again_ms']:.3f} into pages "
+                     "just freed).")
     lines += [
         "2. **Seeding per sample and stage**: every random stage builds a NumPy generator from a SeedSequence "
         "(`sample_rng`), twice per sample here (crop, flip), a fixed cost in both epochs that weighs more in the short "

@@ -13,9 +13,10 @@ import json
 from ..stages.base import Stage
 from ..stages.custom import PythonStage
 
-CACHE_FORMAT = "feedgpu.cache/2"
-"""Bumped whenever the files' layout changes (2: xxh3-64 checksums, ``check`` uint64): the
-fingerprint includes it, so a cache written in another format is rebuilt, never misread."""
+CACHE_FORMAT = "feedgpu.cache/3"
+"""Bumped whenever the files' layout changes (2: xxh3-64 checksums, ``check`` uint64; 3: ``check``
+also for zstd rows, the manifest's ``content_xxh3`` instead of a checksum of the file's bytes):
+the fingerprint includes it, so a cache written in another format is rebuilt, never misread."""
 
 
 class NotFingerprintable(Exception):

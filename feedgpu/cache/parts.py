@@ -5,67 +5,41 @@ Columns: ``index`` int64 (position in the source), ``key`` string, ``label`` int
 (``height * width * 3`` bytes), raw or one zstd frame per sample (so any row is read alone,
 from a memory map).
 
-Integrity (checksums are xxh3-64 from the ``xxhash`` package, as ints):
+Integrity (:mod:`.checks`):
 
-* each row's pixels are verified when read: zstd frames carry zstd's content checksum, raw rows
-  the xxh3-64 of their bytes in ``check``;
+* each row's stored bytes have their xxh3-64 in ``check``; raw rows are verified against it when
+  read, zstd frames by zstd's content checksum (and against ``check`` by ``feedgpu cache verify``);
 * the small columns (index, label, height, width, check) and the row lengths are covered by
   ``meta_xxh3`` in the manifest, verified when a part is opened;
-* the whole file by ``file_xxh3``, verified by ``feedgpu cache verify``.
+* the part as a whole by ``content_xxh3`` in the manifest (meta checksum, codec, keys), verified
+  by ``feedgpu cache verify`` together with every row; a file Arrow cannot parse is corrupt.
 
 Parts are written to a temporary file and renamed without fsync: after a power loss a part may
 be incomplete, and the checks above find it and drop it; it is never served.
 
 Writing costs one copy per row into a reused batch buffer (no per-batch allocation, so no fresh
-pages to fault in), the file write, and one hash pass over the written file.
+pages to fault in) and the file write, in pieces of at most 256 KiB (:mod:`.sink`); nothing is read
+back.
 """
 from __future__ import annotations
 
-import mmap
+import contextlib
 import os
 
 import numpy as np
 import pyarrow as pa
-import xxhash
 import zstandard
+
+from .checks import META_COLUMNS, CorruptPart, CorruptRow, checksum, content_checksum, meta_checksum
+from .sink import WRITE_CHUNK, ChunkedFile
+
+__all__ = ["CODECS", "SCHEMA", "CorruptPart", "CorruptRow", "Part", "PartWriter", "RowBuffer", "RowEncoder",
+           "checksum", "content_checksum", "meta_checksum"]
 
 SCHEMA = pa.schema([("index", pa.int64()), ("key", pa.string()), ("label", pa.int64()),
                     ("height", pa.int32()), ("width", pa.int32()), ("check", pa.uint64()),
                     ("data", pa.large_binary())])
-META_COLUMNS = ("index", "label", "height", "width", "check", "length")
-_META_DTYPES = ("<i8", "<i8", "<i4", "<i4", "<u8", "<i8")
-
-checksum = xxhash.xxh3_64_intdigest
-"""xxh3-64 of a bytes-like object, as an int (unsigned 64 bit)."""
-
-
-class CorruptRow(Exception):
-    """A cached row failed its checksum or does not decompress to its shape."""
-
-
-class CorruptPart(Exception):
-    """A part's small columns do not match the checksum in the manifest, or its row offsets
-    point outside its data."""
-
-
-def meta_checksum(columns: dict) -> int:
-    """xxh3-64 of the index/label/height/width/check columns and the row lengths in bytes
-    (``length``), each as a little-endian array, in that order."""
-    h = xxhash.xxh3_64()
-    for name, dtype in zip(META_COLUMNS, _META_DTYPES):
-        h.update(np.ascontiguousarray(columns[name], dtype=dtype))
-    return h.intdigest()
-
-
-def file_checksum(path: str) -> int:
-    """xxh3-64 of a whole file, read through a populated read-only memory map (no copy)."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            return checksum(b"")
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        with mmap.mmap(f.fileno(), size, flags=flags, prot=mmap.PROT_READ) as m:
-            return checksum(m)
+CODECS = ("none", "zstd")
 
 
 class RowEncoder:
@@ -76,14 +50,15 @@ class RowEncoder:
         self._z = zstandard.ZstdCompressor(level=level, write_checksum=True) if codec == "zstd" else None
 
     def encode(self, arr: np.ndarray):
-        """``(data, check)`` for a uint8 array: a zstd frame (check 0: the frame has its own
-        checksum) or a view of the raw bytes (no copy) and their xxh3-64."""
-        raw = memoryview(np.ascontiguousarray(arr)).cast("B")
+        """``(data, check)`` for a uint8 array: the stored bytes (a zstd frame, or a view of the
+        raw bytes: no copy) and their xxh3-64."""
+        data = memoryview(np.ascontiguousarray(arr)).cast("B")
         if self._z is not None:
-            return self._z.compress(raw), 0
-        return raw, checksum(raw)
+            data = self._z.compress(data)
+        return data, checksum(data)
 
     def metadata(self) -> dict:
+        """The part file's schema metadata: codec and level."""
         return {b"codec": self.codec.encode(), b"level": str(self.level).encode()}
 
 
@@ -166,26 +141,50 @@ def _column(table: pa.Table, name: str, dtype) -> np.ndarray:
             continue
         if chunk.null_count:
             raise CorruptPart(f"column {name!r} has nulls")
-        parts.append(np.frombuffer(chunk.buffers()[1], dtype, count=len(chunk), offset=chunk.offset * dtype.itemsize))
+        try:
+            parts.append(np.frombuffer(chunk.buffers()[1], dtype, count=len(chunk), offset=chunk.offset * dtype.itemsize))
+        except (TypeError, ValueError):  # no data buffer, or a short one
+            raise CorruptPart(f"column {name!r} is shorter than its rows") from None
     if len(parts) == 1:
         return parts[0]
     return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
 
-class PartWriter:
-    """Streams record batches into ``dir/.name.tmp``; :meth:`close` renames it to ``name`` and
-    returns the manifest entry ``{name, rows, bytes, file_xxh3, meta_xxh3}``."""
+def _offsets(chunk: pa.Array, dtype, path: str):
+    """``(offsets, values buffer)`` of a binary/string chunk; raises :class:`CorruptPart` when the
+    offsets run backwards or outside the values."""
+    _, offs, values = chunk.buffers()
+    if not len(chunk):
+        return np.zeros(1, np.int64), values
+    if chunk.null_count:
+        raise CorruptPart(f"{path}: a binary column has nulls")
+    itemsize = np.dtype(dtype).itemsize
+    try:
+        o = np.frombuffer(offs, dtype, count=len(chunk) + 1, offset=chunk.offset * itemsize).astype(np.int64)
+    except (TypeError, ValueError):  # no offsets buffer, or a short one
+        raise CorruptPart(f"{path}: row offsets missing") from None
+    size = values.size if values is not None else 0
+    if np.any(o[1:] < o[:-1]) or o[0] < 0 or o[-1] > size:
+        raise CorruptPart(f"{path}: row offsets outside the data")
+    return o, values
 
-    def __init__(self, directory, name: str, encoder: RowEncoder):
+
+class PartWriter:
+    """Streams record batches into ``dir/.name.tmp``, at most ``write_chunk`` bytes per
+    ``write()`` (see :mod:`.sink`); :meth:`close` renames it to ``name`` and returns the manifest
+    entry ``{name, rows, bytes, content_xxh3, meta_xxh3}`` (:mod:`.checks`), computed from the
+    rows written, without reading the file back."""
+
+    def __init__(self, directory, name: str, encoder: RowEncoder, write_chunk: int = WRITE_CHUNK):
         self.dir, self.name = str(directory), name
         self.tmp = os.path.join(self.dir, f".{name}.tmp")
-        fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        self._sink = pa.OSFile(self.tmp, "wb")
-        os.close(fd)
+        self._sink = ChunkedFile(os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), write_chunk)
         self._writer = pa.ipc.new_file(self._sink, SCHEMA.with_metadata(encoder.metadata()))
+        self._codec = (encoder.codec, encoder.level)
         self.rows = 0
         self.bytes = 0
         self._meta: dict[str, list[int]] = {c: [] for c in META_COLUMNS}
+        self._keys: list[str] = []
 
     def write(self, rows: RowBuffer) -> None:
         """Write the buffered rows as one record batch (the buffer may be cleared afterwards)."""
@@ -193,22 +192,27 @@ class PartWriter:
         for c in META_COLUMNS[:-1]:
             self._meta[c].extend(getattr(rows, c))
         self._meta["length"].extend(rows.lengths())
+        self._keys.extend(rows.key)
         self.rows += len(rows)
         self.bytes += rows.nbytes
 
     def close(self) -> dict:
         self._writer.close()
         self._sink.close()
-        digest = file_checksum(self.tmp)
         size = os.path.getsize(self.tmp)
         os.replace(self.tmp, os.path.join(self.dir, self.name))
-        return {"name": self.name, "rows": self.rows, "bytes": size, "file_xxh3": digest,
-                "meta_xxh3": meta_checksum(self._meta)}
+        meta = meta_checksum(self._meta)
+        keys = [k.encode() for k in self._keys]
+        content = content_checksum(meta, *self._codec, [len(k) for k in keys], b"".join(keys))
+        return {"name": self.name, "rows": self.rows, "bytes": size, "content_xxh3": content, "meta_xxh3": meta}
 
     def abort(self) -> None:
+        """Drop the temporary file (after a failed write: what is left to write is discarded)."""
         try:
-            self._writer.close()
-            self._sink.close()
+            with contextlib.suppress(Exception):
+                self._writer.close()
+            with contextlib.suppress(OSError):
+                self._sink.close()  # closes the descriptor even when the last write fails
         finally:
             if os.path.exists(self.tmp):
                 os.unlink(self.tmp)
@@ -217,16 +221,25 @@ class PartWriter:
 class Part:
     """A memory-mapped part: rows are read without copying the file.
 
-    Raises :class:`CorruptPart` when the row offsets point outside the data or, with
-    ``meta_check``, the small columns differ from it, and ``OSError``/``ValueError`` for a
-    missing or truncated file."""
+    Raises :class:`CorruptPart` when the file is not a part file Arrow can read (columns, codec),
+    its row offsets point outside the data or, with ``meta_check``, the small columns differ from
+    it, and ``OSError`` for a missing file."""
 
     def __init__(self, path: str, meta_check: int | None = None):
         self.path = path
         mm = pa.memory_map(path, "r")
-        table = pa.ipc.open_file(mm).read_all()
+        try:
+            table = pa.ipc.open_file(mm).read_all()
+        except (pa.ArrowException, ValueError) as e:  # truncated, or framing Arrow refuses
+            raise CorruptPart(f"{path}: not readable as an Arrow file ({e})") from None
+        if not table.schema.equals(SCHEMA):
+            raise CorruptPart(f"{path}: unexpected columns {table.schema.names}")
         meta = table.schema.metadata or {}
-        self.codec = meta.get(b"codec", b"none").decode()
+        self.codec = meta.get(b"codec", b"none").decode("utf-8", "replace")
+        self.level = meta.get(b"level", b"0").decode("utf-8", "replace")
+        if self.codec not in CODECS:
+            raise CorruptPart(f"{path}: unknown codec {self.codec!r}")
+        self._table = table
         self.index = _column(table, "index", np.int64)
         self.labels = _column(table, "label", np.int64)
         self.height = _column(table, "height", np.int32)
@@ -235,27 +248,41 @@ class Part:
         # Each row as (data buffer, start, end): a slice of the memory map, no Arrow scalar per read.
         self._bufs, which, starts, ends = [], [], [], []
         for k, chunk in enumerate(table.column("data").chunks):  # combine_chunks() would copy
-            _, offs, values = chunk.buffers()
-            o = np.frombuffer(offs, np.int64, count=len(chunk) + 1, offset=chunk.offset * 8) if len(chunk) else \
-                np.zeros(1, np.int64)
-            size = values.size if values is not None else 0
-            if np.any(o[1:] < o[:-1]) or (len(o) and (o[0] < 0 or o[-1] > size)):
-                raise CorruptPart(f"{path}: row offsets outside the data")
+            o, values = _offsets(chunk, np.int64, path)
             self._bufs.append(memoryview(values) if values is not None else memoryview(b""))
             which.append(np.full(len(chunk), k, np.int64))
             starts.append(o[:-1])
             ends.append(o[1:])
         cat = (lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int64))
         self._which, self._start, self._end = (cat(which).tolist(), cat(starts).tolist(), cat(ends).tolist())
-        if meta_check is not None:
-            length = np.asarray(self._end, np.int64) - np.asarray(self._start, np.int64)
-            if meta_checksum({"index": self.index, "label": self.labels, "height": self.height,
-                              "width": self.width, "check": self.check, "length": length}) != meta_check:
-                raise CorruptPart(f"{path}: index/label/size columns do not match their checksum")
+        if meta_check is not None and self.meta_checksum() != meta_check:
+            raise CorruptPart(f"{path}: index/label/size columns do not match their checksum")
         self._hw = list(zip(self.height.tolist(), self.width.tolist()))
         self._checks = self.check.tolist()
-        self.keys = table.column("key")
         self._dz = zstandard.ZstdDecompressor() if self.codec == "zstd" else None
+
+    def meta_checksum(self) -> int:
+        """:func:`~.checks.meta_checksum` of this file's small columns and row lengths."""
+        length = np.asarray(self._end, np.int64) - np.asarray(self._start, np.int64)
+        return meta_checksum({"index": self.index, "label": self.labels, "height": self.height,
+                              "width": self.width, "check": self.check, "length": length})
+
+    def content_checksum(self) -> int:
+        """:func:`~.checks.content_checksum` of this file's values (for ``content_xxh3``)."""
+        lengths, blobs = [], []
+        for chunk in self._table.column("key").chunks:
+            o, values = _offsets(chunk, np.int32, self.path)
+            lengths.append(np.diff(o))
+            blobs.append(memoryview(values)[o[0]:o[-1]] if values is not None and len(chunk) else b"")
+        key_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+        return content_checksum(self.meta_checksum(), self.codec, self.level, key_lengths, b"".join(blobs))
+
+    def verify_row(self, row: int) -> None:
+        """Check the row's stored bytes against ``check`` and that they decode to its shape (zstd:
+        with the frame's own checksum); raises :class:`CorruptRow`."""
+        if checksum(self.raw(row)) != self._checks[row]:
+            raise CorruptRow(f"{self.path} row {row}: checksum mismatch")
+        self.pixels(row)
 
     def __len__(self) -> int:
         return len(self.index)

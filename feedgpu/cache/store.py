@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from . import manifest as mf
-from .parts import CorruptPart, CorruptRow, Part, PartWriter, RowBuffer, RowEncoder, file_checksum
+from .parts import CorruptPart, CorruptRow, Part, PartWriter, RowBuffer, RowEncoder
 from .settings import CacheSettings, parse_compression
 
 log = logging.getLogger("feedgpu.cache")
@@ -311,7 +311,7 @@ def evict_lru(root: Path, budget: int, keep: str | None = None) -> list[str]:
 
 
 def verify(entry: Path, repair: bool = True) -> dict:
-    """Check every part's checksum and every row; drop bad parts (``repair``) so they are rebuilt.
+    """Check every part (:func:`verify_part`); drop bad parts (``repair``) so they are rebuilt.
     Returns ``{"parts", "rows", "bad_parts": [(name, why)], "stray_files"}``."""
     m = mf.read(entry)
     if m is None:
@@ -319,19 +319,11 @@ def verify(entry: Path, repair: bool = True) -> dict:
     bad = []
     rows = 0
     for p in m["parts"]:
-        path = entry / p["name"]
-        try:
-            if file_checksum(str(path)) != p.get("file_xxh3"):
-                bad.append((p["name"], "checksum mismatch"))
-                continue
-            part = Part(str(path), p.get("meta_xxh3"))
-            for r in range(len(part)):
-                part.pixels(r)
-            rows += len(part)
-        except FileNotFoundError:
-            bad.append((p["name"], "missing"))
-        except (OSError, ValueError, CorruptRow, CorruptPart) as e:
-            bad.append((p["name"], str(e)))
+        why = verify_part(entry / p["name"], p)
+        if why is None:
+            rows += p["rows"]
+        else:
+            bad.append((p["name"], why))
     listed = {p["name"] for p in m["parts"]}
     old = time.time() - STRAY_AGE_S  # younger ones may be a writer's, between rename and listing
     stray = [f.name for f in entry.iterdir() if f.name.endswith((".arrow", ".tmp")) and f.name not in listed
@@ -343,6 +335,26 @@ def verify(entry: Path, repair: bool = True) -> dict:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(entry / name)
     return {"parts": len(m["parts"]), "rows": rows, "bad_parts": bad, "stray_files": stray}
+
+
+def verify_part(path: Path, listed: dict) -> str | None:
+    """Why the part file at ``path`` does not match its manifest entry ``listed``, or None: Arrow
+    cannot read it, its small columns differ from ``meta_xxh3``, its checksum (meta, codec, keys)
+    from ``content_xxh3``, its row count from ``rows``, or a row's stored bytes from their
+    ``check`` or its shape."""
+    try:
+        part = Part(str(path), listed.get("meta_xxh3"))
+        if part.content_checksum() != listed.get("content_xxh3"):
+            return "checksum mismatch"
+        if len(part) != listed.get("rows"):
+            return f"{len(part)} rows, the manifest lists {listed.get('rows')}"
+        for r in range(len(part)):
+            part.verify_row(r)
+    except FileNotFoundError:
+        return "missing"
+    except (OSError, ValueError, CorruptRow, CorruptPart) as e:
+        return str(e).replace(str(path), "", 1).lstrip(": ")
+    return None
 
 
 def clear(root: Path, fingerprint: str | None = None) -> tuple[int, int]:
