@@ -23,7 +23,7 @@ PHOTOS = sorted((SHARED / "data" / "photos").glob("*"))
 def pillow_header(decode: Decode, data):
     """Decode.header without the fast reader: what Pillow says (or the error it raises)."""
     slow = Decode(exif_orientation=decode.exif_orientation, max_pixels=decode.max_pixels)
-    slow._jpeg_header = lambda data: None
+    slow._jpeg_header = lambda data, head: None
     try:
         return slow.header(data)
     except DecodeError as e:

@@ -82,8 +82,7 @@ class Decode(SampleStage):
         else:
             img = Image.fromarray(_as_hwc_uint8(x, key))
         w, h = img.size
-        if w * h > self.max_pixels:
-            raise DecodeError(key, "too many pixels", f"{w}x{h} > max_pixels={self.max_pixels}")
+        self._check_pixels(w, h, key)
         try:
             img.load()
         except OSError as e:
@@ -116,13 +115,13 @@ class Decode(SampleStage):
         JPEG only if its orientation is none or a plain EXIF tag: one Pillow finds in an XMP
         block or an EXIF block the marker reader declines is decoded by Pillow (``dali_ok``
         False), as DALI's own EXIF reading (``adjust_orientation``) could differ."""
-        fast = self._jpeg_header(data)
+        marks = read_jpeg_header(data) if len(data) else None
+        fast = self._jpeg_header(data, marks)
         if fast is not None:
             return fast
         img = self._open(data, UNKNOWN_KEY)
         w, h = img.size
-        if w * h > self.max_pixels:
-            raise DecodeError(UNKNOWN_KEY, "too many pixels", f"{w}x{h} > max_pixels={self.max_pixels}")
+        self._check_pixels(w, h, UNKNOWN_KEY)
         if not (img.format == "JPEG" and img.mode in self.DALI_JPEG_MODES and _has_eoi(data)):
             # decoded by :meth:`apply`, which finds the size and the errors itself (a PNG's
             # getexif() would decode the whole image here, and raise OSError if it is truncated)
@@ -135,25 +134,29 @@ class Decode(SampleStage):
                 return Header(w, h, False, False)
             if orientation in (5, 6, 7, 8):
                 w, h = h, w
-            if ("exif" in img.info or orientation not in (1, None)) and read_jpeg_header(bytes(data)) is None:
+            if ("exif" in img.info or orientation not in (1, None)) and (
+                    marks if isinstance(data, bytes) else read_jpeg_header(bytes(data))) is None:
                 # an orientation DALI's decoder may read otherwise (it reads EXIF, not XMP, and
                 # not every EXIF layout as Pillow): Pillow decodes it, as the Python engine does
                 # (bytes: a buffer's header past 64 KiB is read too)
                 return Header(w, h, False, orientation in (1, None))
         return Header(w, h, True, orientation in (1, None))
 
-    def _jpeg_header(self, data) -> "Header | None":
-        """:meth:`header` from the markers alone, when :func:`read_jpeg_header` answers and the
-        file ends with its EOI marker; None to ask Pillow."""
-        head = read_jpeg_header(data) if len(data) else None
+    def _check_pixels(self, w: int, h: int, key: str) -> None:
+        if w * h > self.max_pixels:
+            raise DecodeError(key, "too many pixels", f"{w}x{h} > max_pixels={self.max_pixels}")
+
+    def _jpeg_header(self, data, head) -> "Header | None":
+        """:meth:`header` from the markers alone (``head``: what :func:`read_jpeg_header` read
+        from ``data``), when the reader answered and the file ends with its EOI marker; None to
+        ask Pillow."""
         if head is None or not _has_eoi(data):
             return None
         w, h = head.width, head.height
         limit = Image.MAX_IMAGE_PIXELS
         if limit and w * h > 2 * limit:
             return None   # Pillow raises DecompressionBombError: the same reason, its message
-        if w * h > self.max_pixels:
-            raise DecodeError(UNKNOWN_KEY, "too many pixels", f"{w}x{h} > max_pixels={self.max_pixels}")
+        self._check_pixels(w, h, UNKNOWN_KEY)
         orientation = head.orientation if self.exif_orientation else 1
         if orientation in (5, 6, 7, 8):
             w, h = h, w
