@@ -253,9 +253,8 @@ class DaliWork:
             else:       # a header known from an earlier epoch: DALI reads the file
                 w, h, kind = self._headers.get(idx, *stamp)
                 if kind in (_Headers.UPRIGHT, _Headers.ROTATED):
-                    group = WINDOW if (kind == _Headers.UPRIGHT and self.window) else WHOLE
                     secs["probe"] += time.perf_counter() - t0
-                    return group, _encoded_path(local[0]), w, h, local[1], idx
+                    return self._jpeg_group(kind), _encoded_path(local[0]), w, h, local[1], idx
         try:
             rec = self.source.read(idx)
         except OSError as e:
@@ -273,7 +272,7 @@ class DaliWork:
                     w, h, dali_ok, upright = self.decode.header(payload)
                     kind = self._headers.put(idx, len(payload), version, w, h, dali_ok, upright)
                 if kind != _Headers.PILLOW:
-                    group = WINDOW if (kind == _Headers.UPRIGHT and self.window) else WHOLE
+                    group = self._jpeg_group(kind)
             if group == PIXELS:
                 item = np.ascontiguousarray(np.asarray(self.decode.apply(payload, None)))
                 h, w = item.shape[:2]
@@ -284,6 +283,10 @@ class DaliWork:
             raise type(e)(rec.key if e.key == UNKNOWN_KEY else e.key, e.reason, e.detail) from None
         secs["probe" if group != PIXELS else "python_decode"] += time.perf_counter() - t1
         return group, item, w, h, rec.label, idx
+
+    def _jpeg_group(self, kind: int) -> str:
+        """The DALI graph of a JPEG DALI decodes: upright ones over their window (crop-on-decode)."""
+        return WINDOW if (kind == _Headers.UPRIGHT and self.window) else WHOLE
 
     def _params(self, epoch: int, indices: np.ndarray, sizes: np.ndarray, window: np.ndarray) -> dict:
         """Every stage's DALI arguments for the batch's samples (``indices``: the samples kept,
@@ -328,7 +331,8 @@ class DaliWork:
                 pos_params = {n: v[pos] for n, v in params.items() if not n.startswith("dec_")}
             else:
                 pos_params = {n: v if n.startswith("dec_") else v[pos] for n, v in params.items()}
-            groups[g] = (pos.tolist(), [items[j] for j in pos.tolist()], pos_params)
+            at = pos.tolist()
+            groups[g] = (at, [items[j] for j in at], pos_params)
         secs["params"] += time.perf_counter() - t0
         rep.rows = len(indices)
         return groups, np.array(labels, np.int64), rep
