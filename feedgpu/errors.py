@@ -54,7 +54,10 @@ class StageError(FeedgpuError):
 
 
 class WorkerError(FeedgpuError, RuntimeError):
-    """A worker process failed or died; the message carries the worker's traceback."""
+    """A worker process failed or died; the message carries the worker's traceback.
+
+    A worker that died begins its message as torch's does: ``DataLoader worker (pid N) is killed
+    by signal: Killed.`` or ``DataLoader worker (pid N) exited unexpectedly with exit code C``."""
 
 
 class SkipBudgetExceeded(FeedgpuError):
@@ -83,8 +86,12 @@ class SharedMemoryError(FeedgpuError, MemoryError):
     a torch Dataset's batch back (torch's shared-memory files in ``/dev/shm``)."""
 
 
-class LoaderTimeout(FeedgpuError, TimeoutError):
-    """No batch arrived within the DataLoader's ``timeout`` seconds."""
+class LoaderTimeout(FeedgpuError, RuntimeError, TimeoutError):
+    """No batch arrived within the DataLoader's ``timeout`` seconds.
+
+    A ``RuntimeError`` whose message begins ``DataLoader timed out after N seconds``, as
+    ``torch.utils.data.DataLoader`` raises it (code that catches torch's error catches this one),
+    followed by feedgpu's detail (the stage and sample each busy worker is on)."""
 
 
 class StateError(FeedgpuError, ValueError):
