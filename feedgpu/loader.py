@@ -145,9 +145,33 @@ class DataLoader:
                  stats_callback: Callable[[dict], None] | None = None):
         import torch.utils.data as tud
 
+        # --- IterableDataset hook (feedgpu.exec.iterable): begin ---
+        self._iterable = None
         if isinstance(dataset, tud.IterableDataset):
-            raise ConfigError("feedgpu.DataLoader needs a map-style dataset or a Pipeline: an IterableDataset "
-                              "has no random access, so shuffling, sharding and exact resume cannot be honoured")
+            from .exec.iterable import runner_for_loader
+
+            def given(v, default):
+                return default if v is _UNSET else v
+
+            self._iterable = runner_for_loader(
+                dataset, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
+                batch_size=given(batch_size, 1), num_workers=given(num_workers, 0), collate_fn=collate_fn,
+                pin_memory=pin_memory, drop_last=given(drop_last, False), timeout=given(timeout, 0),
+                worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
+                generator=generator, prefetch_factor=prefetch_factor,
+                persistent_workers=given(persistent_workers, False),
+                feedgpu_options={"seed": seed, "rank": rank, "world_size": world_size, "device": device,
+                                 "on_error": on_error, "cache": cache, "engine": engine, "executor": executor,
+                                 "max_skipped": None if max_skipped is _UNSET else max_skipped,
+                                 "stats_callback": stats_callback, "pin_memory_device": pin_memory_device or None,
+                                 "in_order": None if in_order else in_order})
+            r = self._iterable
+            self.dataset, self.pipeline, self.batch_size, self.drop_last = dataset, None, r.batch_size, r.drop_last
+            self.num_workers, self.prefetch_factor, self.timeout = r.num_workers, r.prefetch_factor, r.timeout
+            self.collate_fn, self.worker_init_fn, self.pin_memory = r.collate_fn, r.worker_init_fn, r.pin_memory
+            self.persistent_workers, self.generator = r.persistent_workers, generator
+            return
+        # --- IterableDataset hook: end ---
         if multiprocessing_context not in (None, "fork") and getattr(multiprocessing_context, "_name", None) != "fork":
             raise ConfigError("multiprocessing_context: feedgpu workers are forked (they inherit the index and "
                               "shared-memory buffers); only None or 'fork' is allowed")
@@ -295,6 +319,8 @@ class DataLoader:
 
     # -- torch DataLoader surface --------------------------------------------------------------
     def __len__(self) -> int:
+        if self._iterable is not None:  # IterableDataset hook
+            return len(self._iterable)
         return len(self._order)
 
     def set_epoch(self, epoch: int) -> None:
@@ -316,6 +342,8 @@ class DataLoader:
         return self.engine.name == "dali" and self.engine.dali_device(self.device) == "gpu"
 
     def __iter__(self):
+        if self._iterable is not None:  # IterableDataset hook
+            return iter(self._iterable)
         self._close_live()
         self._restored = None
         on_device = self.pipeline is not None and self.device != "cpu" and not self._dali_gpu
@@ -350,6 +378,8 @@ class DataLoader:
     def state_dict(self) -> dict:
         """``{format, fingerprint, epoch, batches_seen, samples_seen, seed, sampler}``: where the
         training loop is, counted in batches it received (prefetched ones are not counted)."""
+        if self._iterable is not None:  # IterableDataset hook
+            return self._iterable.state_dict()
         epoch, b = self._position
         return {"format": STATE_FORMAT, "fingerprint": self._source_fingerprint(), "epoch": epoch,
                 "batches_seen": b, "samples_seen": self._rows_seen if b else 0, "seed": self.seed,
@@ -360,6 +390,8 @@ class DataLoader:
 
         Raises :class:`StateError` when the state comes from another dataset, batch size, sampler
         or world size (the differences are listed)."""
+        if self._iterable is not None:  # IterableDataset hook
+            return self._iterable.load_state_dict(state)
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             raise StateError(f"not a feedgpu loader state (format {STATE_FORMAT!r} expected)")
         if state["fingerprint"] != self._source_fingerprint():
@@ -511,6 +543,8 @@ class DataLoader:
     def shutdown(self) -> None:
         """Stop the workers now (also done at epoch end unless ``persistent_workers``, on errors
         and at garbage collection)."""
+        if getattr(self, "_iterable", None) is not None:  # IterableDataset hook
+            return self._iterable.shutdown()
         self._close_live()
         self._ahead = None
         self._release_pool(force=True)

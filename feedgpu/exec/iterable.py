@@ -427,3 +427,33 @@ def _len_warning(runner: IterableRunner, yielded: int) -> None:
                       f"len(dataloader)), but {yielded} samples have been fetched. " +
                       ("For multiprocessing data-loading, this could be caused by not properly configuring the "
                        "IterableDataset replica at each worker." if runner.num_workers > 0 else ""), stacklevel=3)
+
+
+def runner_for_loader(dataset, *, shuffle=None, sampler=None, batch_sampler=None, batch_size=1, num_workers=0,
+                      feedgpu_options: dict | None = None, **kw) -> IterableRunner:
+    """The :class:`IterableRunner` that ``feedgpu.DataLoader`` delegates to for an
+    ``IterableDataset``, after torch's checks of the arguments an IterableDataset refuses
+    (``shuffle``, ``sampler``, ``batch_sampler``: ``ValueError`` as in torch) and feedgpu's:
+    ``num_workers="auto"`` and feedgpu's own keywords (``feedgpu_options``: name -> value, None
+    when unset) raise :class:`~feedgpu.errors.ConfigError`."""
+    if shuffle not in (False, None):
+        raise ConfigError(f"DataLoader with IterableDataset: expected unspecified shuffle option, but got "
+                          f"shuffle={shuffle}")
+    if sampler is not None:
+        raise ConfigError(f"DataLoader with IterableDataset: expected unspecified sampler option, but got "
+                          f"sampler={sampler}")
+    if batch_sampler is not None:
+        raise ConfigError("DataLoader with IterableDataset: expected unspecified batch_sampler option, but got "
+                          f"batch_sampler={batch_sampler}")
+    if num_workers == "auto":
+        raise ConfigError("num_workers='auto' cannot run an IterableDataset: each worker iterates its own shard "
+                          "(chosen with get_worker_info()), so the worker count cannot change during a pass; "
+                          "give an int")
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int):
+        raise ConfigError(f"num_workers must be an int >= 0, got {num_workers!r}")
+    given = sorted(k for k, v in (feedgpu_options or {}).items() if v is not None)
+    if given:
+        raise ConfigError(f"{', '.join(given)}: feedgpu's options for map-style datasets and Pipelines; an "
+                          "IterableDataset orders, shards and seeds itself (with get_worker_info() and the "
+                          "loader's generator), as in torch")
+    return IterableRunner(dataset, batch_size=batch_size, num_workers=num_workers, **kw)

@@ -183,6 +183,8 @@ def worker_loop(wid: int, num_workers: int, dataset, conn, base_seed: int, init_
     import torch.multiprocessing  # noqa: F401  registers the tensor reductions used by conn.send
 
     torch.set_num_threads(1)
+    # our parent: the main process (fork, spawn) or the fork server, which exits with the main process
+    parent = os.getppid()
     seed_worker(base_seed, wid, num_workers, dataset)
     init_error = None
     if init_fn is not None:
@@ -221,7 +223,7 @@ def worker_loop(wid: int, num_workers: int, dataset, conn, base_seed: int, init_
                 conn.send(("ready", epoch, fetcher.start, None))
                 continue
             if not busy:
-                if os.getppid() != parent_pid:
+                if os.getppid() != parent or not _alive(parent_pid):
                     return
                 continue
             try:
@@ -240,6 +242,16 @@ def worker_loop(wid: int, num_workers: int, dataset, conn, base_seed: int, init_
             del msg
     except (BrokenPipeError, EOFError, ConnectionResetError, KeyboardInterrupt):
         return   # the main process is gone or stopped us
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # pragma: no cover - exists, another user's (a reused pid)
+        return True
+    return True
 
 
 def _safe_snapshot(fetcher):
