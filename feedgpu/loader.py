@@ -329,6 +329,8 @@ class DataLoader:
         Right after :meth:`load_state_dict`, ``set_epoch`` of the restored epoch keeps the restored
         position (a loop ``for epoch in range(start, n): loader.set_epoch(epoch)`` resumes mid-epoch
         without repeating batches); any other epoch starts from its first batch."""
+        if self._iterable is not None:  # IterableDataset hook
+            return self._iterable.set_epoch(epoch)
         epoch = int(epoch)
         if self._restored is not None and self._restored[0] == epoch:
             self._epoch, self._start = self._restored

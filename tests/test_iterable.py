@@ -509,6 +509,42 @@ def test_stateful_resume_at_every_batch_continues_exactly(num_workers, batch_siz
         assert head + [plain(b) for b in second] == reference, k
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_state_after_a_break_and_a_dropped_iterator_resumes_exactly(num_workers):
+    kw = dict(batch_size=2, num_workers=num_workers)
+    reference = [plain(b) for b in IterableRunner(Counting(10), **kw)]
+    runner = IterableRunner(Counting(10), **kw)
+    head = []
+    for b in runner:
+        head.append(plain(b))
+        if len(head) == 3:
+            break
+    del b
+    gc.collect()   # the iterator is gone (its workers stopped); the position stays with the runner
+    state = runner.state_dict()
+    again = IterableRunner(Counting(10), **kw)
+    again.load_state_dict(state)
+    assert head + [plain(b) for b in again] == reference
+
+
+class Epochs(IterableDataset):
+    def __init__(self):
+        self.epoch = 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __iter__(self):
+        lo, hi = shard(0, 4)
+        return iter([self.epoch * 100 + i for i in range(lo, hi)])
+
+
+def test_set_epoch_reaches_the_dataset_and_new_workers():
+    loader = feedgpu.DataLoader(Epochs(), batch_size=2, num_workers=2)
+    loader.set_epoch(3)
+    assert [b.tolist() for b in loader] == [[300, 301], [302, 303]]
+
+
 def test_stateful_resume_in_a_later_epoch_with_persistent_workers():
     kw = dict(batch_size=2, num_workers=2, persistent_workers=True)
     runner = IterableRunner(Counting(9), **kw)

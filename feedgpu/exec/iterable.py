@@ -46,7 +46,7 @@ import multiprocessing as mp
 import warnings
 import weakref
 
-from ..errors import ConfigError, StateError
+from ..errors import ConfigError, LoaderTimeout, StateError
 from .iterable_pool import WorkerSet, pin
 from .iterable_worker import Fetcher, is_stateful, unpack_error
 
@@ -181,6 +181,13 @@ class IterableRunner:
         self._live = weakref.ref(it)
         return it
 
+    def set_epoch(self, epoch: int) -> None:
+        """Passed on to ``dataset.set_epoch(epoch)`` when the dataset has it (Hugging Face and
+        torchdata streaming datasets reshuffle with it), else nothing: torch's loader has no
+        epochs. Workers started after the call (all of them unless ``persistent_workers``) see it."""
+        if callable(getattr(self.dataset, "set_epoch", None)):
+            self.dataset.set_epoch(epoch)
+
     def _close_live(self) -> None:
         it = self._live() if self._live is not None else None
         if it is not None:
@@ -209,6 +216,8 @@ class IterableRunner:
         if it is not None:
             it.settle()
         pos = self._pos
+        if pos.get("fetcher") is not None:   # num_workers=0: nothing is prefetched, the dataset is there
+            pos["workers"] = [pos["fetcher"].snapshot()]
         workers = pos.get("workers")
         if workers is not None:
             for w, s in enumerate(workers):
@@ -285,15 +294,13 @@ class _InlineIter:
         return pin(data) if self.runner.pin_memory else data
 
     def settle(self) -> None:
-        if self.pos.get("fetcher") is not None:
-            self.pos["workers"] = [self.fetcher.snapshot()]
+        pass   # the runner reads the state from the fetcher
 
     def close(self, done: bool = False) -> None:
-        if not self.closed:
-            self.settle()
+        if not self.closed and done:
+            self.pos["workers"] = [self.fetcher.snapshot()]
             self.pos.pop("fetcher", None)
-            if done:
-                self.pos["done"] = True
+            self.pos["done"] = True
         self.closed = True
 
 
@@ -360,13 +367,10 @@ class _WorkerIter:
                 raise StopIteration
             try:
                 kind, _, payload, snap = self._take(w)
-            except StateError:
-                raise
-            except BaseException as e:
-                from ..errors import LoaderTimeout
-
-                if not isinstance(e, LoaderTimeout):   # a dead worker ends the pass, as in torch
-                    self.close()
+            except LoaderTimeout:
+                raise   # the pass goes on: the next next() waits again, as in torch
+            except BaseException:
+                self.close(broken=True)   # a dead worker ends the pass, as in torch
                 raise
             pos["next_worker"] = (w + 1) % n
             if kind == "end":
@@ -393,19 +397,23 @@ class _WorkerIter:
                 self.workers.wait_ready(w, self.epoch, self.pos)
         self.unknown.clear()
 
-    def close(self, done: bool = False) -> None:
+    def close(self, done: bool = False, broken: bool = False) -> None:
+        """End this pass: ``done`` when it was complete; ``broken`` after a worker died, which
+        also stops persistent workers."""
         if self.closed:
             return
         self.closed = True
         if done:
             self.pos["done"] = True
-        else:
+        elif not broken:
             try:
                 self.settle_quietly()
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - the state then starts those workers afresh
                 pass
-        if not self.runner.persistent_workers:
+        if broken or not self.runner.persistent_workers:
             self.workers.close()
+            if self.runner._workers is self.workers:
+                self.runner._workers = None
 
     def settle_quietly(self) -> None:
         for w in sorted(self.unknown):

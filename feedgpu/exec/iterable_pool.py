@@ -14,7 +14,6 @@ from __future__ import annotations
 import collections
 import multiprocessing.connection as mpc
 import os
-import pickle
 import signal
 import time
 import weakref
@@ -23,10 +22,13 @@ from ..errors import LoaderTimeout, WorkerError
 from .iterable_worker import worker_loop
 
 POLL_S = 0.1
-GRACE_S = 1.0   # seconds the workers get to stop by themselves before they are terminated
+GRACE_S = 1.0
+DYING_S = 5.0   # seconds a worker whose pipe closed gets to exit before it is killed   # seconds the workers get to stop by themselves before they are terminated
 
 
-def _close(procs: list, conns: list, grace_s: float = GRACE_S) -> None:
+def _close(owner: int, procs: list, conns: list, grace_s: float = GRACE_S) -> None:
+    if os.getpid() != owner:   # a forked copy of this object in a worker: not ours to stop
+        return
     for c in conns:
         try:
             c.send(("stop",))
@@ -81,7 +83,7 @@ class WorkerSet:
         self.stopped: set[int] = set()     # workers told to exit: their exit is no death
         self.dead_conns: set[int] = set()
         self.closed = False
-        self._finalizer = weakref.finalize(self, _close, self.procs, self.conns)
+        self._finalizer = weakref.finalize(self, _close, os.getpid(), self.procs, self.conns)
         try:
             for w in range(n):
                 mine, theirs = ctx.Pipe(duplex=True)
@@ -135,8 +137,13 @@ class WorkerSet:
             try:
                 while c.poll(0):
                     self.queues[w].append(c.recv())
-            except (EOFError, OSError, pickle.UnpicklingError, RuntimeError):
-                # closed (the worker died) or a batch whose shared memory died with it
+            except (EOFError, OSError):   # closed: the worker died (reported below) or is dying
+                self.dead_conns.add(w)
+            except Exception as e:  # noqa: BLE001 - a message this process cannot rebuild
+                if self.procs[w].exitcode is None:
+                    raise WorkerError(f"a batch from DataLoader worker (pid {self.procs[w].pid}) could not be "
+                                      f"received ({type(e).__name__}: {e}); what a batch holds must be importable in "
+                                      "the main process") from e
                 self.dead_conns.add(w)
         for w, p in enumerate(self.procs):
             if w not in self.stopped and p.exitcode is not None:
@@ -154,8 +161,13 @@ class WorkerSet:
                 m = q.popleft()
                 if m[1] == epoch:
                     return m
+            if w in self.stopped:
+                raise WorkerError(f"IterableDataset worker {w} (pid {self.procs[w].pid}) has stopped")
             if w in self.dead_conns and self.procs[w].exitcode is None:
-                self.procs[w].join(POLL_S)   # its pipe broke: it is dying, report how
+                self.procs[w].join(DYING_S)   # its pipe broke: it is dying, report how
+                if self.procs[w].exitcode is None:
+                    self.procs[w].kill()
+                    self.procs[w].join(1.0)
             wait = POLL_S if deadline is None else max(0.0, min(POLL_S, deadline - time.monotonic()))
             self._pump(wait)
             q = self.queues[w]
