@@ -128,8 +128,9 @@ class DataLoader:
     output for torch Datasets. Batches from pipelines on the CPU view shared memory without a
     copy; the memory is reused once every tensor viewing it is gone.
 
-    Raises :class:`ConfigError` for argument combinations it cannot honour: an
-    ``IterableDataset``, ``batch_size=None``, ``collate_fn`` with a pipeline, a
+    An ``IterableDataset`` runs as torch runs it, see :mod:`feedgpu.exec.iterable`.
+
+    Raises :class:`ConfigError` for argument combinations it cannot honour: ``batch_size=None``, ``collate_fn`` with a pipeline, a
     ``multiprocessing_context`` other than fork, ``in_order=False``,
     and the combinations torch rejects too.
     """
@@ -163,8 +164,8 @@ class DataLoader:
                 feedgpu_options={"seed": seed, "rank": rank, "world_size": world_size, "device": device,
                                  "on_error": on_error, "cache": cache, "engine": engine, "executor": executor,
                                  "max_skipped": None if max_skipped is _UNSET else max_skipped,
-                                 "stats_callback": stats_callback, "pin_memory_device": pin_memory_device or None,
-                                 "in_order": None if in_order else in_order})
+                                 "stats_callback": stats_callback},
+                in_order=in_order, pin_memory_device=pin_memory_device)
             r = self._iterable
             self.dataset, self.pipeline, self.batch_size, self.drop_last = dataset, None, r.batch_size, r.drop_last
             self.num_workers, self.prefetch_factor, self.timeout = r.num_workers, r.prefetch_factor, r.timeout

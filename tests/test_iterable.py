@@ -462,8 +462,8 @@ def test_at_most_prefetch_factor_batches_per_worker_in_flight():
     runner.shutdown()
 
 
-@pytest.mark.parametrize("ctx", ["fork", "spawn"])
-def test_no_hang_at_exit_after_an_error_mid_epoch_with_large_batches(ctx, tmp_path):
+@pytest.mark.parametrize("ctx, persistent", [("fork", False), ("fork", True), ("spawn", False)])
+def test_no_hang_at_exit_after_an_error_mid_epoch_with_large_batches(ctx, persistent, tmp_path):
     script = tmp_path / "run.py"
     script.write_text(textwrap.dedent("""
         import sys, torch
@@ -478,7 +478,8 @@ def test_no_hang_at_exit_after_an_error_mid_epoch_with_large_batches(ctx, tmp_pa
                     yield torch.zeros(3, 256, 256)
 
         if __name__ == "__main__":
-            loader = feedgpu.DataLoader(Big(), batch_size=16, num_workers=2, multiprocessing_context=sys.argv[1])
+            loader = feedgpu.DataLoader(Big(), batch_size=16, num_workers=2, multiprocessing_context=sys.argv[1],
+                                        persistent_workers=sys.argv[2] == "1")
             it = iter(loader)
             next(it)
             print("pids", *it.workers.pids(), flush=True)
@@ -486,7 +487,7 @@ def test_no_hang_at_exit_after_an_error_mid_epoch_with_large_batches(ctx, tmp_pa
                 pass
     """))
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    r = subprocess.run([sys.executable, str(script), ctx], env=env, capture_output=True, text=True, timeout=180)
+    r = subprocess.run([sys.executable, str(script), ctx, str(int(persistent))], env=env, capture_output=True, text=True, timeout=180)
     assert r.returncode == 1 and "ValueError: boom" in r.stderr, r.stderr[-2000:]
     pids = [int(p) for p in r.stdout.split("pids", 1)[1].split()]
     assert wait_gone(pids) == []
@@ -608,6 +609,8 @@ def test_context_of_the_wrong_type_is_a_type_error_as_torch():
 def test_feedgpu_only_options_are_refused_for_an_iterable_dataset():
     with pytest.raises(ConfigError, match="seed"):
         feedgpu.DataLoader(Shards(0, 4), seed=3)
+    with pytest.raises(ConfigError, match="in_order=False"):
+        feedgpu.DataLoader(Shards(0, 4), in_order=False)
     with pytest.raises(ConfigError, match="num_workers='auto'"):
         feedgpu.DataLoader(Shards(0, 4), num_workers="auto")
 
@@ -639,3 +642,18 @@ def test_streaming_real_jpegs_matches_torch():
         assert ia.tolist() == ib.tolist() and torch.equal(xa, xb)
         assert xb.dtype == torch.uint8 and xb.shape[1:] == (3, 48, 64)
     assert sorted(i for _, idx in mine for i in idx.tolist()) == list(range(len(ds.files)))   # each photo once
+
+
+# -- pin_memory ------------------------------------------------------------------------------------------
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only warning")
+def test_pin_memory_without_cuda_warns_as_torch_and_delivers_plain_tensors():
+    for make in (tud.DataLoader, IterableRunner):
+        with pytest.warns(UserWarning, match="pin_memory"):
+            batches = list(make(Shards(0, 6), batch_size=3, num_workers=1, pin_memory=True))
+        assert [b.tolist() for b in batches] == [[0, 1, 2], [3, 4, 5]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pin_memory_pins_batches_from_workers():
+    batches = list(IterableRunner(Uneven([3, 2]), batch_size=2, num_workers=2, pin_memory=True))
+    assert batches and all(b["j"].is_pinned() for b in batches)

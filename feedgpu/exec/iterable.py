@@ -394,7 +394,7 @@ class _WorkerIter:
             return
         for w in sorted(self.unknown):
             if not self.pos["finished"][w]:
-                self.workers.wait_ready(w, self.epoch, self.pos)
+                self.workers.wait_ready(w, self.epoch, self.pos, timeout=self.runner.timeout or None)
         self.unknown.clear()
 
     def close(self, done: bool = False, broken: bool = False) -> None:
@@ -438,12 +438,18 @@ def _len_warning(runner: IterableRunner, yielded: int) -> None:
 
 
 def runner_for_loader(dataset, *, shuffle=None, sampler=None, batch_sampler=None, batch_size=1, num_workers=0,
-                      feedgpu_options: dict | None = None, **kw) -> IterableRunner:
+                      in_order: bool = True, pin_memory_device: str = "", feedgpu_options: dict | None = None,
+                      **kw) -> IterableRunner:
     """The :class:`IterableRunner` that ``feedgpu.DataLoader`` delegates to for an
     ``IterableDataset``, after torch's checks of the arguments an IterableDataset refuses
     (``shuffle``, ``sampler``, ``batch_sampler``: ``ValueError`` as in torch) and feedgpu's:
-    ``num_workers="auto"`` and feedgpu's own keywords (``feedgpu_options``: name -> value, None
-    when unset) raise :class:`~feedgpu.errors.ConfigError`."""
+    ``num_workers="auto"``, ``in_order=False``, ``pin_memory_device`` and feedgpu's own keywords
+    (``feedgpu_options``: name -> value, None when unset) raise :class:`~feedgpu.errors.ConfigError`."""
+    if not in_order:
+        raise ConfigError("in_order=False: feedgpu delivers an IterableDataset's batches in torch's in-order "
+                          "round-robin over the workers (exact resume needs it)")
+    if pin_memory_device:
+        raise ConfigError("pin_memory_device is deprecated in torch; pin_memory=True pins for the current device")
     if shuffle not in (False, None):
         raise ConfigError(f"DataLoader with IterableDataset: expected unspecified shuffle option, but got "
                           f"shuffle={shuffle}")
