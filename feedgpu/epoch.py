@@ -331,8 +331,22 @@ class EpochIterator:
 
 
 def _rows(batch) -> int:
-    first = batch[0] if isinstance(batch, (tuple, list)) else (next(iter(batch.values())) if isinstance(batch, dict) else batch)
-    return len(first) if hasattr(first, "__len__") else 1
+    """Samples in a collated batch, for the counters: the length of its first field; a field
+    without a usable ``len()`` (a nested tensor: ``size(0)``; a scalar; an empty container)
+    counts what it can, never fails the batch."""
+    first = batch
+    if isinstance(batch, (tuple, list)) and batch:
+        first = batch[0]
+    elif isinstance(batch, dict) and batch:
+        first = next(iter(batch.values()))
+    try:
+        return len(first)
+    except Exception:  # noqa: BLE001 - nested tensors raise RuntimeError, scalars TypeError
+        pass
+    try:
+        return int(first.size(0))
+    except Exception:  # noqa: BLE001
+        return 1
 
 
 def _pin(batch):
