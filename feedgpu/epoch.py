@@ -18,6 +18,7 @@ import warnings
 import numpy as np
 
 from .errors import SkipBudgetExceeded
+from .exec.host_buffers import pin
 from .exec.process_pool import unpack_exception
 from .sampling import ShardedOrder
 from .skips import SkipBudget, epoch_samples
@@ -216,7 +217,7 @@ class EpochIterator:
                 self._apply(d)
         self.next_b = b + 1
         if loader.pin_memory:
-            batch = _pin(batch)
+            batch = pin(batch)
         if self.deferred:
             self.uncommitted.append((b, rows))
         else:
@@ -347,17 +348,3 @@ def _rows(batch) -> int:
         return int(first.size(0))
     except Exception:  # noqa: BLE001
         return 1
-
-
-def _pin(batch):
-    import torch
-
-    if isinstance(batch, torch.Tensor):
-        return batch.pin_memory()
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(_pin(x) for x in batch))
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_pin(x) for x in batch)
-    if isinstance(batch, dict):
-        return {k: _pin(v) for k, v in batch.items()}
-    return batch
