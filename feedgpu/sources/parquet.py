@@ -3,7 +3,10 @@
 The index is three arrays (file id, row group, row within the group). Reads go by row group
 through a small per-process LRU cache, so a batch that touches a row group reads it once.
 Shuffled access over a dataset much larger than the cache reads each row group often: write
-such datasets with small row groups (``feedgpu convert`` uses ~8 MiB).
+such datasets with small row groups (``feedgpu convert`` uses ~8 MiB). A row group is held whole
+in that cache (so a worker holds at least its largest row group); a ``binary`` column of more than
+2 GiB in one row group comes from Arrow as several chunks, which are read as they are (joining
+them would overflow ``binary``'s 32-bit offsets).
 """
 from __future__ import annotations
 
@@ -19,6 +22,24 @@ import pyarrow.parquet as pq
 from ..errors import SourceError
 from .base import Record, Source, class_names, expand_paths
 
+_NULL = np.iinfo(np.int64).min   # a null label while indexing
+
+
+class _Chunks:
+    """A row group's image column as Arrow gives it: one array, or several chunks (a ``binary``
+    column over 2 GiB); ``[r]`` finds row ``r`` without joining the chunks."""
+
+    __slots__ = ("chunks", "starts", "nbytes")
+
+    def __init__(self, col: pa.ChunkedArray):
+        self.chunks = [c for c in col.chunks if len(c)] or [pa.array([], col.type)]
+        self.starts = np.cumsum([0] + [len(c) for c in self.chunks[:-1]], dtype=np.int64)
+        self.nbytes = col.nbytes
+
+    def __getitem__(self, r: int):
+        k = int(np.searchsorted(self.starts, r, side="right")) - 1 if len(self.chunks) > 1 else 0
+        return self.chunks[k][r - int(self.starts[k])]
+
 
 class ParquetSource(Source):
     """Samples from Parquet files.
@@ -29,8 +50,12 @@ class ParquetSource(Source):
         label_column: integer column (default ``"label"``); ``None`` for unlabeled data (-1).
         cache_bytes: bytes of decoded row groups kept per process (default 256 MiB).
 
-    Raises :class:`SourceError` when a file or column is missing or has the wrong type.
-    Null or zero-length images are reported when read (reason ``"empty"``).
+    Raises :class:`SourceError` when a file or column is missing or has the wrong type, or no
+    row is left. Null or zero-length images are reported when read (reason ``"empty"``). Labels
+    are read while indexing: a null label is left out with reason ``"missing label"``, a label
+    below -1 with ``"bad label"``; -1 is the documented "no label" value, kept only in a source
+    where no row has a label (an unlabeled source), else left out as ``"missing label"`` too.
+    Rows left out are in :attr:`rejected`, named ``file.parquet#row``.
     """
 
     format = "parquet"
@@ -70,19 +95,33 @@ class ParquetSource(Source):
                 n = pf.metadata.row_group(rg).num_rows
                 # Only labels are read here: image bytes stay on disk, so an empty image is
                 # found when it is read (reason "empty"), not while indexing.
-                lab = (np.asarray(pc.fill_null(pf.read_row_group(rg, columns=[label_column])
-                                               .column(0), -1), dtype=np.int64)
-                       if label_column else np.full(n, -1, np.int64))
+                if label_column:
+                    col = pf.read_row_group(rg, columns=[label_column]).column(0)
+                    lab = np.asarray(pc.fill_null(col.cast(pa.int64()), _NULL), dtype=np.int64)
+                else:
+                    lab = np.full(n, -1, np.int64)
                 fids.append(np.full(n, fid, np.int32))
                 rgs.append(np.full(n, rg, np.int32))
                 rows.append(np.arange(n, dtype=np.int32))
                 labels.append(lab)
-        self.file_ids = np.concatenate(fids)
-        self.row_groups = np.concatenate(rgs)
-        self.rows = np.concatenate(rows)
-        self.labels = np.concatenate(labels)
+        file_ids = np.concatenate(fids) if fids else np.zeros(0, np.int32)
+        row_groups = np.concatenate(rgs) if rgs else np.zeros(0, np.int32)
+        rows_ = np.concatenate(rows) if rows else np.zeros(0, np.int32)
+        labels_ = np.concatenate(labels) if labels else np.zeros(0, np.int64)
+        labeled = bool((labels_ >= 0).any())
+        bad = (labels_ == _NULL) | (labels_ < -1) | ((labels_ == -1) & labeled)
+        self.file_ids, self.row_groups, self.rows = file_ids, row_groups, rows_
+        for i in np.flatnonzero(bad).tolist():
+            v = int(labels_[i])
+            reason = "bad label" if _NULL < v < -1 else "missing label"
+            self.reject(self.key(i), reason, "null label" if v == _NULL else f"label {v}")
+        keep = ~bad
+        self.file_ids, self.row_groups, self.rows = file_ids[keep], row_groups[keep], rows_[keep]
+        self.labels = labels_[keep]
+        self._warn_rejected()
         if len(self.labels) == 0:
-            raise SourceError(f"parquet source: no non-empty images in {len(self.files)} file(s)")
+            raise SourceError(f"parquet source: no rows left in {len(self.files)} file(s)"
+                              + (f" ({len(self.rejected)} left out while indexing)" if self.rejected else ""))
         self.classes = class_names(self.files[0], self.labels)
         self._cache: OrderedDict = OrderedDict()
         self._cached = 0
@@ -105,11 +144,11 @@ class ParquetSource(Source):
         fid, rg, r = int(self.file_ids[index]), int(self.row_groups[index]), int(self.rows[index])
         return f"{self.files[fid]}#{int(self._rg_starts[fid][rg]) + r}"
 
-    def _group(self, fid: int, rg: int) -> pa.Array:
+    def _group(self, fid: int, rg: int):
         with self._lock:  # the DALI engine reads from a helper thread too
             return self._group_locked(fid, rg)
 
-    def _group_locked(self, fid: int, rg: int) -> pa.Array:
+    def _group_locked(self, fid: int, rg: int):
         if self._pid != os.getpid():
             self._cache, self._cached, self._files, self._pid = OrderedDict(), 0, {}, os.getpid()
         hit = self._cache.get((fid, rg))
@@ -119,7 +158,7 @@ class ParquetSource(Source):
         pf = self._files.get(fid)
         if pf is None:
             pf = self._files[fid] = pq.ParquetFile(self.files[fid], memory_map=True)
-        col = pf.read_row_group(rg, columns=[self.image_column]).column(0).combine_chunks()
+        col = _Chunks(pf.read_row_group(rg, columns=[self.image_column]).column(0))
         self._cache[(fid, rg)] = col
         self._cached += col.nbytes
         while self._cached > self.cache_bytes and len(self._cache) > 1:
