@@ -3,8 +3,9 @@
 :func:`scan_source` runs the real :class:`~feedgpu.stages.Decode` stage (header checks, the
 pixel limit, then every pixel) on each sample, in forked worker processes, and returns a
 :class:`ScanReport`: the bad samples by reason, each named as the loader names it (a path,
-``shard.tar:member`` or ``file.parquet#row``). Samples left out while indexing (for example
-zero-byte files) are listed too, with index -1.
+``shard.tar:member`` or ``file.parquet#row``). Records the source left out while indexing
+(zero-byte files, missing or invalid labels, duplicate tar keys, truncated shards, dangling links:
+:attr:`~feedgpu.sources.base.Source.rejected`) are listed too, with index -1.
 
 A report can be written as a quarantine file (:meth:`ScanReport.write_quarantine`, JSON) and
 added to a pipeline's cache entry (:func:`quarantine_in_cache`): the loader then skips those
@@ -150,7 +151,8 @@ def scan_source(source: Source, decode: Decode | None = None, workers: int | Non
     workers = (os.cpu_count() or 1) if workers is None else int(workers)
     n = len(source)
     t0 = time.perf_counter()
-    bad = [BadSample(-1, key, reason) for key, reason in source.rejected]
+    details = getattr(source, "rejected_details", {})
+    bad = [BadSample(-1, key, reason, details.get(key, "")) for key, reason in source.rejected]
     spans = [(lo, min(n, lo + chunk)) for lo in range(0, n, chunk)]
     bar = None
     if progress:
