@@ -543,3 +543,20 @@ def test_parquet_reads_a_row_group_arrow_returns_in_chunks(tmp_path, monkeypatch
         src = ParquetSource(path)
         assert payloads(src) == list(enumerate(imgs))
         monkeypatch.undo()
+
+
+def test_loader_stats_can_count_index_time_rejects(tmp_path):
+    """What the loader needs to put index-time rejects in ``stats()["skipped"]``: one call of
+    ``LoaderStats.add_index_skips(source)`` when the loader is made (wired in feedgpu/loader.py)."""
+    from feedgpu.metrics import LoaderStats
+
+    shard = write_tar(tmp_path / "s.tar", [("a.jpg", small_jpeg(1)), ("a.cls", b"1"), ("b.jpg", b""),
+                                           ("b.cls", b"2")])
+    src = quiet(TarShardSource, shard)
+    stats = LoaderStats()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # the source warned already
+        stats.add_index_skips(src)
+    d = stats.as_dict()
+    assert d["skipped"] == {"empty": 1} and d["skipped_keys"] == [(f"{shard}:b.jpg", "empty")]
+    assert d["skipped_while_indexing"] == 1
