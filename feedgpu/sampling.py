@@ -93,10 +93,15 @@ class ShardedOrder:
     def spares(self, epoch: int, b: int, k: int) -> np.ndarray:
         """``k`` replacement indices for samples of batch ``b`` that get skipped: drawn from this
         rank's shard with ``default_rng([seed, epoch, rank, b, 1])``, so they are the same
-        however many workers run. A replacement repeats a sample of the epoch."""
+        however many workers run. A replacement repeats a sample of the epoch. The first
+        ``min(k, shard size)`` are distinct samples, so a small dataset's good samples are all
+        among a batch's spares rather than one bad sample drawn again and again."""
         mine = self.shard(epoch)
         rng = np.random.default_rng([self.seed & _SEED_MASK, int(epoch), self.rank, int(b), 1])
-        return mine[rng.integers(0, len(mine), size=k)]
+        first = rng.choice(len(mine), size=min(k, len(mine)), replace=False)
+        if k > len(mine):
+            first = np.concatenate([first, rng.integers(0, len(mine), size=k - len(mine))])
+        return mine[first]
 
     def config(self) -> dict:
         return {"n": self.n, "batch_size": self.batch_size, "shuffle": self.shuffle, "seed": self.seed,

@@ -560,3 +560,49 @@ def test_loader_stats_can_count_index_time_rejects(tmp_path):
     d = stats.as_dict()
     assert d["skipped"] == {"empty": 1} and d["skipped_keys"] == [(f"{shard}:b.jpg", "empty")]
     assert d["skipped_while_indexing"] == 1
+
+
+# -- skip accounting: one count per bad sample ------------------------------------------------------------
+def test_a_bad_sample_met_again_as_a_spare_is_one_skip():
+    """Before: a batch of 1 whose spares drew the same bad file again reported "5 bad samples in
+    one batch of 1", and the budget counted one file 3 times."""
+    from feedgpu.errors import SampleError, SkipBudgetExceeded
+    from feedgpu.exec.assemble import Spares
+
+    tried = []
+
+    def fn(i):
+        tried.append(i)
+        if i in (1, 3):
+            raise SampleError(f"k{i}", "corrupt")
+        return i
+
+    skipped: list = []
+    s = Spares(np.array([1, 1, 3, 1, 2]), "skip", skipped, 1)
+    assert s.run(fn, 3) == 2
+    assert skipped == [("k3", "corrupt", ""), ("k1", "corrupt", "")] and tried == [3, 1, 2]   # each read once
+    s = Spares(np.array([1, 3, 1, 3]), "skip", [], 1)
+    with pytest.raises(SkipBudgetExceeded, match="^2 bad sample"):
+        s.run(fn, 1)
+
+
+@pytest.mark.parametrize("engine", ["python", "dali"])
+def test_two_bad_files_among_four_are_two_skips(tmp_path, engine):
+    if engine == "dali":
+        pytest.importorskip("nvidia.dali")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "0.jpg").write_bytes(photo(0))
+    (tmp_path / "a" / "1.jpg").write_bytes(b"<html>not found</html>")
+    (tmp_path / "a" / "2.jpg").write_bytes(photo(1))
+    (tmp_path / "a" / "3.jpg").write_bytes(photo(2)[:5000])
+    src = FolderSource(tmp_path)
+    for seed in range(4):
+        p = Pipeline(src, [Decode(), ResizeCenterCrop(32, 32)], batch_size=1, shuffle=True, seed=seed, device="cpu",
+                     engine=engine if engine == "python" else {"name": "dali", "device": "cpu"}, num_workers=0,
+                     on_error="skip", max_skipped=2)
+        loader = DataLoader(p)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            rows = sum(len(b.labels) for b in loader)
+        assert rows == 4
+        assert loader.stats()["skipped"] == {"not an image": 1, "truncated": 1}, seed
