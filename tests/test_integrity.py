@@ -606,3 +606,46 @@ def test_two_bad_files_among_four_are_two_skips(tmp_path, engine):
             rows = sum(len(b.labels) for b in loader)
         assert rows == 4
         assert loader.stats()["skipped"] == {"not an image": 1, "truncated": 1}, seed
+
+
+def test_a_tiff_compression_without_its_decoder_is_unsupported_not_corrupt():
+    """LZW / JPEG-in-TIFF on a PIL build without libtiff: "unsupported format", not "corrupt"."""
+    import struct
+
+    from PIL import features
+
+    buf = io.BytesIO()
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(buf, "TIFF")
+    d = bytearray(buf.getvalue())
+    ifd = struct.unpack("<I", d[4:8])[0]
+    for i in range(struct.unpack("<H", d[ifd:ifd + 2])[0]):
+        e = ifd + 2 + 12 * i
+        if struct.unpack("<H", d[e:e + 2])[0] == 259:   # Compression
+            d[e + 8:e + 10] = struct.pack("<H", 5)       # LZW (the strip is not LZW data)
+    with pytest.raises(DecodeError) as info:
+        Decode().apply(bytes(d))
+    assert info.value.reason == ("corrupt" if features.check("libtiff") else "unsupported format")
+
+
+# -- scan reads every file of a download ----------------------------------------------------------------
+def test_scan_reads_a_flat_folder_and_ignores_a_stray_tar(tmp_path):
+    """Before: "has no class sub-folders" on a flat folder, and a scan of only the .tar when one
+    sat among the class folders."""
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    (flat / "a.jpg").write_bytes(photo(0))
+    (flat / "b.jpg").write_bytes((CASES / "truncated_half.jpg").read_bytes())
+    (flat / "c.png").write_bytes((CASES / "gray16.png").read_bytes())
+    res = cli("scan", flat, "--workers", 0, "--json", "-")
+    assert res.exit_code == 1, res.output
+    doc = json.loads(res.output)
+    assert doc["samples"] == 3 and [(Path(b["key"]).name, b["reason"]) for b in doc["bad"]] == [("b.jpg", "truncated")]
+    classes = tmp_path / "classes"
+    (classes / "x").mkdir(parents=True)
+    (classes / "x" / "a.jpg").write_bytes(photo(1))
+    (classes / "x" / "b.jpg").write_bytes(b"")
+    write_tar(classes / "extra.tar", [("k.jpg", photo(2)), ("k.cls", b"0")])
+    res = cli("scan", classes, "--workers", 0, "--json", "-")
+    doc = json.loads(res.output)
+    assert res.exit_code == 1 and doc["format"] == "folder" and doc["samples"] == 1
+    assert [(Path(b["key"]).name, b["reason"]) for b in doc["bad"]] == [("b.jpg", "empty")]

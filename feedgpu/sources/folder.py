@@ -48,6 +48,8 @@ class FolderSource(Source):
         root: dataset directory.
         extensions: file endings to index, case-insensitive.
         allow_empty: keep class folders without images as classes (default False: raise).
+        flat: index the image files of ``root`` and its sub-folders as one unlabeled set (label
+            -1, no classes), as ``feedgpu scan`` reads a folder without class sub-folders.
 
     Records left out while indexing are in :attr:`rejected` (reasons in the module docstring)
     and warned about once each. Raises :class:`SourceError` when ``root`` is missing, has no
@@ -58,7 +60,7 @@ class FolderSource(Source):
     format = "folder"
 
     def __init__(self, root: str | os.PathLike, extensions: tuple[str, ...] = IMAGE_EXTENSIONS,
-                 allow_empty: bool = False):
+                 allow_empty: bool = False, flat: bool = False):
         super().__init__()
         self.root = Path(root)
         if not self.root.is_dir():
@@ -71,13 +73,16 @@ class FolderSource(Source):
         for e in top:
             if e.name.startswith(".") and self._has_images(e.path):
                 self._hidden.append(e.path)
-        if not self.classes:
+        if not self.classes and not flat:
             raise SourceError(f"folder source: {self.root} has no class sub-folders (ImageFolder layout)")
         rel: list[str] = []
         labels: list[int] = []
         sizes: list[int] = []
         mtimes: list[int] = []
         empty: list[str] = []
+        if flat:
+            self.classes = []
+            self._walk(str(self.root), _dir_id(str(self.root)), set(), -1, rel, labels, sizes, mtimes)
         for label, cls in enumerate(self.classes):
             before = len(rel) + len(self.rejected)
             top_dir = os.path.join(str(self.root), cls)

@@ -28,7 +28,8 @@ The format is found from the bytes, never from the file name. Rules for unusual 
 
 Failures raise :class:`~feedgpu.errors.DecodeError` with reason ``"empty"``, ``"not an image"``,
 ``"unsupported pixel format"`` (above), ``"unsupported format"`` (an image format recognised from its bytes, such as WebP, AVIF or HEIC,
-that this PIL build cannot decode: Pillow-SIMD is often built without libwebp; see
+that this PIL build cannot decode, or a compression it has no decoder for, such as LZW or JPEG
+in a TIFF without libtiff: Pillow-SIMD is often built without libwebp or libtiff; see
 ``python -m PIL.report``), ``"too many pixels"``, ``"truncated"`` or ``"corrupt"``.
 """
 from __future__ import annotations
@@ -100,8 +101,13 @@ class Decode(SampleStage):
         try:
             img.load()
         except OSError as e:
-            reason = "truncated" if "truncated" in str(e).lower() else "corrupt"
-            raise DecodeError(key, reason, str(e)) from None
+            msg = str(e)
+            if msg.startswith("decoder ") and msg.endswith(" not available"):
+                # a compression this PIL build has no decoder for (LZW or JPEG-in-TIFF without libtiff)
+                raise DecodeError(key, "unsupported format", f"{img.format} {msg} (python -m PIL.report lists "
+                                  "the decoders of this build)") from None
+            reason = "truncated" if "truncated" in msg.lower() else "corrupt"
+            raise DecodeError(key, reason, msg) from None
         except (SyntaxError, ValueError, EOFError) as e:
             raise DecodeError(key, "corrupt", str(e)) from None
         if self.exif_orientation:
