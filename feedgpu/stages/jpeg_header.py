@@ -185,6 +185,10 @@ def scan_end_error(data) -> str | None:
     (see above), else None (a good end, no EOI at all, or no answer: the decoder judges).
     ``data``: a whole JPEG file (bytes-like). One C scan over the bytes; markers inside the
     segments of later passes are told apart only when that scan finds a suspect."""
+    if not isinstance(data, (bytes, bytearray)):
+        data = memoryview(data)
+        if data.format != "B":   # a pyarrow buffer's view is signed ("b"): index as unsigned bytes
+            data = data.cast("B")
     start = _first_scan(data)
     if start is None:
         return None
