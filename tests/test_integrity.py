@@ -763,6 +763,10 @@ def test_random_datasets_conserve_every_record(tmp_path, fmt, seed):
         assert len(labels) == len(src)
         assert sorted(r for r, c in st["skipped"].items() for _ in range(c)) == sorted(decode_bad.values()), engine
         assert st["skipped_total"] + len(set(labels)) + len(src.rejected) == records, engine
+    # scan: every bad record named once, with its reason
+    report = scan_source(src, workers=0, progress=False)
+    assert sorted(b.reason for b in report.bad) == sorted(index_bad + list(decode_bad.values()))
+    assert len(report.bad) + len(good) == records
     # convert, each direction that exists: the same records with their labels, the rest listed
     from feedgpu.convert import folder_to_parquet, folder_to_tar, shards_to_parquet
 
