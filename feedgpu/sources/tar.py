@@ -4,7 +4,8 @@ Shards are indexed once (member headers only) into arrays of shard id, byte offs
 samples are then read with ``os.pread`` straight from the shard, so nothing is ever extracted:
 member names with absolute paths or ``..`` are only keys, never file-system paths. Symbolic and
 hard link members are left out while indexing (reason ``"link member, not followed"``), so a
-link never makes feedgpu read another member or a file outside the shard. Member names that are
+link never makes feedgpu read another member or a file outside the shard; FIFO and device
+entries likewise (``"not a regular file"``). Member names that are
 not UTF-8 are kept byte-exact (surrogate escapes) in keys.
 
 The key rule. Members are grouped as WebDataset groups them (``webdataset.tariterators.
@@ -182,6 +183,8 @@ class TarShardSource(Source):
                         continue
                     if m.isfile():
                         yield _Member(m.name, m.offset_data, m.size, m.offset_data + m.size > size)
+                    elif not m.isdir() and split_member(m.name)[0] is not None:
+                        self.reject(f"{path}:{m.name}", "not a regular file")   # a FIFO or device entry
             except tarfile.ReadError as e:   # the shard ends inside a member's data
                 error = str(e)
             end = tf.offset
