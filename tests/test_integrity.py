@@ -791,3 +791,24 @@ def test_the_jpeg_end_check_reads_signed_buffers_as_bytes():
     assert scan_end_error(signed) == scan_end_error(data) is not None
     with pytest.raises(DecodeError):
         Decode().header(signed)
+
+
+def test_parquet_reads_a_large_row_group_in_bounded_slices(tmp_path):
+    """A row group bigger than the slice budget is never held whole: reads in any order give the
+    right bytes, and the process holds about cache_bytes plus one slice."""
+    rng = np.random.default_rng(0)
+    blobs = [rng.integers(0, 256, 30_000 + i, dtype=np.uint8).tobytes() for i in range(100)]   # ~3 MB
+    path = tmp_path / "big.parquet"
+    pq.write_table(pa.table({"image": pa.array(blobs, pa.binary()), "label": list(range(100))}), path,
+                   row_group_size=100, compression="none")
+    assert pq.ParquetFile(path).num_row_groups == 1
+    src = ParquetSource(path, cache_bytes=1 << 20)
+    order = list(range(100)) + rng.permutation(100).tolist()
+    most = 0
+    for i in order:
+        rec = src.read(i)
+        assert bytes(rec.payload) == blobs[i] and rec.label == i
+        most = max(most, src._cached)
+    k = src._slicing[(0, 0)]
+    assert 0 < k < 100 and all(key[2] >= 0 for key in src._cache)
+    assert most <= (1 << 20) + k * 31_000

@@ -3,10 +3,15 @@
 The index is three arrays (file id, row group, row within the group). Reads go by row group
 through a small per-process LRU cache, so a batch that touches a row group reads it once.
 Shuffled access over a dataset much larger than the cache reads each row group often: write
-such datasets with small row groups (``feedgpu convert`` uses ~8 MiB). A row group is held whole
-in that cache (so a worker holds at least its largest row group); a ``binary`` column of more than
-2 GiB in one row group comes from Arrow as several chunks, which are read as they are (joining
-them would overflow ``binary``'s 32-bit offsets).
+such datasets with small row groups (``feedgpu convert`` uses ~8 MiB).
+
+Memory: a row group whose image column is over ``max(1 MiB, cache_bytes / 4)`` (uncompressed, from
+the file's metadata) is read in slices of that size (``iter_batches``: later slices of one group
+continue the same reader, an earlier one restarts it), so a process holds about ``cache_bytes``
+plus one slice (and one Parquet page) for a source, whatever the row-group size. Shuffled reads
+of such groups cost a re-read from the group's start per slice missed. A ``binary`` column of
+more than 2 GiB comes from Arrow as several chunks, read as they are (joining them would overflow
+``binary``'s 32-bit offsets); ``large_binary`` columns are read the same way.
 """
 from __future__ import annotations
 
@@ -123,8 +128,10 @@ class ParquetSource(Source):
             raise SourceError(f"parquet source: no rows left in {len(self.files)} file(s)"
                               + (f" ({len(self.rejected)} left out while indexing)" if self.rejected else ""))
         self.classes = class_names(self.files[0], self.labels)
-        self._cache: OrderedDict = OrderedDict()
+        self._cache: OrderedDict = OrderedDict()   # (file, row group, slice or -1) -> _Chunks
         self._cached = 0
+        self._slicing: dict = {}                    # (file, row group) -> rows per slice (0: whole)
+        self._live = None                           # the reader of the row group being sliced
         self._files: dict = {}
         self._pid = os.getpid()
         self._lock = threading.Lock()
@@ -132,7 +139,7 @@ class ParquetSource(Source):
     def __getstate__(self) -> dict:
         """Pickled (to a Ray worker) without this process's open files, cached row groups and lock."""
         state = self.__dict__.copy()
-        state.update(_cache=OrderedDict(), _cached=0, _files={}, _pid=None, _lock=None)
+        state.update(_cache=OrderedDict(), _cached=0, _files={}, _pid=None, _lock=None, _live=None)
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -144,22 +151,65 @@ class ParquetSource(Source):
         fid, rg, r = int(self.file_ids[index]), int(self.row_groups[index]), int(self.rows[index])
         return f"{self.files[fid]}#{int(self._rg_starts[fid][rg]) + r}"
 
-    def _group(self, fid: int, rg: int):
+    def _rows_of(self, fid: int, rg: int, r: int):
+        """``(column part, row in it)`` for row ``r`` of row group ``rg``."""
         with self._lock:  # the DALI engine reads from a helper thread too
-            return self._group_locked(fid, rg)
+            if self._pid != os.getpid():
+                self._cache, self._cached, self._files, self._pid = OrderedDict(), 0, {}, os.getpid()
+                self._live = None
+            pf = self._files.get(fid)
+            if pf is None:
+                pf = self._files[fid] = pq.ParquetFile(self.files[fid], memory_map=True)
+            k = self._slice_rows(pf, fid, rg)
+            if k == 0:
+                return self._cached_part((fid, rg, -1), lambda: pf.read_row_group(rg, columns=[self.image_column])
+                                         .column(0)), r
+            s, at = divmod(r, k)
+            return self._cached_part((fid, rg, s), lambda: self._read_slice(pf, fid, rg, s, k)), at
 
-    def _group_locked(self, fid: int, rg: int):
-        if self._pid != os.getpid():
-            self._cache, self._cached, self._files, self._pid = OrderedDict(), 0, {}, os.getpid()
-        hit = self._cache.get((fid, rg))
+    def _slice_rows(self, pf, fid: int, rg: int) -> int:
+        """Rows per slice of a row group whose image column is over the slice budget
+        (``max(1 MiB, cache_bytes // 4)``, uncompressed, from the file's metadata), else 0 (read
+        whole)."""
+        key = (fid, rg)
+        k = self._slicing.get(key)
+        if k is None:
+            md = pf.metadata.row_group(rg)
+            size = next((md.column(j).total_uncompressed_size for j in range(md.num_columns)
+                         if md.column(j).path_in_schema == self.image_column), 0)
+            budget = max(1 << 20, self.cache_bytes // 4)
+            k = 0 if size <= budget else max(1, int(md.num_rows * budget // size))
+            self._slicing[key] = k
+        return k
+
+    def _read_slice(self, pf, fid: int, rg: int, s: int, k: int):
+        """Rows ``[s*k, (s+1)*k)`` of the row group, streamed with ``iter_batches`` (one live
+        reader per process: later slices of the same group continue it, an earlier one restarts)."""
+        live = self._live
+        if live is None or live[0] != (fid, rg) or live[2] > s:
+            live = [(fid, rg), pf.iter_batches(batch_size=k, row_groups=[rg], columns=[self.image_column],
+                                               use_threads=False), 0]
+        self._live = live
+        for batch in live[1]:
+            at = live[2]
+            live[2] += 1
+            if at == s:
+                n = pf.metadata.row_group(rg).num_rows
+                if len(batch) != min(k, n - s * k):   # not the slices asked for: read the group whole
+                    self._slicing[(fid, rg)] = 0
+                    self._live = None
+                    whole = pf.read_row_group(rg, columns=[self.image_column]).column(0)
+                    return whole.slice(s * k, k)
+                return pa.chunked_array([batch.column(0)])
+        raise SourceError(f"parquet source: {self.files[fid]} row group {rg} ended before slice {s}")
+
+    def _cached_part(self, key, read):
+        hit = self._cache.get(key)
         if hit is not None:
-            self._cache.move_to_end((fid, rg))
+            self._cache.move_to_end(key)
             return hit
-        pf = self._files.get(fid)
-        if pf is None:
-            pf = self._files[fid] = pq.ParquetFile(self.files[fid], memory_map=True)
-        col = _Chunks(pf.read_row_group(rg, columns=[self.image_column]).column(0))
-        self._cache[(fid, rg)] = col
+        col = _Chunks(read())
+        self._cache[key] = col
         self._cached += col.nbytes
         while self._cached > self.cache_bytes and len(self._cache) > 1:
             _, old = self._cache.popitem(last=False)
@@ -168,7 +218,8 @@ class ParquetSource(Source):
 
     def read(self, index: int) -> Record:
         fid, rg, r = int(self.file_ids[index]), int(self.row_groups[index]), int(self.rows[index])
-        value = self._group(fid, rg)[r]
+        part, at = self._rows_of(fid, rg, r)
+        value = part[at]
         data = memoryview(value.as_buffer()) if value.is_valid else b""
         return Record(data, int(self.labels[index]), self.key(index))
 
