@@ -812,3 +812,14 @@ def test_parquet_reads_a_large_row_group_in_bounded_slices(tmp_path):
     k = src._slicing[(0, 0)]
     assert 0 < k < 100 and all(key[2] >= 0 for key in src._cache)
     assert most <= (1 << 20) + k * 31_000
+
+
+def test_many_index_rejects_warn_twenty_names_and_a_count(tmp_path):
+    shard = write_tar(tmp_path / "s.tar", [("ok.jpg", small_jpeg(0)), ("ok.cls", b"0")]
+                      + [(f"e{i:02d}.jpg", b"") for i in range(25)] + [(f"e{i:02d}.cls", b"1") for i in range(25)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        src = TarShardSource(shard)
+    msgs = [str(w.message) for w in caught]
+    assert len(src.rejected) == 25 and len(msgs) == 21
+    assert msgs[-1].startswith("feedgpu: skipped 5 more records while indexing (empty: 5)")

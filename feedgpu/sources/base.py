@@ -152,12 +152,21 @@ class Source:
     def _digest(self, h) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def _warn_rejected(self) -> None:
-        """One warning per sample left out while indexing."""
-        for key, reason in self.rejected:
+    def _warn_rejected(self, listed: int = 20) -> None:
+        """One warning per record left out while indexing, for the first ``listed``; then one
+        warning with the count of the rest by reason (:attr:`rejected` names them all)."""
+        for key, reason in self.rejected[:listed]:
             detail = self.rejected_details.get(key)
             warnings.warn(f"feedgpu: skipped {key} while indexing: {reason}" + (f" ({detail})" if detail else ""),
                           stacklevel=3)
+        rest = self.rejected[listed:]
+        if rest:
+            counts: dict[str, int] = {}
+            for _, reason in rest:
+                counts[reason] = counts.get(reason, 0) + 1
+            warnings.warn(f"feedgpu: skipped {len(rest)} more records while indexing ("
+                          + ", ".join(f"{r}: {c}" for r, c in counts.items())
+                          + "); source.rejected lists them all, `feedgpu scan` reports them", stacklevel=3)
 
     def describe(self) -> str:
         return f"{self.format} source, {len(self)} samples, {len(self.classes)} classes"
