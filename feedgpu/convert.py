@@ -202,7 +202,8 @@ def source_to_parquet(src: Source, out_dir, keys, rows_per_file: int = 1000, row
     """Write ``part-000000.parquet`` ... with columns key (``keys[i]`` as text, see
     :func:`text_key`), image (large_binary), label, format, width, height (from the header; -1
     when unreadable); row groups of about ``row_group_bytes`` of image data, uncompressed (JPEG
-    bytes do not compress); the class names in ``_classes.txt``. Returns :class:`Converted`."""
+    bytes do not compress), in pages of about 1 MiB (what a reader holds at least, see
+    :mod:`feedgpu.sources.parquet`); the class names in ``_classes.txt``. Returns :class:`Converted`."""
     if callable(keys):
         keys = [keys(i) for i in range(len(src))]
     with _Staging(out_dir) as stage:
@@ -221,7 +222,11 @@ def source_to_parquet(src: Source, out_dir, keys, rows_per_file: int = 1000, row
                                   "height": pa.array([h[2] for h in heads], pa.int32())}, schema=PARQUET_SCHEMA)
                 mean = max(1, sum(len(r.payload) for r in recs) // len(recs))
                 path = stage.dir / f"part-{len(files):06d}.parquet"
-                pq.write_table(table, path, row_group_size=max(1, row_group_bytes // mean), compression="none")
+                # pages of ~1 MiB of images, no dictionary for them (image bytes never repeat): pyarrow
+                # otherwise puts up to 1024 values in a page, the unit a reader must hold whole
+                pq.write_table(table, path, row_group_size=max(1, row_group_bytes // mean), compression="none",
+                               use_dictionary=["key", "format"], data_page_size=1 << 20,
+                               write_batch_size=max(1, min(1024, (1 << 20) // mean)))
                 files.append(path)
                 bar.update(stop - start)
         from .sources.parquet import ParquetSource

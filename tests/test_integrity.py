@@ -823,3 +823,14 @@ def test_many_index_rejects_warn_twenty_names_and_a_count(tmp_path):
     msgs = [str(w.message) for w in caught]
     assert len(src.rejected) == 25 and len(msgs) == 21
     assert msgs[-1].startswith("feedgpu: skipped 5 more records while indexing (empty: 5)")
+
+
+def test_converted_parquet_pages_stay_small(colliding_folder, tmp_path):
+    """A reader holds a whole page: converted files keep pages of ~1 MiB and no dictionary on
+    the image column, whatever the image size."""
+    from feedgpu.convert import folder_to_parquet
+
+    files = folder_to_parquet(colliding_folder, tmp_path / "pq")
+    md = pq.ParquetFile(files[0]).metadata.row_group(0)
+    image = next(md.column(j) for j in range(md.num_columns) if md.column(j).path_in_schema == "image")
+    assert "RLE_DICTIONARY" not in image.encodings and "PLAIN_DICTIONARY" not in image.encodings

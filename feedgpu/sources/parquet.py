@@ -8,7 +8,9 @@ such datasets with small row groups (``feedgpu convert`` uses ~8 MiB).
 Memory: a row group whose image column is over ``max(1 MiB, cache_bytes / 4)`` (uncompressed, from
 the file's metadata) is read in slices of that size (``iter_batches``: later slices of one group
 continue the same reader, an earlier one restarts it), so a process holds about ``cache_bytes``
-plus one slice (and one Parquet page) for a source, whatever the row-group size. Shuffled reads
+plus one slice and one Parquet page for a source, whatever the row-group size (a page is read
+whole: pyarrow writes up to 1024 values to a page unless told otherwise, so 1024 images of 2 MB
+make one 2 GB page; ``feedgpu convert`` writes pages of ~1 MiB). Shuffled reads
 of such groups cost a re-read from the group's start per slice missed. A ``binary`` column of
 more than 2 GiB comes from Arrow as several chunks, read as they are (joining them would overflow
 ``binary``'s 32-bit offsets); ``large_binary`` columns are read the same way.
