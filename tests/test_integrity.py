@@ -114,6 +114,13 @@ def test_missing_labels_bad_labels_and_label_only_members_are_named(tmp_path):
     assert len(src) + len(src.rejected) == 5   # every record of the shard, delivered or named
 
 
+def test_a_hidden_image_member_has_no_key_and_is_named(tmp_path):
+    shard = write_tar(tmp_path / "s.tar", [("a.jpg", small_jpeg(0)), ("a.cls", b"0"), ("d/.x.jpg", small_jpeg(1)),
+                                           ("README", b"text")])
+    src = quiet(TarShardSource, shard)
+    assert len(src) == 1 and src.rejected == [(f"{shard}:d/.x.jpg", "no key")]
+
+
 def test_a_shard_without_any_label_is_unlabeled(tmp_path):
     shard = write_tar(tmp_path / "s.tar", [("a.jpg", small_jpeg(0)), ("b.jpg", small_jpeg(1))])
     src = TarShardSource(shard)

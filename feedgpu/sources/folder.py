@@ -151,13 +151,15 @@ class FolderSource(Source):
         for e in subdirs:
             self._walk(e.path, _dir_id(e.path), inner, label, rel, labels, sizes, mtimes)
 
-    def _has_images(self, top: str) -> bool:
-        try:
-            for _, _, files in os.walk(top):
-                if any(f.lower().endswith(self._exts) for f in files):
-                    return True
-        except OSError:
-            pass
+    def _has_images(self, top: str, look: int = 10_000) -> bool:
+        """Whether a hidden folder holds image files (for the warning), looking at up to ``look``
+        names (a ``.git`` folder can hold many)."""
+        for _, _, files in os.walk(top):
+            if any(f.lower().endswith(self._exts) for f in files):
+                return True
+            look -= len(files) + 1
+            if look <= 0:
+                return False
         return False
 
     def key(self, index: int) -> str:

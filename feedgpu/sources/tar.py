@@ -31,7 +31,8 @@ Records that cannot be delivered are left out while indexing, each named in
 * ``"missing label"``: an image with no label, in a source where other samples have labels (a
   source with no label member at all is unlabeled: every label is -1);
 * ``"bad label"``: a label that is not a non-negative integer; ``"no image"``: a group, or a
-  qualified label, without an image; ``"empty"``: a zero-byte image;
+  qualified label, without an image; ``"empty"``: a zero-byte image; ``"no key"``: an image
+  whose base name starts with a dot (``.x.jpg``), which has no WebDataset key;
 * ``"truncated"``: an image (or its label) whose data the shard's end cuts; ``"truncated
   shard"``: a shard that ends inside a header, inside member data or without its end-of-archive
   marker (the samples after the cut are lost: the entry names the shard and the byte);
@@ -116,7 +117,12 @@ class TarShardSource(Source):
             with open(path, "rb") as raw:
                 for m in self._members(path, raw):
                     key, field = split_member(m.name)
-                    kind, qual = _kind(field) if key is not None else (None, "")
+                    if key is None:
+                        if m.name.lower().endswith(tuple("." + e for e in IMAGE_SUFFIXES)):
+                            self.reject(f"{path}:{m.name}", "no key", "its base name starts with a dot: "
+                                        "WebDataset readers skip it too")
+                        continue
+                    kind, qual = _kind(field)
                     if kind is None:
                         continue
                     g = groups.setdefault(key, {"image": {}, "label": {}, "first": m.name})
