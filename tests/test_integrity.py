@@ -481,24 +481,33 @@ def test_unreadable_class_folders_raise_naming_them(tmp_path, monkeypatch):
 def test_links_are_followed_once_and_broken_links_are_named(tmp_path):
     root = tmp_path / "d"
     (root / "a").mkdir(parents=True)
+    (root / "c").mkdir()
     (root / "a" / "x.jpg").write_bytes(small_jpeg(1))
-    elsewhere = tmp_path / "elsewhere"
+    (root / "c" / "z.jpg").write_bytes(small_jpeg(3))
+    elsewhere, other = tmp_path / "elsewhere", tmp_path / "other"
     elsewhere.mkdir()
+    other.mkdir()
     (elsewhere / "y.jpg").write_bytes(small_jpeg(2))
+    (other / "w.jpg").write_bytes(small_jpeg(4))
     os.symlink(elsewhere, root / "a" / "linked")          # a sub-folder by link: followed
     os.symlink(root / "a", root / "a" / "loop")            # back to its parent: a loop
+    os.symlink(root, root / "a" / "to_root")               # back to the dataset's root: a loop
+    os.symlink(root / "c", root / "a" / "to_c")            # into another class: c's images stay c's
+    os.symlink(elsewhere, root / "a" / "z_again")          # a second path to a folder indexed
     os.symlink(tmp_path / "gone.jpg", root / "a" / "dangling.jpg")
     os.symlink("self.jpg", root / "a" / "self.jpg")        # a link to itself
-    os.symlink(elsewhere, root / "b")                      # a class folder by link
+    os.symlink(other, root / "b")                          # a class folder by link
     with pytest.warns(UserWarning, match="dangling link"):
         src = FolderSource(root)
-    assert src.classes == ["a", "b"]
-    assert [src.paths[i] for i in range(len(src))] == ["a/x.jpg", "a/linked/y.jpg"]
+    assert src.classes == ["a", "b", "c"]
+    assert [(src.paths[i], int(src.labels[i])) for i in range(len(src))] == [
+        ("a/x.jpg", 0), ("a/linked/y.jpg", 0), ("b/w.jpg", 1), ("c/z.jpg", 2)]
     reasons = {Path(k).name: r for k, r in src.rejected}
     assert reasons == {"dangling.jpg": "dangling link", "self.jpg": "symlink loop", "loop": "symlink loop",
-                       "b": "duplicate folder"}
+                       "to_root": "symlink loop", "to_c": "duplicate folder", "z_again":
+                       "duplicate folder"}
     res = cli("scan", root, "--workers", 0)
-    assert res.exit_code == 1 and "dangling link: 1" in res.output and "symlink loop: 2" in res.output
+    assert res.exit_code == 1 and "dangling link: 1" in res.output and "symlink loop: 3" in res.output
 
 
 # -- 8. index-time rejects, exposed for the loader's stats ---------------------------------------------

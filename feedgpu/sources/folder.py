@@ -14,8 +14,9 @@ The rules, and where they differ from ``torchvision.datasets.ImageFolder``:
   as a class without samples (its label stays reserved, as torchvision's ``allow_empty``).
 * Sub-folders, and symbolic links to folders, are followed (torchvision: ``os.walk(...,
   followlinks=True)``), each real folder once: a link back to a folder above it is left out with
-  reason ``"symlink loop"``, a second path to a folder already indexed with ``"duplicate
-  folder"`` (torchvision would loop, or index the files twice).
+  reason ``"symlink loop"``, a second path to a folder already indexed, or a link from one class
+  into another class's folder, with ``"duplicate folder"`` (torchvision would loop, or index the
+  files twice, once under the wrong class).
 * A folder that cannot be listed (permissions) raises :class:`SourceError` naming it
   (``os.walk``, as torchvision uses it, skips it silently).
 * Image files that cannot be indexed are left out, each named in :attr:`rejected`: a zero-byte
@@ -80,13 +81,16 @@ class FolderSource(Source):
         sizes: list[int] = []
         mtimes: list[int] = []
         empty: list[str] = []
+        root_id = _dir_id(str(self.root))
+        # a class's folders are its own: a link from inside another class to one is not followed
+        self._class_dirs = {} if flat else {_dir_id(os.path.join(str(self.root), c)): c for c in self.classes}
         if flat:
             self.classes = []
-            self._walk(str(self.root), _dir_id(str(self.root)), set(), -1, rel, labels, sizes, mtimes)
+            self._walk(str(self.root), root_id, set(), -1, rel, labels, sizes, mtimes)
         for label, cls in enumerate(self.classes):
             before = len(rel) + len(self.rejected)
             top_dir = os.path.join(str(self.root), cls)
-            self._walk(top_dir, _dir_id(top_dir), set(), label, rel, labels, sizes, mtimes)
+            self._walk(top_dir, _dir_id(top_dir), {root_id}, label, rel, labels, sizes, mtimes, is_class=True)
             if len(rel) + len(self.rejected) == before:
                 empty.append(cls)
         if empty and not allow_empty:
@@ -106,11 +110,16 @@ class FolderSource(Source):
         self.sizes = np.asarray(sizes, dtype=np.int64)
         self.mtimes = np.asarray(mtimes, dtype=np.int64)
 
-    def _walk(self, top: str, ident, ancestors: set, label: int, rel, labels, sizes, mtimes) -> None:
+    def _walk(self, top: str, ident, ancestors: set, label: int, rel, labels, sizes, mtimes,
+              is_class: bool = False) -> None:
         """Index ``top``'s image files (sorted), then its sub-folders (sorted, depth first)."""
         if ident is not None:
             if ident in ancestors:
                 self.reject(top, "symlink loop", "a link to a folder above it")
+                return
+            if not is_class and ident in self._class_dirs:
+                self.reject(top, "duplicate folder", f"the class folder {self._class_dirs[ident]!r}: its images "
+                            "keep their own class")
                 return
             if ident in self._visited:
                 self.reject(top, "duplicate folder", f"the same folder as {self._visited[ident]}, indexed once")
