@@ -850,3 +850,15 @@ def test_converted_parquet_pages_stay_small(colliding_folder, tmp_path):
     md = pq.ParquetFile(files[0]).metadata.row_group(0)
     image = next(md.column(j) for j in range(md.num_columns) if md.column(j).path_in_schema == "image")
     assert "RLE_DICTIONARY" not in image.encodings and "PLAIN_DICTIONARY" not in image.encodings
+
+
+def test_an_archive_appended_to_a_shard_is_named_not_dropped_silently(tmp_path):
+    a = write_tar(tmp_path / "a.tar", [("a.jpg", small_jpeg(0)), ("a.cls", b"0")])
+    b = write_tar(tmp_path / "b.tar", [("b.jpg", small_jpeg(1)), ("b.cls", b"1")])
+    both = tmp_path / "both" / "ab.tar"
+    both.parent.mkdir()
+    both.write_bytes(a.read_bytes() + b.read_bytes())
+    src = quiet(TarShardSource, both)
+    assert src.labels.tolist() == [0] and src.rejected == [(str(both), "corrupt shard")]
+    assert "appended" in src.rejected_details[str(both)]
+    assert TarShardSource(a).rejected == []   # a plain shard's zero padding is not data

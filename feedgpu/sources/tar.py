@@ -36,7 +36,8 @@ Records that cannot be delivered are left out while indexing, each named in
 * ``"truncated"``: an image (or its label) whose data the shard's end cuts; ``"truncated
   shard"``: a shard that ends inside a header, inside member data or without its end-of-archive
   marker (the samples after the cut are lost: the entry names the shard and the byte);
-  ``"corrupt shard"``: an unreadable header in the middle of a shard (indexing stops there).
+  ``"corrupt shard"``: an unreadable header in the middle of a shard (indexing stops there), or
+  data after its end-of-archive marker (``cat a.tar b.tar``: the second archive is not indexed).
 """
 from __future__ import annotations
 
@@ -209,6 +210,15 @@ class TarShardSource(Source):
         elif block.count(0) != tarfile.BLOCKSIZE:
             self.reject(path, "corrupt shard", f"unreadable header at byte {end}; members after it are not "
                         "indexed")
+        else:
+            while True:   # the end marker and padding: zeros to the end, unless an archive was appended
+                chunk = raw.read(1 << 20)
+                if not chunk:
+                    break
+                if chunk.count(0) != len(chunk):
+                    self.reject(path, "corrupt shard", f"data after the end-of-archive marker at byte {end} (an "
+                                "archive appended to this one?); members there are not indexed")
+                    break
 
     def _samples(self, path: str, raw, g: dict):
         """``(image member, label)`` of one key group (label -2: none); the rest is rejected."""
