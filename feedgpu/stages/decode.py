@@ -71,7 +71,7 @@ class Decode(SampleStage):
     """
 
     name = "decode"
-    version = 1
+    version = 2   # 2: wide-integer and float images scaled, cut JPEGs corrupt (cached outputs change)
 
     def __init__(self, exif_orientation: bool = True, max_pixels: int = PILLOW_MAX_PIXELS,
                  background: tuple[int, int, int] = IMAGENET_MEAN_PIXEL):
@@ -92,12 +92,12 @@ class Decode(SampleStage):
             img = x
         elif isinstance(x, (bytes, bytearray, memoryview)):
             img = self._open(x, key)
-            if img.format == "JPEG":
-                _check_scan_end(x, key)
         else:
             img = Image.fromarray(_as_hwc_uint8(x, key))
         w, h = img.size
         self._check_pixels(w, h, key)
+        if img.format == "JPEG" and isinstance(x, (bytes, bytearray, memoryview)):
+            _check_scan_end(x, key)   # after the pixel limit, as in header(): one reason on both engines
         try:
             img.load()
         except OSError as e:
