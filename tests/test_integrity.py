@@ -862,3 +862,13 @@ def test_an_archive_appended_to_a_shard_is_named_not_dropped_silently(tmp_path):
     assert src.labels.tolist() == [0] and src.rejected == [(str(both), "corrupt shard")]
     assert "appended" in src.rejected_details[str(both)]
     assert TarShardSource(a).rejected == []   # a plain shard's zero padding is not data
+
+
+def test_markers_libjpeg_passes_over_are_not_a_cut():
+    """TEM (FF 01) inside the data and fill bytes before EOI are what libjpeg passes over: not
+    corrupt; a reserved marker (FF 3F) is what it stops on."""
+    from feedgpu.stages.jpeg_header import scan_end_error
+
+    whole = photo(4)
+    assert scan_end_error(whole[:-2] + b"\xff\x01\xff\xff\xff\xd9") is None
+    assert scan_end_error(whole[:-2] + b"\xff\x3f\xff\xd9") is not None

@@ -175,8 +175,10 @@ def _tables_fit(s: bytes) -> bool:
 # the usual case is a file cut off and followed by another whole JPEG. libjpeg stops with an error
 # there (Pillow: "broken data stream"); other decoders (DALI's) may return the half-decoded
 # pixels. Checking the markers here lets both engines name such a file the same way.
-_END = re.compile(rb"\xff([\x01-\xbf\xc0-\xc3\xc5-\xcb\xcd-\xcf\xd8\xd9\xde\xdf\xf0-\xfd])")
-_ANY = re.compile(rb"\xff([^\x00\xff\xd0-\xd7])")
+# the markers libjpeg stops on there (jdmarker.c: an unknown marker, a second SOI or frame header,
+# DHP/EXP, JPGn), and EOI; TEM (0x01) and RSTn have no length field and are passed over
+_END = re.compile(rb"\xff([\x02-\xbf\xc0-\xc3\xc5-\xcb\xcd-\xcf\xd8\xd9\xde\xdf\xf0-\xfd])")
+_ANY = re.compile(rb"\xff([^\x00\x01\xff\xd0-\xd7])")
 _SEGMENT_AFTER_SOS = frozenset({0xC4, 0xCC, 0xDB, 0xDD, 0xDA, 0xDC, 0xFE, *range(0xE0, 0xF0)})
 
 
