@@ -1,16 +1,37 @@
 """Convert datasets: an ImageFolder directory or tar shards to Parquet files (image bytes as
-they are + label + metadata), and a folder to WebDataset tar shards."""
+they are + label + metadata), and a folder to WebDataset tar shards.
+
+Every converter holds the conservation rule: each record of the source is in the output, with
+its label, or in the returned :class:`Converted` report's ``left_out`` (what the source left out
+while indexing, with the reason). Output is written to a temporary folder beside ``out_dir``,
+read back (sample count, labels and, for tar, sizes checked against the source), and renamed to
+``out_dir`` only then: a failed conversion leaves nothing behind. ``out_dir`` must not exist or
+be empty.
+
+Sample keys (:func:`sample_keys`): a file's path relative to the dataset, without its
+extension, with ``%`` and ``.`` in its base name written ``%25`` and ``%2E``, so a key never holds
+a dot and WebDataset's first-dot rule reads it back whole (``img.v2.0001.jpg`` -> key
+``img%2Ev2%2E0001``). Files whose keys would collide (``x.jpg`` and ``x.png``) keep their
+extension in the key (``x%2Ejpg``, ``x%2Epng``); a key still taken gets ``%23<n>`` (``#n``). In
+Parquet's ``key`` column (UTF-8 text) the bytes of a name that are not UTF-8 are written
+``%XX``; tar member names keep their bytes (PAX headers, which also hold names too long for a
+plain tar header).
+"""
 from __future__ import annotations
 
 import io
 import os
+import re
+import shutil
 import tarfile
+import warnings
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
 
+from .errors import ConfigError, SourceError
 from .sources.base import CLASS_NAMES_FILE, Source
 from .sources.folder import FolderSource
 from .sources.tar import TarShardSource
@@ -19,8 +40,51 @@ PARQUET_SCHEMA = pa.schema([("key", pa.string()), ("image", pa.large_binary()), 
                             ("format", pa.string()), ("width", pa.int32()), ("height", pa.int32())])
 
 
-def _stem(rel: str) -> str:
-    return os.path.splitext(rel)[0].replace(os.sep, "/")
+class Converted(list):
+    """The files written (a list of :class:`~pathlib.Path`), with ``samples``: samples written
+    and read back; ``left_out``: ``[(key, reason)]`` of the source's records not in the output
+    (left out by the source while indexing)."""
+
+    def __init__(self, files, samples: int, left_out):
+        super().__init__(files)
+        self.samples = int(samples)
+        self.left_out = list(left_out)
+
+
+def _escape(stem: str) -> str:
+    return stem.replace("%", "%25").replace(".", "%2E")
+
+
+def sample_keys(names: list[str]) -> list[str]:
+    """Unique, dot-free keys for relative file names (rule in the module docstring)."""
+    split = []
+    for name in names:
+        name = name.replace(os.sep, "/")
+        head, slash, base = name.rpartition("/")
+        stem, ext = os.path.splitext(base)
+        split.append((head + slash, stem, ext))
+    keys = [h + _escape(s) for h, s, _ in split]
+    seen: dict[str, int] = {}
+    for k in keys:
+        seen[k] = seen.get(k, 0) + 1
+    keys = [h + _escape(s + e) if seen[k] > 1 else k for k, (h, s, e) in zip(keys, split)]
+    taken: set[str] = set()
+    out = []
+    for k in keys:
+        u, n = k, 1
+        while u in taken:
+            u, n = f"{k}%23{n}", n + 1
+        taken.add(u)
+        out.append(u)
+    return out
+
+
+_SURROGATE = re.compile("[\udc80-\udcff]")
+
+
+def text_key(key: str) -> str:
+    """``key`` as valid UTF-8 text: bytes that were not UTF-8 (surrogate escapes) as ``%XX``."""
+    return _SURROGATE.sub(lambda m: f"%{ord(m.group()) - 0xDC00:02X}", key)
 
 
 def _progress(total: int, desc: str, on: bool):
@@ -48,70 +112,139 @@ def write_class_names(out: Path, classes: list[str]) -> None:
                                             errors="surrogateescape")
 
 
-def folder_to_tar(folder, out_dir, samples_per_shard: int = 1000, progress: bool = False) -> list[Path]:
-    """Write ``shard-000000.tar`` ... with ``<class>/<name>.<ext>`` + ``<class>/<name>.cls``, and
-    the class names in ``_classes.txt``."""
+class _Staging:
+    """A temporary folder beside ``out``, renamed to ``out`` by :meth:`commit`, removed otherwise."""
+
+    def __init__(self, out):
+        self.out = Path(out)
+        if self.out.exists() and (not self.out.is_dir() or any(self.out.iterdir())):
+            raise ConfigError(f"convert: {self.out} exists and is not an empty folder; give a new one")
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.dir = self.out.parent / f".{self.out.name}.partial-{os.getpid()}"
+        if self.dir.exists():
+            shutil.rmtree(self.dir)
+        self.dir.mkdir()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.dir.exists():
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def commit(self, files: list[Path]) -> list[Path]:
+        if self.out.exists():
+            self.out.rmdir()
+        os.replace(self.dir, self.out)
+        return [self.out / f.name for f in files]
+
+
+def _open_quiet(cls, path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return cls(path)
+
+
+def _verify(got: Source, src: Source, what: str) -> None:
+    """The output read back holds the source's samples, in order, with their labels."""
+    if len(got) != len(src):
+        raise SourceError(f"convert: {what} read back as {len(got)} samples, the source has {len(src)}; "
+                          "nothing was written")
+    if not (got.labels == src.labels).all():
+        i = int((got.labels != src.labels).argmax())
+        raise SourceError(f"convert: {what} read back with label {int(got.labels[i])} for {src.key(i)}, "
+                          f"the source has {int(src.labels[i])}; nothing was written")
+    if got.rejected:
+        raise SourceError(f"convert: {what} read back with {len(got.rejected)} record(s) left out "
+                          f"(first: {got.rejected[0]}); nothing was written")
+
+
+def folder_to_tar(folder, out_dir, samples_per_shard: int = 1000, progress: bool = False) -> Converted:
+    """Write ``shard-000000.tar`` ... with ``<key>.<ext>`` + ``<key>.cls`` per image (keys:
+    :func:`sample_keys`, e.g. ``<class>/<name>``), PAX format, and the class names in
+    ``_classes.txt``. Returns :class:`Converted`; raises :class:`ConfigError` when ``out_dir``
+    is not new or empty, :class:`SourceError` when the output does not read back as the source."""
     src = FolderSource(folder)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    write_class_names(out, src.classes)
-    shards: list[Path] = []
-    tf = None
-    with _progress(len(src), "tar shards", progress) as bar:
-        for i in range(len(src)):
-            if i % samples_per_shard == 0:
-                if tf is not None:
-                    tf.close()
-                shards.append(out / f"shard-{len(shards):06d}.tar")
-                tf = tarfile.open(shards[-1], "w", format=tarfile.USTAR_FORMAT)
-            rec = src.read(i)
-            rel = src.paths[i]
-            ext = os.path.splitext(rel)[1].lstrip(".").lower() or "jpg"
-            for name, data in ((f"{_stem(rel)}.{ext}", rec.payload), (f"{_stem(rel)}.cls", str(rec.label).encode())):
-                info = tarfile.TarInfo(name)
-                info.size = len(data)
-                tf.addfile(info, io.BytesIO(data))
-            bar.update(1)
-    if tf is not None:
-        tf.close()
-    return shards
+    rels = [src.paths[i] for i in range(len(src))]
+    keys = sample_keys(rels)
+    with _Staging(out_dir) as stage:
+        write_class_names(stage.dir, src.classes)
+        shards: list[Path] = []
+        tf = None
+        try:
+            with _progress(len(src), "tar shards", progress) as bar:
+                for i in range(len(src)):
+                    if i % samples_per_shard == 0:
+                        if tf is not None:
+                            tf.close()
+                        shards.append(stage.dir / f"shard-{len(shards):06d}.tar")
+                        tf = tarfile.open(shards[-1], "w", format=tarfile.PAX_FORMAT)
+                    rec = src.read(i)
+                    ext = os.path.splitext(rels[i])[1].lstrip(".").lower() or "jpg"
+                    for name, data in ((f"{keys[i]}.{ext}", rec.payload), (f"{keys[i]}.cls", str(rec.label).encode())):
+                        info = tarfile.TarInfo(name)
+                        info.size = len(data)
+                        tf.addfile(info, io.BytesIO(data))
+                    bar.update(1)
+        finally:
+            if tf is not None:
+                tf.close()
+        got = _open_quiet(TarShardSource, [str(s) for s in shards])
+        _verify(got, src, "the tar shards")
+        if not (got.sizes == src.sizes).all():
+            raise SourceError("convert: the tar shards read back with other sizes than the source's files; "
+                              "nothing was written")
+        return Converted(stage.commit(shards), len(got), src.rejected)
 
 
 def source_to_parquet(src: Source, out_dir, keys, rows_per_file: int = 1000, row_group_bytes: int = 8 << 20,
-                      progress: bool = False) -> list[Path]:
-    """Write ``part-000000.parquet`` ... with columns key, image (large_binary), label, format,
-    width, height (from the header; -1 when unreadable); row groups of about ``row_group_bytes``
-    of image data, uncompressed (JPEG bytes do not compress); the class names in ``_classes.txt``."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    write_class_names(out, list(getattr(src, "classes", [])))
-    files: list[Path] = []
-    with _progress(len(src), "parquet", progress) as bar:
-        for start in range(0, len(src), rows_per_file):
-            stop = min(len(src), start + rows_per_file)
-            recs = [src.read(i) for i in range(start, stop)]
-            heads = [_header(r.payload) for r in recs]
-            table = pa.table({"key": [keys(i) for i in range(start, stop)],
-                              "image": pa.array([bytes(r.payload) for r in recs], pa.large_binary()),
-                              "label": pa.array([r.label for r in recs], pa.int64()),
-                              "format": [h[0] for h in heads],
-                              "width": pa.array([h[1] for h in heads], pa.int32()),
-                              "height": pa.array([h[2] for h in heads], pa.int32())}, schema=PARQUET_SCHEMA)
-            mean = max(1, sum(len(r.payload) for r in recs) // len(recs))
-            path = out / f"part-{len(files):06d}.parquet"
-            pq.write_table(table, path, row_group_size=max(1, row_group_bytes // mean), compression="none")
-            files.append(path)
-            bar.update(stop - start)
-    return files
+                      progress: bool = False) -> Converted:
+    """Write ``part-000000.parquet`` ... with columns key (``keys[i]`` as text, see
+    :func:`text_key`), image (large_binary), label, format, width, height (from the header; -1
+    when unreadable); row groups of about ``row_group_bytes`` of image data, uncompressed (JPEG
+    bytes do not compress), in pages of about 1 MiB (what a reader holds at least, see
+    :mod:`feedgpu.sources.parquet`); the class names in ``_classes.txt``. Returns :class:`Converted`."""
+    if callable(keys):
+        keys = [keys(i) for i in range(len(src))]
+    with _Staging(out_dir) as stage:
+        write_class_names(stage.dir, list(getattr(src, "classes", [])))
+        files: list[Path] = []
+        with _progress(len(src), "parquet", progress) as bar:
+            for start in range(0, len(src), rows_per_file):
+                stop = min(len(src), start + rows_per_file)
+                recs = [src.read(i) for i in range(start, stop)]
+                heads = [_header(r.payload) for r in recs]
+                table = pa.table({"key": [text_key(keys[i]) for i in range(start, stop)],
+                                  "image": pa.array([bytes(r.payload) for r in recs], pa.large_binary()),
+                                  "label": pa.array([r.label for r in recs], pa.int64()),
+                                  "format": [h[0] for h in heads],
+                                  "width": pa.array([h[1] for h in heads], pa.int32()),
+                                  "height": pa.array([h[2] for h in heads], pa.int32())}, schema=PARQUET_SCHEMA)
+                mean = max(1, sum(len(r.payload) for r in recs) // len(recs))
+                path = stage.dir / f"part-{len(files):06d}.parquet"
+                # pages of ~1 MiB of images, no dictionary for them (image bytes never repeat): pyarrow
+                # otherwise puts up to 1024 values in a page, the unit a reader must hold whole
+                pq.write_table(table, path, row_group_size=max(1, row_group_bytes // mean), compression="none",
+                               use_dictionary=["key", "format"], data_page_size=1 << 20,
+                               write_batch_size=max(1, min(1024, (1 << 20) // mean)))
+                files.append(path)
+                bar.update(stop - start)
+        from .sources.parquet import ParquetSource
+
+        got = _open_quiet(ParquetSource, [str(f) for f in files])
+        _verify(got, src, "the Parquet files")
+        return Converted(stage.commit(files), len(got), src.rejected)
 
 
 def folder_to_parquet(folder, out_dir, rows_per_file: int = 1000, row_group_bytes: int = 8 << 20,
-                      progress: bool = False) -> list[Path]:
+                      progress: bool = False) -> Converted:
     src = FolderSource(folder)
-    return source_to_parquet(src, out_dir, lambda i: _stem(src.paths[i]), rows_per_file, row_group_bytes, progress)
+    keys = sample_keys([src.paths[i] for i in range(len(src))])
+    return source_to_parquet(src, out_dir, keys, rows_per_file, row_group_bytes, progress)
 
 
 def shards_to_parquet(shards, out_dir, rows_per_file: int = 1000, row_group_bytes: int = 8 << 20,
-                      progress: bool = False) -> list[Path]:
+                      progress: bool = False) -> Converted:
     src = TarShardSource(shards)
-    return source_to_parquet(src, out_dir, lambda i: _stem(src.members[i]), rows_per_file, row_group_bytes, progress)
+    keys = sample_keys([src.members[i] for i in range(len(src))])
+    return source_to_parquet(src, out_dir, keys, rows_per_file, row_group_bytes, progress)

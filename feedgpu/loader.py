@@ -236,6 +236,8 @@ class DataLoader(tud.DataLoader[T_co]):
         self._stats = LoaderStats()
         if n is None:  # ranks from torch.distributed: every rank must hold the same samples (or it hangs)
             self._sharded_order(collective=True)
+        if p is not None:  # samples the source left out while indexing, by reason (after the check above)
+            self._stats.add_index_skips(p.source)
         if self.pin_memory:
             import torch
 

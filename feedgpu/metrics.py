@@ -41,6 +41,7 @@ class LoaderStats:
         self.stage_s: Counter = Counter()
         self.skipped: Counter = Counter()
         self.skipped_keys: deque = deque(maxlen=keep)
+        self.index_skipped = 0
 
     def delivered(self, rows: int, waited_s: float) -> None:
         self.batches += 1
@@ -58,6 +59,16 @@ class LoaderStats:
         warnings.warn(f"feedgpu skipped {key}: {reason}" + (f" ({detail})" if detail else ""),
                       SkippedSampleWarning, stacklevel=4)
 
+    def add_index_skips(self, source) -> None:
+        """Count the records ``source`` left out while indexing (its ``rejected``: ``[(key,
+        reason)]``) as skipped, once per loader (the source warned about each already, so no
+        warning here); ``as_dict()["skipped_while_indexing"]`` holds their number."""
+        rejected = list(getattr(source, "rejected", ()) or ())
+        for key, reason in rejected:
+            self.skipped[reason] += 1
+            self.skipped_keys.append((key, reason))
+        self.index_skipped += len(rejected)
+
     def as_dict(self) -> dict:
         elapsed = time.perf_counter() - self.started
         return {
@@ -70,6 +81,7 @@ class LoaderStats:
             "skipped": dict(self.skipped),
             "skipped_total": sum(self.skipped.values()),
             "skipped_keys": list(self.skipped_keys),
+            "skipped_while_indexing": self.index_skipped,
         }
 
 

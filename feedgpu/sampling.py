@@ -167,10 +167,16 @@ class EpochShard:
         """``k`` replacement indices for samples of batch ``b`` that get skipped: drawn from this
         rank's whole-epoch shard with ``default_rng([seed, epoch, rank, position, 1])`` (the
         position where the batch starts), so they are the same however many workers run and
-        after a resume on the same world size. A replacement repeats a sample of the epoch."""
+        after a resume on the same world size. A replacement repeats a sample of the epoch. The
+        first ``min(k, shard size)`` are distinct samples, so a small dataset's good samples are
+        all among a batch's spares rather than one bad sample drawn again and again."""
         o = self.order
         if self._full is None:
             self._full = EpochShard(o, self.epoch, 0).indices
         pos = self.start + (b - self.first) * o.world_size * o.batch_size
         rng = np.random.default_rng([o.seed & _SEED_MASK, int(self.epoch), o.rank, int(pos), 1])
-        return self._full[rng.integers(0, len(self._full), size=k)]
+        m = len(self._full)
+        pick = rng.choice(m, size=min(k, m), replace=False)
+        if k > m:
+            pick = np.concatenate([pick, rng.integers(0, m, size=k - m)])
+        return self._full[pick]

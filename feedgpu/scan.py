@@ -3,8 +3,9 @@
 :func:`scan_source` runs the real :class:`~feedgpu.stages.Decode` stage (header checks, the
 pixel limit, then every pixel) on each sample, in forked worker processes, and returns a
 :class:`ScanReport`: the bad samples by reason, each named as the loader names it (a path,
-``shard.tar:member`` or ``file.parquet#row``). Samples left out while indexing (for example
-zero-byte files) are listed too, with index -1.
+``shard.tar:member`` or ``file.parquet#row``). Records the source left out while indexing
+(zero-byte files, missing or invalid labels, duplicate tar keys, truncated shards, dangling links:
+:attr:`~feedgpu.sources.base.Source.rejected`) are listed too, with index -1.
 
 A report can be written as a quarantine file (:meth:`ScanReport.write_quarantine`, JSON) and
 added to a pipeline's cache entry (:func:`quarantine_in_cache`): the loader then skips those
@@ -91,8 +92,11 @@ class ScanReport:
 
 
 def guess_format(path: str | os.PathLike) -> str:
-    """``tar`` for a ``.tar`` file or a directory holding some, ``parquet`` likewise, else
-    ``folder``. Raises :class:`ConfigError` when ``path`` does not exist."""
+    """The format of ``path``: ``tar`` / ``parquet`` for such a file; for a directory ``folder``
+    when it holds sub-folders (ImageFolder) or image files (a flat folder: every image is read,
+    unlabeled), else ``tar`` or ``parquet`` when it holds such files. So one ``.tar`` among the
+    images or class folders of a download does not turn a scan into a scan of that file only.
+    Raises :class:`ConfigError` when ``path`` does not exist."""
     p = Path(path)
     if p.is_file():
         if p.suffix == ".tar":
@@ -102,11 +106,25 @@ def guess_format(path: str | os.PathLike) -> str:
         raise ConfigError(f"{path}: give a directory, a .tar shard or a .parquet file (or --format)")
     if not p.is_dir():
         raise ConfigError(f"{path}: no such file or directory")
+    from .sources.folder import IMAGE_EXTENSIONS
+
+    visible = [e for e in p.iterdir() if not e.name.startswith(".")]
+    if any(e.is_dir() for e in visible) or any(e.name.lower().endswith(IMAGE_EXTENSIONS) for e in visible):
+        return "folder"
     if any(p.glob("*.tar")):
         return "tar"
     if any(p.glob("*.parquet")):
         return "parquet"
     return "folder"
+
+
+def _open_folder(data):
+    """A folder with class sub-folders as ImageFolder, else (a flat folder) every image in it."""
+    from .sources.folder import FolderSource, _is_dir, _list
+
+    if any(_is_dir(e) and not e.name.startswith(".") for e in _list(str(data))):
+        return FolderSource(data)
+    return FolderSource(data, flat=True)
 
 
 def check_one(source: Source, decode: Decode, index: int) -> BadSample | None:
@@ -150,7 +168,8 @@ def scan_source(source: Source, decode: Decode | None = None, workers: int | Non
     workers = (os.cpu_count() or 1) if workers is None else int(workers)
     n = len(source)
     t0 = time.perf_counter()
-    bad = [BadSample(-1, key, reason) for key, reason in source.rejected]
+    details = getattr(source, "rejected_details", {})
+    bad = [BadSample(-1, key, reason, details.get(key, "")) for key, reason in source.rejected]
     spans = [(lo, min(n, lo + chunk)) for lo in range(0, n, chunk)]
     bar = None
     if progress:
@@ -210,7 +229,8 @@ def open_for_scan(data: str, fmt: str | None = None, overrides: dict | None = No
             raise ConfigError("--set applies to a pipeline file; give DATA as a .yaml pipeline")
         with warnings.catch_warnings():  # samples left out while indexing are in the report
             warnings.simplefilter("ignore")
-            source = open_source(fmt or guess_format(data), data)
+            fmt = fmt or guess_format(data)
+            source = _open_folder(data) if fmt == "folder" and os.path.isdir(data) else open_source(fmt, data)
         decode = Decode()
     if max_pixels is not None:
         decode = Decode(decode.exif_orientation, max_pixels, decode.background)

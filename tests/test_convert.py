@@ -127,7 +127,8 @@ def test_hard_cases_are_converted_as_they_are(cases_datasets, tmp_path):
     assert [Path(k).name for k, _ in folder.rejected] == ["empty.jpg"]
     with pytest.warns(UserWarning, match="empty.jpg while indexing: empty"):
         res = cli("convert", cases_datasets["folder"], tmp_path / "pq")
-    assert res.exit_code == 0, res.output
+    # exit 1: written, but a record of the source is left out (named, with its reason)
+    assert res.exit_code == 1 and "left out 1 record(s)" in res.output and "empty.jpg" in res.output, res.output
     pqsrc = ParquetSource(tmp_path / "pq")
     assert records(pqsrc) == records(folder)
     t = pq.read_table(tmp_path / "pq").to_pydict()
@@ -142,7 +143,7 @@ def test_hard_cases_are_converted_as_they_are(cases_datasets, tmp_path):
     assert fmt["truncated_half"][0] == "JPEG"  # the header is intact; decoding fails later
     with pytest.warns(UserWarning, match="empty.jpg while indexing: empty"):
         res = cli("convert", cases_datasets["folder"], tmp_path / "tar", "--to", "tar")
-    assert res.exit_code == 0, res.output
+    assert res.exit_code == 1 and "empty: 1" in res.output, res.output
     assert records(TarShardSource(tmp_path / "tar")) == records(folder)
 
 

@@ -40,8 +40,7 @@ def hostile_tar(tmp_path) -> Path:
     path = shard_dir / "evil-000000.tar"
     # latin-1 member names: b"caf\xe9" is not UTF-8
     with tarfile.open(path, "w", format=tarfile.GNU_FORMAT, encoding="latin-1") as tf:
-        _add(tf, "good.jpg", JPEG)
-        _add(tf, "good.cls", b"0")
+        _add(tf, "good.jpg", JPEG)   # no labels: an unlabeled shard (one .cls would make the others "missing label")
         _add(tf, "../../escape.jpg", JPEG)
         _add(tf, "/tmp/feedgpu-abs-escape.jpg", PNG)
         _add(tf, "link.jpg", type=tarfile.SYMTYPE, linkname="/etc/passwd")
@@ -68,10 +67,10 @@ def test_tar_members_are_keys_never_paths(hostile_tar, tmp_path, monkeypatch):
     members = sorted(src.members[i] for i in range(len(src)))
     assert members == sorted(["good.jpg", "../../escape.jpg", "/tmp/feedgpu-abs-escape.jpg", "caf\udce9.jpg",
                               "dir/with space/and  two.dots.jpg"])
-    # links (and fifos, directories) are left out, named, never followed
+    # links and fifos are left out, named, never followed (directories are not records)
     left_out = {k.rsplit(":", 1)[1]: r for k, r in src.rejected}
     assert left_out == {"link.jpg": "link member, not followed", "rel_link.png": "link member, not followed",
-                        "hard.jpg": "link member, not followed"}
+                        "hard.jpg": "link member, not followed", "fifo.jpg": "not a regular file"}
     assert sum("link member" in str(w.message) for w in caught) == 3
     # reading gives the member's own bytes, through pread on the shard
     by_name = {src.members[i]: i for i in range(len(src))}
@@ -83,7 +82,8 @@ def test_tar_members_are_keys_never_paths(hostile_tar, tmp_path, monkeypatch):
                  device="cpu")
     loader = DataLoader(p, timeout=60)
     rows = sum(len(b.labels) for b in loader)
-    assert rows == 5 and loader.stats()["skipped_total"] == 0
+    st = loader.stats()
+    assert rows == 5 and st["skipped_total"] == st["skipped_while_indexing"] == len(src.rejected)
     loader.shutdown()
     # nothing was written next to, above or outside the dataset
     assert _tree(tmp_path) == before
@@ -94,8 +94,8 @@ def test_scan_reports_odd_member_names(hostile_tar):
     r = CliRunner().invoke(cli, ["scan", str(hostile_tar.parent), "--json", "-", "--workers", "0"])
     assert r.exit_code == 1, r.output  # the links are reported
     d = json.loads(r.output)
-    assert d["samples"] == 5 and d["by_reason"] == {"link member, not followed": 3}
-    assert sorted(b["key"].rsplit(":", 1)[1] for b in d["bad"]) == ["hard.jpg", "link.jpg", "rel_link.png"]
+    assert d["samples"] == 5 and d["by_reason"] == {"link member, not followed": 3, "not a regular file": 1}
+    assert sorted(b["key"].rsplit(":", 1)[1] for b in d["bad"]) == ["fifo.jpg", "hard.jpg", "link.jpg", "rel_link.png"]
 
 
 def test_yaml_loads_plain_data_only(tmp_path):

@@ -144,27 +144,31 @@ def test_tar_rejects_empty_members_while_indexing(tmp_path):
     shard = tmp_path / "s.tar"
     with tarfile.open(shard, "w") as tf:
         for name, data in (("k1.jpg", _jpeg(1)), ("k1.cls", b"3"), ("k2.jpg", b""), ("k2.cls", b"1"),
-                           ("k3.png", _jpeg(3)), ("k4.cls", b"0"), ("../evil.jpg", _jpeg(4))):
+                           ("k3.png", _jpeg(3)), ("k4.cls", b"0"), ("../evil.jpg", _jpeg(4)), ("../evil.cls", b"2")):
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tf.addfile(info, io.BytesIO(data))
     with pytest.warns(UserWarning, match=r"k2\.jpg.*empty"):
         src = TarShardSource(shard)
-    assert src.rejected == [(f"{shard}:k2.jpg", "empty")]
-    assert [src.key(i) for i in range(len(src))] == [f"{shard}:k1.jpg", f"{shard}:k3.png", f"{shard}:../evil.jpg"]
-    assert src.labels.tolist() == [3, -1, -1]  # k4 has a label but no image: not a sample
+    # k3 has no label in a labelled shard, k4 a label but no image: both named, never a -1
+    assert src.rejected == [(f"{shard}:k2.jpg", "empty"), (f"{shard}:k4.cls", "no image"),
+                            (f"{shard}:k3.png", "missing label")]
+    assert [src.key(i) for i in range(len(src))] == [f"{shard}:k1.jpg", f"{shard}:../evil.jpg"]
+    assert src.labels.tolist() == [3, 2]
     assert bytes(src.read(0).payload) == _jpeg(1)
-    assert bytes(src.read(2).payload) == _jpeg(4)
+    assert bytes(src.read(1).payload) == _jpeg(4)
     assert not (tmp_path.parent / "evil.jpg").exists()  # member names are keys, never paths
 
 
 def test_parquet_null_and_empty_images_are_read_as_empty(tmp_path):
     path = tmp_path / "t.parquet"
-    pq.write_table(pa.table({"image": pa.array([_jpeg(1), b"", None], pa.binary()),
-                             "label": pa.array([1, 2, None], pa.int32())}), path)
-    src = ParquetSource(path)
+    pq.write_table(pa.table({"image": pa.array([_jpeg(1), b"", None, _jpeg(2)], pa.binary()),
+                             "label": pa.array([1, 2, 0, None], pa.int32())}), path)
+    with pytest.warns(UserWarning, match=r"t\.parquet#3 while indexing: missing label"):
+        src = ParquetSource(path)
     assert len(src) == 3
-    assert src.labels.tolist() == [1, 2, -1]
+    assert src.labels.tolist() == [1, 2, 0]  # the null label is left out, never a -1
+    assert src.rejected == [(f"{path}#3", "missing label")]
     assert bytes(src.read(0).payload) == _jpeg(1)
     assert len(src.read(1).payload) == 0 and len(src.read(2).payload) == 0
 

@@ -172,7 +172,17 @@ def clear_cmd(fingerprint, cache_dir, yes) -> None:
 @click.option("--to", "fmt", type=click.Choice(["parquet", "tar"]), default="parquet", show_default=True)
 @click.option("--per-file", type=int, default=1000, show_default=True, help="Samples per output file.")
 def convert(src, out, fmt, per_file) -> None:
-    """Turn an ImageFolder directory SRC (or tar shards) into Parquet files or tar shards in OUT."""
+    """Turn an ImageFolder directory SRC (or tar shards) into Parquet files or tar shards in OUT.
+
+    OUT must be new or empty; it appears only once everything is written and read back. Every
+    record of SRC is written with its label, or listed as left out with the reason (records the
+    source cannot index, such as empty files).
+
+    Exit status: 0 when every record was converted, 1 when some were left out (listed), 2 on an
+    error (nothing is written then).
+    """
+    import sys
+
     from ..convert import folder_to_parquet, folder_to_tar, shards_to_parquet
 
     src_path = Path(src)
@@ -185,4 +195,16 @@ def convert(src, out, fmt, per_file) -> None:
         files = folder_to_parquet(src, out, rows_per_file=per_file, progress=True)
     else:
         files = folder_to_tar(src, out, samples_per_shard=per_file, progress=True)
-    click.echo(f"wrote {len(files)} {fmt} file(s) to {out}")
+    click.echo(f"wrote {len(files)} {fmt} file(s) to {out}: {files.samples} samples, read back with their labels")
+    if files.left_out:
+        by_reason: dict = {}
+        for key, reason in files.left_out:
+            by_reason.setdefault(reason, []).append(key)
+        click.echo(f"left out {len(files.left_out)} record(s) of the source:")
+        for reason, keys in by_reason.items():
+            click.echo(f"  {reason}: {len(keys)}")
+            for k in keys[:20]:
+                click.echo(f"    {k}")
+            if len(keys) > 20:
+                click.echo(f"    ... and {len(keys) - 20} more")
+        sys.exit(1)

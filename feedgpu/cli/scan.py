@@ -35,14 +35,19 @@ def scan(data, fmt, sets, workers, max_pixels, json_out, quarantine, to_cache, c
     file, or a pipeline YAML file (its source and decode stage are used). Each bad sample is
     named as the loader names it: a path, shard.tar:member, or file.parquet#row.
 
-    Exit status: 0 when every sample decodes, 1 when bad samples were found, 2 on an error
-    (bad arguments, unreadable dataset).
+    Exit status: 0 when every sample decodes, 1 when bad samples were found (records the source
+    left out while indexing count: missing labels, truncated shards ...), 2 on an error (bad
+    arguments, a dataset that cannot be opened); errors are one line on stderr, never a traceback.
     """
     from ..scan import open_for_scan, quarantine_in_cache, scan_source
     from .main import _parse_sets
 
     overrides = _parse_sets(sets)
-    source, decode, pipeline = open_for_scan(data, fmt, overrides, max_pixels)
+    try:
+        source, decode, pipeline = open_for_scan(data, fmt, overrides, max_pixels)
+    except OSError as e:   # feedgpu's own errors exit 2 in the command group
+        click.echo(f"error: cannot open {data}: {e}", err=True)
+        sys.exit(2)
     if to_cache and pipeline is None:
         raise click.UsageError("--to-cache needs DATA to be a pipeline file (the cache key depends on its stages)")
     report = scan_source(source, decode, workers=workers, progress=sys.stderr.isatty() if progress is None else progress)

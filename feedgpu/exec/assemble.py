@@ -32,26 +32,36 @@ class BatchReport:
 class Spares:
     """Replaces bad samples of one batch: ``run(fn, idx)`` returns ``fn(idx)``; when it raises
     :class:`SampleError` the sample is recorded in ``skipped`` (``on_error="skip"``) and the next
-    spare index is tried, or the error is raised (``on_error="raise"``). Raises
-    :class:`SkipBudgetExceeded` when the spares run out."""
+    spare index is tried, or the error is raised (``on_error="raise"``). A bad sample is recorded
+    once per batch, however often it comes up (as a sample and as spares, or as several spares),
+    and is not read again in the batch. Raises :class:`SkipBudgetExceeded` when the spares run
+    out; its message counts distinct bad samples."""
 
     def __init__(self, spares: np.ndarray, on_error: str, skipped: list, batch_len: int):
         self._it = iter(spares.tolist())
         self.n, self.on_error, self.skipped, self.batch_len = len(spares), on_error, skipped, batch_len
+        self._bad: set[int] = set()       # indices found bad in this batch
+        self._keys: set[str] = set()      # their keys, recorded once
 
     def run(self, fn, idx: int):
+        last = None
         while True:
-            try:
-                return fn(idx)
-            except SampleError as e:
-                if self.on_error == "raise":
-                    raise
-                self.skipped.append((e.key, e.reason, e.detail))
-                idx = next(self._it, None)
-                if idx is None:
-                    raise SkipBudgetExceeded(
-                        f"{len(self.skipped)} bad samples in one batch of {self.batch_len} used up its "
-                        f"{self.n} spares; last: {e}") from None
+            if idx not in self._bad:
+                try:
+                    return fn(idx)
+                except SampleError as e:
+                    if self.on_error == "raise":
+                        raise
+                    self._bad.add(idx)
+                    last = e
+                    if e.key not in self._keys:
+                        self._keys.add(e.key)
+                        self.skipped.append((e.key, e.reason, e.detail))
+            idx = next(self._it, None)
+            if idx is None:
+                raise SkipBudgetExceeded(
+                    f"{len(self._keys)} bad sample(s) in one batch of {self.batch_len} used up its "
+                    f"{self.n} spares; last: {last or 'a sample found bad earlier in the batch'}") from None
 
 
 class Assembler:

@@ -95,7 +95,14 @@ class Source:
     Attributes:
         labels: int64 array, one label per sample (-1 if unknown).
         classes: class names, index = label.
-        rejected: ``[(key, reason)]`` of samples excluded while indexing (for example empty files).
+        rejected: ``[(key, reason)]`` of records left out while indexing (for example empty
+            files), each named; :attr:`index_skips` groups them by reason.
+        rejected_details: ``{key: detail}`` for the rejected records that have a longer message.
+
+    The conservation rule every source holds: each record is in the index exactly once, with the
+    label the data gives it, or it is in :attr:`rejected` under a reason, named (a path,
+    ``shard.tar:member`` or ``file.parquet#row``). A label that is missing or invalid is a
+    rejected record, never a value.
     """
 
     format: str = "base"
@@ -104,6 +111,22 @@ class Source:
 
     def __init__(self) -> None:
         self.rejected: list[tuple[str, str]] = []
+        self.rejected_details: dict[str, str] = {}
+
+    def reject(self, key: str, reason: str, detail: str = "") -> None:
+        """Record a record left out while indexing (see :attr:`rejected`)."""
+        self.rejected.append((key, reason))
+        if detail:
+            self.rejected_details[key] = detail
+
+    @property
+    def index_skips(self) -> dict[str, list[str]]:
+        """``{reason: [key, ...]}`` of the records left out while indexing, in index order: what a
+        loader adds to its ``stats()["skipped"]`` counts (one per record, once per source)."""
+        out: dict[str, list[str]] = {}
+        for key, reason in self.rejected:
+            out.setdefault(reason, []).append(key)
+        return out
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -129,10 +152,21 @@ class Source:
     def _digest(self, h) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def _warn_rejected(self) -> None:
-        """One warning per sample left out while indexing."""
-        for key, reason in self.rejected:
-            warnings.warn(f"feedgpu: skipped {key} while indexing: {reason}", stacklevel=3)
+    def _warn_rejected(self, listed: int = 20) -> None:
+        """One warning per record left out while indexing, for the first ``listed``; then one
+        warning with the count of the rest by reason (:attr:`rejected` names them all)."""
+        for key, reason in self.rejected[:listed]:
+            detail = self.rejected_details.get(key)
+            warnings.warn(f"feedgpu: skipped {key} while indexing: {reason}" + (f" ({detail})" if detail else ""),
+                          stacklevel=3)
+        rest = self.rejected[listed:]
+        if rest:
+            counts: dict[str, int] = {}
+            for _, reason in rest:
+                counts[reason] = counts.get(reason, 0) + 1
+            warnings.warn(f"feedgpu: skipped {len(rest)} more records while indexing ("
+                          + ", ".join(f"{r}: {c}" for r, c in counts.items())
+                          + "); source.rejected lists them all, `feedgpu scan` reports them", stacklevel=3)
 
     def describe(self) -> str:
         return f"{self.format} source, {len(self)} samples, {len(self.classes)} classes"

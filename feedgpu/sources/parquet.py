@@ -4,6 +4,16 @@ The index is three arrays (file id, row group, row within the group). Reads go b
 through a small per-process LRU cache, so a batch that touches a row group reads it once.
 Shuffled access over a dataset much larger than the cache reads each row group often: write
 such datasets with small row groups (``feedgpu convert`` uses ~8 MiB).
+
+Memory: a row group whose image column is over ``max(1 MiB, cache_bytes / 4)`` (uncompressed, from
+the file's metadata) is read in slices of that size (``iter_batches``: later slices of one group
+continue the same reader, an earlier one restarts it), so a process holds about ``cache_bytes``
+plus one slice and one Parquet page for a source, whatever the row-group size (a page is read
+whole: pyarrow writes up to 1024 values to a page unless told otherwise, so 1024 images of 2 MB
+make one 2 GB page; ``feedgpu convert`` writes pages of ~1 MiB). Shuffled reads
+of such groups cost a re-read from the group's start per slice missed. A ``binary`` column of
+more than 2 GiB comes from Arrow as several chunks, read as they are (joining them would overflow
+``binary``'s 32-bit offsets); ``large_binary`` columns are read the same way.
 """
 from __future__ import annotations
 
@@ -19,6 +29,24 @@ import pyarrow.parquet as pq
 from ..errors import SourceError
 from .base import Record, Source, class_names, expand_paths
 
+_NULL = np.iinfo(np.int64).min   # a null label while indexing
+
+
+class _Chunks:
+    """A row group's image column as Arrow gives it: one array, or several chunks (a ``binary``
+    column over 2 GiB); ``[r]`` finds row ``r`` without joining the chunks."""
+
+    __slots__ = ("chunks", "starts", "nbytes")
+
+    def __init__(self, col: pa.ChunkedArray):
+        self.chunks = [c for c in col.chunks if len(c)] or [pa.array([], col.type)]
+        self.starts = np.cumsum([0] + [len(c) for c in self.chunks[:-1]], dtype=np.int64)
+        self.nbytes = col.nbytes
+
+    def __getitem__(self, r: int):
+        k = int(np.searchsorted(self.starts, r, side="right")) - 1 if len(self.chunks) > 1 else 0
+        return self.chunks[k][r - int(self.starts[k])]
+
 
 class ParquetSource(Source):
     """Samples from Parquet files.
@@ -29,8 +57,12 @@ class ParquetSource(Source):
         label_column: integer column (default ``"label"``); ``None`` for unlabeled data (-1).
         cache_bytes: bytes of decoded row groups kept per process (default 256 MiB).
 
-    Raises :class:`SourceError` when a file or column is missing or has the wrong type.
-    Null or zero-length images are reported when read (reason ``"empty"``).
+    Raises :class:`SourceError` when a file or column is missing or has the wrong type, or no
+    row is left. Null or zero-length images are reported when read (reason ``"empty"``). Labels
+    are read while indexing: a null label is left out with reason ``"missing label"``, a label
+    below -1 with ``"bad label"``; -1 is the documented "no label" value, kept only in a source
+    where no row has a label (an unlabeled source), else left out as ``"missing label"`` too.
+    Rows left out are in :attr:`rejected`, named ``file.parquet#row``.
     """
 
     format = "parquet"
@@ -70,22 +102,38 @@ class ParquetSource(Source):
                 n = pf.metadata.row_group(rg).num_rows
                 # Only labels are read here: image bytes stay on disk, so an empty image is
                 # found when it is read (reason "empty"), not while indexing.
-                lab = (np.asarray(pc.fill_null(pf.read_row_group(rg, columns=[label_column])
-                                               .column(0), -1), dtype=np.int64)
-                       if label_column else np.full(n, -1, np.int64))
+                if label_column:
+                    col = pf.read_row_group(rg, columns=[label_column]).column(0)
+                    lab = np.asarray(pc.fill_null(col.cast(pa.int64()), _NULL), dtype=np.int64)
+                else:
+                    lab = np.full(n, -1, np.int64)
                 fids.append(np.full(n, fid, np.int32))
                 rgs.append(np.full(n, rg, np.int32))
                 rows.append(np.arange(n, dtype=np.int32))
                 labels.append(lab)
-        self.file_ids = np.concatenate(fids)
-        self.row_groups = np.concatenate(rgs)
-        self.rows = np.concatenate(rows)
-        self.labels = np.concatenate(labels)
+        file_ids = np.concatenate(fids) if fids else np.zeros(0, np.int32)
+        row_groups = np.concatenate(rgs) if rgs else np.zeros(0, np.int32)
+        rows_ = np.concatenate(rows) if rows else np.zeros(0, np.int32)
+        labels_ = np.concatenate(labels) if labels else np.zeros(0, np.int64)
+        labeled = bool((labels_ >= 0).any())
+        bad = (labels_ == _NULL) | (labels_ < -1) | ((labels_ == -1) & labeled)
+        self.file_ids, self.row_groups, self.rows = file_ids, row_groups, rows_
+        for i in np.flatnonzero(bad).tolist():
+            v = int(labels_[i])
+            reason = "bad label" if _NULL < v < -1 else "missing label"
+            self.reject(self.key(i), reason, "null label" if v == _NULL else f"label {v}")
+        keep = ~bad
+        self.file_ids, self.row_groups, self.rows = file_ids[keep], row_groups[keep], rows_[keep]
+        self.labels = labels_[keep]
+        self._warn_rejected()
         if len(self.labels) == 0:
-            raise SourceError(f"parquet source: no non-empty images in {len(self.files)} file(s)")
+            raise SourceError(f"parquet source: no rows left in {len(self.files)} file(s)"
+                              + (f" ({len(self.rejected)} left out while indexing)" if self.rejected else ""))
         self.classes = class_names(self.files[0], self.labels)
-        self._cache: OrderedDict = OrderedDict()
+        self._cache: OrderedDict = OrderedDict()   # (file, row group, slice or -1) -> _Chunks
         self._cached = 0
+        self._slicing: dict = {}                    # (file, row group) -> rows per slice (0: whole)
+        self._live = None                           # the reader of the row group being sliced
         self._files: dict = {}
         self._pid = os.getpid()
         self._lock = threading.Lock()
@@ -93,7 +141,7 @@ class ParquetSource(Source):
     def __getstate__(self) -> dict:
         """Pickled (to a Ray worker) without this process's open files, cached row groups and lock."""
         state = self.__dict__.copy()
-        state.update(_cache=OrderedDict(), _cached=0, _files={}, _pid=None, _lock=None)
+        state.update(_cache=OrderedDict(), _cached=0, _files={}, _pid=None, _lock=None, _live=None)
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -105,22 +153,65 @@ class ParquetSource(Source):
         fid, rg, r = int(self.file_ids[index]), int(self.row_groups[index]), int(self.rows[index])
         return f"{self.files[fid]}#{int(self._rg_starts[fid][rg]) + r}"
 
-    def _group(self, fid: int, rg: int) -> pa.Array:
+    def _rows_of(self, fid: int, rg: int, r: int):
+        """``(column part, row in it)`` for row ``r`` of row group ``rg``."""
         with self._lock:  # the DALI engine reads from a helper thread too
-            return self._group_locked(fid, rg)
+            if self._pid != os.getpid():
+                self._cache, self._cached, self._files, self._pid = OrderedDict(), 0, {}, os.getpid()
+                self._live = None
+            pf = self._files.get(fid)
+            if pf is None:
+                pf = self._files[fid] = pq.ParquetFile(self.files[fid], memory_map=True)
+            k = self._slice_rows(pf, fid, rg)
+            if k == 0:
+                return self._cached_part((fid, rg, -1), lambda: pf.read_row_group(rg, columns=[self.image_column])
+                                         .column(0)), r
+            s, at = divmod(r, k)
+            return self._cached_part((fid, rg, s), lambda: self._read_slice(pf, fid, rg, s, k)), at
 
-    def _group_locked(self, fid: int, rg: int) -> pa.Array:
-        if self._pid != os.getpid():
-            self._cache, self._cached, self._files, self._pid = OrderedDict(), 0, {}, os.getpid()
-        hit = self._cache.get((fid, rg))
+    def _slice_rows(self, pf, fid: int, rg: int) -> int:
+        """Rows per slice of a row group whose image column is over the slice budget
+        (``max(1 MiB, cache_bytes // 4)``, uncompressed, from the file's metadata), else 0 (read
+        whole)."""
+        key = (fid, rg)
+        k = self._slicing.get(key)
+        if k is None:
+            md = pf.metadata.row_group(rg)
+            size = next((md.column(j).total_uncompressed_size for j in range(md.num_columns)
+                         if md.column(j).path_in_schema == self.image_column), 0)
+            budget = max(1 << 20, self.cache_bytes // 4)
+            k = 0 if size <= budget else max(1, int(md.num_rows * budget // size))
+            self._slicing[key] = k
+        return k
+
+    def _read_slice(self, pf, fid: int, rg: int, s: int, k: int):
+        """Rows ``[s*k, (s+1)*k)`` of the row group, streamed with ``iter_batches`` (one live
+        reader per process: later slices of the same group continue it, an earlier one restarts)."""
+        live = self._live
+        if live is None or live[0] != (fid, rg) or live[2] > s:
+            live = [(fid, rg), pf.iter_batches(batch_size=k, row_groups=[rg], columns=[self.image_column],
+                                               use_threads=False), 0]
+        self._live = live
+        for batch in live[1]:
+            at = live[2]
+            live[2] += 1
+            if at == s:
+                n = pf.metadata.row_group(rg).num_rows
+                if len(batch) != min(k, n - s * k):   # not the slices asked for: read the group whole
+                    self._slicing[(fid, rg)] = 0
+                    self._live = None
+                    whole = pf.read_row_group(rg, columns=[self.image_column]).column(0)
+                    return whole.slice(s * k, k)
+                return pa.chunked_array([batch.column(0)])
+        raise SourceError(f"parquet source: {self.files[fid]} row group {rg} ended before slice {s}")
+
+    def _cached_part(self, key, read):
+        hit = self._cache.get(key)
         if hit is not None:
-            self._cache.move_to_end((fid, rg))
+            self._cache.move_to_end(key)
             return hit
-        pf = self._files.get(fid)
-        if pf is None:
-            pf = self._files[fid] = pq.ParquetFile(self.files[fid], memory_map=True)
-        col = pf.read_row_group(rg, columns=[self.image_column]).column(0).combine_chunks()
-        self._cache[(fid, rg)] = col
+        col = _Chunks(read())
+        self._cache[key] = col
         self._cached += col.nbytes
         while self._cached > self.cache_bytes and len(self._cache) > 1:
             _, old = self._cache.popitem(last=False)
@@ -129,7 +220,8 @@ class ParquetSource(Source):
 
     def read(self, index: int) -> Record:
         fid, rg, r = int(self.file_ids[index]), int(self.row_groups[index]), int(self.rows[index])
-        value = self._group(fid, rg)[r]
+        part, at = self._rows_of(fid, rg, r)
+        value = part[at]
         data = memoryview(value.as_buffer()) if value.is_valid else b""
         return Record(data, int(self.labels[index]), self.key(index))
 

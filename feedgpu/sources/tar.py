@@ -4,13 +4,46 @@ Shards are indexed once (member headers only) into arrays of shard id, byte offs
 samples are then read with ``os.pread`` straight from the shard, so nothing is ever extracted:
 member names with absolute paths or ``..`` are only keys, never file-system paths. Symbolic and
 hard link members are left out while indexing (reason ``"link member, not followed"``), so a
-link never makes feedgpu read another member or a file outside the shard. Member names that are
+link never makes feedgpu read another member or a file outside the shard; FIFO and device
+entries likewise (``"not a regular file"``). Member names that are
 not UTF-8 are kept byte-exact (surrogate escapes) in keys.
+
+The key rule. Members are grouped as WebDataset groups them (``webdataset.tariterators.
+base_plus_ext``): the group key is the member name up to the first dot of its base name, the
+rest is the member's *field* (lower-cased), so ``a/img.v2.0001.jpg`` is key ``a/img``, field
+``v2.0001.jpg``. A field whose last part is an image extension is an image; its *qualifier* is
+the part before (``""`` for ``jpg``, ``"v2.0001"`` for ``v2.0001.jpg``). A label field is
+``cls``, ``label`` or ``cls.txt``, with a qualifier in front the same way (``v2.0001.cls``).
+Each image of a group is one sample, labelled by the label with its own qualifier, else by the
+group's unqualified label. So shards written the WebDataset way (``img_0001.jpg`` +
+``img_0001.cls``) and shards whose names keep dots (``img.v2.0001.jpg`` + ``img.v2.0001.cls``)
+read the same. :func:`feedgpu.convert.folder_to_tar` writes keys without dots, which every
+WebDataset reader groups the same way.
+
+Records that cannot be delivered are left out while indexing, each named in
+:attr:`~feedgpu.sources.base.Source.rejected` (``shard.tar:member``) with its reason:
+
+* ``"duplicate key"``: two images of one qualifier in a group (``x.jpg`` and ``x.png``, or one
+  name twice), or two labels for one image: every image of that key is left out (which label is
+  meant cannot be told);
+* ``"extra image in sample"``: a qualified image (``x.seg.png``) beside the group's own ``x.jpg``
+  with no label of its own: a second field of the WebDataset sample, not a sample;
+* ``"missing label"``: an image with no label, in a source where other samples have labels (a
+  source with no label member at all is unlabeled: every label is -1);
+* ``"bad label"``: a label that is not a non-negative integer; ``"no image"``: a group, or a
+  qualified label, without an image; ``"empty"``: a zero-byte image; ``"no key"``: an image
+  whose base name starts with a dot (``.x.jpg``), which has no WebDataset key;
+* ``"truncated"``: an image (or its label) whose data the shard's end cuts; ``"truncated
+  shard"``: a shard that ends inside a header, inside member data or without its end-of-archive
+  marker (the samples after the cut are lost: the entry names the shard and the byte);
+  ``"corrupt shard"``: an unreadable header in the middle of a shard (indexing stops there), or
+  data after its end-of-archive marker (``cat a.tar b.tar``: the second archive is not indexed).
 """
 from __future__ import annotations
 
 import os
 import tarfile
+from typing import NamedTuple
 
 import numpy as np
 
@@ -18,27 +51,53 @@ from ..errors import SourceError
 from .base import Record, Source, StringTable, class_names, expand_paths
 
 IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "tif", "tiff", "gif")
-LABEL_SUFFIXES = ("cls", "label", "cls.txt")
+LABEL_SUFFIXES = ("cls.txt", "cls", "label")
+_COMPRESSED = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00", b"\x28\xb5\x2f\xfd")
+_LABEL_BYTES = 64
 
 
-def _split_member(name: str) -> tuple[str, str]:
-    """WebDataset's rule: the key is the path up to the first dot of the base name."""
-    head, _, base = name.rpartition("/")
-    stem, dot, ext = base.partition(".")
-    return (f"{head}/{stem}" if head else stem), ext.lower()
+def split_member(name: str) -> tuple[str | None, str]:
+    """WebDataset's rule: ``(key, field)`` with the key up to the first dot of the base name and
+    the field after it, lower-cased; ``(None, "")`` for a base name without a dot or starting
+    with one (WebDataset skips such members)."""
+    head, slash, base = name.rpartition("/")
+    stem, dot, field = base.partition(".")
+    if not dot or not stem:
+        return None, ""
+    return head + slash + stem, field.lower()
+
+
+def _kind(field: str) -> tuple[str | None, str]:
+    """``("label" | "image" | None, qualifier)`` of a member's field."""
+    for suffix in LABEL_SUFFIXES:
+        if field == suffix:
+            return "label", ""
+        if field.endswith("." + suffix):
+            return "label", field[:-len(suffix) - 1]
+    qual, _, last = field.rpartition(".")
+    if last in IMAGE_SUFFIXES:
+        return "image", qual
+    return None, ""
+
+
+class _Member(NamedTuple):
+    name: str
+    offset: int
+    size: int
+    cut: bool          # the shard ends inside its data
 
 
 class TarShardSource(Source):
-    """Samples from uncompressed tar shards in WebDataset layout.
+    """Samples from uncompressed tar shards in WebDataset layout (key rule in the module
+    docstring).
 
     Args:
         shards: a directory holding ``*.tar``, a glob, a path, or a list of these.
 
-    A sample's image is its member with an image extension (``jpg``, ``png`` ...); a sample
-    with none, but with a member whose name ends in one (``name.v2.jpg``: key ``name``,
-    extension ``v2.jpg``), uses that member. Labels come from the ``.cls`` member (an integer as text); a sample without one gets -1.
-    Zero-byte image members are left out while indexing (reason ``"empty"``). Raises
-    :class:`SourceError` for missing or compressed shards (random access needs plain tar).
+    Labels come from the ``.cls`` member (a non-negative integer as text). Records left out
+    while indexing are in :attr:`rejected` with their reasons (module docstring), and warned
+    about once each. Raises :class:`SourceError` for missing, compressed or unreadable shards
+    (random access needs plain tar) and when no sample is left.
     """
 
     format = "tar"
@@ -52,68 +111,157 @@ class TarShardSource(Source):
         shard_ids: list[int] = []
         offsets: list[int] = []
         sizes: list[int] = []
-        labels: list[int] = []
+        labels: list[int] = []     # -2: no label (decided once every shard is indexed)
+        labeled = False
         for sid, path in enumerate(self.shards):
-            if not os.path.isfile(path):
-                raise SourceError(f"tar source: {path} is not a file")
-            try:
-                tf = tarfile.open(path, mode="r:")
-            except tarfile.ReadError as e:
-                raise SourceError(f"tar source: {path} is not an uncompressed tar ({e}); "
-                                  "random access needs plain .tar shards") from e
             groups: dict[str, dict] = {}
-            order: list[str] = []
-            with tf, open(path, "rb") as raw:
-                for m in tf:
-                    if m.issym() or m.islnk():
-                        self.rejected.append((f"{path}:{m.name}", "link member, not followed"))
+            with open(path, "rb") as raw:
+                for m in self._members(path, raw):
+                    key, field = split_member(m.name)
+                    if key is None:
+                        if m.name.lower().endswith(tuple("." + e for e in IMAGE_SUFFIXES)):
+                            self.reject(f"{path}:{m.name}", "no key", "its base name starts with a dot: "
+                                        "WebDataset readers skip it too")
                         continue
-                    if not m.isfile():
+                    kind, qual = _kind(field)
+                    if kind is None:
                         continue
-                    key, ext = _split_member(m.name)
-                    g = groups.get(key)
-                    if g is None:
-                        g = groups[key] = {}
-                        order.append(key)
-                    if ext in IMAGE_SUFFIXES and "image" not in g:
-                        g["image"] = (m.offset_data, m.size, m.name)
-                    elif ext.rpartition(".")[2] in IMAGE_SUFFIXES and "other" not in g:
-                        g["other"] = (m.offset_data, m.size, m.name)  # "a.b.jpg": key "a", ext "b.jpg"
-                    elif ext in LABEL_SUFFIXES:
-                        raw.seek(m.offset_data)
-                        g["label"] = raw.read(min(m.size, 64))
-            for key in order:
-                g = groups[key]
-                if "image" not in g and "other" not in g:
-                    continue
-                off, size, name = g.get("image") or g["other"]
-                where = f"{path}:{name}"
-                if size == 0:
-                    self.rejected.append((where, "empty"))
-                    continue
-                label = -1
-                if "label" in g:
-                    try:
-                        label = int(g["label"].decode("ascii", "replace").strip())
-                    except ValueError:
-                        self.rejected.append((where, "bad label"))
-                        continue
-                keys.append(name)
-                shard_ids.append(sid)
-                offsets.append(off)
-                sizes.append(size)
-                labels.append(label)
-        if not keys:
-            raise SourceError(f"tar source: no image members in {len(self.shards)} shard(s)")
+                    g = groups.setdefault(key, {"image": {}, "label": {}, "first": m.name})
+                    g[kind].setdefault(qual, []).append(m)
+                    if kind == "label":
+                        labeled = True
+                for g in groups.values():
+                    for m, label in self._samples(path, raw, g):
+                        keys.append(m.name)
+                        shard_ids.append(sid)
+                        offsets.append(m.offset)
+                        sizes.append(m.size)
+                        labels.append(label)
+        keep = []
+        for i, label in enumerate(labels):
+            if label != -2:
+                keep.append(i)
+            elif labeled:
+                self.reject(f"{self.shards[shard_ids[i]]}:{keys[i]}", "missing label",
+                            "no .cls member for this image, and other samples have one")
+            else:
+                keep.append(i)
         self._warn_rejected()
-        self.members = StringTable(keys)
-        self.shard_ids = np.asarray(shard_ids, dtype=np.int32)
-        self.offsets = np.asarray(offsets, dtype=np.int64)
-        self.sizes = np.asarray(sizes, dtype=np.int64)
-        self.labels = np.asarray(labels, dtype=np.int64)
+        if not keep:
+            raise SourceError(f"tar source: no samples left in {len(self.shards)} shard(s)"
+                              + (f" ({len(self.rejected)} left out while indexing)" if self.rejected else ""))
+        self.members = StringTable([keys[i] for i in keep])
+        self.shard_ids = np.asarray([shard_ids[i] for i in keep], dtype=np.int32)
+        self.offsets = np.asarray([offsets[i] for i in keep], dtype=np.int64)
+        self.sizes = np.asarray([sizes[i] for i in keep], dtype=np.int64)
+        self.labels = np.maximum(np.asarray([labels[i] for i in keep], dtype=np.int64), -1)
         self.classes = class_names(self.shards[0], self.labels)
         self._fds: dict[int, int] = {}
         self._pid = os.getpid()
+
+    # -- indexing ----------------------------------------------------------------------------
+    def _members(self, path: str, raw):
+        """The regular-file members of one shard, in order; what the shard's end or a bad header
+        cuts off is recorded as a ``"truncated shard"`` / ``"corrupt shard"`` entry."""
+        if not os.path.isfile(path):
+            raise SourceError(f"tar source: {path} is not a file")
+        size = os.fstat(raw.fileno()).st_size
+        magic = raw.read(6)
+        if size == 0:
+            self.reject(path, "truncated shard", "zero-byte shard")
+            return
+        if magic.startswith(_COMPRESSED):
+            raise SourceError(f"tar source: {path} is compressed; random access needs plain, "
+                              "uncompressed .tar shards")
+        try:
+            tf = tarfile.open(path, mode="r:")
+        except tarfile.ReadError as e:
+            if size < tarfile.BLOCKSIZE:
+                self.reject(path, "truncated shard", f"{size} bytes: cut inside the first header")
+                return
+            raise SourceError(f"tar source: {path} is not an uncompressed tar ({e}); "
+                              "random access needs plain .tar shards") from e
+        with tf:
+            error = None
+            try:
+                for m in tf:
+                    if m.issym() or m.islnk():
+                        self.reject(f"{path}:{m.name}", "link member, not followed")
+                        continue
+                    if m.isfile():
+                        yield _Member(m.name, m.offset_data, m.size, m.offset_data + m.size > size)
+                    elif not m.isdir() and split_member(m.name)[0] is not None:
+                        self.reject(f"{path}:{m.name}", "not a regular file")   # a FIFO or device entry
+            except tarfile.ReadError as e:   # the shard ends inside a member's data
+                error = str(e)
+            end = tf.offset
+        if error is not None:
+            self.reject(path, "truncated shard", f"{error}: the shard ends at byte {size}, inside a member's "
+                        "data; members after it are lost")
+            return
+        raw.seek(end)
+        block = raw.read(tarfile.BLOCKSIZE)
+        if not block:
+            self.reject(path, "truncated shard", f"no end-of-archive marker after byte {end}: the shard "
+                        "was cut at a block boundary; members after it are lost")
+        elif len(block) < tarfile.BLOCKSIZE:
+            self.reject(path, "truncated shard", f"cut inside a header at byte {end} (shard size {size}); "
+                        "members after it are lost")
+        elif block.count(0) != tarfile.BLOCKSIZE:
+            self.reject(path, "corrupt shard", f"unreadable header at byte {end}; members after it are not "
+                        "indexed")
+        else:
+            while True:   # the end marker and padding: zeros to the end, unless an archive was appended
+                chunk = raw.read(1 << 20)
+                if not chunk:
+                    break
+                if chunk.count(0) != len(chunk):
+                    self.reject(path, "corrupt shard", f"data after the end-of-archive marker at byte {end} (an "
+                                "archive appended to this one?); members there are not indexed")
+                    break
+
+    def _samples(self, path: str, raw, g: dict):
+        """``(image member, label)`` of one key group (label -2: none); the rest is rejected."""
+        images, labels = g["image"], g["label"]
+        used: set[str] = set()
+        if not images:
+            self.reject(f"{path}:{g['first']}", "no image", "no image member has this key")
+            return
+        for qual, found in images.items():
+            if qual and "" in images and qual not in labels:
+                for m in found:
+                    self.reject(f"{path}:{m.name}", "extra image in sample",
+                                f"a second image field of the sample {images[''][0].name!r}")
+                continue
+            lab_q = qual if qual in labels else ""
+            labs = labels.get(lab_q, [])
+            used.add(lab_q)
+            if len(found) > 1 or len(labs) > 1:
+                names = [m.name for m in found] + [m.name for m in labs]
+                for m in found:
+                    self.reject(f"{path}:{m.name}", "duplicate key",
+                                f"{len(found)} image(s) and {len(labs)} label(s) share it: {names}")
+                continue
+            m = found[0]
+            if m.cut or (labs and labs[0].cut):
+                self.reject(f"{path}:{m.name}", "truncated", "the shard ends inside "
+                            + ("its data" if m.cut else f"its label {labs[0].name!r}"))
+                continue
+            if m.size == 0:
+                self.reject(f"{path}:{m.name}", "empty")
+                continue
+            label = -2
+            if labs:
+                label = _read_label(raw, labs[0])
+                if label is None:
+                    self.reject(f"{path}:{m.name}", "bad label",
+                                f"{labs[0].name!r} does not hold a non-negative integer")
+                    continue
+            yield m, label
+        for qual, labs in labels.items():
+            if qual not in used and qual not in images:
+                for m in labs:
+                    self.reject(f"{path}:{m.name}", "no image", "a label without its image")
 
     def __getstate__(self) -> dict:
         """Pickled (to a Ray worker) without this process's file descriptors."""
@@ -154,3 +302,14 @@ class TarShardSource(Source):
                 os.close(fd)
             except OSError:
                 pass
+
+
+def _read_label(raw, m: _Member) -> int | None:
+    """The integer a label member holds (ASCII digits, blanks around), or None."""
+    if m.size > _LABEL_BYTES:
+        return None
+    raw.seek(m.offset)
+    text = raw.read(m.size).decode("ascii", "replace").strip()
+    if not text.isdigit():
+        return None
+    return int(text)

@@ -10,13 +10,26 @@ The format is found from the bytes, never from the file name. Rules for unusual 
   default ``(124, 116, 104)``, the ImageNet mean pixel (0.485, 0.456, 0.406 x 255), so
   transparent areas become ~0 after ImageNet normalization.
 * 16-bit images are scaled to 8 bit as ``round(v * 255 / 65535)`` (monotonic, no clipping).
+* 32-bit integer images (Pillow mode ``I``) are scaled by their real range: ``round(v * 255 /
+  M)`` with ``M`` the TIFF ``MaxSampleValue`` tag when present, else ``2**b - 1`` for the smallest
+  ``b >= 16`` that holds the image's largest value (so a 20-bit image fills the 8-bit range and
+  16-bit data scales as above). Negative values: skipped as ``"unsupported pixel format"``.
+* Float images (mode ``F``, such as float TIFFs) are read as values in ``[0, 1]``:
+  ``round(v * 255)``. Values outside ``[0, 1]`` or NaN (HDR or another range, which cannot be
+  told from the file): skipped as ``"unsupported pixel format"``, never clipped.
+* A JPEG whose image data holds a marker that cannot be there before its end marker (a file cut
+  off and followed by another image, or by other data) is ``"corrupt"``
+  (:func:`~feedgpu.stages.jpeg_header.scan_end_error`), on both engines: it is checked before
+  decoding, so the DALI engine never decodes its half-broken pixels. Bytes after a JPEG's end
+  marker (a motion photo's video) are ignored.
 * Animated images give their first frame.
 * An image with more than ``max_pixels`` pixels (default 89,478,485, Pillow's own
   ``MAX_IMAGE_PIXELS``) is rejected from its header, before any pixel is decoded.
 
 Failures raise :class:`~feedgpu.errors.DecodeError` with reason ``"empty"``, ``"not an image"``,
-``"unsupported format"`` (an image format recognised from its bytes, such as WebP, AVIF or HEIC,
-that this PIL build cannot decode: Pillow-SIMD is often built without libwebp; see
+``"unsupported pixel format"`` (above), ``"unsupported format"`` (an image format recognised from its bytes, such as WebP, AVIF or HEIC,
+that this PIL build cannot decode, or a compression it has no decoder for, such as LZW or JPEG
+in a TIFF without libtiff: Pillow-SIMD is often built without libwebp or libtiff; see
 ``python -m PIL.report``), ``"too many pixels"``, ``"truncated"`` or ``"corrupt"``.
 """
 from __future__ import annotations
@@ -30,7 +43,7 @@ from PIL import Image, UnidentifiedImageError
 from ..errors import DecodeError
 from ..spec import ImageSpec
 from .base import SampleStage
-from .jpeg_header import read_jpeg_header
+from .jpeg_header import read_jpeg_header, scan_end_error
 
 IMAGENET_MEAN_PIXEL = (124, 116, 104)
 PILLOW_MAX_PIXELS = 89_478_485
@@ -58,7 +71,7 @@ class Decode(SampleStage):
     """
 
     name = "decode"
-    version = 1
+    version = 2   # 2: wide-integer and float images scaled, cut JPEGs corrupt (cached outputs change)
 
     def __init__(self, exif_orientation: bool = True, max_pixels: int = PILLOW_MAX_PIXELS,
                  background: tuple[int, int, int] = IMAGENET_MEAN_PIXEL):
@@ -83,18 +96,25 @@ class Decode(SampleStage):
             img = Image.fromarray(_as_hwc_uint8(x, key))
         w, h = img.size
         self._check_pixels(w, h, key)
+        if img.format == "JPEG" and isinstance(x, (bytes, bytearray, memoryview)):
+            _check_scan_end(x, key)   # after the pixel limit, as in header(): one reason on both engines
         try:
             img.load()
         except OSError as e:
-            reason = "truncated" if "truncated" in str(e).lower() else "corrupt"
-            raise DecodeError(key, reason, str(e)) from None
+            msg = str(e)
+            if msg.startswith("decoder ") and msg.endswith(" not available"):
+                # a compression this PIL build has no decoder for (LZW or JPEG-in-TIFF without libtiff)
+                raise DecodeError(key, "unsupported format", f"{img.format} {msg} (python -m PIL.report lists "
+                                  "the decoders of this build)") from None
+            reason = "truncated" if "truncated" in msg.lower() else "corrupt"
+            raise DecodeError(key, reason, msg) from None
         except (SyntaxError, ValueError, EOFError) as e:
             raise DecodeError(key, "corrupt", str(e)) from None
         if self.exif_orientation:
             method = _TRANSPOSE.get(img.getexif().get(_EXIF_ORIENTATION, 1))
             if method is not None:
                 img = img.transpose(method)
-        return self._to_rgb(img)
+        return self._to_rgb(img, key)
 
     has_dali = True
     #: JPEG modes DALI decodes the way this stage does (CMYK/YCCK, PNG alpha, 16-bit ... do not
@@ -118,6 +138,7 @@ class Decode(SampleStage):
         marks = read_jpeg_header(data) if len(data) else None
         fast = self._jpeg_header(data, marks)
         if fast is not None:
+            _check_scan_end(data, UNKNOWN_KEY)
             return fast
         img = self._open(data, UNKNOWN_KEY)
         w, h = img.size
@@ -140,6 +161,7 @@ class Decode(SampleStage):
                 # not every EXIF layout as Pillow): Pillow decodes it, as the Python engine does
                 # (bytes: a buffer's header past 64 KiB is read too)
                 return Header(w, h, False, orientation in (1, None))
+        _check_scan_end(data, UNKNOWN_KEY)
         return Header(w, h, True, orientation in (1, None))
 
     def _check_pixels(self, w: int, h: int, key: str) -> None:
@@ -199,14 +221,16 @@ class Decode(SampleStage):
         except (OSError, SyntaxError, ValueError, EOFError) as e:
             raise DecodeError(key, "corrupt", str(e)) from None
 
-    def _to_rgb(self, img: Image.Image) -> Image.Image:
+    def _to_rgb(self, img: Image.Image, key: str = UNKNOWN_KEY) -> Image.Image:
         mode = img.mode
         if mode == "RGB":
             return img
-        if mode in ("I;16", "I;16B", "I;16L", "I;16N", "I"):
+        if mode in ("I;16", "I;16B", "I;16L", "I;16N"):
             a = np.asarray(img).astype(np.uint32)
             a8 = ((np.clip(a, 0, 65535) * 255 + 32767) // 65535).astype(np.uint8)
             return Image.fromarray(a8, "L").convert("RGB")
+        if mode in ("I", "F"):
+            return Image.fromarray(_wide_to_8bit(img, key), "L").convert("RGB")
         if mode == "P" and "transparency" in img.info:
             img, mode = img.convert("RGBA"), "RGBA"
         if mode in _ALPHA_MODES:
@@ -245,6 +269,37 @@ class Header(NamedTuple):
     height: int
     dali_ok: bool
     upright: bool
+
+
+def _check_scan_end(data, key: str) -> None:
+    message = scan_end_error(data)
+    if message is not None:
+        raise DecodeError(key, "corrupt", message)
+
+
+def _wide_to_8bit(img: Image.Image, key: str) -> np.ndarray:
+    """A mode ``I`` (int32) or ``F`` (float32) image as uint8, by the rules in the module
+    docstring; :class:`DecodeError` ``"unsupported pixel format"`` where they do not apply."""
+    a = np.asarray(img)
+    if img.mode == "F":
+        lo, hi = (float(a.min()), float(a.max())) if a.size else (0.0, 0.0)
+        if not np.isfinite(a).all() or lo < 0.0 or hi > 1.0:
+            raise DecodeError(key, "unsupported pixel format", f"float pixels in [{lo:g}, {hi:g}]; float images "
+                              "are read as values in [0, 1]")
+        return np.rint(a.astype(np.float64) * 255.0).astype(np.uint8)
+    a = a.astype(np.int64)
+    lo, hi = (int(a.min()), int(a.max())) if a.size else (0, 0)
+    if lo < 0:
+        raise DecodeError(key, "unsupported pixel format", f"integer pixels in [{lo}, {hi}]: negative values")
+    top = 0
+    tags = getattr(img, "tag_v2", None)
+    if tags is not None:
+        v = tags.get(281)   # MaxSampleValue
+        v = v[0] if isinstance(v, tuple) and v else v
+        top = int(v) if isinstance(v, int) and v > 0 else 0
+    if top <= 0 or hi > top:
+        top = (1 << max(16, hi.bit_length())) - 1
+    return ((a * 255 + top // 2) // top).astype(np.uint8)
 
 
 def _has_eoi(data) -> bool:

@@ -16,6 +16,7 @@ where Pillow stops reading IFD0 before the orientation (an earlier entry's data 
 """
 from __future__ import annotations
 
+import re
 import struct
 from typing import NamedTuple
 
@@ -165,3 +166,79 @@ def _tables_fit(s: bytes) -> bool:
             return False
         s = s[size:]
     return True
+
+
+# -- the end of a JPEG: where the first scan's data may stop ---------------------------------------
+# After the first start of scan (SOS) a JPEG holds entropy-coded data, restart markers, the tables
+# and scans of later passes (DHT, DAC, DQT, DRI, SOS, DNL, COM, APPn) and ends with EOI. Any other
+# marker before the EOI (a second SOI, a frame header, a reserved code) means the data stops short:
+# the usual case is a file cut off and followed by another whole JPEG. libjpeg stops with an error
+# there (Pillow: "broken data stream"); other decoders (DALI's) may return the half-decoded
+# pixels. Checking the markers here lets both engines name such a file the same way.
+# the markers libjpeg stops on there (jdmarker.c: an unknown marker, a second SOI or frame header,
+# DHP/EXP, JPGn), and EOI; TEM (0x01) and RSTn have no length field and are passed over
+_END = re.compile(rb"\xff([\x02-\xbf\xc0-\xc3\xc5-\xcb\xcd-\xcf\xd8\xd9\xde\xdf\xf0-\xfd])")
+_ANY = re.compile(rb"\xff([^\x00\x01\xff\xd0-\xd7])")
+_SEGMENT_AFTER_SOS = frozenset({0xC4, 0xCC, 0xDB, 0xDD, 0xDA, 0xDC, 0xFE, *range(0xE0, 0xF0)})
+
+
+def scan_end_error(data) -> str | None:
+    """A message when a marker that cannot be inside a JPEG's image data comes before its EOI
+    (see above), else None (a good end, no EOI at all, or no answer: the decoder judges).
+    ``data``: a whole JPEG file (bytes-like). One C scan over the bytes; markers inside the
+    segments of later passes are told apart only when that scan finds a suspect."""
+    if not isinstance(data, (bytes, bytearray)):
+        data = memoryview(data)
+        if data.format != "B":   # a pyarrow buffer's view is signed ("b"): index as unsigned bytes
+            data = data.cast("B")
+    start = _first_scan(data)
+    if start is None:
+        return None
+    m = _END.search(data, start)
+    if m is None or m.group(1) == b"\xd9":
+        return None
+    pos, skip = start, start      # a suspect: walk the markers, skipping segments by their length
+    for m in _ANY.finditer(data, pos):
+        p = m.start()
+        if p < skip:
+            continue
+        code = m.group(1)[0]
+        if code == 0xD9:
+            return None
+        if code in _SEGMENT_AFTER_SOS:
+            if p + 4 > len(data):
+                return None
+            skip = p + 2 + ((data[p + 2] << 8) | data[p + 3])
+            continue
+        name = "SOI" if code == 0xD8 else (f"SOF{code - 0xC0}" if code in _SOF else f"0x{code:02X}")
+        return (f"marker {name} at byte {p}, inside the image data (before its end marker): the image stops "
+                "short there" + (", and another image starts" if code == 0xD8 else ""))
+    return None
+
+
+def _first_scan(data) -> int | None:
+    """Offset just past the first SOS segment's header, or None when the markers before it do
+    not parse."""
+    n = len(data)
+    if n < 4 or data[0] != 0xFF or data[1] != 0xD8:
+        return None
+    pos = 2
+    while pos + 4 <= n:
+        if data[pos] != 0xFF:
+            return None
+        code = data[pos + 1]
+        if code == 0xFF:
+            pos += 1
+            continue
+        if code in _STANDALONE or code == 0x01:
+            pos += 2
+            continue
+        if code in (0xD8, 0xD9):
+            return None
+        length = (data[pos + 2] << 8) | data[pos + 3]
+        if length < 2:
+            return None
+        pos += 2 + length
+        if code == 0xDA:
+            return pos if pos <= n else None
+    return None
