@@ -13,7 +13,7 @@ import numpy as np
 from .errors import ConfigError, SkipBudgetExceeded, StateError
 from .exec.assemble import Assembler
 from .exec.autoscale import Autoscaler, cpu_cores, default_config
-from .exec.process_pool import ProcessPool, unpack_exception
+from .exec.process_pool import ProcessPool, draw_base_seed, resolve_context, unpack_exception
 from .exec.work import DatasetWork, PipelineWork
 from .metrics import ExecutorTotals, LoaderStats
 from .cache.settings import CacheSettings
@@ -148,9 +148,9 @@ class DataLoader:
         if isinstance(dataset, tud.IterableDataset):
             raise ConfigError("feedgpu.DataLoader needs a map-style dataset or a Pipeline: an IterableDataset "
                               "has no random access, so shuffling, sharding and exact resume cannot be honoured")
-        if multiprocessing_context not in (None, "fork") and getattr(multiprocessing_context, "_name", None) != "fork":
-            raise ConfigError("multiprocessing_context: feedgpu workers are forked (they inherit the index and "
-                              "shared-memory buffers); only None or 'fork' is allowed")
+        # as torch: None, a start method's name or a context object (ValueError/TypeError otherwise)
+        self.multiprocessing_context = None if multiprocessing_context is None else resolve_context(multiprocessing_context)
+        self.generator = generator
         if not in_order:
             raise ConfigError("in_order=False: feedgpu always delivers batches in order (exact resume needs it)")
         if pin_memory_device:
@@ -474,7 +474,9 @@ class DataLoader:
                 # with a cache, workers get time to write their last rows when they stop
                 local = ProcessPool(work.handle, self.num_workers, self.worker_init_fn, on_exit=work.on_exit,
                                     grace_s=10.0 if self.cache_settings is not None else 1.0,
-                                    describe=getattr(work, "describe", None), on_start=getattr(work, "on_start", None))
+                                    describe=getattr(work, "describe", None), on_start=getattr(work, "on_start", None),
+                                    context=self.multiprocessing_context, dataset=self.dataset,
+                                    base_seed=draw_base_seed(self.generator))  # per pool start, as torch per worker start
             if not self.executor.remote:
                 self._pool = local
             else:
