@@ -149,7 +149,8 @@ class DataLoader:
             raise ConfigError("feedgpu.DataLoader needs a map-style dataset or a Pipeline: an IterableDataset "
                               "has no random access, so shuffling, sharding and exact resume cannot be honoured")
         # as torch: None, a start method's name or a context object (ValueError/TypeError otherwise)
-        self.multiprocessing_context = None if multiprocessing_context is None else resolve_context(multiprocessing_context)
+        self.multiprocessing_context = (None if multiprocessing_context is None
+                                        else resolve_context(multiprocessing_context))
         self.generator = generator
         if not in_order:
             raise ConfigError("in_order=False: feedgpu always delivers batches in order (exact resume needs it)")

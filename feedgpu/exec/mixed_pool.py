@@ -17,7 +17,7 @@ from typing import Callable
 
 from ..errors import LoaderTimeout
 from .executors import ExecutorSettings
-from .process_pool import ProcessPool, _secs
+from .process_pool import ProcessPool, seconds_text
 
 
 class MixedPool:
@@ -91,8 +91,8 @@ class MixedPool:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 where = self.local.holding() + "; " if self.local is not None else ""
-                raise LoaderTimeout(f"DataLoader timed out after {_secs(timeout)} seconds. No batch from the workers "
-                                    f"within timeout={timeout} s: {where}{self.remote.holding()}")
+                raise LoaderTimeout(f"DataLoader timed out after {seconds_text(timeout)} seconds. No batch from the "
+                                    f"workers within timeout={timeout} s: {where}{self.remote.holding()}")
             if self.local is None:
                 r = self.remote.poll(block_s=0.5 if left is None else min(0.5, left))
                 if r is not None:
