@@ -22,7 +22,7 @@ import torch
 import torch.utils.data as tud
 
 from conftest import REPO, batches_equal, child_pids, clone_all, wait_gone
-from feedgpu import DataLoader, LoaderTimeout, Pipeline, WorkerError
+from feedgpu import ConfigError, DataLoader, LoaderTimeout, Pipeline, WorkerError
 from feedgpu.exec.process_pool import ProcessPool, unpack_exception
 from feedgpu.stages import Decode, HorizontalFlip, RandomResizedCrop
 
@@ -139,6 +139,34 @@ def test_start_methods_deliver_what_torch_delivers(ctx, no_leaked_workers):
     assert set(flat(ours, "same_dataset")) == {True}
 
 
+GLOBAL_METHOD_SCRIPT = textwrap.dedent("""
+    import multiprocessing as mp, os, sys
+    sys.path[:0] = [{repo!r}, {tests!r}]
+    import torch.utils.data as tud
+    from feedgpu import DataLoader
+    from test_torch_parity_workers import MARK, Probe
+
+    if __name__ == "__main__":
+        mp.set_start_method("spawn")
+        MARK["set_in_parent"] = True
+        for cls in (tud.DataLoader, DataLoader):
+            seen = set()
+            for b in cls(Probe(4), batch_size=2, num_workers=1):
+                seen |= set(b["inherited"].tolist())
+            print(cls.__module__, sorted(seen))
+""")
+
+
+def test_the_default_context_follows_set_start_method_as_torchs(tmp_path):
+    """multiprocessing_context=None: torch uses multiprocessing's default context, so a start
+    method the program set applies to both (feedgpu forks only when none was set)."""
+    script = tmp_path / "global_method.py"
+    script.write_text(GLOBAL_METHOD_SCRIPT.format(repo=str(REPO), tests=str(REPO / "tests")))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:2] == ["torch.utils.data.dataloader [False]", "feedgpu.loader [False]"]
+
+
 def test_multiprocessing_context_is_checked_as_torch_checks_it():
     for bad, error in (("thread", ValueError), (3, TypeError)):
         with pytest.raises(error) as theirs:
@@ -193,6 +221,14 @@ def test_pipeline_with_worker_init_fn_under_forkserver_matches_fork(src, no_leak
     forkserver = clone_all(DataLoader(pipeline(src, shuffle=False), worker_init_fn=reseed_init,
                                       multiprocessing_context="forkserver", timeout=120))
     assert batches_equal(fork, forkserver)
+
+
+def test_a_cached_pipeline_under_spawn_is_refused_clearly(src, tmp_path, no_leaked_workers):
+    """The cache entry holds a lock and open files that a spawned process cannot take over."""
+    loader = DataLoader(pipeline(src, shuffle=False), cache=str(tmp_path), multiprocessing_context="spawn")
+    with pytest.raises(ConfigError, match="cache runs in forked workers only.*multiprocessing_context='fork'"):
+        next(iter(loader))
+    loader.shutdown()
 
 
 # -- get_worker_info and seeds -----------------------------------------------------------------------
@@ -467,7 +503,8 @@ HANG_SCRIPT = textwrap.dedent("""
 @pytest.mark.parametrize("where, ctx, fail", [
     ("main", "fork", "main"),
     ("main", "spawn", "worker"),
-    ("fork", "fork", "worker"),
+    ("fork", "fork", "main"),
+    ("fork", "spawn", "worker"),
     ("spawn", "fork", "main"),
     ("spawn", "spawn", "main"),
 ])
