@@ -477,7 +477,7 @@ class DataLoader:
                                     grace_s=10.0 if self.cache_settings is not None else 1.0,
                                     describe=getattr(work, "describe", None), on_start=getattr(work, "on_start", None),
                                     context=self.multiprocessing_context, dataset=self.dataset,
-                                    base_seed=draw_base_seed(self.generator))  # per pool start (torch: per worker start)
+                                    base_seed=draw_base_seed(self.generator))  # per pool start (torch: per iterator)
             if not self.executor.remote:
                 self._pool = local
             else:
