@@ -131,9 +131,6 @@ class DataLoader(tud.DataLoader[T_co]):
         if isinstance(dataset, tud.IterableDataset):  # run as torch runs it (feedgpu.exec.iterable)
             self._init_iterable(dataset, locals())
             return
-        if multiprocessing_context not in (None, "fork") and getattr(multiprocessing_context, "_name", None) != "fork":
-            raise ConfigError("multiprocessing_context: feedgpu workers are forked (they inherit the index and "
-                              "shared-memory buffers); only None or 'fork' is allowed")
         if not in_order:
             raise ConfigError("in_order=False: feedgpu always delivers batches in order (exact resume needs it)")
         if pin_memory_device:

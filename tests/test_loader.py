@@ -147,6 +147,13 @@ def _same(a, b):
     return len(a) == len(b) and all(torch.equal(x1, x2) and torch.equal(y1, y2) for (x1, y1), (x2, y2) in zip(a, b))
 
 
+def _same_samples(a, b):
+    """Same samples in the same batches (the indices; a torch Dataset's RNG draws follow torch's
+    worker seeding, see tests/test_torch_parity_workers.py)."""
+    return len(a) == len(b) and all(torch.equal(x1[:, 0], x2[:, 0]) and torch.equal(y1, y2)
+                                    for (x1, y1), (x2, y2) in zip(a, b))
+
+
 def test_torch_dataset_matches_torch_dataloader_without_shuffle():
     ds = IndexDataset(23)
     ours = [(x[:, 0].clone(), y.clone()) for x, y in DataLoader(ds, batch_size=5)]
@@ -155,14 +162,15 @@ def test_torch_dataset_matches_torch_dataloader_without_shuffle():
     assert [len(y) for _, y in ours] == [5, 5, 5, 5, 3]
 
 
-def test_torch_dataset_results_do_not_depend_on_worker_count():
+def test_torch_dataset_order_does_not_depend_on_worker_count():
     ds = IndexDataset(50)
     runs = [_collect(DataLoader(ds, batch_size=7, shuffle=True, num_workers=nw, seed=3)) for nw in (0, 1, 2)]
-    assert _same(runs[0], runs[1]) and _same(runs[0], runs[2])
+    assert _same_samples(runs[0], runs[1]) and _same_samples(runs[0], runs[2])
     idx = torch.cat([y for _, y in runs[0]]).tolist()
     assert sorted(idx) == list(range(50)) and idx != list(range(50))
-    draws = torch.cat([x[:, 1] for x, _ in runs[0]])
-    assert len(set(draws.tolist())) == 50  # torch's RNG is seeded per batch, not reset per sample
+    for run in runs:  # torch's RNG is seeded once per worker (as torch does), not reset per sample
+        draws = torch.cat([x[:, 1] for x, _ in run])
+        assert len(set(draws.tolist())) == 50
 
 
 def test_inline_loading_leaves_the_callers_rng_alone():
@@ -194,7 +202,7 @@ def test_torch_dataset_resume_mid_epoch(nw_before, nw_after):
     assert len(rest) == len(again) - 3
     reference = DataLoader(ds, batch_size=7, shuffle=True, seed=state["seed"])
     reference.set_epoch(1)
-    assert _same(seen + rest, _collect(reference))
+    assert _same_samples(seen + rest, _collect(reference))
     idx = torch.cat([y for _, y in seen + rest]).tolist()
     assert sorted(idx) == list(range(50)), "no sample lost or repeated"
     assert again.state_dict()["epoch"] == 2 and again.state_dict()["batches_seen"] == 0
@@ -258,7 +266,6 @@ def test_state_from_another_loader_is_rejected(src, sources):
     (lambda: dict(dataset=IndexDataset(), persistent_workers=True, num_workers=0), True),
     (lambda: dict(dataset=IndexDataset(), timeout=-1), True),
     (lambda: dict(dataset=IndexDataset(), num_workers=-1), True),
-    (lambda: dict(dataset=IndexDataset(), num_workers=1, multiprocessing_context="spawn"), False),
     (lambda: dict(dataset=IndexDataset(), in_order=False), False),
     (lambda: dict(dataset=IndexDataset(), num_workers="many"), False),
     (lambda: dict(dataset=IndexDataset(), on_error="skip"), False),
@@ -411,7 +418,7 @@ def test_holding_every_batch_does_not_deadlock_or_corrupt(src, kind):
         def make():
             return DataLoader(IndexDataset(60), batch_size=4, num_workers=2, shuffle=True, seed=2, timeout=60)
         held = list(make())
-        assert len(held) == 15 and _same(held, _collect(make()))
+        assert len(held) == 15 and _same_samples(held, _collect(make()))
 
 
 def test_stats_count_batches_and_samples(src):

@@ -7,7 +7,7 @@ in worker processes (and with ``executor: ray`` on remote workers too).
 from __future__ import annotations
 
 from .assemble import Assembler
-from .process_pool import ProcessPool
+from .process_pool import ProcessPool, draw_base_seed
 from .work import DatasetWork, PipelineWork
 
 
@@ -58,7 +58,9 @@ def make_pool(loader, work):
         # with a cache, workers get time to write their last rows when they stop
         local = ProcessPool(work.handle, loader.num_workers, loader.worker_init_fn, on_exit=work.on_exit,
                             grace_s=10.0 if loader._cache_settings is not None else 1.0,
-                            describe=getattr(work, "describe", None), on_start=getattr(work, "on_start", None))
+                            describe=getattr(work, "describe", None), on_start=getattr(work, "on_start", None),
+                            context=loader.multiprocessing_context, dataset=loader.dataset,
+                            base_seed=draw_base_seed(loader.generator))  # per pool start (torch: per iterator)
     if not loader._executor.remote:
         return local
     from .mixed_pool import MixedPool

@@ -17,7 +17,7 @@ from typing import Callable
 
 from ..errors import LoaderTimeout
 from .executors import ExecutorSettings
-from .process_pool import ProcessPool
+from .process_pool import ProcessPool, seconds_text
 
 
 class MixedPool:
@@ -80,7 +80,8 @@ class MixedPool:
 
     def get(self, timeout: float | None = None) -> tuple:
         """Next ``(tag, seq, worker_id, ok, payload)`` from either side. Raises
-        :class:`LoaderTimeout` after ``timeout`` seconds without one (None or 0: forever), and
+        :class:`LoaderTimeout` (``DataLoader timed out after T seconds. ...``, as torch begins it)
+        after ``timeout`` seconds without one (None or 0: forever), and
         :class:`~feedgpu.errors.WorkerError` as the pools do."""
         deadline = time.monotonic() + timeout if timeout else None
         while True:
@@ -90,8 +91,8 @@ class MixedPool:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 where = self.local.holding() + "; " if self.local is not None else ""
-                raise LoaderTimeout(f"no batch from the workers within timeout={timeout} s: {where}"
-                                    f"{self.remote.holding()}")
+                raise LoaderTimeout(f"DataLoader timed out after {seconds_text(timeout)} seconds. No batch from the "
+                                    f"workers within timeout={timeout} s: {where}{self.remote.holding()}")
             if self.local is None:
                 r = self.remote.poll(block_s=0.5 if left is None else min(0.5, left))
                 if r is not None:

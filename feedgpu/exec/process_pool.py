@@ -1,8 +1,18 @@
-"""A pool of forked worker processes that run tasks and report results; it can grow, shrink and
+"""A pool of worker processes that run tasks and report results; it can grow, shrink and
 replace dead workers while tasks are in flight.
 
-The pool knows nothing about images: the loader gives it a ``handler(task) -> payload``
-(inherited by the workers through ``fork``, never pickled) and reorders results itself.
+The pool knows nothing about images: the loader gives it a ``handler(task) -> payload`` and
+reorders results itself. Workers are forked by default (the handler, the source index and the
+shared-memory batch buffers are inherited, never pickled); with ``context="spawn"`` or
+``"forkserver"`` (or a multiprocessing context object) the handler, ``worker_init_fn`` and the
+dataset are pickled once per worker start, the batch buffers travel as file descriptors (see
+:mod:`feedgpu.exec.shm`), and an object that cannot be unpickled in the new process raises
+:class:`WorkerError` saying so.
+
+Each worker starts as torch's DataLoader workers do: ``torch.set_num_threads(1)``, seeds
+``base_seed + worker_id`` for ``torch``, ``random`` and (as torch derives it) numpy's global
+RNG, and ``torch.utils.data.get_worker_info()`` returning its ``WorkerInfo``; then
+``worker_init_fn(worker_id)``.
 
 Each worker has its own task queue and its own result pipe, and the pool remembers which tasks
 each worker holds. That is what makes the rest possible:
@@ -20,7 +30,16 @@ each worker holds. That is what makes the rest possible:
 * Workers ignore SIGINT (Ctrl-C interrupts the main process, which shuts them down) and exit
   by themselves when their parent dies.
 * :meth:`ProcessPool.close` runs on normal end, on exceptions, at garbage collection and at
-  interpreter exit; it asks, then terminates, then kills, so no process is left behind.
+  interpreter exit (also when the pool lives in a multiprocessing child, whose exit runs
+  multiprocessing's finalizers: the pool's comes before the child's daemonic workers are
+  terminated); it asks, then terminates, then kills, so no process is left behind. Task queues
+  never make an exit wait (``cancel_join_thread``: a queue's feeder thread blocked writing a
+  large task to a worker that is gone would otherwise be joined for ever).
+* A worker's death raises :class:`WorkerError` beginning as torch's does (``DataLoader worker
+  (pid N) is killed by signal: Killed.``, ``... exited unexpectedly with exit code C.``), and no
+  batch within ``timeout`` raises :class:`LoaderTimeout` beginning ``DataLoader timed out after
+  T seconds``, each followed by feedgpu's detail. A task whose handler raised is only a result
+  (``ok`` False): the pool goes on with the other tasks.
 
 torch's DataLoader also gives each worker its own index queue; unlike it, results come back on
 one pipe per worker (``multiprocessing.connection.wait`` watches them all), so a worker killed
@@ -31,33 +50,63 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
+import multiprocessing.context as mpcontext
+import multiprocessing.util as mputil
 import os
 import pickle
-import queue
 import signal
 import time
-import traceback
-import weakref
 from typing import Any, Callable
 
 from ..errors import LoaderTimeout, WorkerError
-from .progress import Board
+from .pool_worker import FLUSH, STARTED, _Load, _pack_exception, _worker_main  # noqa: F401  (_pack_exception: ray)
+from .progress import MAX_WORKERS, Board
 
 log = logging.getLogger("feedgpu.pool")
 POLL_S = 0.1
-IDLE_S = 0.5   # a worker with no task for this long flushes its buffers (on_exit hook)
-FLUSH = "__feedgpu_flush__"
-STARTED = "__feedgpu_started__"   # a worker says which task it runs (a death is blamed on that one)
+MAX_SEED = 2**63 - 1               # worker seeds stay int64 (collatable, torch.manual_seed accepts them)
+EXIT_PRIORITY = 20                 # multiprocessing finalizers: before queues (10) and daemon termination
 
 
-def _pack_exception(e: BaseException, wid: int) -> tuple:
-    tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-    try:
-        blob = pickle.dumps(e)
-        pickle.loads(blob)
-    except Exception:
-        blob = None
-    return (blob, f"{type(e).__name__}: {e}", tb, wid)
+def resolve_context(value) -> mpcontext.BaseContext:
+    """The multiprocessing context for ``DataLoader(multiprocessing_context=value)``.
+
+    ``None``: the start method set with ``multiprocessing.set_start_method`` if one was set
+    (torch's default context), else ``fork`` where the platform has it (feedgpu's choice: workers
+    inherit the source index and batch buffers instead of unpickling them). A string: that start
+    method (``"fork"``, ``"spawn"``, ``"forkserver"``). A context object (``multiprocessing`` or
+    ``torch.multiprocessing``): itself.
+
+    Raises ``ValueError`` for an unknown start method and ``TypeError`` for anything else, with
+    torch's wording."""
+    if value is None:
+        method = mp.get_start_method(allow_none=True)
+        if method is None:
+            method = "fork" if "fork" in mp.get_all_start_methods() else mp.get_start_method()
+        return mp.get_context(method)
+    if isinstance(value, str):
+        valid = mp.get_all_start_methods()
+        if value not in valid:
+            raise ValueError("multiprocessing_context option should specify a valid start method in "
+                             f"{valid!r}, but got multiprocessing_context={value!r}")
+        return mp.get_context(value)
+    if isinstance(value, mpcontext.BaseContext):
+        return value
+    raise TypeError("multiprocessing_context option should be a valid context object or a string specifying "
+                    f"the start method, but got multiprocessing_context={value}")
+
+
+def draw_base_seed(generator=None) -> int:
+    """The workers' base seed, drawn as torch's DataLoader draws it when its workers start: one
+    int64 from ``generator``, or from torch's global RNG when ``generator`` is None."""
+    import torch
+
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+
+
+def seconds_text(t) -> str:
+    """``t`` seconds as torch prints its ``timeout`` (a whole float as an int, as it was given)."""
+    return str(int(t)) if isinstance(t, float) and t.is_integer() else str(t)
 
 
 def unpack_exception(packed: tuple, context: str) -> BaseException:
@@ -70,79 +119,6 @@ def unpack_exception(packed: tuple, context: str) -> BaseException:
     else:  # Python 3.10
         exc.args = (f"{exc.args[0] if exc.args else ''}\n{note}", *exc.args[1:])
     return exc
-
-
-def _unsendable(e: Exception) -> Exception:
-    """Why a worker could not send its result back, as the error the main process raises."""
-    import errno
-
-    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.ENOMEM) or "No space left" in str(e):
-        from ..errors import SharedMemoryError
-
-        return SharedMemoryError(
-            f"a worker could not put its batch in shared memory ({type(e).__name__}: {e}). torch shares tensors "
-            "through /dev/shm: give the container more (docker --shm-size), use "
-            "torch.multiprocessing.set_sharing_strategy('file_system'), or lower batch_size / prefetch_factor")
-    return WorkerError(f"a worker could not send its batch back to the main process ({type(e).__name__}: {e}); "
-                       "the batch must be picklable")
-
-
-def _run_hook(hook, wid: int, what: str) -> None:
-    if hook is None:
-        return
-    try:
-        hook()
-    except Exception:  # noqa: BLE001 - never block shutdown or idling on a flush
-        log.exception("feedgpu worker %d: %s failed", wid, what)
-
-
-def _worker_main(wid: int, handler: Callable, tasks, conn, init_fn, parent: int, on_exit, board, on_start) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    board.attach(wid)
-    try:
-        import torch
-
-        torch.set_num_threads(1)
-    except ImportError:  # pragma: no cover
-        pass
-    if init_fn is not None or on_start is not None:
-        try:
-            if on_start is not None:
-                on_start()
-            if init_fn is not None:
-                init_fn(wid)
-        except BaseException as e:
-            conn.send((None, -1, wid, False, _pack_exception(e, wid)))
-            return
-    while True:
-        try:
-            task = tasks.get(timeout=IDLE_S)
-        except queue.Empty:
-            if os.getppid() != parent:
-                return
-            _run_hook(on_exit, wid, "flush while idle")  # write what is buffered (e.g. cache rows) now
-            continue
-        if task is None:
-            _run_hook(on_exit, wid, "on_exit")
-            return
-        tag, seq = task[0], task[1]
-        if tag == FLUSH:
-            try:
-                if on_exit is not None:
-                    on_exit()
-                conn.send((FLUSH, seq, wid, True, None))
-            except BaseException as e:  # noqa: BLE001
-                conn.send((FLUSH, seq, wid, False, _pack_exception(e, wid)))
-            continue
-        conn.send((STARTED, (tag, seq), wid, True, None))
-        try:
-            result = (tag, seq, wid, True, handler(task))
-        except BaseException as e:  # noqa: BLE001 - everything goes back to the main process
-            result = (tag, seq, wid, False, _pack_exception(e, wid))
-        try:
-            conn.send(result)
-        except Exception as e:  # noqa: BLE001 - the result cannot travel: say why instead of dying
-            conn.send((tag, seq, wid, False, _pack_exception(_unsendable(e), wid)))
 
 
 class _Worker:
@@ -210,8 +186,21 @@ def _death(proc) -> str:
     return f"exit code {code}"
 
 
+def torch_death(pid: int, exitcode: int | None) -> str:
+    """How torch's DataLoader begins the error for a dead worker: ``DataLoader worker (pid N) is
+    killed by signal: <the C library's description>. `` or ``DataLoader worker (pid N) exited
+    unexpectedly with exit code C. ``"""
+    if exitcode is not None and exitcode < 0:
+        try:
+            desc = signal.strsignal(-exitcode)
+        except ValueError:  # pragma: no cover
+            desc = None
+        return f"DataLoader worker (pid {pid}) is killed by signal: {desc or f'Unknown signal {-exitcode}'}. "
+    return f"DataLoader worker (pid {pid}) exited unexpectedly with exit code {exitcode}. "
+
+
 class ProcessPool:
-    """Forked processes running ``handler`` on tasks; resizable while tasks are in flight.
+    """Worker processes running ``handler`` on tasks; resizable while tasks are in flight.
 
     Args:
         handler: ``handler(task) -> payload``; a task is a tuple whose first two items are a tag
@@ -234,25 +223,41 @@ class ProcessPool:
         max_respawns: deaths replaced over the pool's life before :class:`WorkerError` (default 8).
         describe: ``describe(sample_index) -> name`` for timeout messages, which name the stage and
             sample each busy worker is in (see :mod:`feedgpu.exec.progress`).
+        context: start method or multiprocessing context (see :func:`resolve_context`; default
+            ``fork``). With ``spawn`` and ``forkserver``, ``handler``, ``worker_init_fn``,
+            ``on_exit``, ``on_start`` and ``dataset`` must pickle; they are pickled together for
+            each worker started (replacements and added workers too).
+        base_seed: when given (an int, e.g. :func:`draw_base_seed`), worker ``i`` seeds torch and
+            ``random`` with ``base_seed + i`` and numpy's global RNG as torch does, before
+            ``on_start`` and ``worker_init_fn``, and sets torch's ``WorkerInfo(id=i,
+            num_workers=<the pool's size then>, seed=base_seed + i, dataset=dataset)`` for
+            ``torch.utils.data.get_worker_info()``. Lowered to keep every seed below 2**63.
+            None: workers are not seeded and get no ``WorkerInfo``.
+        dataset: the ``WorkerInfo``'s dataset (the worker's own copy with spawn and forkserver).
 
-    Only the ``fork`` start method is supported: the handler, the source index and the
-    shared-memory batch slots are inherited, not pickled.
+    The handler runs in each worker until the pool closes; a handler's exception is a result
+    (``ok`` False) and the worker takes the next task.
     """
 
     def __init__(self, handler: Callable[[tuple], Any], num_workers: int,
                  worker_init_fn: Callable[[int], None] | None = None, on_exit: Callable[[], None] | None = None,
                  name: str = "feedgpu-worker", grace_s: float = 1.0, respawn: bool = True,
                  max_task_deaths: int = 2, max_respawns: int = 8,
-                 describe: Callable[[int], str] | None = None, on_start: Callable[[], None] | None = None):
-        if "fork" not in mp.get_all_start_methods():
-            raise WorkerError("feedgpu's process pool needs the 'fork' start method (Linux)")
+                 describe: Callable[[int], str] | None = None, on_start: Callable[[], None] | None = None,
+                 context=None, base_seed: int | None = None, dataset=None):
         if num_workers < 1:
             raise WorkerError(f"a process pool needs at least one worker, got {num_workers}")
+        if num_workers > MAX_WORKERS:
+            raise WorkerError(f"a process pool runs at most {MAX_WORKERS} workers, got {num_workers}")
         import torch.multiprocessing  # noqa: F401  registers tensor reductions for the pipes
 
-        self._ctx = mp.get_context("fork")
-        self._handler, self._init_fn, self._on_exit, self._name = handler, worker_init_fn, on_exit, name
-        self._on_start = on_start
+        self._ctx = resolve_context(context)
+        self.method = self._ctx.get_start_method()
+        objs = (handler, worker_init_fn, on_exit, on_start, dataset)
+        self._load = _Load(objs, pickled=self.method != "fork")
+        self.base_seed = None if base_seed is None else min(int(base_seed), MAX_SEED - MAX_WORKERS)
+        self._target = num_workers     # the size asked for: a WorkerInfo's num_workers
+        self._name = name
         self._parent = os.getpid()
         self.respawn, self.max_task_deaths, self.max_respawns = respawn, max_task_deaths, max_respawns
         self.board, self._describe = Board(), describe
@@ -263,9 +268,15 @@ class ProcessPool:
         self._salvaged: list[tuple] = []   # complete results read from a worker found dead
         self._state = _State()
         self.grace_s = grace_s
-        self._finalizer = weakref.finalize(self, self._state.close, grace_s)
-        for _ in range(num_workers):
-            self._spawn()
+        # at garbage collection, and at exit before multiprocessing terminates daemonic children
+        # (the main process's atexit, or a multiprocessing child's own exit)
+        self._finalizer = mputil.Finalize(self, self._state.close, args=(grace_s,), exitpriority=EXIT_PRIORITY)
+        try:
+            for _ in range(num_workers):
+                self._spawn()
+        except BaseException:
+            self.close(grace_s=0.1)
+            raise
         log.debug("started %d workers: %s", num_workers, self.pids())
 
     # -- size -----------------------------------------------------------------------------------
@@ -290,12 +301,17 @@ class ProcessPool:
         if wid is None:
             wid = next(i for i in range(len(self._workers) + 1) if i not in self._workers)
         tasks = self._ctx.Queue()
+        # Never wait for its feeder thread at exit: blocked writing a large task to a worker that
+        # is gone, it would be joined for ever. Undelivered tasks of a pool that goes are moot.
+        tasks.cancel_join_thread()
         reader, writer = self._ctx.Pipe(duplex=False)
+        seeding = None if self.base_seed is None else (self.base_seed, self._target)
         p = self._ctx.Process(target=_worker_main, name=f"{self._name}-{wid}", daemon=True,
-                              args=(wid, self._handler, tasks, writer, self._init_fn, self._parent, self._on_exit,
-                                    self.board, self._on_start))
-        p.start()
-        writer.close()  # the worker holds the only write end: its death reads as EOF here
+                              args=(wid, self._load, tasks, writer, self._parent, self.board, seeding, self.method))
+        try:
+            p.start()
+        finally:
+            writer.close()  # the worker holds the only write end: its death reads as EOF here
         w = self._workers[wid] = _Worker(wid, p, tasks, reader)
         return w
 
@@ -304,6 +320,9 @@ class ProcessPool:
         finish the tasks they hold, run ``on_exit`` and stop (the least loaded go first)."""
         if n < 1:
             raise WorkerError(f"a process pool needs at least one worker, got {n}")
+        if n > MAX_WORKERS:
+            raise WorkerError(f"a process pool runs at most {MAX_WORKERS} workers, got {n}")
+        self._target = n
         active = [w for w in self._workers.values() if not w.retiring]
         for _ in range(n - len(active)):
             self._spawn()
@@ -352,7 +371,8 @@ class ProcessPool:
             for w in [w for w in self._workers.values() if not w.proc.is_alive()]:
                 self._ended(w)
             if deadline is not None and time.monotonic() > deadline:
-                raise LoaderTimeout(f"no batch from the workers within timeout={timeout} s: {self.holding()}")
+                raise LoaderTimeout(f"DataLoader timed out after {seconds_text(timeout)} seconds. No batch from the "
+                                    f"workers within timeout={timeout} s: {self.holding()}")
 
     def holding(self) -> str:
         """What each busy worker is doing, from its progress slot."""
@@ -407,18 +427,21 @@ class ProcessPool:
         how = _death(w.proc)
         if how == "signal SIGKILL":
             how += ": killed from outside, often by the kernel's out-of-memory killer (see dmesg)"
+        elif how == "signal SIGBUS":
+            how += ": often shared memory running out (the container's memory limit, or /dev/shm for torch tensors)"
         what = f"feedgpu worker {w.wid} (pid {w.proc.pid}) died unexpectedly ({how})"
+        torch_says = torch_death(w.proc.pid, w.proc.exitcode)
         if not self.respawn or self.closed:
-            raise WorkerError(what)
+            raise WorkerError(torch_says + what)
         key = w.running
         if key in w.held:  # the task it was running when it died
             self._task_deaths[key] = self._task_deaths.get(key, 0) + 1
             if self._task_deaths[key] >= self.max_task_deaths:
-                raise WorkerError(f"{what}; task {key[1]} has now killed {self._task_deaths[key]} workers, "
-                                  "so it is not retried (a sample that crashes a stage?)")
+                raise WorkerError(f"{torch_says}{what}; task {key[1]} has now killed {self._task_deaths[key]} "
+                                  "workers, so it is not retried (a sample that crashes a stage?)")
         self.respawns += 1
         if self.respawns > self.max_respawns:
-            raise WorkerError(f"{what}; {self.respawns} workers have died, more than max_respawns="
+            raise WorkerError(f"{torch_says}{what}; {self.respawns} workers have died, more than max_respawns="
                               f"{self.max_respawns}")
         if w.retiring and not w.held:
             log.warning("%s while retiring; nothing was lost", what)
@@ -457,6 +480,6 @@ class ProcessPool:
     def close(self, grace_s: float | None = None) -> None:
         """Ask workers to stop, wait ``grace_s`` seconds (default: the pool's), then terminate
         and kill."""
-        if self._finalizer.alive:
-            self._finalizer.detach()
+        if self._finalizer.still_active():
+            self._finalizer.cancel()
             self._state.close(self.grace_s if grace_s is None else grace_s)

@@ -1,6 +1,7 @@
 """Where each worker is: the stage and the sample it runs, in shared memory.
 
-The pool makes a :class:`Board` (one anonymous shared mapping, before the workers fork) and
+The pool makes a :class:`Board` (one shared-memory file, mapped before the workers start: forked
+workers inherit it, spawned ones get its descriptor, see :mod:`feedgpu.exec.shm`) and
 each worker writes, before every stage, the stage's name, the sample's index and the time into
 its own slot (:func:`at`, ~1 us). When no batch comes within ``timeout``, the main process reads
 the slots and names the stuck stage and sample in the :class:`~feedgpu.errors.LoaderTimeout`,
@@ -11,6 +12,9 @@ from __future__ import annotations
 import mmap
 import struct
 import time
+import weakref
+
+from .shm import _close_fd, attach_fd, share_fd, shared_file
 
 SLOT = 128
 _HEAD = struct.Struct("<dq")          # monotonic time the stage started, sample index
@@ -21,11 +25,21 @@ _mine: tuple[mmap.mmap, int] | None = None   # (board, offset) in a worker proce
 
 
 class Board:
-    """``slots`` progress slots of 128 bytes, shared by the main process and its forked workers."""
+    """``slots`` progress slots of 128 bytes, shared by the main process and its workers (picklable
+    while the pool starts a spawn or forkserver worker)."""
 
     def __init__(self, slots: int = MAX_WORKERS):
         self.slots = slots
-        self.mm = mmap.mmap(-1, slots * SLOT)
+        self._fd, self.mm = shared_file(slots * SLOT, "feedgpu-progress")
+        weakref.finalize(self, _close_fd, self._fd)
+
+    def __getstate__(self) -> dict:
+        return {"slots": self.slots, "shared": share_fd(self._fd)}
+
+    def __setstate__(self, state: dict) -> None:
+        self.slots = state["slots"]
+        self._fd, self.mm = attach_fd(state["shared"], self.slots * SLOT)
+        weakref.finalize(self, _close_fd, self._fd)
 
     def attach(self, wid: int) -> None:
         """In a worker: :func:`at` writes to slot ``wid`` from now on (cleared first)."""

@@ -1,15 +1,23 @@
 """Batch buffers in shared memory, handed to the training loop without a copy.
 
-Each slot is an anonymous ``MAP_SHARED`` mapping made before the workers fork, so workers write
-into it and the main process reads it with no pickling and no file names to leak. A slot handed
-to the consumer returns to the free list when the last tensor viewing it is garbage-collected:
-``torch.from_numpy`` keeps the numpy array it wraps alive for as long as any tensor shares its
-storage, and a ``weakref.finalize`` on that array releases the slot.
+The buffers of a :class:`BatchSlots` are one shared-memory file (``memfd_create``: not a file in
+``/dev/shm``, so limited by RAM and the container's memory limit, not by Docker's 64 MB
+``/dev/shm``, and with no name to leak), mapped once in the main process. Forked workers inherit
+the mapping; a worker started with ``spawn`` or ``forkserver`` gets the file descriptor itself,
+passed by multiprocessing when the pool pickles the work for it (:func:`share_fd`), and maps it
+(:meth:`BatchSlots.__setstate__`): the batch bytes never travel through a pipe. Workers write into
+a slot and the main process reads it with no pickling.
+
+A slot handed to the consumer returns to the free list when the last tensor viewing it is
+garbage-collected: ``torch.from_numpy`` keeps the numpy array it wraps alive for as long as any
+tensor shares its storage, and a ``weakref.finalize`` on that array releases the slot. The mapping
+itself goes when the last view of any slot, and the :class:`BatchSlots`, are gone.
 """
 from __future__ import annotations
 
 import errno
 import mmap
+import os
 import threading
 import weakref
 
@@ -19,13 +27,80 @@ import numpy as np
 #: ``madvise`` advice (Linux 5.14, include/uapi/asm-generic/mman-common.h); Python's mmap module
 #: lacks the constant before 3.13.
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+PAGE = mmap.ALLOCATIONGRANULARITY
+
+
+def shared_file(nbytes: int, name: str, allocate: int = 0) -> tuple[int, mmap.mmap]:
+    """``(fd, mapping)``: a shared-memory file of ``nbytes`` (``memfd_create``) mapped
+    ``MAP_SHARED``, its first ``allocate`` bytes allocated now (``posix_fallocate``: zeroed pages,
+    so that a worker's first write costs a minor fault, and a shortage raises ``OSError`` here
+    rather than ``SIGBUS`` in a worker). ``fd`` is -1 where ``memfd_create`` is missing: an
+    anonymous mapping, which forked workers inherit but spawned ones cannot get.
+
+    Raises ``OSError`` when the memory cannot be had."""
+    if not hasattr(os, "memfd_create"):  # pragma: no cover - not Linux
+        return -1, mmap.mmap(-1, nbytes, flags=mmap.MAP_SHARED)
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)  # spawn and forkserver pass it explicitly
+    try:
+        os.ftruncate(fd, nbytes)
+        if allocate:
+            os.posix_fallocate(fd, 0, min(allocate, nbytes))
+        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, mm
+
+
+def _close_fd(fd: int) -> None:
+    if fd >= 0:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def share_fd(fd: int):
+    """A picklable stand-in for ``fd`` (multiprocessing's ``DupFd``): while the pool starts a
+    spawn or forkserver worker it is the descriptor passed to that child; ``.detach()`` in the
+    child returns the child's descriptor."""
+    if fd < 0:
+        raise TypeError("these shared buffers are an anonymous mapping (no memfd_create here): only forked "
+                        "workers can use them; use multiprocessing_context='fork'")
+    from multiprocessing.reduction import DupFd
+
+    return DupFd(fd)
+
+
+def attach_fd(shared, nbytes: int) -> tuple[int, mmap.mmap]:
+    """In a child: ``(fd, mapping)`` of what :func:`share_fd` passed."""
+    fd = shared.detach()
+    return fd, mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+
+
+def madvise_populate(mm: mmap.mmap, length: int) -> None:
+    """Map the first ``length`` bytes of ``mm`` into this process's page tables now, in one call
+    (``MADV_POPULATE_WRITE``, Linux >= 5.14), instead of one page fault per 4 KiB page later. A
+    no-op where the kernel does not have it."""
+    if length <= 0:
+        return
+    try:
+        mm.madvise(MADV_POPULATE_WRITE, 0, length)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOSYS, errno.EPERM):
+            raise
 
 
 class BatchSlots:
     """``count`` buffers, each holding ``images`` (``batch_size`` x ``sample_shape``, ``dtype``)
     followed by ``labels`` (int64, ``batch_size``). The first ``populate`` (default: all) are
-    pre-faulted and handed out first; the others take memory only when first written (the
-    balancer's spare buffers for a larger pool)."""
+    allocated now and handed out first; the others take memory only when first written (the
+    balancer's spare buffers for a larger pool).
+
+    Picklable for a worker started with ``spawn`` or ``forkserver`` while the pool starts it (the
+    shared file's descriptor is passed, see :func:`share_fd`); the copy maps the same memory.
+
+    Raises :class:`~feedgpu.errors.SharedMemoryError` when the buffers cannot be had."""
 
     def __init__(self, count: int, batch_size: int, sample_shape: tuple, dtype: str, populate: int | None = None):
         self.batch_size = batch_size
@@ -34,17 +109,15 @@ class BatchSlots:
         self.image_bytes = int(np.prod(self.shape)) * self.dtype.itemsize
         self.label_offset = (self.image_bytes + 63) // 64 * 64
         self.nbytes = self.label_offset + 8 * batch_size
-        # MAP_POPULATE zero-fills the pages here, once: a worker's first write to a page then
-        # costs a minor fault, not a fault plus zeroing (measured on 154 MB: 0.076 s instead of
-        # 0.130 s per worker; bench/cpu_loader "write" 0.44 instead of 0.61 ms per float32 sample).
-        # It costs ~0.12 s per 154 MB slot when the loader starts. Persistent workers (the
-        # pipeline default) take their faults once per run.
+        self.stride = (self.nbytes + PAGE - 1) // PAGE * PAGE   # each slot starts on a page
+        self.count = count
+        # Allocating the pages here zero-fills them once: a worker's first write to a page then
+        # costs a minor fault, not a fault plus zeroing; it costs that zeroing when the loader
+        # starts. Persistent workers (the pipeline default) take their faults once per run.
         populate = count if populate is None else min(count, populate)
         self.populated = populate
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
         try:
-            self._maps = [mmap.mmap(-1, self.nbytes, flags=flags if i < populate else mmap.MAP_SHARED)
-                          for i in range(count)]
+            self._fd, self._mm = shared_file(max(1, count * self.stride), "feedgpu-batches", populate * self.stride)
         except OSError as e:
             from ..errors import SharedMemoryError
 
@@ -52,33 +125,42 @@ class BatchSlots:
                 f"could not map {count} batch buffers of {self.nbytes / 2**20:,.0f} MiB "
                 f"({count * self.nbytes / 2**30:,.2f} GiB) of shared memory: {e}. Lower batch_size, "
                 "prefetch_factor or num_workers, or deliver uint8/float16 (output.dtype)") from None
-        self._free = list(range(count))[::-1]   # pop() takes the pre-faulted ones first
+        self._closer = weakref.finalize(self, _close_fd, self._fd)
+        madvise_populate(self._mm, populate * self.stride)  # this process reads them: map them in now
+        self._free = list(range(count))[::-1]   # pop() takes the pre-allocated ones first
         self._lock = threading.Lock()
         self.held = 0       # slots the consumer still holds
 
+    def __getstate__(self) -> dict:
+        if self._mm is None:
+            raise ValueError("these batch buffers are closed")
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_fd", "_mm", "_free", "_lock", "_closer")}
+        state["_shared"] = share_fd(self._fd)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        shared = state.pop("_shared")
+        self.__dict__.update(state)
+        self._fd, self._mm = attach_fd(shared, max(1, self.count * self.stride))
+        self._closer = weakref.finalize(self, _close_fd, self._fd)
+        self._free, self._lock, self.held = [], threading.Lock(), 0   # a worker hands out nothing
+
     def map_in(self) -> None:
-        """In a worker: map the pre-faulted buffers into this process's page tables now, in one
-        call per buffer (``MADV_POPULATE_WRITE``, Linux >= 5.14), instead of one page fault per
-        4 KiB page during its first batches. Measured on 154 MB buffers (float32 224 px, batch
-        256): 49 ms per buffer instead of ~59 ms of faults spread over the first writes, after
-        which a sample's normalize-and-write costs 0.135 ms either way. A no-op where the kernel
-        does not have it."""
-        for mm in self._maps[:self.populated]:
-            try:
-                mm.madvise(MADV_POPULATE_WRITE)
-            except OSError as e:
-                if e.errno in (errno.EINVAL, errno.ENOSYS):
-                    return
-                raise
+        """In a worker: map the pre-allocated buffers into this process's page tables now, in
+        one call (``MADV_POPULATE_WRITE``, Linux >= 5.14), instead of one page fault per 4 KiB
+        page during its first batches. A no-op where the kernel does not have it."""
+        madvise_populate(self._mm, self.populated * self.stride)
 
     def __len__(self) -> int:
-        return len(self._maps)
+        return self.count
 
     def arrays(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
         """Fresh numpy views (images, labels) of a slot."""
-        mm = self._maps[slot]
-        images = np.ndarray(self.shape, self.dtype, buffer=mm, offset=0)
-        labels = np.ndarray((self.batch_size,), np.int64, buffer=mm, offset=self.label_offset)
+        if not 0 <= slot < self.count:
+            raise IndexError(f"batch slot {slot} of {self.count}")
+        base = slot * self.stride
+        images = np.ndarray(self.shape, self.dtype, buffer=self._mm, offset=base)
+        labels = np.ndarray((self.batch_size,), np.int64, buffer=self._mm, offset=base + self.label_offset)
         return images, labels
 
     def acquire(self) -> int | None:
@@ -130,7 +212,10 @@ class BatchSlots:
 
     def close(self) -> None:
         # Never mmap.close(): numpy views hold the mapping as their base without a buffer
-        # export, so closing would unmap memory a tensor still reads. Each mapping is unmapped
-        # when its last reference (ours or a view's) goes.
-        self._maps = []
+        # export, so closing would unmap memory a tensor still reads. The mapping is unmapped
+        # when its last reference (ours or a view's) goes; the file's memory goes with the last
+        # mapping and descriptor (a worker's included).
+        self._mm = None
         self._free = []
+        self._closer()
+        self._fd = -1

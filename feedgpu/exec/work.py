@@ -5,11 +5,17 @@
 * :class:`DatasetWork`: a plain map-style torch Dataset with a ``collate_fn``. Workers return the
   collated batch; tensors travel through torch's shared-memory reductions, once per batch.
 
-Both seed per batch, from ``(seed, epoch, batch)``: results do not depend on the worker count.
+Randomness: a pipeline's random stages draw per sample from ``(seed, epoch, index)``
+(:mod:`feedgpu.stages.draws`), so its batches do not depend on the worker count or on torch's RNG.
+A torch Dataset's randomness is torch's: its workers are seeded once, when they start, as torch's
+DataLoader seeds them (see :class:`~feedgpu.exec.process_pool.ProcessPool`'s ``base_seed``), and
+with ``num_workers=0`` it draws from the training loop's RNG, as in torch.
+
+Both pickle for workers started with ``spawn`` or ``forkserver`` (a pipeline's batch buffers as a
+file descriptor, :class:`~feedgpu.exec.shm.BatchSlots`); the main process's bookkeeping stays.
 """
 from __future__ import annotations
 
-import random
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
@@ -40,6 +46,14 @@ class PipelineWork:
         self._shape, self._dtype, self._bs = spec.shape, spec.dtype, batch_size
         self.orphans: dict = {}   # (tag, seq) -> task of an abandoned iteration, still in flight
         self._epoch = None        # the epoch of the last task this process ran
+
+    def __getstate__(self) -> dict:
+        if self.assembler.cache is not None:
+            from ..errors import ConfigError
+
+            raise ConfigError("a pipeline with a cache runs in forked workers only: use "
+                              "multiprocessing_context='fork' (the default), or turn the cache off")
+        return {**self.__dict__, "orphans": {}}
 
     def can_submit(self) -> bool:
         return self.slots.free > 0
@@ -131,16 +145,6 @@ class RemoteFill:
         return images[:rep.rows], labels[:rep.rows], rep
 
 
-def seed_everything(seed: int, epoch: int, batch: int) -> None:
-    """Seed torch, numpy's global RNG and ``random`` from ``(seed, epoch, batch)``."""
-    import torch
-
-    s = int(np.random.SeedSequence([seed & 0xFFFFFFFFFFFFFFFF, epoch, batch]).generate_state(1, np.uint64)[0])
-    torch.manual_seed(s)
-    random.seed(s)
-    np.random.seed(s & 0xFFFFFFFF)
-
-
 class PayloadWork:
     """The work contract for results that travel back whole (pickled through the worker's pipe,
     tensors through torch's shared-memory reductions): tasks ``(tag, seq, epoch, indices)``, no
@@ -148,6 +152,9 @@ class PayloadWork:
 
     def __init__(self):
         self.orphans: dict = {}
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "orphans": {}}   # main-process bookkeeping stays there
 
     def can_submit(self) -> bool:
         return True
@@ -177,15 +184,18 @@ class PayloadWork:
 
 
 class DatasetWork(PayloadWork):
-    """A torch Dataset: the payload is ``collate_fn``'s batch."""
+    """A torch Dataset: the payload is ``collate_fn``'s batch.
+
+    ``seed`` (the loader's) is kept for the record only: nothing here seeds an RNG. Workers are
+    seeded once at start, as torch's are, and a seed ``worker_init_fn`` sets holds for every
+    batch after it."""
 
     def __init__(self, dataset, collate_fn: Callable, seed: int):
         super().__init__()
         self.dataset, self.collate_fn, self.seed = dataset, collate_fn, seed
 
     def handle(self, task: tuple):
-        _, seq, epoch, indices = task
-        seed_everything(self.seed, epoch, seq)
+        indices = task[3]
         items = []
         for i in indices.tolist():
             progress.at("__getitem__", i)
@@ -201,13 +211,6 @@ class DatasetWork(PayloadWork):
         return payload
 
     def run_inline(self, seq: int, epoch: int, indices: np.ndarray, spares: np.ndarray):
-        """In the main process: the training loop's RNG states are restored afterwards."""
-        import torch
-
-        saved = torch.get_rng_state(), np.random.get_state(), random.getstate()
-        try:
-            return self.handle((0, seq, epoch, indices)), None
-        finally:
-            torch.set_rng_state(saved[0])
-            np.random.set_state(saved[1])
-            random.setstate(saved[2])
+        """In the main process, as torch's ``num_workers=0``: the dataset draws from (and advances)
+        the training loop's RNGs."""
+        return self.handle((0, seq, epoch, indices)), None

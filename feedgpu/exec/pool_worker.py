@@ -1,0 +1,184 @@
+"""What runs in a pool worker process (see :class:`~feedgpu.exec.process_pool.ProcessPool`).
+
+A worker starts as torch's DataLoader workers do (``torch.set_num_threads(1)``; seeds
+``base_seed + worker_id`` for torch and ``random`` and numpy's global RNG as torch derives it;
+torch's ``WorkerInfo`` for ``get_worker_info()``), then runs ``on_start`` and
+``worker_init_fn(worker_id)``, then takes tasks from its queue and sends each result (or its
+exception, packed with the traceback) on its own pipe, until it gets ``None``, its parent dies,
+or the main process terminates it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import queue
+import signal
+import traceback
+
+from ..errors import WorkerError
+
+log = logging.getLogger("feedgpu.pool")
+IDLE_S = 0.5   # a worker with no task for this long flushes its buffers (on_exit hook)
+FLUSH = "__feedgpu_flush__"
+STARTED = "__feedgpu_started__"   # a worker says which task it runs (a death is blamed on that one)
+
+
+def _pack_exception(e: BaseException, wid: int) -> tuple:
+    tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    try:
+        blob = pickle.dumps(e)
+        pickle.loads(blob)
+    except Exception:
+        blob = None
+    return (blob, f"{type(e).__name__}: {e}", tb, wid)
+
+
+def _unsendable(e: Exception) -> Exception:
+    """Why a worker could not send its result back, as the error the main process raises."""
+    import errno
+
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.ENOMEM) or "No space left" in str(e):
+        from ..errors import SharedMemoryError
+
+        return SharedMemoryError(
+            f"a worker could not put its batch in shared memory ({type(e).__name__}: {e}). torch shares tensors "
+            "through /dev/shm: give the container more (docker --shm-size), use "
+            "torch.multiprocessing.set_sharing_strategy('file_system'), or lower batch_size / prefetch_factor")
+    return WorkerError(f"a worker could not send its batch back to the main process ({type(e).__name__}: {e}); "
+                       "the batch must be picklable")
+
+
+def _run_hook(hook, wid: int, what: str) -> None:
+    if hook is None:
+        return
+    try:
+        hook()
+    except Exception:  # noqa: BLE001 - never block shutdown or idling on a flush
+        log.exception("feedgpu worker %d: %s failed", wid, what)
+
+
+class _Load:
+    """What a worker needs from the main process: ``(handler, worker_init_fn, on_exit, on_start,
+    dataset)``. Forked workers get the objects themselves. For spawn and forkserver, they are
+    pickled together (one pickle: the dataset a ``WorkerInfo`` names is the handler's own copy)
+    while the pool starts the worker, so file descriptors in them are passed to it; the worker
+    unpickles them in :func:`_worker_main`, where a failure can be reported to the main process."""
+
+    def __init__(self, objs: tuple, pickled: bool):
+        self.objs, self.pickled, self.blob = objs, pickled, None
+
+    def __reduce__(self):
+        if not self.pickled:  # pragma: no cover - fork never pickles
+            return (_Load, (self.objs, False))
+        from multiprocessing.reduction import ForkingPickler
+
+        return (_Load._from_blob, (bytes(ForkingPickler.dumps(self.objs)),))
+
+    @staticmethod
+    def _from_blob(blob: bytes) -> "_Load":
+        load = _Load((), True)
+        load.blob = blob
+        return load
+
+    def load(self) -> tuple:
+        if self.blob is not None:
+            self.objs, self.blob = pickle.loads(self.blob), None
+        return self.objs
+
+
+def _seed_worker(wid: int, base_seed: int, num_workers: int, dataset) -> None:
+    """Seed this worker and publish its ``WorkerInfo`` as torch's DataLoader workers do."""
+    import random
+
+    import numpy as np
+    import torch
+    import torch.utils.data._utils.worker as torch_worker
+
+    seed = base_seed + wid
+    random.seed(seed)
+    torch.manual_seed(seed)
+    # numpy's global RNG gets the 4 words numpy's SeedSequence makes of (worker id, base seed's
+    # low and high halves): the same state torch's workers give it.
+    np.random.seed(np.random.SeedSequence([wid, base_seed & 0xFFFFFFFF, base_seed >> 32]).generate_state(4))
+    # torch.utils.data.get_worker_info() returns this module variable, and torch has no public way
+    # to set it: assigning it is the only way for get_worker_info() to work in a feedgpu worker.
+    torch_worker._worker_info = torch_worker.WorkerInfo(id=wid, num_workers=num_workers, seed=seed, dataset=dataset)
+
+
+def _worker_main(wid: int, load: _Load, tasks, conn, parent: int, board, seeding: tuple | None,
+                 method: str) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # the main process, or the forkserver (which exits when the main process does); spawn and
+    # forkserver children do not have the parent's exit-time finalizers, forked ones skip them
+    first_parent = os.getppid()
+    board.attach(wid)
+    try:
+        import torch
+        import torch.multiprocessing  # noqa: F401  tensors in results go through shared memory
+
+        torch.set_num_threads(1)
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        handler, init_fn, on_exit, on_start, dataset = load.load()
+    except BaseException as e:  # noqa: BLE001 - say why instead of dying with a bare exit code
+        err = WorkerError(f"a feedgpu worker started with {method!r} could not unpickle what it runs (the "
+                          f"dataset or pipeline, worker_init_fn, collate_fn): {type(e).__name__}: {e}. With "
+                          "spawn and forkserver these must be importable by the new process: defined at the top "
+                          "level of a module (not in a function, a lambda, or an interactive __main__)")
+        conn.send((None, -1, wid, False, _pack_exception(err, wid)))
+        return
+    try:
+        if seeding is not None:
+            _seed_worker(wid, seeding[0], seeding[1], dataset)
+        if on_start is not None:
+            on_start()
+        if init_fn is not None:
+            init_fn(wid)
+    except BaseException as e:
+        conn.send((None, -1, wid, False, _pack_exception(e, wid)))
+        return
+
+    def orphaned() -> bool:
+        return os.getppid() != first_parent or (first_parent != parent and not _pid_alive(parent))
+
+    while True:
+        try:
+            task = tasks.get(timeout=IDLE_S)
+        except queue.Empty:
+            if orphaned():
+                return
+            _run_hook(on_exit, wid, "flush while idle")  # write what is buffered (e.g. cache rows) now
+            continue
+        if task is None:
+            _run_hook(on_exit, wid, "on_exit")
+            return
+        tag, seq = task[0], task[1]
+        if tag == FLUSH:
+            try:
+                if on_exit is not None:
+                    on_exit()
+                conn.send((FLUSH, seq, wid, True, None))
+            except BaseException as e:  # noqa: BLE001
+                conn.send((FLUSH, seq, wid, False, _pack_exception(e, wid)))
+            continue
+        conn.send((STARTED, (tag, seq), wid, True, None))
+        try:
+            result = (tag, seq, wid, True, handler(task))
+        except BaseException as e:  # noqa: BLE001 - everything goes back to the main process
+            result = (tag, seq, wid, False, _pack_exception(e, wid))
+        try:
+            conn.send(result)
+        except Exception as e:  # noqa: BLE001 - the result cannot travel: say why instead of dying
+            conn.send((tag, seq, wid, False, _pack_exception(_unsendable(e), wid)))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # pragma: no cover - a recycled pid of another user
+        return True
+    return True
