@@ -22,7 +22,7 @@ from .exec.engines import EngineSettings
 from .exec.executors import ExecutorSettings, check_executor
 from .exec.process_pool import ProcessPool
 from .metrics import ExecutorTotals, LoaderStats
-from .orders import OrderRandomSampler, OrderSequentialSampler, UserOrder, reads_as_sharding, sharded
+from .orders import OrderRandomSampler, OrderSampler, OrderSequentialSampler, UserOrder, reads_as_sharding, sharded
 from .pipeline import Pipeline, resolve_device
 from .sampling import ShardedOrder
 from .skips import check_max_skipped
@@ -338,6 +338,13 @@ class DataLoader(tud.DataLoader[T_co]):
         self.num_workers, self._prefetch = workers, prefetch
         self.prefetch_factor = prefetch if workers > 0 else None
 
+    def _set_seed(self, seed: int) -> None:
+        self.seed = int(seed)
+        if self._user is not None:
+            self._user.seed = self.seed
+        if isinstance(self.sampler, OrderSampler):
+            self.sampler.seed = self.seed
+
     def _num_samples(self) -> int:
         """Samples in the dataset now (a torch Dataset that grows is followed, as in torch)."""
         return len(self.pipeline.source) if self.pipeline is not None else len(self.dataset)
@@ -364,7 +371,7 @@ class DataLoader(tud.DataLoader[T_co]):
             self._agreed.add(world)
             if seed != self.seed:
                 self.shutdown()  # workers and buffers are rebuilt with the common seed
-                self.seed = seed
+                self._set_seed(seed)
         shuffle = bool(self.sampler.shuffle) if reads_as_sharding(self.sampler) else self.shuffle
         n = self._num_samples() if n is None else n
         self._order = sharded(n, self._batch_size, shuffle, self.seed, rank, world, self.drop_last, self._order)
@@ -474,9 +481,7 @@ class DataLoader(tud.DataLoader[T_co]):
         epoch, start, batches, rows, seed = loader_state.read_state(state, self._source_fingerprint(),
                                                                     order.config(), sharded_)
         self.shutdown()  # workers and buffers are rebuilt with the restored seed
-        self.seed = seed
-        if self._user is not None:
-            self._user.seed = seed
+        self._set_seed(seed)
         if sharded_ and start >= order.n or not sharded_ and start >= len(order):
             epoch, start, batches, rows = epoch + 1, 0, 0, 0
         self._epoch, self._start, self._position = epoch, start, (epoch, start)

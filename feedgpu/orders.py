@@ -27,26 +27,37 @@ from .sampling import ShardedOrder
 
 class OrderSampler:
     """Mixin of the samplers a loader shows for its own order: iterating gives the indices of the
-    loader's next epoch in its order (all ranks' indices, before sharding)."""
+    loader's next epoch in its order (all ranks' indices, before sharding).
+
+    It holds the loader weakly (the loader holds it: a cycle would keep a dropped loader's
+    workers running until the garbage collector runs) and keeps the order's settings itself, so
+    it goes on working once the loader is gone: accelerate's ``prepare()`` keeps only
+    ``loader.batch_sampler`` and drops the loader. ``set_epoch(e)`` chooses the epoch (and sets
+    the loader's, while it lives), as frameworks call it before each epoch."""
 
     def _bind(self, loader) -> None:
-        # a weak reference: the loader holds its sampler, and a cycle would keep a dropped
-        # loader's workers running until the garbage collector runs
         self._loader = weakref.ref(loader)
+        self.seed, self.epoch, self.shuffle = loader.seed, 0, loader.shuffle
+        self._batch_size = loader._batch_size
 
-    def _get(self):
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
         loader = self._loader()
-        if loader is None:
-            raise ReferenceError("the DataLoader this sampler shows the order of is gone")
-        return loader
+        if loader is not None:
+            loader.set_epoch(epoch)
 
     def __iter__(self):
-        loader = self._get()
-        order = loader._sharded_order(collective=False)
-        return iter(order.epoch_order(loader._position[0]).tolist())
+        loader = self._loader()
+        if loader is not None:
+            order = loader._sharded_order(collective=False)
+            self.seed, self.epoch = loader.seed, loader._position[0]
+            return iter(order.epoch_order(self.epoch).tolist())
+        order = ShardedOrder(len(self.data_source), self._batch_size, shuffle=self.shuffle, seed=self.seed)
+        return iter(order.epoch_order(self.epoch).tolist())
 
     def __len__(self) -> int:
-        return self._get()._num_samples()
+        loader = self._loader()
+        return loader._num_samples() if loader is not None else len(self.data_source)
 
 
 class OrderRandomSampler(OrderSampler, tud.RandomSampler):

@@ -68,6 +68,24 @@ def test_the_sampler_view_iterates_the_loaders_order():
     assert list(loader.sampler) != upcoming  # now the epoch after
 
 
+def test_the_sampler_view_outlives_the_loader_and_follows_set_epoch():
+    """accelerate's prepare() keeps loader.batch_sampler and drops the loader."""
+    import gc
+
+    loader = DataLoader(Items(), batch_size=4, shuffle=True, seed=3)
+    bs = loader.batch_sampler
+    loader.sampler.set_epoch(2)
+    assert loader._position[0] == 2  # the loader's epoch follows while it lives
+    ref = DataLoader(Items(), batch_size=4, shuffle=True, seed=3)
+    ref.set_epoch(2)
+    expected = _flat(ref)
+    del loader
+    gc.collect()
+    assert [i for b in bs for i in b] == expected
+    bs.sampler.set_epoch(3)
+    assert [i for b in bs for i in b] != expected and sorted(i for b in bs for i in b) == list(range(23))
+
+
 @pytest.mark.parametrize("make", LOADERS)
 @pytest.mark.parametrize("attr", ["batch_size", "sampler", "batch_sampler", "drop_last", "dataset",
                                   "persistent_workers"])
