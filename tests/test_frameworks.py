@@ -65,14 +65,19 @@ XFAIL = {
         fw="Lightning (which re-creates only torch DataLoaders, with a DistributedSampler)", n=21),
     ("lightning_shards", "feedgpu", "pipeline", "before"): _NOT_TORCH.format(
         fw="Lightning (which re-creates only torch DataLoaders, with a DistributedSampler)", n=20),
-    ("lightning_resume", "feedgpu", "before"): "the resume itself continues, but the uninterrupted run is not "
+    ("lightning_resume", "feedgpu", "dataset", "before"): "the resume itself continues, but the uninterrupted run is not "
         "sharded: " + _NOT_TORCH.format(fw="Lightning", n=21),
-    ("lightning_resume", "feedgpu", "inside"): "Lightning saves rank 0's loader state and loads it on every rank: "
+    ("lightning_resume", "feedgpu", "dataset", "inside"): "Lightning saves rank 0's loader state and loads it on every rank: "
         "rank 1 raises StateError: the state's sampler differs from this loader's: rank: saved 0, here 1; rank 0 "
         "then fails in a gloo barrier (Connection closed by peer)",
-    ("lightning_workers", "feedgpu"): "rank 0 and rank 1 workers draw the same NumPy numbers (11 of 22 per epoch; "
-        "within a rank they differ): Lightning adds its worker_init_fn only to torch DataLoaders, and feedgpu's "
-        "per-batch worker seeding does not depend on the rank",
+    ("lightning_workers", "feedgpu", 42): "Lightning sets its worker_init_fn on the loader (it only needs the "
+        "attribute), but feedgpu's workers reseed torch, NumPy and random before every batch from (seed, epoch, batch "
+        "number), the same on every rank: rank 0's and rank 1's workers draw the same numbers (11 of 22 per epoch)",
+    ("lightning_resume", "feedgpu", "pipeline", "inside"): "not reached today: the resume script stops at the "
+        "dataset's inside resume (StateError on rank 1, the same rank 0 state loaded on every rank)",
+    ("lightning_workers", "feedgpu", 0): "Lightning's pl_worker_init_function raises ValueError: expected non-negative "
+        "integer in feedgpu's worker 1: torch.initial_seed() there is still the parent's seed (0), not torch's "
+        "base_seed + worker_id, and Lightning subtracts the worker id",
     ("accelerate_shards", "feedgpu", "dataset"): "accelerator.prepare() returns the " + _NOT_TORCH.format(
         fw="accelerate", n=18).replace("feedgpu.DataLoader is", "feedgpu.DataLoader unchanged: it is"),
     ("accelerate_shards", "feedgpu", "pipeline"): "accelerator.prepare() returns the " + _NOT_TORCH.format(
@@ -92,7 +97,7 @@ def cases(test: str, names: str, values: list[tuple]):
         else pytest.param(*v) for v in values])
 
 
-BUILT = [(k, b) for k in KINDS for b in ("before", "inside")]
+RESUMED = [(k, d, b) for k in KINDS for d, b in (("dataset", "before"), ("dataset", "inside"), ("pipeline", "inside"))]
 DATA_BUILT = [(k, d, b) for k in KINDS for d in ("dataset", "pipeline") for b in ("before", "inside")]
 
 
@@ -225,18 +230,20 @@ def test_lightning_ranks_disjoint_and_complete(workdir, kind, data, built):
                   f"lightning {kind} {name} (loader {info(job, name, 'loader')[0]}, sampler {info(job, name, 'sampler')})")
 
 
-@cases("lightning_resume", "kind,built", BUILT)
-def test_lightning_mid_epoch_checkpoint_resumes_exactly_on_2_ranks(workdir, kind, built):
-    full_name = "before_dataset_resumable" if kind == "torch" and built == "before" else f"{built}_dataset"
-    full = run(lightning(workdir, kind, "fit"), full_name)
+@cases("lightning_resume", "kind,data,built", RESUMED)
+def test_lightning_mid_epoch_checkpoint_resumes_exactly_on_2_ranks(workdir, kind, data, built):
+    saved = "before_dataset_resumable" if kind == "torch" and built == "before" else f"{built}_{data}"
+    full = run(lightning(workdir, kind, "fit"), saved)
     resumed_job = lightning(workdir, kind, "resume")
-    resumed = run(resumed_job, f"resume_{built}")
-    where = f"lightning {kind} resume_{built}"
-    assert not any(info(resumed_job, f"resume_{built}", "warnings")), \
-        f"{where}: Lightning found the loader not resumable: {info(resumed_job, f'resume_{built}', 'warnings')}"
+    name = "resume_" + built + ("_pipeline" if data == "pipeline" else "")
+    resumed = run(resumed_job, name)
+    where = f"lightning {kind} {name}"
+    assert not any(info(resumed_job, name, "warnings")), \
+        f"{where}: Lightning found the loader not resumable: {info(resumed_job, name, 'warnings')}"
     assert_resumed(full, resumed, where)
     # nothing repeated or lost over the ranks, before and after the checkpoint together
-    assert_shards(full, *LIGHTNING_DATASET, f"{where} (the uninterrupted run)")
+    assert_shards(full, *(LIGHTNING_DATASET if data == "dataset" else LIGHTNING_PIPELINE),
+                  f"{where} (the uninterrupted run)")
 
 
 def test_lightning_plain_torch_loader_restarts_an_interrupted_epoch(workdir):
@@ -251,17 +258,29 @@ def test_lightning_plain_torch_loader_restarts_an_interrupted_epoch(workdir):
         assert [b[:3] for b in f[:RESUMED_AFTER]] + [b[:3] for b in g] != [b[:3] for b in f]
 
 
-@cases("lightning_workers", "kind", [(k,) for k in KINDS])
-def test_lightning_seed_everything_workers_with_2_workers(workdir, kind):
-    job = lightning(workdir, kind, "workers")
-    per_rank = run(job, "workers_dataset")
-    assert_shards(per_rank, *LIGHTNING_DATASET, f"lightning {kind} workers_dataset")
-    for epoch in range(EPOCHS):  # Lightning's worker seeding gives every worker of every rank its own stream
+def assert_distinct_draws(per_rank: list[list], where: str) -> None:
+    """Lightning's worker seeding gives every worker of every rank its own NumPy stream."""
+    for epoch in range(EPOCHS):
         drawn = [d for rk in per_rank for b in rk if b[0] == epoch for d in b[3]]
+        across = len(set(epoch_samples_draws(per_rank[0], epoch)) & set(epoch_samples_draws(per_rank[1], epoch)))
         repeats = len(drawn) - len(set(drawn))
-        assert repeats == 0, f"lightning {kind}: epoch {epoch}: {repeats} of {len(drawn)} NumPy draws repeated " \
-                             "in the workers (their RNG streams were not seeded apart)"
-    assert_shards(run(job, "workers_pipeline"), *LIGHTNING_PIPELINE, f"lightning {kind} workers_pipeline")
+        assert repeats == 0, f"{where}: epoch {epoch}: {repeats} of {len(drawn)} NumPy draws in the workers repeated " \
+                             f"({across} shared by rank 0 and rank 1): their RNG streams were not seeded apart"
+
+
+def epoch_samples_draws(batches: list, epoch: int) -> list[int]:
+    return [d for b in batches if b[0] == epoch for d in b[3]]
+
+
+@cases("lightning_workers", "kind,seed", [(k, s) for k in KINDS for s in (42, 0)])
+def test_lightning_seed_everything_workers_with_2_workers(workdir, kind, seed):
+    job = lightning(workdir, kind, "workers")
+    where = f"lightning {kind} seed_everything({seed}, workers=True)"
+    if seed == 42:
+        assert_shards(run(job, "workers_pipeline"), *LIGHTNING_PIPELINE, f"{where} workers_pipeline")
+    per_rank = run(job, "workers_dataset" if seed == 42 else "workers_seed0")
+    assert_shards(per_rank, *LIGHTNING_DATASET, where)
+    assert_distinct_draws(per_rank, where)
 
 
 # -- accelerate -----------------------------------------------------------------------------------

@@ -9,15 +9,15 @@ indices of every batch its ``training_step`` got, with the epoch (``fwcommon.Rec
 SCENARIO:
   fit     loaders built BEFORE the Trainer (before any process group exists) and passed to
           fit(), then built inside ``train_dataloader()``: the index dataset and the image
-          folder, 2 epochs each. The dataset runs save a ModelCheckpoint every 2 steps (step 2
-          is mid-epoch 0). torch's runs that are resumed use ResumableTorchLoader (plain torch
+          folder, 2 epochs each. The dataset runs and inside_pipeline save a ModelCheckpoint
+          every 2 steps (step 2 is mid-epoch 0). torch's runs that are resumed use ResumableTorchLoader (plain torch
           has no loader state, so Lightning restarts the epoch: run ``before_dataset``).
   resume  fit(ckpt_path=CKPT_DIR/<run>/step=2.ckpt) on 2 ranks with fresh loaders, built the
           same way as in the run that saved the checkpoint.
   workers seed_everything(42, workers=True) and num_workers=2, both kinds of data, loaders
           built inside ``train_dataloader()`` (where sharding does not depend on the process
           group's timing); the dataset draws one number per sample from NumPy's global RNG
-          inside the worker.
+          inside the worker. Last, the dataset again after seed_everything(0, workers=True).
 """
 from __future__ import annotations
 
@@ -94,19 +94,24 @@ def main() -> int:
             runs.append(("before_dataset_resumable", loader("dataset", resumable=True), True, None))
         runs += [("before_pipeline", loader("pipeline"), False, None),
                  ("inside_dataset", lambda: loader("dataset", resumable=True), True, None),
-                 ("inside_pipeline", lambda: loader("pipeline"), False, None)]
+                 ("inside_pipeline", lambda: loader("pipeline", resumable=True), True, None)]
     elif SCENARIO == "resume":
         saved = "before_dataset_resumable" if torch_only else "before_dataset"
         runs = [("resume_before", loader("dataset", resumable=True), False, f"{CKPT}/{saved}/{step}"),
-                ("resume_inside", lambda: loader("dataset", resumable=True), False, f"{CKPT}/inside_dataset/{step}")]
+                ("resume_inside", lambda: loader("dataset", resumable=True), False, f"{CKPT}/inside_dataset/{step}"),
+                ("resume_inside_pipeline", lambda: loader("pipeline", resumable=True), False,
+                 f"{CKPT}/inside_pipeline/{step}")]
         if torch_only:
             runs.append(("resume_plain", loader("dataset"), False, f"{CKPT}/before_dataset/{step}"))
     elif SCENARIO == "workers":
         runs = [("workers_dataset", lambda: loader("dataset", workers=2, draws=True), False, None),
-                ("workers_pipeline", lambda: loader("pipeline", workers=2), False, None)]
+                ("workers_pipeline", lambda: loader("pipeline", workers=2), False, None),
+                ("workers_seed0", lambda: loader("dataset", workers=2, draws=True), False, None)]
     else:
         raise SystemExit(f"unknown scenario {SCENARIO}")
     for name, made, ckpt, ckpt_path in runs:
+        if name == "workers_seed0":  # a base seed below the worker ids (Lightning subtracts the worker id)
+            L.seed_everything(0, workers=True)
         rec = records.new(name)
         t = trainer(name, ckpt)
         try:
