@@ -27,11 +27,29 @@ def initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def rank_world() -> tuple[int, int]:
+    """``(rank, world_size)`` of the default process group, ``(0, 1)`` when none is initialized."""
+    import torch.distributed as dist
+
+    if initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 def agree_on_length(get_len: Callable[[], int]) -> int:
     """Call ``get_len()`` on every rank and compare: returns the common sample count.
 
     Raises :class:`ConfigError` (on every rank) when a rank failed or holds no sample, or the
     counts differ. Collective: every rank of the default group must call it."""
+    return agree(get_len, 0)[0]
+
+
+def agree(get_len: Callable[[], int], seed: int) -> tuple[int, int]:
+    """:func:`agree_on_length`, and rank 0's ``seed``: ``(samples, seed)``.
+
+    Every rank must shuffle with the same seed, or the ranks' shards of their different
+    permutations overlap; a torch Dataset's loader draws its seed from torch's RNG, which
+    ranks need not have seeded alike, so every rank takes rank 0's. Collective."""
     import torch.distributed as dist
 
     n, err = None, None
@@ -40,18 +58,18 @@ def agree_on_length(get_len: Callable[[], int]) -> int:
     except FeedgpuError as e:  # report it to the other ranks first, then raise it here too
         err = f"{type(e).__name__}: {e}"
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (n, err))
+    dist.all_gather_object(gathered, (n, err, int(seed)))
     me = dist.get_rank()
-    failed = [(r, e) for r, (_, e) in enumerate(gathered) if e is not None]
-    empty = [r for r, (k, e) in enumerate(gathered) if e is None and k == 0]
+    failed = [(r, e) for r, (_, e, _) in enumerate(gathered) if e is not None]
+    empty = [r for r, (k, e, _) in enumerate(gathered) if e is None and k == 0]
     if failed or empty:
         lines = [f"  rank {r}: {e}" for r, e in failed] + [f"  rank {r}: no samples" for r in empty]
         raise ConfigError(f"rank {me}: not every rank has data, so ranks would get different numbers of "
                           "batches and training would hang; every rank must index the same dataset "
                           "(feedgpu shards it):\n" + "\n".join(lines))
-    counts = [k for k, _ in gathered]
+    counts = [k for k, _, _ in gathered]
     if len(set(counts)) > 1:
         raise ConfigError(f"rank {me}: ranks index different numbers of samples ({', '.join(f'rank {r}: {k}' for r, k in enumerate(counts))}); "
                           "every rank must index the same dataset (feedgpu shards it over the ranks), "
                           "else ranks get different numbers of batches and training hangs")
-    return n
+    return n, gathered[0][2]

@@ -14,6 +14,15 @@ Rules (same as ``torch.utils.data.DistributedSampler`` where it has one):
   remaining ``n mod (w * batch_size)`` samples of that epoch's order are not used that epoch.
 
 Every rank gets the same number of batches, and nothing here depends on the worker count.
+
+Global position (resume on any world size): after ``k`` batches on every rank, the ranks together
+have consumed exactly the first ``min(k * w * batch_size, n)`` indices of the epoch order (a
+prefix: rank ``r`` takes positions ``r, r + w, ...``). A loader's state records that prefix length
+(``samples_seen``), not a rank's cursor. :meth:`ShardedOrder.view` shards what remains of the epoch
+order after such a prefix over this loader's ranks with the same rules (padding with the head of
+the epoch order, or dropping the incomplete tail), so a run resumed on another world size
+delivers the rest of the epoch exactly once (plus the documented padding), and a run resumed on
+the same world size gets exactly the batches it would have got.
 """
 from __future__ import annotations
 
@@ -72,32 +81,96 @@ class ShardedOrder:
             return np.arange(self.n, dtype=np.int64)
         return np.random.default_rng([self.seed & _SEED_MASK, int(epoch)]).permutation(self.n).astype(np.int64)
 
+    def view(self, epoch: int, start: int = 0) -> "EpochShard":
+        """This rank's batches of ``epoch`` after the first ``start`` indices of the epoch order
+        were consumed by all ranks together (``0 <= start <= n``; see the module docstring)."""
+        if self._cached is not None and self._cached[0] == (epoch, start):
+            return self._cached[1]
+        v = EpochShard(self, int(epoch), int(start))
+        self._cached = ((epoch, start), v)
+        return v
+
     def shard(self, epoch: int) -> np.ndarray:
         """This rank's indices for ``epoch`` (int64, length ``num_batches * batch_size`` or less)."""
-        if self._cached is not None and self._cached[0] == epoch:
-            return self._cached[1]
-        order = self.epoch_order(epoch)
-        total = self.per_rank * self.world_size
-        if total > self.n:
-            order = np.resize(order, total)  # repeats the head: the padding rule
-        mine = order[:total][self.rank::self.world_size]
-        self._cached = (epoch, mine)
-        return mine
+        return self.view(epoch).indices
 
     def batch(self, epoch: int, b: int) -> np.ndarray:
         """Indices of batch ``b`` (0-based) of ``epoch`` for this rank."""
-        if not 0 <= b < self.num_batches:
-            raise IndexError(f"batch {b} out of range [0, {self.num_batches})")
-        return self.shard(epoch)[b * self.batch_size:(b + 1) * self.batch_size]
+        return self.view(epoch).batch(b)
 
     def spares(self, epoch: int, b: int, k: int) -> np.ndarray:
-        """``k`` replacement indices for samples of batch ``b`` that get skipped: drawn from this
-        rank's shard with ``default_rng([seed, epoch, rank, b, 1])``, so they are the same
-        however many workers run. A replacement repeats a sample of the epoch."""
-        mine = self.shard(epoch)
-        rng = np.random.default_rng([self.seed & _SEED_MASK, int(epoch), self.rank, int(b), 1])
-        return mine[rng.integers(0, len(mine), size=k)]
+        """``k`` replacement indices for samples of batch ``b`` that get skipped (see
+        :meth:`EpochShard.spares`)."""
+        return self.view(epoch).spares(b, k)
+
+    def position(self, batches: int) -> int:
+        """Indices of the epoch order consumed by all ranks after ``batches`` batches each (from
+        the epoch's start)."""
+        return min(batches * self.world_size * self.batch_size, self.n)
 
     def config(self) -> dict:
         return {"n": self.n, "batch_size": self.batch_size, "shuffle": self.shuffle, "seed": self.seed,
                 "rank": self.rank, "world_size": self.world_size, "drop_last": self.drop_last}
+
+
+class EpochShard:
+    """One rank's batches of one epoch, after the first ``start`` indices of the epoch order.
+
+    Attributes:
+        indices: this rank's indices (int64), ``num_batches`` batches of ``batch_size`` (the last
+            one partial under ``drop_last=False`` when the remainder requires it).
+        num_batches: this rank's batches (the same on every rank; 0 when ``start == n``).
+        start: the global position this view begins at.
+        first: the number of its first batch: batches are numbered ``first, first + 1, ...``
+            (``start // (world_size * batch_size)``: a view from a position saved on the same
+            world size numbers its batches as the whole epoch does).
+    """
+
+    def __init__(self, order: ShardedOrder, epoch: int, start: int):
+        if not 0 <= start <= order.n:
+            raise ValueError(f"sampler: position {start} is not in [0, {order.n}]")
+        self.order, self.epoch, self.start = order, epoch, start
+        w, bs = order.world_size, order.batch_size
+        self.first = start // (w * bs)
+        full = order.epoch_order(epoch)
+        rest = full[start:]
+        m = len(rest)
+        if order.drop_last:
+            self.num_batches = m // (w * bs)
+            per_rank = self.num_batches * bs
+        else:
+            per_rank = math.ceil(m / w)
+            self.num_batches = math.ceil(per_rank / bs)
+        total = per_rank * w
+        if total > m:  # the padding rule: repeat the head of the epoch order
+            rest = np.concatenate([rest, np.resize(full, total - m)])
+        self.indices = rest[:total][order.rank::w]
+        self._full: np.ndarray | None = self.indices if start == 0 else None
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def batch(self, b: int) -> np.ndarray:
+        """Indices of batch ``b`` (numbered from :attr:`first`)."""
+        k = b - self.first
+        if not 0 <= k < self.num_batches:
+            raise IndexError(f"batch {b} out of range [{self.first}, {self.first + self.num_batches})")
+        bs = self.order.batch_size
+        return self.indices[k * bs:(k + 1) * bs]
+
+    def position(self, b: int) -> int:
+        """The global position once every rank took the batches before batch ``b``."""
+        o = self.order
+        return min(self.start + (b - self.first) * o.world_size * o.batch_size, o.n)
+
+    def spares(self, b: int, k: int) -> np.ndarray:
+        """``k`` replacement indices for samples of batch ``b`` that get skipped: drawn from this
+        rank's whole-epoch shard with ``default_rng([seed, epoch, rank, position, 1])`` (the
+        position where the batch starts), so they are the same however many workers run and
+        after a resume on the same world size. A replacement repeats a sample of the epoch."""
+        o = self.order
+        if self._full is None:
+            self._full = EpochShard(o, self.epoch, 0).indices
+        pos = self.start + (b - self.first) * o.world_size * o.batch_size
+        rng = np.random.default_rng([o.seed & _SEED_MASK, int(self.epoch), o.rank, int(pos), 1])
+        return self._full[rng.integers(0, len(self._full), size=k)]

@@ -1,0 +1,340 @@
+"""One pass over an epoch's batches, behind :class:`feedgpu.DataLoader`.
+
+The loader (the torch-facing front, :mod:`feedgpu.loader`) chooses the order and the work; an
+:class:`EpochIterator` submits batches of indices to the pool (or runs them inline), hands the
+results to the training loop in order, counts skips against the budget and records the position
+the loader's ``state_dict()`` reports.
+
+As in torch, an exception raised while loading one batch (in the dataset, a stage or
+``collate_fn``) is raised by that ``next()`` and the following ``next()`` gives the next batch;
+a worker that died beyond recovery, a timeout and an exceeded skip budget end the iteration.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+import warnings
+
+import numpy as np
+
+from .errors import SkipBudgetExceeded
+from .exec.process_pool import unpack_exception
+from .sampling import ShardedOrder
+from .skips import SkipBudget, epoch_samples
+
+_tags = itertools.count(1)
+
+
+class BatchFailed(Exception):
+    """Internal: the batch's own work raised (``cause``); the iteration may go on."""
+
+    def __init__(self, cause: BaseException):
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+class Ahead:
+    """The next epoch's first batches, submitted to persistent workers while the current epoch
+    ends, so the training loop does not wait for the pool to refill at every epoch start. The
+    next iteration adopts them if it starts that epoch from its first batch; otherwise they are
+    dropped (results discarded on arrival). Batches depend only on (seed, epoch, batch), so
+    computing them early changes nothing in what is delivered."""
+
+    def __init__(self, epoch: int, pool):
+        self.epoch, self.pool, self.tag = epoch, pool, next(_tags)
+        self.pending: dict[int, tuple] = {}
+        self.ready: dict[int, tuple] = {}
+        self.submitted = 0
+
+    def __len__(self) -> int:
+        return len(self.pending) + len(self.ready)
+
+    def drop(self, work) -> None:
+        for seq, task in self.pending.items():
+            work.orphans[(self.tag, seq)] = task
+        for task, _, _ in self.ready.values():
+            work.discard(task)
+        self.pending.clear()
+        self.ready.clear()
+
+
+class EpochIterator:
+    """One pass over an epoch's batches, from position ``start`` (see the order's ``view``);
+    batches come out in order."""
+
+    def __init__(self, loader, order, epoch: int, start: int, deferred_commit: bool = False):
+        self.loader, self.epoch, self.order = loader, epoch, order
+        self.view = order.view(epoch, start)
+        first = self.next_b = self.view.first   # batches are numbered as in the whole epoch
+        # With device prefetch, a batch counts as seen when the prefetcher hands it to the
+        # training loop (it calls commit()), not when it leaves the CPU pool.
+        self.deferred = deferred_commit
+        self.uncommitted: list[tuple[int, int]] = []
+        self.nb = first + self.view.num_batches   # the end of the numbering
+        self.tag = next(_tags)
+        self.closed = False
+        self.pending: dict[int, tuple] = {}      # seq -> task (submitted, result not yet used)
+        self.ready: dict[int, tuple] = {}        # seq -> (task, ok, payload)
+        self._batches = (self.view.batch(b) for b in range(first, self.nb))
+        self.submitted = first
+        self.budget = SkipBudget(loader._max_skipped, epoch_samples(order), epoch)
+        self._bad: set[str] = set()   # keys skipped in this epoch
+        self._peeked: dict[int, np.ndarray] = {}   # inline mode: batch -> indices, read ahead
+        self._peeked_to = first
+        self.inline = (loader.num_workers == 0 and not loader._executor.remote) or loader._engine.name == "dali"
+        self.work = loader._make_work()
+        self.work.refresh()  # workers forked below inherit an up-to-date cache index
+        self.pool = None if self.inline else loader._acquire_pool()
+        if self.pool is not None and loader._autoscaler is not None:
+            loader._autoscaler.start(self.pool.pids())
+        self.ahead: Ahead | None = None      # the next epoch's batches this iterator submits
+        self._adopt(loader, order, epoch, start)
+        loader._position = (epoch, start)
+        if start == 0:
+            loader._rows_seen = 0
+            loader._batches_seen = 0
+        self._fill()
+
+    def _adopt(self, loader, order, epoch: int, start: int) -> None:
+        """Take over the batches the previous iteration submitted for this epoch, if they fit."""
+        ahead, loader._ahead = loader._ahead, None
+        if ahead is None:
+            return
+        if ahead.epoch != epoch or start != 0 or ahead.pool is not self.pool or self.pool is None:
+            ahead.drop(self.work)
+            return
+        self.tag, self.pending, self.ready = ahead.tag, ahead.pending, ahead.ready
+        self.submitted = ahead.submitted
+        self._batches = (self.view.batch(b) for b in range(self.submitted, self.nb))
+
+    def _lookahead_ok(self) -> bool:
+        loader = self.loader
+        # not with a cache: its rows become readable at the epoch-end flush, which must come first
+        return (loader.persistent_workers and isinstance(self.order, ShardedOrder) and self.pool is not None
+                and loader._cache_settings is None)
+
+    def _indices(self, b: int) -> np.ndarray:
+        """Indices of batch ``b`` (inline mode reads ``prefetch_factor`` batches ahead)."""
+        while self._peeked_to <= b:
+            self._peeked[self._peeked_to] = next(self._batches)
+            self._peeked_to += 1
+        for old in [k for k in self._peeked if k < self.next_b]:
+            del self._peeked[old]
+        return self._peeked[b]
+
+    def _spares(self, b: int, size: int, epoch: int | None = None) -> np.ndarray:
+        if self.loader.pipeline is None:
+            return np.zeros(0, np.int64)
+        view = self.view if epoch is None or epoch == self.epoch else self.order.view(epoch)
+        return view.spares(b, max(4, size))
+
+    def _submit(self, tag: int, seq: int, epoch: int, indices: np.ndarray, pending: dict) -> None:
+        task = self.work.task(tag, seq, epoch, indices, self._spares(seq, len(indices), epoch))
+        self.pool.submit(task)
+        pending[seq] = task
+
+    def _fill(self) -> None:
+        limit = self.loader._inflight_limit()
+        while (self.submitted < self.nb and len(self.pending) + len(self.ready) < limit
+               and self.work.can_submit()):
+            self._submit(self.tag, self.submitted, self.epoch, next(self._batches), self.pending)
+            self.submitted += 1
+        if self.submitted < self.nb or not self._lookahead_ok():
+            return
+        # this epoch is all submitted: start the next one's first batches with the spare capacity
+        nxt = self.epoch + 1
+        if self.ahead is None:
+            self.ahead = Ahead(nxt, self.pool)
+        a = self.ahead
+        full = len(self.order)
+        while (a.submitted < full and len(self.pending) + len(self.ready) + len(a) < limit
+               and self.work.can_submit()):
+            self._submit(a.tag, a.submitted, nxt, self.order.view(nxt).batch(a.submitted), a.pending)
+            a.submitted += 1
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.closed or self.next_b >= self.nb:
+            self.close()
+            raise StopIteration
+        b = self.next_b
+        t0 = time.perf_counter()
+        try:
+            if self.inline:
+                indices = self._indices(b)
+                if hasattr(self.work, "prefetch"):  # DALI: start this and the next batches, in order
+                    for k in range(b, min(self.nb, b + 1 + self.loader._prefetch)):
+                        ks = self._indices(k)
+                        self.work.prefetch(k, self.epoch, ks, self._spares(k, len(ks)))
+                    batch, report = self.work.run_inline(b, self.epoch, indices, self._spares(b, len(indices)))
+                else:
+                    try:
+                        batch, report = self.work.run_inline(b, self.epoch, indices,
+                                                             self._spares(b, len(indices)))
+                    except Exception as e:  # noqa: BLE001 - the batch's own error: raised, then go on
+                        raise BatchFailed(e) from None
+            else:
+                batch, report = self._wait(b)
+        except BatchFailed as failed:  # as torch: this next() raises, the next one gives batch b + 1
+            self._skip_failed(b)
+            raise failed.cause
+        except BaseException:
+            self.close()
+            self.loader._release_pool(force=True)  # after an error, even persistent workers restart
+            raise
+        loader = self.loader
+        if report is not None:
+            if report.skipped:  # a bad sample met again as another's spare: one skip per epoch
+                report.skipped = [s for s in report.skipped if s[0] not in self._bad]
+                self._bad.update(key for key, _, _ in report.skipped)
+            loader._stats.add_report(report)
+            if report.skipped:
+                try:
+                    self.budget.add(report.skipped)
+                except SkipBudgetExceeded:
+                    self.close()
+                    loader._release_pool(force=True)
+                    raise
+        rows = _rows(batch)
+        waited = time.perf_counter() - t0
+        loader._stats.delivered(rows, waited)
+        if loader._autoscaler is not None and not self.inline:
+            d = loader._autoscaler.on_batch(rows, waited, self.pool.pids(),
+                                            remote_started=getattr(self.pool, "remote_started", None))
+            if d is not None and d.changes:
+                self._apply(d)
+        self.next_b = b + 1
+        if loader.pin_memory:
+            batch = _pin(batch)
+        if self.deferred:
+            self.uncommitted.append((b, rows))
+        else:
+            self._commit(b, rows)
+        if self.next_b >= self.nb:
+            self.close()
+        return batch
+
+    def _apply(self, d) -> None:
+        """Resize the pool and the prefetch depth between two batches (the epoch goes on)."""
+        loader = self.loader
+        if d.workers != self.pool.num_workers:
+            self.pool.resize(d.workers)
+        if d.remote_workers != getattr(self.pool, "remote_workers", 0):
+            self.pool.resize_remote(d.remote_workers)
+        loader._set_live(d.workers, d.prefetch)
+        self._fill()
+
+    def _skip_failed(self, b: int) -> None:
+        """Batch ``b`` raised: it counts as consumed (a resume does not meet it again)."""
+        self.next_b = b + 1
+        if self.deferred:
+            self.uncommitted.append((b, 0))
+        else:
+            self._commit(b, 0)
+        if self.next_b >= self.nb:
+            self.close()
+        elif not self.inline:
+            self._fill()
+
+    def commit(self) -> None:
+        """The oldest batch handed out by this iterator has reached the training loop."""
+        self._commit(*self.uncommitted.pop(0))
+
+    def _commit(self, b: int, rows: int) -> None:
+        loader = self.loader
+        if b + 1 >= self.nb:  # the epoch is complete: the next iteration starts the next one
+            loader._epoch = self.epoch + 1
+            loader._position = (self.epoch + 1, 0)
+            loader._rows_seen = 0
+            loader._batches_seen = 0
+        else:
+            loader._position = (self.epoch, self.view.position(b + 1))
+            loader._rows_seen += rows
+            loader._batches_seen += 1
+
+    def _wait(self, b: int):
+        while b not in self.ready:
+            tag, seq, wid, ok, payload = self.pool.get(self.loader.timeout or None)
+            if tag is None:  # worker_init_fn failed
+                raise unpack_exception(payload, "in worker_init_fn")
+            if self.ahead is not None and tag == self.ahead.tag:  # the next epoch's, kept for it
+                self.ahead.ready[seq] = (self.ahead.pending.pop(seq), ok, payload)
+                continue
+            if tag != self.tag:  # from an abandoned iteration of persistent workers
+                orphan = self.work.orphans.pop((tag, seq), None)
+                if orphan is not None:
+                    self.work.discard(orphan)
+                continue
+            self.ready[seq] = (self.pending.pop(seq), ok, payload)
+        task, ok, payload = self.ready.pop(b)
+        if not ok:  # raised in batch order: every earlier batch has been delivered
+            self.work.discard(task)
+            raise BatchFailed(unpack_exception(payload, f"while assembling batch {b} of epoch {self.epoch}"))
+        batch = self.work.finish(task, payload)
+        self._fill()
+        report = payload if self.loader.pipeline is not None else None
+        return batch, report
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        keep_pool = self.loader.persistent_workers
+        for seq, task in self.pending.items():
+            if keep_pool:  # its result still comes and is dropped on arrival
+                self.work.orphans[(self.tag, seq)] = task
+            else:  # the workers are stopped below: nothing writes there any more
+                self.work.discard(task)
+        self.pending.clear()
+        for task, _, _ in self.ready.values():
+            self.work.discard(task)
+        self.ready.clear()
+        if self.ahead is not None:
+            if self.next_b >= self.nb and keep_pool:  # finished: the next iteration may adopt them
+                self.loader._ahead = self.ahead
+            else:
+                self.ahead.drop(self.work)
+            self.ahead = None
+        if self.inline:
+            self.work.on_exit()  # workers do this when they stop
+        elif keep_pool and self.loader._cache_settings is not None and not self.pool.closed:
+            self._flush_workers()
+        self.loader._release_pool()
+
+    def _flush_workers(self) -> None:
+        """Persistent workers write what they cached this epoch, so the next one reads it."""
+        try:
+            for tag, seq, _, _, _ in self.pool.flush():
+                orphan = self.work.orphans.pop((tag, seq), None)
+                if orphan is not None:
+                    self.work.discard(orphan)
+        except Exception as e:  # noqa: BLE001 - the cache is an optimisation: never fail training
+            warnings.warn(f"feedgpu cache: workers could not write their rows at the end of the epoch ({e})",
+                          stacklevel=3)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _rows(batch) -> int:
+    first = batch[0] if isinstance(batch, (tuple, list)) else (next(iter(batch.values())) if isinstance(batch, dict) else batch)
+    return len(first) if hasattr(first, "__len__") else 1
+
+
+def _pin(batch):
+    import torch
+
+    if isinstance(batch, torch.Tensor):
+        return batch.pin_memory()
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(_pin(x) for x in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_pin(x) for x in batch)
+    if isinstance(batch, dict):
+        return {k: _pin(v) for k, v in batch.items()}
+    return batch

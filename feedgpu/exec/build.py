@@ -1,0 +1,73 @@
+"""What a :class:`~feedgpu.DataLoader` runs its batches with: the work object and the pool.
+
+The work object holds what one batch needs (a pipeline's stages and shared-memory slots, DALI's
+pipeline, a torch Dataset with its ``collate_fn``, a table pipeline); the pool runs its tasks
+in worker processes (and with ``executor: ray`` on remote workers too).
+"""
+from __future__ import annotations
+
+from .assemble import Assembler
+from .process_pool import ProcessPool
+from .work import DatasetWork, PipelineWork
+
+
+def make_work(loader):
+    """The work object of ``loader``'s current settings (buffers sized for its largest pool)."""
+    prefetch = loader._prefetch
+    inflight = loader.num_workers * prefetch
+    most = inflight
+    auto = loader._autoscaler
+    if auto is not None:  # buffers for the largest pool the balancer may choose
+        c = auto.policy.config
+        most = max(inflight, (c.max_workers + auto.max_remote) * c.max_prefetch)
+    elif loader._executor.remote:
+        inflight = most = (loader.num_workers + loader._remote_start) * prefetch
+    p, device, engine = loader.pipeline, loader._device, loader._engine
+    if p is not None and engine.name == "dali":
+        from .dali_engine import DaliWork
+
+        plan = p.plan(device)
+        dev_id = int(device.split(":")[1]) if device.startswith("cuda:") else 0
+        return DaliWork(p.source, plan, loader.seed, loader._on_error, loader._batch_size,
+                        device=engine.dali_device(device), threads=engine.threads or max(1, loader.num_workers),
+                        device_id=dev_id, hw_decoder_load=engine.hw_decoder_load,
+                        window_decode=engine.window_decode, in_dali_batch_stage=not plan.batch_on_device,
+                        ahead=prefetch)
+    if p is not None:
+        plan = p.plan(device)
+        entry = None
+        if loader._cache_settings is not None:
+            from ..cache import open_entry
+
+            entry = open_entry(loader._cache_settings, p.source, p.stages, plan)
+        asm = Assembler(p.source, plan, loader.seed, loader._on_error, cache=entry)
+        work = PipelineWork(asm, loader._batch_size, most, populate=inflight)
+        if auto is not None:
+            auto.buffer_bytes = work.slots.nbytes * (inflight + work.keep_views)
+        return work
+    if hasattr(loader.dataset, "make_work"):  # a dataset that batches itself (feedgpu.tabular)
+        return loader.dataset.make_work(loader.seed)
+    return DatasetWork(loader.dataset, loader._collate, loader.seed)
+
+
+def make_pool(loader, work):
+    """A :class:`ProcessPool` for ``work``, or with ``executor: ray`` a
+    :class:`~feedgpu.exec.mixed_pool.MixedPool` (local workers, if any, and remote ones)."""
+    local = None
+    if loader.num_workers > 0:
+        # with a cache, workers get time to write their last rows when they stop
+        local = ProcessPool(work.handle, loader.num_workers, loader.worker_init_fn, on_exit=work.on_exit,
+                            grace_s=10.0 if loader._cache_settings is not None else 1.0,
+                            describe=getattr(work, "describe", None), on_start=getattr(work, "on_start", None))
+    if not loader._executor.remote:
+        return local
+    from .mixed_pool import MixedPool
+
+    auto = loader._autoscaler
+    remote = auto.remote if auto is not None else loader._remote_start
+    try:
+        return MixedPool(local, work.remote_handler(), work.land, remote, loader._executor)
+    except BaseException:
+        if local is not None:
+            local.close()
+        raise

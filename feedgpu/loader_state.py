@@ -1,0 +1,78 @@
+"""The checkpoint schema of :class:`feedgpu.DataLoader` (``state_dict`` / ``load_state_dict``).
+
+``feedgpu.loader/2``::
+
+    {"format": "feedgpu.loader/2",
+     "fingerprint": str,      # the source's identity: another dataset is refused
+     "epoch": int,            # the epoch the next batch belongs to
+     "samples_seen": int,     # feedgpu's own order: indices of the epoch order consumed by ALL
+                              # ranks together (a prefix, feedgpu.sampling); a user sampler: the
+                              # samples this rank received this epoch
+     "batches_seen": int,     # batches this rank received this epoch (informational for
+                              # feedgpu's own order; the position for a user sampler)
+     "seed": int,
+     "world_size": int,       # of the run that saved it (informational)
+     "sampler": {...},        # the order's settings, without rank and world size
+     "num_batches": int}      # len(loader) of the run that saved it
+
+Any rank can load any rank's state: with feedgpu's own order, each rank derives its share of
+what remains of the epoch from the global position, on the world size it runs with now (another
+world size or worker count continues the same global order, nothing repeated or lost). A resume
+is a seek: nothing is replayed. States of format ``feedgpu.loader/1`` (per-rank positions) load
+too when they were saved on the world size the loader runs with.
+"""
+from __future__ import annotations
+
+from .errors import StateError
+
+FORMAT = "feedgpu.loader/2"
+_OLD = "feedgpu.loader/1"
+_RANKLESS = ("rank", "world_size", "seed")
+
+
+def order_settings(config: dict) -> dict:
+    """An order's settings as a state records them (no rank, world size or seed)."""
+    return {k: v for k, v in config.items() if k not in _RANKLESS}
+
+
+def make_state(fingerprint: str, epoch: int, start: int, batches: int, rows: int, seed: int, config: dict,
+               sharded: bool, num_batches: int) -> dict:
+    return {"format": FORMAT, "fingerprint": fingerprint, "epoch": int(epoch),
+            "samples_seen": int(start if sharded else rows), "batches_seen": int(batches), "seed": int(seed),
+            "world_size": int(config.get("world_size", 1)), "sampler": order_settings(config),
+            "num_batches": int(num_batches)}
+
+
+def read_state(state, fingerprint: str, config: dict, sharded: bool) -> tuple[int, int, int, int, int]:
+    """``(epoch, start, batches, rows, seed)`` to resume from ``state``.
+
+    ``start`` is the global position for feedgpu's order, the batches to skip for a user sampler.
+    Raises :class:`StateError` for a state of another format, dataset or order (the differences
+    are listed)."""
+    if not isinstance(state, dict) or state.get("format") not in (FORMAT, _OLD):
+        raise StateError(f"not a feedgpu loader state (format {FORMAT!r} expected)")
+    if state.get("fingerprint") != fingerprint:
+        raise StateError("the state was saved for another dataset (source fingerprint differs)")
+    saved = dict(state["sampler"])
+    if state["format"] == _OLD:
+        saved_world = saved.get("world_size", 1)
+        if sharded and saved_world != config.get("world_size", 1):
+            raise StateError(f"a {_OLD} state holds per-rank positions: it resumes only on the world size it "
+                             f"was saved with (world_size: saved {saved_world}, here {config.get('world_size', 1)})")
+    mine, theirs = order_settings(config), order_settings(saved)
+    diff = {k: (theirs.get(k), mine.get(k)) for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k)}
+    if diff:
+        raise StateError("the state's sampler differs from this loader's: " +
+                         ", ".join(f"{k}: saved {a!r}, here {b!r}" for k, (a, b) in sorted(diff.items())))
+    epoch, batches, seed = int(state["epoch"]), int(state["batches_seen"]), int(state["seed"])
+    rows = int(state.get("samples_seen", 0))
+    if not sharded:
+        return epoch, batches, batches, rows, seed
+    if state["format"] == _OLD:
+        start = min(batches * config["world_size"] * config["batch_size"], config["n"])
+    else:
+        start = rows
+    if not 0 <= start <= config["n"]:
+        raise StateError(f"samples_seen {start} is not in [0, {config['n']}]")
+    same_world = int(state.get("world_size", saved.get("world_size", 1))) == config.get("world_size", 1)
+    return epoch, start, batches if same_world else 0, 0, seed

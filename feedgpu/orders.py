@@ -1,0 +1,140 @@
+"""Which batches a :class:`~feedgpu.DataLoader` reads: its own sharded order, a user's sampler,
+and the torch samplers it shows to frameworks.
+
+* feedgpu's own order is :class:`~feedgpu.sampling.ShardedOrder` (seeded, sharded, resumable on any
+  world size). The loader exposes it to frameworks as torch samplers: ``loader.sampler`` is a
+  :class:`OrderSampler` (a ``RandomSampler`` when shuffling, else a ``SequentialSampler``, so
+  Lightning and accelerate recognise "the default sampler" and inject their distributed one) and
+  ``loader.batch_sampler`` a plain ``torch.utils.data.BatchSampler`` over it.
+* A ``torch.utils.data.DistributedSampler`` given as ``sampler`` (what Lightning injects when it
+  re-creates a loader) is read, not iterated: its ``rank``, ``num_replicas``, ``shuffle`` and
+  ``epoch`` (set by ``set_epoch``) choose feedgpu's sharded order, so the loader keeps its
+  seeded order, exact resume and skip budget. The order differs from the one the sampler would
+  give, with the same sharding rules (:mod:`feedgpu.sampling`).
+* Any other ``sampler`` or ``batch_sampler`` is a :class:`UserOrder`: iterated as torch does.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import torch.utils.data as tud
+
+from .sampling import ShardedOrder
+
+
+class OrderSampler:
+    """Mixin of the samplers a loader shows for its own order: iterating gives the indices of the
+    loader's next epoch in its order (all ranks' indices, before sharding)."""
+
+    def _bind(self, loader) -> None:
+        self._loader = loader
+
+    def __iter__(self):
+        loader = self._loader
+        order = loader._sharded_order(collective=False)
+        return iter(order.epoch_order(loader._position[0]).tolist())
+
+    def __len__(self) -> int:
+        return self._loader._num_samples()
+
+
+class OrderRandomSampler(OrderSampler, tud.RandomSampler):
+    """``loader.sampler`` of a shuffling loader (a ``RandomSampler`` for frameworks' checks)."""
+
+    def __init__(self, loader, generator=None):
+        tud.RandomSampler.__init__(self, loader.dataset, generator=generator)
+        self._bind(loader)
+
+
+class OrderSequentialSampler(OrderSampler, tud.SequentialSampler):
+    """``loader.sampler`` of a loader that does not shuffle."""
+
+    def __init__(self, loader):
+        tud.SequentialSampler.__init__(self, loader.dataset)
+        self._bind(loader)
+
+
+def reads_as_sharding(sampler) -> bool:
+    """True for a plain ``DistributedSampler``, whose settings feedgpu's order takes over."""
+    return type(sampler) is tud.DistributedSampler
+
+
+class UserOrder:
+    """Batches from a user's ``sampler`` or ``batch_sampler``. Resuming replays the sampler for
+    the epoch (after ``set_epoch`` when it has one) and skips the batches already seen, so the
+    sampler must give the same order for the same epoch."""
+
+    def __init__(self, n: int, sampler, batch_sampler, batch_size: int, drop_last: bool, seed: int):
+        self.n, self.sampler, self.batch_sampler = n, sampler, batch_sampler
+        self.batch_size, self.drop_last, self.seed = batch_size, drop_last, seed
+
+    def __len__(self) -> int:
+        if self.batch_sampler is not None:
+            return len(self.batch_sampler)
+        k = len(self.sampler)
+        return k // self.batch_size if self.drop_last else math.ceil(k / self.batch_size)
+
+    def view(self, epoch: int, start: int = 0) -> "UserView":
+        """The epoch's batches after the first ``start`` ones (start counts batches here)."""
+        return UserView(self, epoch, start)
+
+    def batches(self, epoch: int):
+        src = self.batch_sampler if self.batch_sampler is not None else self.sampler
+        if hasattr(src, "set_epoch"):
+            src.set_epoch(epoch)
+        if self.batch_sampler is not None:
+            for b in self.batch_sampler:
+                yield np.asarray(list(b), dtype=np.int64)
+            return
+        it = iter(self.sampler)
+        while True:
+            chunk = list(itertools.islice(it, self.batch_size))
+            if not chunk or (self.drop_last and len(chunk) < self.batch_size):
+                return
+            yield np.asarray(chunk, dtype=np.int64)
+
+    def config(self) -> dict:
+        return {"sampler": type(self.batch_sampler or self.sampler).__name__, "n": self.n,
+                "batch_size": self.batch_size, "drop_last": self.drop_last}
+
+
+class UserView:
+    """One epoch of a :class:`UserOrder`, read in order from batch ``start``."""
+
+    def __init__(self, order: UserOrder, epoch: int, start: int):
+        self.order, self.epoch, self.start, self.first = order, epoch, start, start
+        self.num_batches = max(0, len(order) - start)
+        self._it = itertools.islice(order.batches(epoch), start, None)
+        self._next = start
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def batch(self, b: int) -> np.ndarray:
+        """Batch ``b`` of the epoch (from ``start``); batches are read once each, in order."""
+        if b != self._next:
+            raise IndexError(f"a user sampler's batches are read in order: asked {b}, next is {self._next}")
+        self._next += 1
+        return next(self._it)
+
+    def position(self, b: int) -> int:
+        """The position (batches of the epoch) once the batches before ``b`` were taken."""
+        return b
+
+    def spares(self, b: int, k: int) -> np.ndarray:
+        pos = b
+        return np.random.default_rng([self.order.seed & 0xFFFFFFFFFFFFFFFF, self.epoch, pos, 1]).integers(
+            0, self.order.n, size=k)
+
+
+def sharded(n: int, batch_size: int, shuffle: bool, seed: int, rank: int, world_size: int,
+            drop_last: bool, cached: ShardedOrder | None) -> ShardedOrder:
+    """``cached`` when it has these settings, else a new :class:`ShardedOrder`."""
+    want = {"n": n, "batch_size": batch_size, "shuffle": shuffle, "seed": seed, "rank": rank,
+            "world_size": world_size, "drop_last": drop_last}
+    if cached is not None and cached.config() == want:
+        return cached
+    return ShardedOrder(n, batch_size, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size,
+                        drop_last=drop_last)
