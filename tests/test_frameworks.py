@@ -58,35 +58,22 @@ RESUMED_AFTER = 2         # batches of epoch 0 before the checkpoint (both scrip
 
 
 #: feedgpu cases that fail today, each with what was seen (strict: they turn red once fixed).
-_NOT_TORCH = ("feedgpu.DataLoader is not a torch.utils.data.DataLoader, so {fw} leaves it as given, and it fixed "
-              "its world at construction (1, no process group yet): every rank trains on all {n} samples in the same order")
+_SAME_ORDER = ("prepare() rebuilds a torch DataLoader over loader.dataset with BatchSamplerShard(loader.batch_sampler); "
+               "the ranks' shards are disjoint and complete, but every epoch has epoch 0's order: loader.sampler "
+               "(OrderRandomSampler) iterates the order of the loader's own epoch, and nothing moves it, since "
+               "accelerate never iterates the feedgpu loader and calls set_epoch on the sampler only where it has one")
 XFAIL = {
-    ("lightning_shards", "feedgpu", "dataset", "before"): _NOT_TORCH.format(
-        fw="Lightning (which re-creates only torch DataLoaders, with a DistributedSampler)", n=21),
-    ("lightning_shards", "feedgpu", "pipeline", "before"): _NOT_TORCH.format(
-        fw="Lightning (which re-creates only torch DataLoaders, with a DistributedSampler)", n=20),
-    ("lightning_resume", "feedgpu", "dataset", "before"): "the resume itself continues, but the uninterrupted run is not "
-        "sharded: " + _NOT_TORCH.format(fw="Lightning", n=21),
-    ("lightning_resume", "feedgpu", "dataset", "inside"): "Lightning saves rank 0's loader state and loads it on every rank: "
-        "rank 1 raises StateError: the state's sampler differs from this loader's: rank: saved 0, here 1; rank 0 "
-        "then fails in a gloo barrier (Connection closed by peer)",
-    ("lightning_workers", "feedgpu", 42): "Lightning sets its worker_init_fn on the loader (it only needs the "
-        "attribute), but feedgpu's workers reseed torch, NumPy and random before every batch from (seed, epoch, batch "
-        "number), the same on every rank: rank 0's and rank 1's workers draw the same numbers (11 of 22 per epoch)",
-    ("lightning_resume", "feedgpu", "pipeline", "inside"): "not reached today: the resume script stops at the "
-        "dataset's inside resume (StateError on rank 1, the same rank 0 state loaded on every rank)",
+    ("lightning_workers", "feedgpu", 42): "Lightning sets its worker_init_fn on the loader, but feedgpu's workers "
+        "reseed torch, NumPy and random before every batch from (seed, epoch, batch number), the same on every rank: "
+        "rank 0's and rank 1's workers draw the same numbers (11 of 22 per epoch)",
     ("lightning_workers", "feedgpu", 0): "Lightning's pl_worker_init_function raises ValueError: expected non-negative "
         "integer in feedgpu's worker 1: torch.initial_seed() there is still the parent's seed (0), not torch's "
         "base_seed + worker_id, and Lightning subtracts the worker id",
-    ("accelerate_shards", "feedgpu", "dataset"): "accelerator.prepare() returns the " + _NOT_TORCH.format(
-        fw="accelerate", n=18).replace("feedgpu.DataLoader is", "feedgpu.DataLoader unchanged: it is"),
-    ("accelerate_shards", "feedgpu", "pipeline"): "accelerator.prepare() returns the " + _NOT_TORCH.format(
-        fw="accelerate", n=20).replace("feedgpu.DataLoader is", "feedgpu.DataLoader unchanged: it is"),
-    ("accelerate_sync", "feedgpu"): "prepare() leaves the loader unwrapped, so accelerate never learns where an "
-        "epoch ends: epoch 0's last (9th) batch has sync_gradients False",
-    ("accelerate_resume", "feedgpu"): "accelerator.skip_first_batches(loader, 2) raises AttributeError: "
-        "'DataLoader' object has no attribute 'sampler' (it rebuilds a torch DataLoader from the loader's "
-        "sampler/batch_sampler)",
+    ("accelerate_shards", "feedgpu", "dataset"): _SAME_ORDER,
+    ("accelerate_shards", "feedgpu", "pipeline"): "prepare() rebuilds a torch DataLoader over loader.dataset, here the "
+        "Pipeline: torch's fetcher raises TypeError: 'Pipeline' object is not subscriptable",
+    ("accelerate_resume", "feedgpu"): "the resume itself is exact (skip_first_batches over the rebuilt torch "
+        "loader), but the uninterrupted run repeats epoch 0's order in epoch 1: " + _SAME_ORDER,
 }
 
 
