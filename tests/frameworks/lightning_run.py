@@ -10,8 +10,9 @@ SCENARIO:
   fit     loaders built BEFORE the Trainer (before any process group exists) and passed to
           fit(), then built inside ``train_dataloader()``: the index dataset and the image
           folder, 2 epochs each. The dataset runs and inside_pipeline save a ModelCheckpoint
-          every 2 steps (step 2 is mid-epoch 0). torch's runs that are resumed use ResumableTorchLoader (plain torch
-          has no loader state, so Lightning restarts the epoch: run ``before_dataset``).
+          every 2 steps (step 2 is mid-epoch 0). torch's runs that are resumed use
+          ResumableTorchLoader (plain torch has no loader state, so Lightning restarts the
+          epoch; recorded by resuming run ``before_dataset``, as ``resume_plain``).
   resume  fit(ckpt_path=CKPT_DIR/<run>/step=2.ckpt) on 2 ranks with fresh loaders, built the
           same way as in the run that saved the checkpoint.
   workers seed_everything(42, workers=True) and num_workers=2, both kinds of data, loaders
