@@ -75,7 +75,8 @@ class EpochIterator:
         self.closed = False
         self.pending: dict[int, tuple] = {}      # seq -> task (submitted, result not yet used)
         self.ready: dict[int, tuple] = {}        # seq -> (task, ok, payload)
-        self._batches = (self.view.batch(b) for b in range(first, self.nb))
+        view = self.view   # not self: the generator would hold the iterator in a cycle
+        self._batches = (view.batch(b) for b in range(first, self.nb))
         self.submitted = first
         self.budget = SkipBudget(loader._max_skipped, epoch_samples(order), epoch)
         self._bad: set[str] = set()   # keys skipped in this epoch
@@ -105,7 +106,8 @@ class EpochIterator:
             return
         self.tag, self.pending, self.ready = ahead.tag, ahead.pending, ahead.ready
         self.submitted = ahead.submitted
-        self._batches = (self.view.batch(b) for b in range(self.submitted, self.nb))
+        view = self.view
+        self._batches = (view.batch(b) for b in range(self.submitted, self.nb))
 
     def _lookahead_ok(self) -> bool:
         loader = self.loader
@@ -161,6 +163,7 @@ class EpochIterator:
             raise StopIteration
         b = self.next_b
         t0 = time.perf_counter()
+        cause = None
         try:
             if self.inline:
                 indices = self._indices(b)
@@ -178,12 +181,18 @@ class EpochIterator:
             else:
                 batch, report = self._wait(b)
         except BatchFailed as failed:  # as torch: this next() raises, the next one gives batch b + 1
-            self._skip_failed(b)
-            raise failed.cause
+            cause = failed.cause
         except BaseException:
             self.close()
             self.loader._release_pool(force=True)  # after an error, even persistent workers restart
             raise
+        if cause is not None:
+            self._skip_failed(b)
+            # raised outside the handler (no context) and without `self` in this frame, which the
+            # traceback keeps: an iterator the caller drops (an exception leaving a for loop) is
+            # freed and stops its workers at once
+            del self
+            raise cause
         loader = self.loader
         if report is not None:
             if report.skipped:  # a bad sample met again as another's spare: one skip per epoch

@@ -127,9 +127,10 @@ class DataLoader(tud.DataLoader[T_co]):
                  rank: int | None = None, world_size: int | None = None, device: str | None = None,
                  on_error: str | None = None, cache=None, engine=None, max_skipped=_UNSET, executor=None,
                  stats_callback: Callable[[dict], None] | None = None):
-        if isinstance(dataset, tud.IterableDataset):
-            raise ConfigError("feedgpu.DataLoader needs a map-style dataset or a Pipeline: an IterableDataset "
-                              "has no random access, so shuffling, sharding and exact resume cannot be honoured")
+        self._iterable = None
+        if isinstance(dataset, tud.IterableDataset):  # run as torch runs it (feedgpu.exec.iterable)
+            self._init_iterable(dataset, locals())
+            return
         if multiprocessing_context not in (None, "fork") and getattr(multiprocessing_context, "_name", None) != "fork":
             raise ConfigError("multiprocessing_context: feedgpu workers are forked (they inherit the index and "
                               "shared-memory buffers); only None or 'fork' is allowed")
@@ -256,6 +257,32 @@ class DataLoader(tud.DataLoader[T_co]):
                 self._set_live(self._autoscaler.workers, self._autoscaler.prefetch)
         self._frozen = True
 
+    def _init_iterable(self, dataset, given: dict) -> None:
+        from .exec.iterable import runner_for_loader
+
+        def arg(name, default):
+            return default if given[name] is _UNSET else given[name]
+
+        opts = {k: given[k] for k in ("seed", "rank", "world_size", "device", "on_error", "cache", "engine",
+                                      "executor", "stats_callback")}
+        opts["max_skipped"] = arg("max_skipped", None)
+        r = self._iterable = runner_for_loader(
+            dataset, shuffle=given["shuffle"], sampler=given["sampler"], batch_sampler=given["batch_sampler"],
+            batch_size=arg("batch_size", 1), num_workers=arg("num_workers", 0), collate_fn=given["collate_fn"],
+            pin_memory=given["pin_memory"], drop_last=arg("drop_last", False), timeout=arg("timeout", 0),
+            worker_init_fn=given["worker_init_fn"], multiprocessing_context=given["multiprocessing_context"],
+            generator=given["generator"], prefetch_factor=given["prefetch_factor"],
+            persistent_workers=arg("persistent_workers", False), feedgpu_options=opts,
+            in_order=given["in_order"], pin_memory_device=given["pin_memory_device"])
+        self.dataset, self.pipeline, self.batch_size, self.drop_last = dataset, None, r.batch_size, r.drop_last
+        self.num_workers, self.prefetch_factor, self.timeout = r.num_workers, r.prefetch_factor, r.timeout
+        self.collate_fn, self.worker_init_fn, self.pin_memory = r.collate_fn, r.worker_init_fn, r.pin_memory
+        self.persistent_workers, self.generator, self.sampler, self.batch_sampler = r.persistent_workers, \
+            given["generator"], None, None
+        self.pin_memory_device, self.in_order, self.shuffle = given["pin_memory_device"], given["in_order"], False
+        self.multiprocessing_context = given["multiprocessing_context"] if r.num_workers > 0 else None
+        self._frozen = True
+
     def _settings(self, dataset, p, collate_fn, device, on_error, cache, engine, max_skipped, executor, unbatched) -> None:
         """Resolve feedgpu's own settings (private: the public attributes keep what was given)."""
         if p is not None:
@@ -345,6 +372,8 @@ class DataLoader(tud.DataLoader[T_co]):
         return self._order
 
     def __len__(self) -> int:
+        if self._iterable is not None:
+            return len(self._iterable)
         return len(self._sharded_order(collective=False))
 
     def set_epoch(self, epoch: int) -> None:
@@ -353,7 +382,10 @@ class DataLoader(tud.DataLoader[T_co]):
         Right after :meth:`load_state_dict`, ``set_epoch`` of the restored epoch keeps the restored
         position (a loop ``for epoch in range(start, n): loader.set_epoch(epoch)`` resumes mid-epoch
         without repeating batches); any other epoch starts from its first batch. With a
-        ``DistributedSampler`` as ``sampler``, its ``set_epoch`` does the same."""
+        ``DistributedSampler`` as ``sampler``, its ``set_epoch`` does the same. An
+        ``IterableDataset``'s own ``set_epoch`` is called, if it has one."""
+        if self._iterable is not None:
+            return self._iterable.set_epoch(epoch)
         epoch = int(epoch)
         if self._restored is not None and self._restored[0] == epoch:
             self._epoch, self._start = self._restored
@@ -367,6 +399,8 @@ class DataLoader(tud.DataLoader[T_co]):
         return self._engine.name == "dali" and self._engine.dali_device(self._device) == "gpu"
 
     def __iter__(self):
+        if self._iterable is not None:
+            return iter(self._iterable)
         self._close_live()
         sampler_epoch = getattr(self.sampler, "epoch", None) if reads_as_sharding(self.sampler) else None
         if sampler_epoch is not None and sampler_epoch != self._sharding_epoch:
@@ -418,7 +452,10 @@ class DataLoader(tud.DataLoader[T_co]):
     def state_dict(self) -> dict:
         """Where the training loop is, counted in batches it received (prefetched ones are not
         counted); the schema is in :mod:`feedgpu.loader_state`. Any rank may load it, on any
-        world size and worker count."""
+        world size and worker count. For an ``IterableDataset``: see
+        :meth:`feedgpu.exec.iterable.IterableRunner.state_dict`."""
+        if self._iterable is not None:
+            return self._iterable.state_dict()
         order = self._sharded_order(collective=False)
         epoch, start = self._position
         return loader_state.make_state(self._source_fingerprint(), epoch, start, self._batches_seen,
@@ -431,6 +468,8 @@ class DataLoader(tud.DataLoader[T_co]):
 
         Raises :class:`StateError` when the state comes from another dataset, batch size or
         sampler (the differences are listed)."""
+        if self._iterable is not None:
+            return self._iterable.load_state_dict(state)
         order = self._sharded_order(collective=False)
         sharded_ = isinstance(order, ShardedOrder)
         epoch, start, batches, rows, seed = loader_state.read_state(state, self._source_fingerprint(),
@@ -480,6 +519,8 @@ class DataLoader(tud.DataLoader[T_co]):
         return self._autoscaler
 
     def worker_pids(self) -> list[int]:
+        if self._iterable is not None:
+            return self._iterable.worker_pids() if hasattr(self._iterable, "worker_pids") else []
         return self._pool.pids() if self._pool is not None and not self._pool.closed else []
 
     # -- workers --------------------------------------------------------------------------------
@@ -517,6 +558,8 @@ class DataLoader(tud.DataLoader[T_co]):
     def shutdown(self) -> None:
         """Stop the workers now (also done at epoch end unless ``persistent_workers``, on errors
         and at garbage collection)."""
+        if getattr(self, "_iterable", None) is not None:
+            return self._iterable.shutdown()
         self._close_live()
         self._ahead = None
         self._release_pool(force=True)

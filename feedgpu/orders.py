@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import weakref
 
 import numpy as np
 import torch.utils.data as tud
@@ -29,22 +30,32 @@ class OrderSampler:
     loader's next epoch in its order (all ranks' indices, before sharding)."""
 
     def _bind(self, loader) -> None:
-        self._loader = loader
+        # a weak reference: the loader holds its sampler, and a cycle would keep a dropped
+        # loader's workers running until the garbage collector runs
+        self._loader = weakref.ref(loader)
+
+    def _get(self):
+        loader = self._loader()
+        if loader is None:
+            raise ReferenceError("the DataLoader this sampler shows the order of is gone")
+        return loader
 
     def __iter__(self):
-        loader = self._loader
+        loader = self._get()
         order = loader._sharded_order(collective=False)
         return iter(order.epoch_order(loader._position[0]).tolist())
 
     def __len__(self) -> int:
-        return self._loader._num_samples()
+        return self._get()._num_samples()
 
 
 class OrderRandomSampler(OrderSampler, tud.RandomSampler):
     """``loader.sampler`` of a shuffling loader (a ``RandomSampler`` for frameworks' checks)."""
 
     def __init__(self, loader, generator=None):
-        tud.RandomSampler.__init__(self, loader.dataset, generator=generator)
+        # RandomSampler's own __init__ would read len(dataset) now: a source that fails to open must
+        # fail inside the loader's collective check instead, on every rank alike
+        self.data_source, self.replacement, self._num_samples, self.generator = loader.dataset, False, None, generator
         self._bind(loader)
 
 

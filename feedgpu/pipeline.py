@@ -207,6 +207,50 @@ class Pipeline:
     def __len__(self) -> int:
         return len(self.source)
 
+    def __getitem__(self, index: int):
+        """Sample ``index`` through the stages on the CPU: ``(image, label)``, the image a tensor
+        in the pipeline's per-sample output (e.g. float32 CHW), the label an int.
+
+        This makes a pipeline a map-style torch Dataset for code that builds its own
+        ``torch.utils.data.DataLoader`` around ``loader.dataset`` (``accelerate``'s ``prepare()``
+        does): the samples are right and sharded by that loader's sampler, but feedgpu's pool,
+        shared-memory batches and balancer are not used (a warning says so once per process).
+        Random stages draw per sample from ``(seed, epoch, index)``: the epoch is the one given to
+        :meth:`set_epoch`, else a fresh draw from torch's RNG per call (as torchvision transforms
+        draw). A bad sample raises :class:`~feedgpu.errors.SampleError` (no skip here)."""
+        import warnings
+
+        import numpy as np
+        import torch
+
+        from .exec.assemble import Assembler
+        from .exec.work import PipelineWork
+
+        work = self.__dict__.get("_per_sample")
+        if work is None or work[0] != os.getpid():
+            warnings.warn(f"{self.name}: a Pipeline indexed sample by sample (a torch DataLoader built around "
+                          "it, e.g. by accelerate's prepare()): feedgpu's worker pool, shared-memory batches and "
+                          "balancer are not used; iterate a feedgpu.DataLoader instead (it shards by "
+                          "torch.distributed's rank itself)", stacklevel=2)
+            plan = self.plan("cpu")
+            work = (os.getpid(), PipelineWork(Assembler(self.source, plan, self.seed, "raise"), 1, 0))
+            self.__dict__["_per_sample"] = work
+        epoch = self.__dict__.get("_epoch")
+        if epoch is None:
+            epoch = int(torch.randint(0, 2**31 - 1, ()).item())
+        batch, _ = work[1].run_inline(0, epoch, np.asarray([int(index)], np.int64), np.zeros(0, np.int64))
+        return batch.images[0], int(batch.labels[0])
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch random stages draw for in :meth:`__getitem__` (a feedgpu.DataLoader has its
+        own)."""
+        self.__dict__["_epoch"] = int(epoch)
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state.pop("_per_sample", None)  # rebuilt in the process that indexes it
+        return state
+
     def __bool__(self) -> bool:
         # always true: ``if pipeline`` must not open (and index) the source through __len__
         return True

@@ -156,6 +156,9 @@ def no_leaked_workers():
     """Fails the test when it leaves worker processes behind."""
     before = child_pids()
     yield
+    import gc
+
+    gc.collect()  # an exception's traceback can hold a loader in a reference cycle (as torch's)
     left = wait_gone(child_pids() - before, timeout=10.0)
     assert not left, f"worker processes left behind: {left}"
 

@@ -724,7 +724,7 @@ def test_the_same_yaml_runs_on_either_engine(folder_ds):
     assert_close(pi, di, VAL_TOL, "yaml")
     # a DataLoader argument switches the engine of the same pipeline
     loader = DataLoader(py, engine="dali")
-    assert loader.engine.name == "dali"
+    assert loader.engine_settings.name == "dali"
     next(iter(loader))
     assert loader.stats()["engine"]["name"] == "dali"
     loader.shutdown()

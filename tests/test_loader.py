@@ -250,13 +250,7 @@ def test_state_from_another_loader_is_rejected(src, sources):
 
 
 # -- torch's arguments ---------------------------------------------------------------------------------
-class Stream(tud.IterableDataset):
-    def __iter__(self):
-        yield from range(3)
-
-
 @pytest.mark.parametrize("make_kwargs, torch_rejects", [
-    (lambda: dict(dataset=Stream()), False),
     (lambda: dict(dataset=IndexDataset(), batch_sampler=tud.BatchSampler(tud.SequentialSampler(range(50)), 4, False),
                   batch_size=4), True),
     (lambda: dict(dataset=IndexDataset(), sampler=tud.SequentialSampler(range(50)), shuffle=True), True),

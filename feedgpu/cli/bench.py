@@ -146,7 +146,7 @@ def feedgpu_subject(pipeline, workers: int, batch_size: int, device: str = "cpu"
 
     loader = DataLoader(pipeline, batch_size=batch_size, num_workers=workers, device=device,
                         persistent_workers=persistent and workers > 0, engine=engine)
-    eng = loader.engine
+    eng = loader.engine_settings
     if eng.name == "dali":
         dd = eng.dali_device()
         n = eng.threads or max(1, workers)

@@ -1,0 +1,212 @@
+"""The worker processes behind :class:`feedgpu.exec.iterable.IterableRunner`, seen from the main
+process: starting them, their messages (protocol in :mod:`feedgpu.exec.iterable_worker`),
+flow control, death and timeout detection, and a shutdown that never hangs.
+
+Each worker has one duplex pipe; the main process reads every worker's pipe while it waits for
+one of them, so no worker stays blocked on a full pipe. Each worker holds at most
+``prefetch_factor`` credits, so at most that many of its batches are in flight. There is no
+queue feeder thread on either side (pipes are written synchronously), and the processes are
+daemons, closed at the end of a pass, when their iterator is dropped, at garbage collection and
+at interpreter exit: asked to stop, then terminated, then killed.
+"""
+from __future__ import annotations
+
+import collections
+import multiprocessing.connection as mpc
+import os
+import signal
+import time
+import weakref
+
+from ..errors import LoaderTimeout, WorkerError
+from .iterable_worker import worker_loop
+
+POLL_S = 0.1
+GRACE_S = 1.0
+DYING_S = 5.0   # seconds a worker whose pipe closed gets to exit before it is killed   # seconds the workers get to stop by themselves before they are terminated
+
+
+def _close(owner: int, procs: list, conns: list, grace_s: float = GRACE_S) -> None:
+    if os.getpid() != owner:   # a forked copy of this object in a worker: not ours to stop
+        return
+    for c in conns:
+        try:
+            c.send(("stop",))
+        except (OSError, ValueError, EOFError):
+            pass
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+            p.join(1.0)
+        if p.is_alive():
+            p.kill()
+            p.join(1.0)
+    for c in conns:
+        try:
+            c.close()
+        except OSError:
+            pass
+
+
+def death_message(pid: int, exitcode: int, wid: int) -> str:
+    """torch's wording for a dead worker, then feedgpu's detail."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.strsignal(-exitcode) or f"signal {-exitcode}"
+        except ValueError:
+            name = f"signal {-exitcode}"
+        msg = f"DataLoader worker (pid {pid}) is killed by signal: {name}. "
+        if -exitcode == signal.SIGKILL:
+            msg += "(feedgpu: SIGKILL often comes from the kernel's out-of-memory killer, see dmesg; "
+        else:
+            msg += "(feedgpu: "
+    else:
+        msg = (f"DataLoader worker (pid {pid}) exited unexpectedly with exit code {exitcode}. Details are lost "
+               "due to multiprocessing. Rerunning with num_workers=0 may give better error trace. (feedgpu: ")
+    return msg + f"it was IterableDataset worker {wid})"
+
+
+class WorkerSet:
+    """``runner.num_workers`` processes, each iterating its own copy of ``runner.dataset``."""
+
+    def __init__(self, runner, base_seed: int):
+        self.base_seed = base_seed
+        self.prefetch = int(runner.prefetch_factor)
+        n = runner.num_workers
+        ctx = runner.multiprocessing_context
+        self.procs: list = []
+        self.conns: list = []
+        self.queues = [collections.deque() for _ in range(n)]
+        self.stopped: set[int] = set()     # workers told to exit: their exit is no death
+        self.dead_conns: set[int] = set()
+        self.closed = False
+        self._finalizer = weakref.finalize(self, _close, os.getpid(), self.procs, self.conns)
+        try:
+            for w in range(n):
+                mine, theirs = ctx.Pipe(duplex=True)
+                p = ctx.Process(target=worker_loop, name=f"feedgpu-iterable-{w}", daemon=True,
+                                args=(w, n, runner.dataset, theirs, base_seed, runner.worker_init_fn,
+                                      runner.batch_size, runner.drop_last, runner.collate_fn, runner.stateful,
+                                      os.getpid()))
+                p.start()
+                theirs.close()
+                self.procs.append(p)
+                self.conns.append(mine)
+        except BaseException:
+            self.close()
+            raise
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    # -- sending -----------------------------------------------------------------------------------
+    def _send(self, w: int, msg: tuple) -> None:
+        if w in self.stopped or w in self.dead_conns:
+            return
+        try:
+            self.conns[w].send(msg)
+        except (OSError, ValueError, EOFError):
+            self.dead_conns.add(w)   # its death is reported when it is waited for
+
+    def reset(self, w: int, epoch: int, state) -> None:
+        """Start pass ``epoch`` in worker ``w`` (from ``state`` when not None)."""
+        self.queues[w] = collections.deque(m for m in self.queues[w] if m[1] == epoch)
+        self._send(w, ("reset", epoch, self.prefetch, state))
+
+    def credit(self, w: int, epoch: int) -> None:
+        self._send(w, ("credit", epoch, 1))
+
+    def stop(self, w: int) -> None:
+        """Let worker ``w`` exit (its stream is exhausted and the workers do not persist)."""
+        self._send(w, ("stop",))
+        self.stopped.add(w)
+
+    # -- receiving --------------------------------------------------------------------------------
+    def _pump(self, wait_s: float) -> None:
+        """Read what every worker has sent (waiting up to ``wait_s``); raise for a dead worker."""
+        live = {self.conns[w]: w for w in range(len(self.procs)) if w not in self.dead_conns}
+        sentinels = [self.procs[w].sentinel for w in range(len(self.procs)) if w not in self.stopped]
+        ready = mpc.wait(list(live) + sentinels, timeout=wait_s) if live or sentinels else []
+        for c in ready:
+            w = live.get(c)
+            if w is None:
+                continue
+            try:
+                while c.poll(0):
+                    self.queues[w].append(c.recv())
+            except (EOFError, OSError):   # closed: the worker died (reported below) or is dying
+                self.dead_conns.add(w)
+            except Exception as e:  # noqa: BLE001 - a message this process cannot rebuild
+                if self.procs[w].exitcode is None:
+                    raise WorkerError(f"a batch from DataLoader worker (pid {self.procs[w].pid}) could not be "
+                                      f"received ({type(e).__name__}: {e}); what a batch holds must be importable in "
+                                      "the main process") from e
+                self.dead_conns.add(w)
+        for w, p in enumerate(self.procs):
+            if w not in self.stopped and p.exitcode is not None:
+                self.stopped.add(w)
+                raise WorkerError(death_message(p.pid, p.exitcode, w))
+
+    def get(self, w: int, epoch: int, timeout: float = 0) -> tuple:
+        """Worker ``w``'s next message of pass ``epoch``. Raises :class:`LoaderTimeout` after
+        ``timeout`` seconds without it (0: wait for ever) and :class:`WorkerError` when any
+        worker died."""
+        deadline = time.monotonic() + timeout if timeout else None
+        q = self.queues[w]
+        while True:
+            while q:
+                m = q.popleft()
+                if m[1] == epoch:
+                    return m
+            if w in self.stopped:
+                raise WorkerError(f"IterableDataset worker {w} (pid {self.procs[w].pid}) has stopped")
+            if w in self.dead_conns and self.procs[w].exitcode is None:
+                self.procs[w].join(DYING_S)   # its pipe broke: it is dying, report how
+                if self.procs[w].exitcode is None:
+                    self.procs[w].kill()
+                    self.procs[w].join(1.0)
+            wait = POLL_S if deadline is None else max(0.0, min(POLL_S, deadline - time.monotonic()))
+            self._pump(wait)
+            q = self.queues[w]
+            if not q and deadline is not None and time.monotonic() >= deadline:
+                raise LoaderTimeout(f"DataLoader timed out after {timeout} seconds (feedgpu: waiting for "
+                                    f"IterableDataset worker {w}, pid {self.procs[w].pid})")
+
+    def wait_ready(self, w: int, epoch: int, pos: dict, timeout: float | None = None) -> None:
+        """Read worker ``w``'s "ready" of pass ``epoch`` (its start state) into
+        ``pos["workers"][w]``, leaving its other messages queued."""
+        deadline = time.monotonic() + timeout if timeout else None
+        while True:
+            for m in self.queues[w]:
+                if m[1] == epoch and m[0] in ("ready", "end", "error"):
+                    if m[0] == "ready":
+                        pos["workers"][w] = m[2]
+                        self.queues[w].remove(m)
+                    return
+            if deadline is not None and time.monotonic() >= deadline:
+                return
+            self._pump(POLL_S)
+
+    def close(self) -> None:
+        """Stop every worker now."""
+        self.closed = True
+        if self._finalizer.alive:
+            self._finalizer()
+
+
+def pin(batch):
+    """``batch`` with its tensors in pinned memory (tensors inside tuples, lists, dicts)."""
+    import torch
+
+    if isinstance(batch, torch.Tensor):
+        return batch.pin_memory()
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(pin(x) for x in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(pin(x) for x in batch)
+    if isinstance(batch, dict):
+        return {k: pin(v) for k, v in batch.items()}
+    return batch

@@ -1,0 +1,261 @@
+"""The worker side of :mod:`feedgpu.exec.iterable`: batching an ``IterableDataset``'s stream
+(:class:`Fetcher`, also used in the main process with ``num_workers=0``) and the loop of one
+worker process (:func:`worker_loop`).
+
+Messages on a worker's duplex pipe (tuples, sent with multiprocessing's ForkingPickler, for
+which ``torch.multiprocessing`` registers tensor reductions: tensors travel in shared memory)::
+
+    main -> worker   ("reset", epoch, credits, state)   start a pass, from ``state`` if not None
+                     ("credit", epoch, k)               produce k more batches of that pass
+                     ("stop",)                          exit
+    worker -> main   ("ready", epoch, snapshot, None)   the pass started (snapshot: its state)
+                     ("batch", epoch, data, snapshot)   a batch and the state right after it
+                     ("error", epoch, packed, snapshot) the batch raised (see :func:`pack_error`)
+                     ("end", epoch, None, None)         the worker's stream is exhausted
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import signal
+import traceback
+
+POLL_S = 0.2   # how often an idle worker checks that its parent is alive
+
+
+def is_stateful(obj) -> bool:
+    """torchdata's ``Stateful`` protocol: callable ``state_dict()`` and ``load_state_dict()``."""
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+class Fetcher:
+    """Batches from one pass over ``dataset``, as torch's iterable fetcher makes them.
+
+    ``batch_size=None``: each item through ``collate_fn`` (torch's ``default_convert`` by
+    default); else up to ``batch_size`` items through ``collate_fn``; the last, shorter batch is
+    dropped with ``drop_last``; after a short batch the pass has ended without asking the
+    iterator again. ``state`` (a :meth:`snapshot`) restores the pass: the dataset loads its part
+    before ``iter()``, the iterator its own part (when it is Stateful) after.
+    """
+
+    def __init__(self, dataset, batch_size: int | None, drop_last: bool, collate_fn, stateful: bool,
+                 state: dict | None = None):
+        self.dataset, self.batch_size, self.drop_last, self.collate_fn = dataset, batch_size, drop_last, collate_fn
+        self.stateful = stateful
+        self.ended = False
+        ds_state = None
+        if stateful:
+            if state is not None:
+                dataset.load_state_dict(state["dataset"])
+                ds_state = state["dataset"]
+            else:
+                ds_state = dataset.state_dict()
+        self.it = iter(dataset)
+        if stateful and state is not None:
+            if state.get("iterator") is not None and is_stateful(self.it):
+                self.it.load_state_dict(state["iterator"])
+            self.ended = bool(state.get("ended", False))
+        self.start = self._snap(ds_state) if stateful else None
+
+    def _snap(self, ds_state) -> dict:
+        return {"dataset": ds_state, "iterator": self.it.state_dict() if is_stateful(self.it) else None,
+                "ended": self.ended}
+
+    def snapshot(self) -> dict | None:
+        """The state after the last batch (None when the dataset is not Stateful)."""
+        return self._snap(self.dataset.state_dict()) if self.stateful else None
+
+    def next_batch(self):
+        """The next batch; raises ``StopIteration`` at the end of the pass."""
+        if self.ended:
+            raise StopIteration
+        if self.batch_size is None:
+            return self.collate_fn(next(self.it))
+        items = []
+        for _ in range(self.batch_size):
+            try:
+                items.append(next(self.it))
+            except StopIteration:
+                self.ended = True
+                break
+        if not items or (self.drop_last and len(items) < self.batch_size):
+            raise StopIteration
+        return self.collate_fn(items)
+
+
+def pack_error(e: BaseException, wid: int) -> tuple:
+    """A worker's exception for the trip to the main process: (pickled or None, type name,
+    message, formatted traceback, worker id, pid)."""
+    tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    try:
+        blob = pickle.dumps(e)
+        pickle.loads(blob)
+    except Exception:  # noqa: BLE001 - an exception that does not pickle travels as text
+        blob = None
+    return (blob, type(e).__name__, str(e), tb, wid, os.getpid())
+
+
+def unpack_error(packed: tuple) -> BaseException:
+    """The worker's exception, same type where it pickled (else :class:`WorkerError`), with
+    torch's wording and the worker's traceback as a note."""
+    from ..errors import WorkerError
+
+    blob, name, msg, tb, wid, pid = packed
+    exc = None
+    if blob is not None:
+        try:
+            exc = pickle.loads(blob)
+        except Exception:  # noqa: BLE001
+            exc = None
+    if exc is None:
+        exc = WorkerError(f"{name}: {msg}")
+    note = f"Caught {name} in DataLoader worker process {wid} (pid {pid}).\nOriginal {tb}"
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:  # Python 3.10
+        exc.args = (f"{exc.args[0] if exc.args else ''}\n{note}", *exc.args[1:])
+    return exc
+
+
+def _numpy_seed(base_seed: int, wid: int):
+    """numpy's seed in worker ``wid``: the one torch's workers use (computed by torch's own
+    function when it has it), else a SeedSequence of the same entropy."""
+    try:
+        from torch.utils.data._utils.worker import _generate_state
+
+        return _generate_state(base_seed, wid)
+    except ImportError:  # pragma: no cover - other torch versions
+        import numpy as np
+
+        return np.random.SeedSequence([wid, base_seed & 0xFFFFFFFF, base_seed >> 32]).generate_state(4)
+
+
+def seed_worker(base_seed: int, wid: int, num_workers: int, dataset) -> int:
+    """Seed this process as torch seeds its worker ``wid`` and make ``get_worker_info()``
+    answer; returns the worker's seed (``base_seed + wid``)."""
+    import torch
+    import torch.utils.data._utils.worker as torch_worker
+
+    seed = base_seed + wid
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(_numpy_seed(base_seed, wid))
+    except ImportError:  # pragma: no cover
+        pass
+    # torch.utils.data.get_worker_info() returns this module variable of torch's worker module
+    # (set the same way by torch's own worker loop): assigning it is the only way to make the
+    # public function answer in a feedgpu worker.
+    torch_worker._worker_info = torch_worker.WorkerInfo(id=wid, num_workers=num_workers, seed=seed,
+                                                        dataset=dataset)
+    return seed
+
+
+def _send(conn, msg: tuple, wid: int, epoch) -> None:
+    try:
+        conn.send(msg)
+    except (BrokenPipeError, EOFError, ConnectionResetError):
+        raise
+    except Exception as e:  # noqa: BLE001 - the batch cannot travel: say why instead of dying
+        from ..errors import SharedMemoryError, WorkerError
+
+        if isinstance(e, OSError) and "space" in str(e).lower():
+            err: Exception = SharedMemoryError(
+                f"a worker could not put its batch in shared memory ({type(e).__name__}: {e}); torch shares "
+                "tensors through /dev/shm: give the container more (docker --shm-size) or lower batch_size")
+        else:
+            err = WorkerError(f"a worker could not send its batch to the main process ({type(e).__name__}: "
+                              f"{e}); a batch must be picklable")
+        conn.send(("error", epoch, pack_error(err, wid), msg[3] if len(msg) > 3 else None))
+
+
+def worker_loop(wid: int, num_workers: int, dataset, conn, base_seed: int, init_fn, batch_size, drop_last: bool,
+                collate_fn, stateful: bool, parent_pid: int) -> None:
+    """Body of worker ``wid``: seeds as torch does, runs ``init_fn(wid)``, then serves passes
+    over its copy of ``dataset`` as the main process asks (module doc). An exception from
+    ``init_fn`` or ``iter(dataset)`` is sent as the first batch of the pass, which then ends;
+    one from producing a batch is that batch, and the pass goes on."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C interrupts the main process, which stops us
+    import torch
+    import torch.multiprocessing  # noqa: F401  registers the tensor reductions used by conn.send
+
+    torch.set_num_threads(1)
+    # our parent: the main process (fork, spawn) or the fork server, which exits with the main process
+    parent = os.getppid()
+    seed_worker(base_seed, wid, num_workers, dataset)
+    init_error = None
+    if init_fn is not None:
+        try:
+            init_fn(wid)
+        except Exception as e:  # noqa: BLE001 - reported with the worker's first batch
+            init_error = e
+    epoch, fetcher, credits, ended = None, None, 0, True
+    try:
+        while True:
+            busy = credits > 0 and not ended
+            if conn.poll(0 if busy else POLL_S):
+                msg = conn.recv()
+                if msg[0] == "stop":
+                    return
+                if msg[0] == "credit":
+                    if msg[1] == epoch:
+                        credits += msg[2]
+                    continue
+                # "reset": a new pass
+                epoch, credits, state = msg[1], msg[2], msg[3]
+                fetcher, ended = None, False
+                if state is not None and state.get("finished"):
+                    ended = True
+                    conn.send(("end", epoch, None, None))
+                    continue
+                try:
+                    if init_error is not None:
+                        raise init_error
+                    fetcher = Fetcher(dataset, batch_size, drop_last, collate_fn, stateful, state)
+                except Exception as e:  # noqa: BLE001
+                    init_error, ended = None, True
+                    conn.send(("error", epoch, pack_error(e, wid), None))
+                    conn.send(("end", epoch, None, None))
+                    continue
+                conn.send(("ready", epoch, fetcher.start, None))
+                continue
+            if not busy:
+                if os.getppid() != parent or not _alive(parent_pid):
+                    return
+                continue
+            try:
+                data = fetcher.next_batch()
+            except StopIteration:
+                ended = True
+                conn.send(("end", epoch, None, None))
+                continue
+            except Exception as e:  # noqa: BLE001 - the batch's error, raised in the main process
+                msg = ("error", epoch, pack_error(e, wid), _safe_snapshot(fetcher))
+            else:
+                msg = ("batch", epoch, data, _safe_snapshot(fetcher))
+                del data
+            credits -= 1
+            _send(conn, msg, wid, epoch)
+            del msg
+    except (BrokenPipeError, EOFError, ConnectionResetError, KeyboardInterrupt):
+        return   # the main process is gone or stopped us
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # pragma: no cover - exists, another user's (a reused pid)
+        return True
+    return True
+
+
+def _safe_snapshot(fetcher):
+    try:
+        return fetcher.snapshot()
+    except Exception as e:  # noqa: BLE001 - a broken state_dict() fails state_dict() later, not the batch
+        return {"error": f"{type(e).__name__}: {e}"}
