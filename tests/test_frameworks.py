@@ -61,10 +61,12 @@ RESUMED_AFTER = 2         # batches of epoch 0 before the checkpoint (both scrip
 
 
 #: feedgpu cases that fail today, each with what was seen (strict: they turn red once fixed).
-_SAME_ORDER = ("prepare() rebuilds a torch DataLoader over loader.dataset with BatchSamplerShard(loader.batch_sampler); "
-               "the ranks' shards are disjoint and complete, but every epoch has epoch 0's order: loader.sampler "
-               "(OrderRandomSampler) iterates the order of the loader's own epoch, and nothing moves it, since "
-               "accelerate never iterates the feedgpu loader and calls set_epoch on the sampler only where it has one")
+_GONE = ("after `loader = accelerator.prepare(..., loader)` nothing refers to the feedgpu loader but its sampler's "
+         "weak reference: iterating the prepared loader raises ReferenceError: the DataLoader this sampler shows the "
+         "order of is gone")
+_SAME_ORDER = ("and once it is kept alive every epoch has epoch 0's order: loader.sampler (OrderRandomSampler) "
+               "iterates the order of the loader's own epoch, which nothing moves (accelerate never iterates the "
+               "feedgpu loader, and calls set_epoch on the sampler only where it has one)")
 XFAIL = {
     ("lightning_workers", "feedgpu", 42): "Lightning sets its worker_init_fn on the loader, but feedgpu's workers "
         "reseed torch, NumPy and random before every batch from (seed, epoch, batch number), the same on every rank: "
@@ -72,11 +74,11 @@ XFAIL = {
     ("lightning_workers", "feedgpu", 0): "Lightning's pl_worker_init_function raises ValueError: expected non-negative "
         "integer in feedgpu's worker 1: torch.initial_seed() there is still the parent's seed (0), not torch's "
         "base_seed + worker_id, and Lightning subtracts the worker id",
-    ("accelerate_shards", "feedgpu", "dataset"): _SAME_ORDER,
-    ("accelerate_shards", "feedgpu", "pipeline"): "the Pipeline is the dataset of the rebuilt torch DataLoader "
-        "(Pipeline.__getitem__); " + _SAME_ORDER,
-    ("accelerate_resume", "feedgpu"): "the resume itself is exact (skip_first_batches over the rebuilt torch "
-        "loader), but the uninterrupted run repeats epoch 0's order in epoch 1: " + _SAME_ORDER,
+    ("accelerate_shards", "feedgpu", "dataset"): _GONE + "; " + _SAME_ORDER,
+    ("accelerate_shards", "feedgpu", "pipeline"): "not reached: the script stops at the dataset's ReferenceError "
+        "(the Pipeline takes the same path, as the dataset of the rebuilt torch DataLoader); " + _SAME_ORDER,
+    ("accelerate_sync", "feedgpu"): _GONE,
+    ("accelerate_resume", "feedgpu"): "the uninterrupted run stops: " + _GONE + "; " + _SAME_ORDER,
 }
 
 

@@ -3,7 +3,8 @@
     python -m torch.distributed.run --nproc-per-node 2 --standalone accelerate_run.py KIND SCENARIO OUT_DIR FOLDER STATE_DIR
 
 The loaders are built BEFORE ``Accelerator()`` (before the process group exists), then
-``accelerator.prepare(model, optimizer, loader)``; training runs under
+``model, optimizer, loader = accelerator.prepare(model, optimizer, loader)`` (the script keeps no
+other reference to the loader it built, as a user's script does not); training runs under
 ``gradient_accumulation_steps=2`` inside ``accelerator.accumulate(model)``, 2 epochs, with
 ``loader.set_epoch(epoch)`` each epoch. Every rank records, per batch, the epoch, the batch
 number in the epoch, the sample indices and ``accelerator.sync_gradients``.
@@ -18,6 +19,7 @@ SCENARIO:
 """
 from __future__ import annotations
 
+import gc
 import sys
 
 import fwcommon as fw
@@ -35,10 +37,13 @@ from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import set_seed  # noqa: E402
 
 
-def train(acc: Accelerator, rec: dict, loader, save: bool = False, resume: bool = False) -> None:
+def train(acc: Accelerator, rec: dict, box: list, save: bool = False, resume: bool = False) -> None:
     model = torch.nn.Linear(1, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.001)
+    # as in a user's script, nothing but ``prepare``'s result refers to the loader afterwards
+    loader = box.pop()
     model, opt, loader = acc.prepare(model, opt, loader)
+    gc.collect()
     rec["loader"] = fw.describe(loader)
     rec["length"] = len(loader)
     if resume:
@@ -68,9 +73,9 @@ def main() -> int:
         return fw.make_loader(KIND, data, n=N_DATASET, folder=FOLDER, batch_size=BATCH)
 
     if SCENARIO == "train":
-        runs = [("dataset", loader("dataset"), {"save": True}), ("pipeline", loader("pipeline"), {})]
+        runs = [("dataset", [loader("dataset")], {"save": True}), ("pipeline", [loader("pipeline")], {})]
     elif SCENARIO == "resume":
-        runs = [("resume", loader("dataset"), {"resume": True})]
+        runs = [("resume", [loader("dataset")], {"resume": True})]
     else:
         raise SystemExit(f"unknown scenario {SCENARIO}")
     acc = Accelerator(gradient_accumulation_steps=2, cpu=True)
