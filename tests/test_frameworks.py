@@ -14,8 +14,8 @@ batch the training step got; the tests here check the records:
   first batches (18 samples in batches of 2: 2 repeated);
 * a mid-epoch checkpoint saved by the framework and resumed on 2 ranks continues exactly: the
   batches before the checkpoint followed by those after the resume are the uninterrupted run's;
-* ``seed_everything(42, workers=True)`` with ``num_workers=2`` trains, and the workers' NumPy
-  streams differ;
+* ``seed_everything(42, workers=True)`` (and with seed 0, below the worker ids) with
+  ``num_workers=2`` trains, and the workers' NumPy streams differ (over workers and ranks);
 * with accelerate's ``gradient_accumulation_steps=2`` and an odd number of batches, the last
   batch of each epoch is a sync step.
 
