@@ -18,6 +18,7 @@ import warnings
 import numpy as np
 
 from .errors import SkipBudgetExceeded
+from .exec.host_buffers import pin
 from .exec.process_pool import unpack_exception
 from .sampling import ShardedOrder
 from .skips import SkipBudget, epoch_samples
@@ -216,7 +217,7 @@ class EpochIterator:
                 self._apply(d)
         self.next_b = b + 1
         if loader.pin_memory:
-            batch = _pin(batch)
+            batch = pin(batch)
         if self.deferred:
             self.uncommitted.append((b, rows))
         else:
@@ -331,19 +332,19 @@ class EpochIterator:
 
 
 def _rows(batch) -> int:
-    first = batch[0] if isinstance(batch, (tuple, list)) else (next(iter(batch.values())) if isinstance(batch, dict) else batch)
-    return len(first) if hasattr(first, "__len__") else 1
-
-
-def _pin(batch):
-    import torch
-
-    if isinstance(batch, torch.Tensor):
-        return batch.pin_memory()
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(_pin(x) for x in batch))
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_pin(x) for x in batch)
-    if isinstance(batch, dict):
-        return {k: _pin(v) for k, v in batch.items()}
-    return batch
+    """Samples in a collated batch, for the counters: the length of its first field; a field
+    without a usable ``len()`` (a nested tensor: ``size(0)``; a scalar; an empty container)
+    counts what it can, never fails the batch."""
+    first = batch
+    if isinstance(batch, (tuple, list)) and batch:
+        first = batch[0]
+    elif isinstance(batch, dict) and batch:
+        first = next(iter(batch.values()))
+    try:
+        return len(first)
+    except Exception:  # noqa: BLE001 - nested tensors raise RuntimeError, scalars TypeError
+        pass
+    try:
+        return int(first.size(0))
+    except Exception:  # noqa: BLE001
+        return 1

@@ -113,6 +113,17 @@ def test_a_num_workers_of_the_wrong_type_is_a_type_error_as_in_torch():
         DataLoader(Items(), num_workers="many")
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_batch_without_a_usable_len_is_delivered_as_torch_delivers_it(num_workers):
+    def nested(items):
+        return torch.nested.nested_tensor([torch.zeros(i % 3 + 1, 2) for i in items]), torch.tensor(items)
+
+    ours = list(DataLoader(Items(10), batch_size=4, collate_fn=nested, num_workers=num_workers))
+    theirs = list(tud.DataLoader(Items(10), batch_size=4, collate_fn=nested, num_workers=num_workers))
+    assert [b[1].tolist() for b in ours] == [b[1].tolist() for b in theirs]
+    assert [b[0].size(0) for b in ours] == [4, 4, 2]
+
+
 # -- unbatched -------------------------------------------------------------------------------
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_unbatched_loading_matches_torch(num_workers):

@@ -90,3 +90,19 @@ def _release(owner_ref, arr: np.ndarray) -> None:
     if owner is not None:
         with owner._lock:
             owner._free.append(arr)
+
+
+def pin(batch):
+    """``batch`` with its tensors in pinned memory (tensors inside named tuples, tuples, lists
+    and dicts; anything else as it is), as torch's ``pin_memory=True`` does."""
+    import torch
+
+    if isinstance(batch, torch.Tensor):
+        return batch.pin_memory()
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(pin(x) for x in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(pin(x) for x in batch)
+    if isinstance(batch, dict):
+        return {k: pin(v) for k, v in batch.items()}
+    return batch

@@ -47,7 +47,8 @@ import warnings
 import weakref
 
 from ..errors import ConfigError, LoaderTimeout, StateError
-from .iterable_pool import WorkerSet, pin
+from .host_buffers import pin
+from .iterable_pool import WorkerSet
 from .iterable_worker import Fetcher, is_stateful, unpack_error
 
 STATE_FORMAT = "feedgpu.iterable/1"

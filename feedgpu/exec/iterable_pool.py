@@ -195,18 +195,3 @@ class WorkerSet:
         self.closed = True
         if self._finalizer.alive:
             self._finalizer()
-
-
-def pin(batch):
-    """``batch`` with its tensors in pinned memory (tensors inside tuples, lists, dicts)."""
-    import torch
-
-    if isinstance(batch, torch.Tensor):
-        return batch.pin_memory()
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(pin(x) for x in batch))
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(pin(x) for x in batch)
-    if isinstance(batch, dict):
-        return {k: pin(v) for k, v in batch.items()}
-    return batch
