@@ -168,7 +168,7 @@ class EpochIterator:
         try:
             if self.inline:
                 indices = self._indices(b)
-                if hasattr(self.work, "prefetch"):  # DALI: start this and the next batches, in order
+                if self.work.runs_ahead:  # DALI: start this and the next batches, in order
                     for k in range(b, min(self.nb, b + 1 + self.loader._prefetch)):
                         ks = self._indices(k)
                         self.work.prefetch(k, self.epoch, ks, self._spares(k, len(ks)))
@@ -212,7 +212,7 @@ class EpochIterator:
         loader._stats.delivered(rows, waited)
         if loader._autoscaler is not None and not self.inline:
             d = loader._autoscaler.on_batch(rows, waited, self.pool.pids(),
-                                            remote_started=getattr(self.pool, "remote_started", None))
+                                            remote_started=self.pool.remote_started)
             if d is not None and d.changes:
                 self._apply(d)
         self.next_b = b + 1
@@ -231,7 +231,7 @@ class EpochIterator:
         loader = self.loader
         if d.workers != self.pool.num_workers:
             self.pool.resize(d.workers)
-        if d.remote_workers != getattr(self.pool, "remote_workers", 0):
+        if d.remote_workers != self.pool.remote_workers:
             self.pool.resize_remote(d.remote_workers)
         loader._set_live(d.workers, d.prefetch)
         self._fill()

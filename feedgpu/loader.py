@@ -503,11 +503,12 @@ class DataLoader(tud.DataLoader[T_co]):
         d["balancer"] = self._autoscaler.stats() if self._autoscaler is not None else None
         live = self._live() if self._live is not None else None
         d["skip_budget"] = live.budget.as_dict() if live is not None else None
-        d["engine"] = self._work.stats() if hasattr(self._work, "stats") else {"name": self._engine.name}
-        live_pool = self._pool if self._pool is not None and not self._pool.closed and hasattr(self._pool, "stats") \
+        engine = self._work.stats() if self._work is not None else None
+        d["engine"] = engine if engine is not None else {"name": self._engine.name}
+        live_pool = self._pool if self._pool is not None and not self._pool.closed and self._pool.stats() is not None \
             else None
         d["executor"] = self._executor_totals.report(self._executor, live_pool.stats() if live_pool else None)
-        entry = getattr(getattr(self._work, "assembler", None), "cache", None)
+        entry = self._work.cache_entry() if self._work is not None else None
         if entry is not None:
             entry.refresh()
             d["cache"] = {"dir": str(entry.dir), "cached": entry.cached, "quarantined": len(entry.quarantined),
@@ -542,7 +543,7 @@ class DataLoader(tud.DataLoader[T_co]):
 
     def _inflight_limit(self) -> int:
         """Batches in flight at most: ``prefetch_factor`` per worker, local and remote."""
-        remote = self._pool.remote_workers if self._pool is not None and hasattr(self._pool, "remote_workers") else 0
+        remote = self._pool.remote_workers if self._pool is not None else 0
         return (self.num_workers + remote) * self._prefetch
 
     def _release_pool(self, force: bool = False) -> None:
@@ -551,8 +552,9 @@ class DataLoader(tud.DataLoader[T_co]):
         if force:
             self._ahead = None  # its tasks die with the pool and its buffers with the work
         if self._pool is not None and (force or not self.persistent_workers):
-            if hasattr(self._pool, "stats"):  # remote workers: counters kept for stats()
-                self._executor_totals.add(self._pool.stats())
+            counters = self._pool.stats()
+            if counters is not None:  # remote workers: counters kept for stats()
+                self._executor_totals.add(counters)
             self._pool.close()
             self._pool = None
         if force and self._work is not None:

@@ -58,7 +58,7 @@ def make_pool(loader, work):
         # with a cache, workers get time to write their last rows when they stop
         local = ProcessPool(work.handle, loader.num_workers, loader.worker_init_fn, on_exit=work.on_exit,
                             grace_s=10.0 if loader._cache_settings is not None else 1.0,
-                            describe=getattr(work, "describe", None), on_start=getattr(work, "on_start", None),
+                            describe=work.describe, on_start=work.on_start,
                             context=loader.multiprocessing_context, dataset=loader.dataset,
                             base_seed=draw_base_seed(loader.generator))  # per pool start (torch: per iterator)
     if not loader._executor.remote:

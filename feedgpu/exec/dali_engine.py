@@ -54,6 +54,7 @@ from ..stages.draws import sample_uniforms
 from ..stages.decode import UNKNOWN_KEY, Decode
 from ..stages.geometry import HorizontalFlip
 from .assemble import Assembler, BatchReport, Spares
+from .contract import WorkBase
 from .host_buffers import HostBuffers
 from .plan import Plan
 from .work import Batch
@@ -89,7 +90,7 @@ def check_dali_plan(plan: Plan) -> None:
                           f"(the stage attribute 'draws'): {', '.join(undrawn)}")
 
 
-class DaliWork:
+class DaliWork(WorkBase):
     """Produces batches with DALI, in the main process (DALI has its own thread pool).
 
     Args:
@@ -152,6 +153,8 @@ class DaliWork:
         self._queue: deque[_InFlight] = deque()   # started batches not yet collected, in order
 
     # -- the pool-work interface the loader's iterator uses ------------------------------------
+    runs_ahead = True   # prefetch(): batches scheduled on DALI's executor ahead of the loop
+
     def can_submit(self) -> bool:
         return False
 

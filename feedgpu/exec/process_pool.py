@@ -284,6 +284,13 @@ class ProcessPool:
     def _workers(self) -> dict[int, _Worker]:
         return self._state.workers
 
+    remote_workers = 0      # the pool contract (exec/contract.py): local workers only
+    remote_started = None
+
+    def stats(self) -> None:
+        """No remote workers: no executor counters (see :class:`~feedgpu.exec.contract.Pool`)."""
+        return None
+
     @property
     def num_workers(self) -> int:
         """Workers taking new tasks (retiring ones are not counted)."""

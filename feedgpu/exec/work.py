@@ -22,6 +22,7 @@ import numpy as np
 
 from . import progress
 from .assemble import Assembler, BatchReport
+from .contract import WorkBase
 from .shm import BatchSlots
 
 
@@ -33,7 +34,7 @@ class Batch(NamedTuple):
     labels: Any
 
 
-class PipelineWork:
+class PipelineWork(WorkBase):
     """Tasks ``(tag, seq, slot, epoch, indices, spares)``; payload: a :class:`BatchReport`."""
 
     def __init__(self, assembler: Assembler, batch_size: int, inflight: int, keep_views: int = 2,
@@ -70,6 +71,9 @@ class PipelineWork:
         """In each worker as it starts: map the batch buffers in (see :meth:`BatchSlots.map_in`)."""
         if self.slots is not None:
             self.slots.map_in()
+
+    def cache_entry(self):
+        return self.assembler.cache
 
     def on_exit(self) -> None:
         """In each worker as it stops (and after inline epochs): write what it cached."""
@@ -145,7 +149,7 @@ class RemoteFill:
         return images[:rep.rows], labels[:rep.rows], rep
 
 
-class PayloadWork:
+class PayloadWork(WorkBase):
     """The work contract for results that travel back whole (pickled through the worker's pipe,
     tensors through torch's shared-memory reductions): tasks ``(tag, seq, epoch, indices)``, no
     buffers to hold, nothing to flush. Subclasses give ``handle`` and ``finish``."""
