@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Optional, Union
 
 from ..errors import ConfigError
 from ..spec import ImageSpec
 from .base import SampleStage
+from .params import PositiveInt
 
 
 def import_callable(ref: str) -> Callable:
@@ -41,7 +42,8 @@ class PythonStage(SampleStage):
 
     name = "python"
 
-    def __init__(self, fn, random: bool = False, size=None, name: str | None = None):
+    def __init__(self, fn: Union[str, Callable], random: bool = False,
+                 size: Optional[tuple[PositiveInt, PositiveInt]] = None, name: Optional[str] = None):
         self.ref = fn if isinstance(fn, str) else f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
         self.fn = import_callable(fn) if isinstance(fn, str) else fn
         if not callable(self.fn):

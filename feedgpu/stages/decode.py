@@ -31,6 +31,7 @@ from ..errors import DecodeError
 from ..spec import ImageSpec
 from .base import SampleStage
 from .jpeg_header import read_jpeg_header
+from .params import RGB, PositiveInt
 
 IMAGENET_MEAN_PIXEL = (124, 116, 104)
 PILLOW_MAX_PIXELS = 89_478_485
@@ -60,8 +61,8 @@ class Decode(SampleStage):
     name = "decode"
     version = 1
 
-    def __init__(self, exif_orientation: bool = True, max_pixels: int = PILLOW_MAX_PIXELS,
-                 background: tuple[int, int, int] = IMAGENET_MEAN_PIXEL):
+    def __init__(self, exif_orientation: bool = True, max_pixels: PositiveInt = PILLOW_MAX_PIXELS,
+                 background: RGB = IMAGENET_MEAN_PIXEL):
         self.exif_orientation = bool(exif_orientation)
         self.max_pixels = int(max_pixels)
         self.background = tuple(int(c) for c in background)

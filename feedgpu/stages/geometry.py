@@ -6,19 +6,25 @@ runs with AVX2 kernels.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from PIL import Image
+from pydantic import Field
 
 from ..errors import ConfigError
 from ..spec import ImageSpec
 from .base import SampleStage
 from .draws import as_uniforms
+from .params import PositiveFloat, PositiveInt, Probability, Size
 
 INTERPOLATIONS = {"nearest": Image.Resampling.NEAREST, "bilinear": Image.Resampling.BILINEAR,
                   "bicubic": Image.Resampling.BICUBIC, "lanczos": Image.Resampling.LANCZOS,
                   "box": Image.Resampling.BOX, "hamming": Image.Resampling.HAMMING}
+#: a resampling filter's name
+Interpolation = Literal[tuple(INTERPOLATIONS)]  # type: ignore[valid-type]
+#: an area fraction in (0, 1]
+AreaFraction = Annotated[float, Field(gt=0, le=1)]
 
 
 def _size2(size, what: str) -> tuple[int, int]:
@@ -126,7 +132,9 @@ class RandomResizedCrop(SampleStage):
     name = "random_resized_crop"
     deterministic = False
 
-    def __init__(self, size=224, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), interpolation: str = "bilinear"):
+    def __init__(self, size: Size = 224, scale: tuple[AreaFraction, AreaFraction] = (0.08, 1.0),
+                 ratio: tuple[PositiveFloat, PositiveFloat] = (3 / 4, 4 / 3),
+                 interpolation: Interpolation = "bilinear"):
         self.size = _size2(size, self.name)
         self.scale = (float(scale[0]), float(scale[1]))
         self.ratio = (float(ratio[0]), float(ratio[1]))
@@ -178,7 +186,7 @@ class Resize(SampleStage):
 
     name = "resize"
 
-    def __init__(self, size: int = 256, interpolation: str = "bilinear", upscale: bool = True):
+    def __init__(self, size: PositiveInt = 256, interpolation: Interpolation = "bilinear", upscale: bool = True):
         self.size = int(size)
         if self.size < 1:
             raise ConfigError(f"{self.name}: size must be positive, got {size}")
@@ -235,7 +243,7 @@ class ResizeCenterCrop(SampleStage):
 
     name = "resize_center_crop"
 
-    def __init__(self, resize: int = 256, crop=224, interpolation: str = "bilinear"):
+    def __init__(self, resize: PositiveInt = 256, crop: Size = 224, interpolation: Interpolation = "bilinear"):
         self.resize = int(resize)
         self.crop = _size2(crop, self.name)
         if self.resize < max(self.crop):
@@ -280,7 +288,7 @@ class HorizontalFlip(SampleStage):
     name = "horizontal_flip"
     deterministic = False
 
-    def __init__(self, p: float = 0.5):
+    def __init__(self, p: Probability = 0.5):
         if not 0.0 <= p <= 1.0:
             raise ConfigError(f"{self.name}: p must be in [0, 1], got {p}")
         self.p = float(p)
@@ -297,6 +305,8 @@ class HorizontalFlip(SampleStage):
         return img
 
     has_dali = True
+    #: right before normalize, DALI flips in crop_mirror_normalize(mirror=...) instead
+    dali_folds = {"normalize": {"flip": "mirror"}}
 
     def dali_params(self, sizes, u):
         return {"flip": (u[:, 0] < self.p).astype(np.int32)}, sizes
