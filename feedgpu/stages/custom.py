@@ -67,5 +67,11 @@ class PythonStage(SampleStage):
     def out_spec(self, spec: ImageSpec) -> ImageSpec:
         return spec if self.size is None else spec.with_(height=self.size[0], width=self.size[1])
 
+    def torch_baseline(self) -> list:
+        """The same callable, a random one with a Generator seeded from torch's RNG."""
+        from ..torch_ref import PilCallable
+
+        return [PilCallable(self.fn, self.random, self.label)]
+
     def apply(self, x: Any, rng=None) -> Any:
         return self.fn(x, rng) if self.random else self.fn(x)

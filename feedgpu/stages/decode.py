@@ -97,6 +97,12 @@ class Decode(SampleStage):
                 img = img.transpose(method)
         return self._to_rgb(img)
 
+    def torch_baseline(self) -> list:
+        """``ImageFolder``'s ``pil_loader`` (plus the EXIF transpose when this stage applies it)."""
+        from ..torch_ref import LoadImage
+
+        return [LoadImage(self.exif_orientation, _TRANSPOSE)]
+
     has_dali = True
     #: JPEG modes DALI decodes the way this stage does (CMYK/YCCK, PNG alpha, 16-bit ... do not
     #: go to DALI: their rules above are Pillow's, so Pillow decodes them and they rejoin the batch).

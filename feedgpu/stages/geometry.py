@@ -154,6 +154,12 @@ class RandomResizedCrop(SampleStage):
 
     draws = RRC_DRAWS
 
+    def torch_baseline(self) -> list:
+        """``torchvision.transforms.RandomResizedCrop`` (torch's RNG: other crops, same work)."""
+        from ..torch_ref import RandomResizedCrop as TorchRandomResizedCrop
+
+        return [TorchRandomResizedCrop(self.size, self.scale, self.ratio, self._resample)]
+
     def apply(self, img: Image.Image, rng) -> Image.Image:
         """``rng``: the uniform draws (see :func:`random_resized_crop_params`) or a Generator."""
         top, left, h, w = random_resized_crop_params(img.width, img.height, self.scale, self.ratio, rng)
@@ -196,6 +202,12 @@ class Resize(SampleStage):
 
     def config(self) -> dict[str, Any]:
         return {"size": self.size, "interpolation": self.interpolation, "upscale": self.upscale}
+
+    def torch_baseline(self) -> list:
+        """``torchvision.transforms.Resize(size)``."""
+        from ..torch_ref import Resize as TorchResize
+
+        return [TorchResize(self.size, self._resample, self.upscale)]
 
     def apply(self, img: Image.Image, rng=None) -> Image.Image:
         w, h = img.size
@@ -254,6 +266,12 @@ class ResizeCenterCrop(SampleStage):
     def config(self) -> dict[str, Any]:
         return {"resize": self.resize, "crop": list(self.crop), "interpolation": self.interpolation}
 
+    def torch_baseline(self) -> list:
+        """``torchvision.transforms.Resize(resize)`` then ``CenterCrop(crop)``."""
+        from ..torch_ref import CenterCrop, Resize as TorchResize
+
+        return [TorchResize(self.resize, self._resample), CenterCrop(self.crop)]
+
     def out_spec(self, spec: ImageSpec) -> ImageSpec:
         return spec.with_(height=self.crop[0], width=self.crop[1])
 
@@ -297,6 +315,12 @@ class HorizontalFlip(SampleStage):
         return {"p": self.p}
 
     draws = 1
+
+    def torch_baseline(self) -> list:
+        """``torchvision.transforms.RandomHorizontalFlip(p)``."""
+        from ..torch_ref import RandomHorizontalFlip
+
+        return [RandomHorizontalFlip(self.p)]
 
     def apply(self, img: Image.Image, rng) -> Image.Image:
         """``rng``: one uniform draw (flip when it is below ``p``) or a Generator."""

@@ -55,6 +55,12 @@ class Normalize(BatchStage):
     def config(self) -> dict[str, Any]:
         return {"mean": list(self.mean), "std": list(self.std), "dtype": self.dtype, "layout": self.layout}
 
+    def torch_baseline(self) -> list:
+        """``ToTensor()`` then ``Normalize(mean, std)``, then this stage's dtype and layout."""
+        from ..torch_ref import Normalize as TorchNormalize, ToTensor
+
+        return [ToTensor(), TorchNormalize(self.mean, self.std, self.dtype, self.layout)]
+
     def out_spec(self, spec: ImageSpec) -> ImageSpec:
         return spec.with_(dtype=self.dtype, layout="CHW" if self.layout == "NCHW" else "HWC")
 

@@ -49,6 +49,8 @@ def stage_params(cls: type) -> tuple[list[Param], bool]:
     """``(parameters settable from YAML, whether **kwargs takes other keys)`` of stage class
     ``cls``, from ``cls.__init__``'s signature and resolved annotations."""
     init = cls.__init__
+    if init is object.__init__:   # no constructor of its own: no parameters
+        return [], False
     try:
         sig = inspect.signature(init)
     except (TypeError, ValueError):
@@ -150,7 +152,7 @@ def describe_stage(cls: type) -> dict[str, Any]:
         "name": cls.name,
         "class": f"{cls.__module__}:{cls.__qualname__}",
         "kind": "batch" if issubclass(cls, BatchStage) else "sample",
-        "summary": doc.strip().splitlines()[0] if doc.strip() else "",
+        "summary": " ".join(doc.strip().split("\n\n")[0].split()),
         "deterministic": _determinism(cls),
         "draws": int(getattr(cls, "draws", 0) or 0),
         "dali": bool(getattr(cls, "has_dali", False)),
