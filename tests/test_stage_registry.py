@@ -268,3 +268,41 @@ def test_shipped_pipelines_validate_against_the_registry():
     for f in images:
         p = Pipeline.from_yaml(f)
         assert [s.name for s in p.stages] == [s["op"] for s in yaml.safe_load(f.read_text())["stages"]]
+
+
+# -- a built-in stage added in one file: vertical_flip (feedgpu/stages/geometry.py) -----------------
+def _vflip_definition(folder, p, engine="python"):
+    return _definition(folder, {"op": "vertical_flip", "p": p}, engine=engine)
+
+
+def test_vertical_flip_is_usable_from_yaml_and_flips_by_its_draws(small_folder):
+    from feedgpu.stages.draws import sample_uniforms
+
+    plain, labels = _epoch(Pipeline.from_config(_definition(small_folder)))
+    always, _ = _epoch(Pipeline.from_config(_vflip_definition(small_folder, 1.0)))
+    never, _ = _epoch(Pipeline.from_config(_vflip_definition(small_folder, 0.0)))
+    half, half_labels = _epoch(Pipeline.from_config(_vflip_definition(small_folder, 0.5)))
+    assert torch.equal(always, torch.flip(plain, dims=[1])) and torch.equal(never, plain)
+    assert torch.equal(labels, half_labels)
+    # sample i (shuffle off: the i-th row) flips when its draw for stage 2 is below p
+    want = sample_uniforms(1, 0, np.arange(len(plain)), 2, 1)[:, 0] < 0.5
+    got = np.array([torch.equal(half[i], always[i]) and not torch.equal(half[i], plain[i])
+                    for i in range(len(plain))])
+    assert 0 < want.sum() < len(want) and np.array_equal(got, want)
+    with pytest.raises(ConfigError, match=r"stages\[2\] \(vertical_flip\)\.p: Input should be less than or equal to 1"):
+        Pipeline.from_config(_vflip_definition(small_folder, 1.5))
+    listed = describe_stage(registry.BUILTIN["vertical_flip"])
+    assert listed["draws"] == 1 and listed["dali"] and listed["torch_baseline"] and listed["deterministic"] is False
+    t = build_transforms(Pipeline.from_config(_vflip_definition(small_folder, 1.0)))
+    photo = sorted(PHOTOS.glob("*.jpg"))[1].read_bytes()
+    unflipped = build_transforms(Pipeline.from_config(_definition(small_folder)))(photo)
+    assert torch.equal(t(photo), torch.flip(unflipped, dims=[0]))
+
+
+def test_vertical_flip_flips_the_same_samples_on_dali(small_folder):
+    pytest.importorskip("nvidia.dali")
+    py, lp = _epoch(Pipeline.from_config(_vflip_definition(small_folder, 0.5)))
+    da, ld = _epoch(Pipeline.from_config(_vflip_definition(small_folder, 0.5, engine="dali")))
+    assert torch.equal(lp, ld)
+    d = (py.float() - da.float()).abs()
+    assert float(d.mean()) <= 0.25 and float(d.max()) <= 2.0, "the same flips; DALI's resize differs by rounding"

@@ -1,4 +1,5 @@
-"""Geometric stages on PIL images: random resized crop, resize + center crop, horizontal flip.
+"""Geometric stages on PIL images: random resized crop, resize + center crop, horizontal and
+vertical flips.
 
 Crops and resizes are fused into one ``Image.resize(size, box=...)`` call, which Pillow-SIMD
 runs with AVX2 kernels.
@@ -339,3 +340,47 @@ class HorizontalFlip(SampleStage):
         from nvidia.dali import fn
 
         return fn.flip(x, horizontal=args["flip"], vertical=0, device=device)
+
+
+def _torch_random_vertical_flip(p: float, img: Image.Image) -> Image.Image:
+    """``torchvision.transforms.RandomVerticalFlip(p)`` on a PIL image (torch's RNG)."""
+    import torch
+
+    return img.transpose(Image.Transpose.FLIP_TOP_BOTTOM) if torch.rand(1) < p else img
+
+
+class VerticalFlip(SampleStage):
+    """Mirror top-bottom with probability ``p`` (default 0.5), as torchvision's
+    ``RandomVerticalFlip``; one uniform draw per sample (flip when it is below ``p``)."""
+
+    name = "vertical_flip"
+    deterministic = False
+    draws = 1
+    has_dali = True
+
+    def __init__(self, p: Probability = 0.5):
+        if not 0.0 <= p <= 1.0:
+            raise ConfigError(f"{self.name}: p must be in [0, 1], got {p}")
+        self.p = float(p)
+
+    def config(self) -> dict[str, Any]:
+        return {"p": self.p}
+
+    def apply(self, img: Image.Image, rng) -> Image.Image:
+        """``rng``: one uniform draw (flip when it is below ``p``) or a Generator."""
+        if as_uniforms(rng, 1)[0] < self.p:
+            return img.transpose(Image.Transpose.FLIP_TOP_BOTTOM)
+        return img
+
+    def torch_baseline(self) -> list:
+        import functools
+
+        return [functools.partial(_torch_random_vertical_flip, self.p)]
+
+    def dali_params(self, sizes, u):
+        return {"flip": (u[:, 0] < self.p).astype(np.int32)}, sizes
+
+    def dali(self, x, args, device):
+        from nvidia.dali import fn
+
+        return fn.flip(x, horizontal=0, vertical=args["flip"], device=device)
