@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -306,3 +307,48 @@ def test_vertical_flip_flips_the_same_samples_on_dali(small_folder):
     assert torch.equal(lp, ld)
     d = (py.float() - da.float()).abs()
     assert float(d.mean()) <= 0.25 and float(d.max()) <= 2.0, "the same flips; DALI's resize differs by rounding"
+
+
+# -- the parameter rules (feedgpu.stages.params), through the registry's loader ---------------------
+def test_parameter_rules_required_unannotated_and_extra_keys(monkeypatch, small_folder):
+    from feedgpu.stages import SampleStage
+
+    class Tint(SampleStage):
+        """Add a constant to every pixel."""
+
+        name = "tint"
+
+        def __init__(self, amount: int, note="t", **extra):
+            self.amount, self.note, self.extra = amount, note, extra
+
+        def apply(self, img, rng=None):
+            return Image.fromarray(np.clip(np.asarray(img, np.int16) + self.amount, 0, 255).astype(np.uint8))
+
+    monkeypatch.setattr(registry, "_plugins", lambda: [("tint", Tint)])
+    with pytest.raises(ConfigError, match=re.escape("stages[2] (tint).amount: required key is missing")):
+        Pipeline.from_config(_definition(small_folder, {"op": "tint"}))
+    with pytest.raises(ConfigError, match=re.escape("stages[2] (tint).amount: Input should be a valid integer")):
+        Pipeline.from_config(_definition(small_folder, {"op": "tint", "amount": "lots"}))
+    p = Pipeline.from_config(_definition(small_folder, {"op": "tint", "amount": 5, "note": [1, 2], "colour": "red"}))
+    st = p.stages[2]
+    assert (st.amount, st.note, st.extra) == (5, [1, 2], {"colour": "red"})   # unannotated: any value; **extra
+    from feedgpu.cli.main import main
+
+    d = _by_name(json.loads(CliRunner().invoke(main, ["stages", "--json"]).stdout))["tint"]
+    assert d["params"] == [{"name": "amount", "type": "int", "default": None, "required": True},
+                           {"name": "note", "type": "any", "default": "t", "required": False}]
+    assert d["other_keys"] is True
+    plain, _ = _epoch(Pipeline.from_config(_definition(small_folder)))
+    tinted, _ = _epoch(p)
+    assert torch.equal(tinted.to(torch.int16), torch.clamp(plain.to(torch.int16) + 5, 0, 255))
+
+
+def test_a_plugin_cannot_take_a_built_in_name(monkeypatch):
+    from feedgpu.stages import SampleStage
+
+    class Impostor(SampleStage):
+        name = "decode"
+
+    monkeypatch.setattr(registry, "_plugins", lambda: [("decode", Impostor)])
+    with pytest.warns(RuntimeWarning, match="reuses the name of feedgpu.stages.decode:Decode"):
+        assert registry.stage_classes()["decode"] is registry.BUILTIN["decode"]

@@ -9,7 +9,9 @@ optionally, its DALI implementation (``has_dali``, ``dali_params``, ``dali``), t
 folds into the batch stage after it on DALI (``dali_folds``) and its torchvision-style
 equivalent for ``feedgpu bench``'s torch baseline (:meth:`torch_baseline`). The YAML schema,
 ``feedgpu stages`` and ``feedgpu pipeline explain`` read it from there, for built-in stages and
-for those other packages register (:mod:`feedgpu.stages.registry`) alike.
+for those other packages register (:mod:`feedgpu.stages.registry`) alike. An instance may set
+``label`` (a str) to tell itself apart from other stages of its kind in errors and progress
+reports (the ``python`` stage names its callable); the default is ``name``.
 
 * :class:`SampleStage` runs on one sample: ``apply(x, rng)`` where ``x`` is a PIL image (RGB)
   after decode, and ``rng`` is ``None`` for deterministic stages. A random stage that declares

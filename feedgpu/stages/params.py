@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import inspect
 import typing
+import warnings
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, create_model
@@ -82,11 +83,24 @@ def param_model(cls: type) -> type[BaseModel]:
     params, extra = stage_params(cls)
     fields: dict[str, Any] = {"op": (Literal[cls.name], ...)}
     for p in params:
-        fields[p.name] = (p.annotation, ... if p.required else p.default)
+        fields[p.name] = (_checkable(cls, p), ... if p.required else p.default)
     model = create_model(f"{cls.__name__}Params", __config__=ConfigDict(
         extra="allow" if extra else "forbid", arbitrary_types_allowed=True), **fields)
     model.stage_class = cls
     return model
+
+
+def _checkable(cls: type, p: Param) -> Any:
+    """``p``'s annotation, or ``Any`` (with a warning) when pydantic cannot check it: a
+    third-party stage's exotic annotation must not break every pipeline file."""
+    try:
+        TypeAdapter(p.annotation, config=ConfigDict(arbitrary_types_allowed=True))
+    except Exception as e:  # noqa: BLE001 - pydantic raises several kinds here
+        warnings.warn(f"stage {cls.name!r} ({cls.__module__}:{cls.__qualname__}): parameter {p.name!r} has an "
+                      f"annotation YAML values cannot be checked against ({type(e).__name__}); any value is "
+                      "passed through", RuntimeWarning, stacklevel=4)
+        return Any
+    return p.annotation
 
 
 def _type_text(annotation: Any) -> str:
