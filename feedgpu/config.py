@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from .errors import ConfigError
 from .stages.params import param_model
-
+from .stages.registry import stage_classes
 
 
 class _Strict(BaseModel):
@@ -139,8 +139,6 @@ def pipeline_model(classes: dict[str, type] | None = None) -> type[_PipelineBase
     """The pydantic model of a pipeline file whose stages are ``classes`` (``{op: stage
     class}``; default: :func:`~feedgpu.stages.registry.stage_classes`)."""
     if classes is None:
-        from .stages.registry import stage_classes
-
         classes = stage_classes()
     return _pipeline_model(tuple(sorted(classes.items())))
 
