@@ -1,25 +1,26 @@
 """Pipeline definitions in YAML: schema, validation with key paths, overrides.
 
+The ``stages`` entries are checked against the stages registered at the time
+(:func:`feedgpu.stages.registry.stage_classes`: built-in and third-party alike), each with the
+schema its class declares in its constructor (:func:`feedgpu.stages.params.param_model`); this
+module restates none of them.
+
 Files are read with ``yaml.safe_load`` (plain data only). Errors name the key as a path
 (``stages[1].scale``) and, where the set is finite, the allowed keys or values.
 """
 from __future__ import annotations
 
 import copy
+import functools
 import os
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from .errors import ConfigError
-from .stages.decode import IMAGENET_MEAN_PIXEL, PILLOW_MAX_PIXELS
-from .stages.geometry import INTERPOLATIONS
-from .stages.normalize import IMAGENET_MEAN, IMAGENET_STD
-
-Interp = Literal[tuple(INTERPOLATIONS)]  # type: ignore[valid-type]
-Size = Union[Annotated[int, Field(gt=0)], tuple[Annotated[int, Field(gt=0)], Annotated[int, Field(gt=0)]]]
-Byte = Annotated[int, Field(ge=0, le=255)]
+from .stages.params import param_model
+from .stages.registry import stage_classes
 
 
 class _Strict(BaseModel):
@@ -31,59 +32,6 @@ class SourceCfg(_Strict):
     path: Union[str, list[str], None] = None
     image_column: str = "image"
     label_column: Union[str, None] = "label"
-
-
-class DecodeCfg(_Strict):
-    op: Literal["decode"]
-    exif_orientation: bool = True
-    max_pixels: Annotated[int, Field(gt=0)] = PILLOW_MAX_PIXELS
-    background: tuple[Byte, Byte, Byte] = IMAGENET_MEAN_PIXEL
-
-
-class RandomResizedCropCfg(_Strict):
-    op: Literal["random_resized_crop"]
-    size: Size = 224
-    scale: tuple[Annotated[float, Field(gt=0, le=1)], Annotated[float, Field(gt=0, le=1)]] = (0.08, 1.0)
-    ratio: tuple[Annotated[float, Field(gt=0)], Annotated[float, Field(gt=0)]] = (3 / 4, 4 / 3)
-    interpolation: Interp = "bilinear"
-
-
-class ResizeCfg(_Strict):
-    op: Literal["resize"]
-    size: Annotated[int, Field(gt=0)] = 256
-    interpolation: Interp = "bilinear"
-    upscale: bool = True
-
-
-class ResizeCenterCropCfg(_Strict):
-    op: Literal["resize_center_crop"]
-    resize: Annotated[int, Field(gt=0)] = 256
-    crop: Size = 224
-    interpolation: Interp = "bilinear"
-
-
-class HorizontalFlipCfg(_Strict):
-    op: Literal["horizontal_flip"]
-    p: Annotated[float, Field(ge=0, le=1)] = 0.5
-
-
-class NormalizeCfg(_Strict):
-    op: Literal["normalize"]
-    mean: tuple[float, float, float] = IMAGENET_MEAN
-    std: tuple[Annotated[float, Field(gt=0)], Annotated[float, Field(gt=0)], Annotated[float, Field(gt=0)]] = IMAGENET_STD
-
-
-class PythonCfg(_Strict):
-    op: Literal["python"]
-    fn: str
-    random: bool = False
-    size: Union[tuple[Annotated[int, Field(gt=0)], Annotated[int, Field(gt=0)]], None] = None
-    name: Union[str, None] = None
-
-
-STAGE_CFGS = {c.model_fields["op"].annotation.__args__[0]: c for c in (
-    DecodeCfg, ResizeCfg, RandomResizedCropCfg, ResizeCenterCropCfg, HorizontalFlipCfg, NormalizeCfg, PythonCfg)}
-StageCfg = Annotated[Union[tuple(STAGE_CFGS.values())], Field(discriminator="op")]  # type: ignore[valid-type]
 
 
 class LoaderCfg(_Strict):
@@ -146,39 +94,64 @@ class CacheCfg(_Strict):
         return v
 
 
-class PipelineCfg(_Strict):
+class _PipelineBase(_Strict):
+    """The pipeline sections; :func:`pipeline_model` adds ``stages`` for a set of stage classes."""
+
     version: Literal[1] = 1
     name: str = "pipeline"
     source: SourceCfg
-    stages: Annotated[list[StageCfg], Field(min_length=1)]  # type: ignore[valid-type]
     loader: LoaderCfg = LoaderCfg()
     output: OutputCfg = OutputCfg()
     cache: CacheCfg = CacheCfg()
     engine: EngineCfg = EngineCfg()
     executor: ExecutorCfg = ExecutorCfg()
 
+    #: {op: param model}, set on each model :func:`pipeline_model` makes
+    stage_models: ClassVar[dict[str, type[BaseModel]]] = {}
+
     @model_validator(mode="after")
     def _output_matches_stages(self):
-        has_norm = any(s.op == "normalize" for s in self.stages)
+        # a stage that takes the output's dtype (normalize) makes float batches; without one
+        # the batch is the uint8 NHWC images
+        makers = sorted(op for op, m in self.stage_models.items() if "dtype" in m.stage_class.from_output)
+        has_norm = any(s.op in makers for s in self.stages)
         if has_norm and self.output.dtype == "uint8":
             raise ValueError("output.dtype: 'uint8' cannot follow a normalize stage; allowed: float32, float16")
         if not has_norm and self.output.dtype != "uint8":
-            raise ValueError(f"output.dtype: {self.output.dtype!r} needs a normalize stage; "
-                             "add one or use dtype: uint8")
+            raise ValueError(f"output.dtype: {self.output.dtype!r} needs a stage that makes it "
+                             f"({', '.join(makers)}); add one or use dtype: uint8")
         if not has_norm and self.output.layout != "NHWC":
             raise ValueError("output.layout: uint8 output is NHWC; allowed: NHWC")
         return self
 
 
-def _model_at(loc: tuple) -> type[BaseModel] | None:
+@functools.lru_cache(maxsize=16)
+def _pipeline_model(classes: tuple) -> type[_PipelineBase]:
+    models = {name: param_model(cls) for name, cls in classes}
+    union = Annotated[Union[tuple(models.values())], Field(discriminator="op")]  # type: ignore[valid-type]
+    model = create_model("PipelineCfg", __base__=_PipelineBase,
+                         stages=(Annotated[list[union], Field(min_length=1)], ...))  # type: ignore[valid-type]
+    model.stage_models = models
+    return model
+
+
+def pipeline_model(classes: dict[str, type] | None = None) -> type[_PipelineBase]:
+    """The pydantic model of a pipeline file whose stages are ``classes`` (``{op: stage
+    class}``; default: :func:`~feedgpu.stages.registry.stage_classes`)."""
+    if classes is None:
+        classes = stage_classes()
+    return _pipeline_model(tuple(sorted(classes.items())))
+
+
+def _model_at(loc: tuple, root: type[_PipelineBase]) -> type[BaseModel] | None:
     """The config model a validation error location points into (for listing allowed keys)."""
-    model: Any = PipelineCfg
+    model: Any = root
     i = 0
     while i < len(loc):
         key = loc[i]
-        if model is PipelineCfg and key == "stages":
-            if i + 2 < len(loc) and loc[i + 2] in STAGE_CFGS:
-                model, i = STAGE_CFGS[loc[i + 2]], i + 3
+        if model is root and key == "stages":
+            if i + 2 < len(loc) and loc[i + 2] in root.stage_models:
+                model, i = root.stage_models[loc[i + 2]], i + 3
                 continue
             return None
         field = getattr(model, "model_fields", {}).get(key)
@@ -193,7 +166,7 @@ def _model_at(loc: tuple) -> type[BaseModel] | None:
     return model
 
 
-def _path(loc: tuple) -> str:
+def _path(loc: tuple, stage_ops) -> str:
     out = ""
     skip_tag = False
     for i, part in enumerate(loc):
@@ -202,7 +175,7 @@ def _path(loc: tuple) -> str:
             continue
         if isinstance(part, int):
             out += f"[{part}]"
-            if i >= 1 and loc[i - 1] == "stages" and i + 1 < len(loc) and loc[i + 1] in STAGE_CFGS:
+            if i >= 1 and loc[i - 1] == "stages" and i + 1 < len(loc) and loc[i + 1] in stage_ops:
                 out += f" ({loc[i + 1]})"
                 skip_tag = True
         else:
@@ -240,15 +213,24 @@ def _merge_branches(errors: list[dict]) -> list[dict]:
     return out
 
 
-def format_errors(err: ValidationError, where: str) -> str:
+def format_errors(err: ValidationError, where: str, root: type[_PipelineBase] | None = None) -> str:
+    """One line per problem: the key path (``stages[1] (random_resized_crop).scale``) and what
+    is wrong, with the allowed keys or values where the set is finite."""
+    root = root or pipeline_model()
     lines = [f"{where}: invalid pipeline definition"]
     for e in _merge_branches(err.errors()):
         loc = tuple(e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            model = _model_at(loc[:-1])
+            model = _model_at(loc[:-1], root)
             allowed = sorted(model.model_fields) if model is not None else []
             msg = f"unknown key {loc[-1]!r}; allowed keys: {', '.join(allowed)}"
+        elif e["type"] == "union_tag_invalid" and loc[:1] == ("stages",):
+            ops = ", ".join(repr(op) for op in root.stage_models)
+            msg = (f"unknown op {e['ctx']['tag']!r}; allowed ops: {ops} (other packages add stages through the "
+                   "'feedgpu.stages' entry point: see feedgpu stages)")
+        elif e["type"] == "union_tag_not_found" and loc[:1] == ("stages",):
+            msg = "a stage needs an 'op' key naming the stage: see feedgpu stages"
         elif e["type"] == "missing":
             msg = "required key is missing"
         elif e["type"] == "string_pattern_mismatch" and loc == ("output", "device"):
@@ -257,7 +239,7 @@ def format_errors(err: ValidationError, where: str) -> str:
             msg = f"got {e['input']!r}; allowed: none, zstd, zstd:1 ... zstd:22"
         elif "input" in e and not isinstance(e["input"], (dict, list)):
             msg = f"{msg} (got {e['input']!r})"
-        lines.append(f"  {_path(loc)}: {msg}")
+        lines.append(f"  {_path(loc, root.stage_models)}: {msg}")
     return "\n".join(lines)
 
 
@@ -293,9 +275,11 @@ def load_yaml(path: str | os.PathLike) -> dict:
     return data
 
 
-def validate(data: dict, where: str = "pipeline") -> PipelineCfg:
-    """Check a pipeline definition. Raises :class:`ConfigError` listing every problem."""
+def validate(data: dict, where: str = "pipeline", classes: dict[str, type] | None = None) -> _PipelineBase:
+    """Check a pipeline definition against the stages ``classes`` (``{op: stage class}``;
+    default: every registered stage). Raises :class:`ConfigError` listing every problem."""
+    model = pipeline_model(classes)
     try:
-        return PipelineCfg.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(format_errors(e, where)) from None
+        raise ConfigError(format_errors(e, where, model)) from None

@@ -103,16 +103,20 @@ class Pipeline:
 
     @classmethod
     def from_config(cls, data: dict, where: str = "pipeline") -> "Pipeline":
-        c = cfg.validate(data, where)
         classes = stage_classes()
+        c = cfg.validate(data, where, classes)
         stages: list[Stage] = []
         for i, s in enumerate(c.stages):
+            stage_cls = classes[s.op]
             params = s.model_dump(exclude={"op"})
-            if s.op == "normalize":
-                params.update(dtype=c.output.dtype, layout=c.output.layout)
+            for key in stage_cls.from_output:
+                if key not in type(c.output).model_fields:
+                    raise ConfigError(f"{where}: stages[{i}] ({s.op}): the stage takes {key!r} from the output "
+                                      f"section, which has no such key (it has {', '.join(type(c.output).model_fields)})")
+                params[key] = getattr(c.output, key)
             try:
-                stages.append(classes[s.op](**params))
-            except ConfigError as e:
+                stages.append(stage_cls(**params))
+            except (ConfigError, ValueError, TypeError) as e:
                 raise ConfigError(f"{where}: stages[{i}] ({s.op}): {e}") from None
         src = c.source.model_dump()
         cache = c.cache.model_dump() if c.cache.enabled else None

@@ -92,6 +92,32 @@ def _is_table(file: str) -> bool:
     return load_yaml(file).get("kind") == "table"
 
 
+@main.command("stages")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON: a list with one object per stage.")
+def stages_cmd(as_json: bool) -> None:
+    """List the stages a pipeline file may use (built-in and installed through the
+    'feedgpu.stages' entry point), with their parameters, defaults and allowed values."""
+    from ..stages.params import describe_stage
+    from ..stages.registry import BUILTIN, stage_classes
+
+    found = [dict(describe_stage(cls), builtin=BUILTIN.get(name) is cls) for name, cls in stage_classes().items()]
+    if as_json:
+        click.echo(json.dumps(found, indent=2))
+        return
+    for d in found:
+        det = {True: "deterministic", False: "random", None: "random or not (see its parameters)"}[d["deterministic"]]
+        engines = "python, dali" if d["dali"] else "python"
+        click.echo(f"{d['name']}  ({d['kind']} stage, {det}, engines: {engines}"
+                   f"{'' if d['builtin'] else ', plugin ' + d['class']})")
+        if d["summary"]:
+            click.echo(f"    {d['summary']}")
+        for prm in d["params"]:
+            default = "required" if prm["required"] else f"default {prm['default']!r}"
+            click.echo(f"    {prm['name']}: {prm['type']}, {default}")
+        if d["set_from_output"]:
+            click.echo(f"    ({', '.join(d['set_from_output'])}: from the output section)")
+
+
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def doctor(as_json: bool) -> None:

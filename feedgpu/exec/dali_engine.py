@@ -52,7 +52,6 @@ import numpy as np
 from ..errors import ConfigError, SampleError
 from ..stages.draws import sample_uniforms
 from ..stages.decode import UNKNOWN_KEY, Decode
-from ..stages.geometry import HorizontalFlip
 from .assemble import Assembler, BatchReport, Spares
 from .contract import WorkBase
 from .host_buffers import HostBuffers
@@ -124,7 +123,8 @@ class DaliWork(WorkBase):
         # crop-on-decode: the first stage after decode resizes a window
         self.window = bool(window_decode and self.ops and self.ops[0].window_resize)
         # a flip right before normalize is done by crop_mirror_normalize(mirror=...)
-        self.fold_flip = bool(self.batch_stage is not None and self.ops and isinstance(self.ops[-1], HorizontalFlip))
+        # the last op folded into the batch stage (a flip into normalize's mirror), as the op declares
+        self.fold = self.ops[-1].dali_fold(self.batch_stage) if self.ops else None
         one = np.array([[64, 64]], np.int64)
         self.param_names = [sorted(st.dali_params(one, None if st.deterministic else np.zeros((1, st.draws)))[0])
                             for st in self.ops]
@@ -224,15 +224,15 @@ class DaliWork(WorkBase):
                 x = self.decode.dali(x, hw, dev)
             elif dev == "gpu":
                 x = x.gpu()
-            mirror = None
+            folded = {}
             for i, (st, names) in enumerate(zip(self.ops, self.param_names), start=1):
                 args = {n: fn.external_source(name=f"s{i}_{n}") for n in names}
-                if i == last and self.fold_flip:
-                    mirror = args["flip"]
+                if i == last and self.fold:
+                    folded = {dst: args[src] for src, dst in self.fold.items()}
                     continue
                 x = st.dali(x, args, dev)
             if self.batch_stage is not None:
-                x = self.batch_stage.dali(x, {} if mirror is None else {"mirror": mirror}, dev)
+                x = self.batch_stage.dali(x, folded, dev)
             return x
 
         pipe = graph()

@@ -1,8 +1,17 @@
 """The stage contract.
 
-A stage is a small object with a registry ``name``, a ``version`` (bumped when its output
-changes, for cache fingerprints), ``deterministic`` (False when it draws random numbers),
-its parameters (:meth:`config`) and the spec of its output (:meth:`out_spec`).
+A stage is one class, and that class is its whole definition: a registry ``name``, a
+``version`` (bumped when its output changes, for cache fingerprints), ``deterministic`` (False
+when it draws random numbers), its parameters (the keyword arguments of ``__init__``, with their
+defaults and bounds as annotations: :mod:`feedgpu.stages.params`; :meth:`config` gives them back
+as plain data), the spec of its output (:meth:`out_spec`), its CPU implementation and,
+optionally, its DALI implementation (``has_dali``, ``dali_params``, ``dali``), the arguments it
+folds into the batch stage after it on DALI (``dali_folds``) and its torchvision-style
+equivalent for ``feedgpu bench``'s torch baseline (:meth:`torch_baseline`). The YAML schema,
+``feedgpu stages`` and ``feedgpu pipeline explain`` read it from there, for built-in stages and
+for those other packages register (:mod:`feedgpu.stages.registry`) alike. An instance may set
+``label`` (a str) to tell itself apart from other stages of its kind in errors and progress
+reports (the ``python`` stage names its callable); the default is ``name``.
 
 * :class:`SampleStage` runs on one sample: ``apply(x, rng)`` where ``x`` is a PIL image (RGB)
   after decode, and ``rng`` is ``None`` for deterministic stages. A random stage that declares
@@ -27,9 +36,14 @@ from .draws import Draws
 
 
 class Stage:
+    """Base of every stage; see the module docstring for the contract."""
+
     name: ClassVar[str] = "stage"
     version: ClassVar[int] = 1
     deterministic: ClassVar[bool] = True
+    #: ``__init__`` parameters a YAML pipeline sets from its ``output`` section (same key names)
+    #: rather than from the stage's own keys.
+    from_output: ClassVar[tuple[str, ...]] = ()
 
     def config(self) -> dict[str, Any]:
         """Parameters as plain data (for explain, fingerprints and YAML round trips)."""
@@ -37,6 +51,13 @@ class Stage:
 
     def out_spec(self, spec: ImageSpec) -> ImageSpec:
         return spec
+
+    def torch_baseline(self) -> list:
+        """The torchvision-style callables doing this stage's work the way a plain
+        ``torch.utils.data`` user writes it (PIL in, PIL out; a batch stage: PIL in, tensor
+        out), for ``feedgpu bench``'s torch baseline (:mod:`feedgpu.baseline`). Stages that do
+        not override it have no baseline: the bench then says so and runs without one."""
+        raise NotImplementedError
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
@@ -59,6 +80,17 @@ class SampleStage(Stage):
     #: overrides ``apply`` gets the same draws (``rng[j]``, floats in [0, 1)); one that wants a
     #: Generator sets ``draws = 0`` (it then runs on the Python engine only).
     draws: ClassVar[int] = 0
+    #: DALI graph fusion: ``{batch stage name: {argument of my dali_params: argument of the batch
+    #: stage's dali}}``. When this stage comes right before that batch stage, the DALI engine
+    #: does not run :meth:`dali`, it passes those arguments to the batch stage instead
+    #: (``horizontal_flip``'s ``flip`` becomes ``normalize``'s ``mirror``).
+    dali_folds: ClassVar[dict[str, dict[str, str]]] = {}
+
+    def dali_fold(self, batch_stage: "Stage | None") -> dict[str, str] | None:
+        """The argument renaming of :attr:`dali_folds` for ``batch_stage`` (``None``: no fusion)."""
+        if batch_stage is None:
+            return None
+        return self.dali_folds.get(batch_stage.name)
 
     # -- DALI implementation (see feedgpu.exec.dali_engine) ---------------------------------------
     # Random parameters are computed in Python for a whole batch from the same draws ``apply``

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Optional, Union
 
 from ..errors import ConfigError
 from ..spec import ImageSpec
 from .base import SampleStage
+from .params import PositiveInt
 
 
 def import_callable(ref: str) -> Callable:
@@ -41,7 +42,8 @@ class PythonStage(SampleStage):
 
     name = "python"
 
-    def __init__(self, fn, random: bool = False, size=None, name: str | None = None):
+    def __init__(self, fn: Union[str, Callable], random: bool = False,
+                 size: Optional[tuple[PositiveInt, PositiveInt]] = None, name: Optional[str] = None):
         self.ref = fn if isinstance(fn, str) else f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
         self.fn = import_callable(fn) if isinstance(fn, str) else fn
         if not callable(self.fn):
@@ -64,6 +66,12 @@ class PythonStage(SampleStage):
 
     def out_spec(self, spec: ImageSpec) -> ImageSpec:
         return spec if self.size is None else spec.with_(height=self.size[0], width=self.size[1])
+
+    def torch_baseline(self) -> list:
+        """The same callable, a random one with a Generator seeded from torch's RNG."""
+        from ..torch_ref import PilCallable
+
+        return [PilCallable(self.fn, self.random, self.label)]
 
     def apply(self, x: Any, rng=None) -> Any:
         return self.fn(x, rng) if self.random else self.fn(x)

@@ -44,6 +44,7 @@ from ..errors import DecodeError
 from ..spec import ImageSpec
 from .base import SampleStage
 from .jpeg_header import read_jpeg_header, scan_end_error
+from .params import RGB, PositiveInt
 
 IMAGENET_MEAN_PIXEL = (124, 116, 104)
 PILLOW_MAX_PIXELS = 89_478_485
@@ -73,8 +74,8 @@ class Decode(SampleStage):
     name = "decode"
     version = 2   # 2: wide-integer and float images scaled, cut JPEGs corrupt (cached outputs change)
 
-    def __init__(self, exif_orientation: bool = True, max_pixels: int = PILLOW_MAX_PIXELS,
-                 background: tuple[int, int, int] = IMAGENET_MEAN_PIXEL):
+    def __init__(self, exif_orientation: bool = True, max_pixels: PositiveInt = PILLOW_MAX_PIXELS,
+                 background: RGB = IMAGENET_MEAN_PIXEL):
         self.exif_orientation = bool(exif_orientation)
         self.max_pixels = int(max_pixels)
         self.background = tuple(int(c) for c in background)
@@ -115,6 +116,12 @@ class Decode(SampleStage):
             if method is not None:
                 img = img.transpose(method)
         return self._to_rgb(img, key)
+
+    def torch_baseline(self) -> list:
+        """``ImageFolder``'s ``pil_loader`` (plus the EXIF transpose when this stage applies it)."""
+        from ..torch_ref import LoadImage
+
+        return [LoadImage(self.exif_orientation, _TRANSPOSE)]
 
     has_dali = True
     #: JPEG modes DALI decodes the way this stage does (CMYK/YCCK, PNG alpha, 16-bit ... do not

@@ -1,4 +1,5 @@
-"""Geometric stages on PIL images: random resized crop, resize + center crop, horizontal flip.
+"""Geometric stages on PIL images: random resized crop, resize + center crop, horizontal and
+vertical flips.
 
 Crops and resizes are fused into one ``Image.resize(size, box=...)`` call, which Pillow-SIMD
 runs with AVX2 kernels.
@@ -6,19 +7,25 @@ runs with AVX2 kernels.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from PIL import Image
+from pydantic import Field
 
 from ..errors import ConfigError
 from ..spec import ImageSpec
 from .base import SampleStage
 from .draws import as_uniforms
+from .params import PositiveFloat, PositiveInt, Probability, Size
 
 INTERPOLATIONS = {"nearest": Image.Resampling.NEAREST, "bilinear": Image.Resampling.BILINEAR,
                   "bicubic": Image.Resampling.BICUBIC, "lanczos": Image.Resampling.LANCZOS,
                   "box": Image.Resampling.BOX, "hamming": Image.Resampling.HAMMING}
+#: a resampling filter's name
+Interpolation = Literal[tuple(INTERPOLATIONS)]  # type: ignore[valid-type]
+#: an area fraction in (0, 1]
+AreaFraction = Annotated[float, Field(gt=0, le=1)]
 
 
 def _size2(size, what: str) -> tuple[int, int]:
@@ -126,7 +133,9 @@ class RandomResizedCrop(SampleStage):
     name = "random_resized_crop"
     deterministic = False
 
-    def __init__(self, size=224, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), interpolation: str = "bilinear"):
+    def __init__(self, size: Size = 224, scale: tuple[AreaFraction, AreaFraction] = (0.08, 1.0),
+                 ratio: tuple[PositiveFloat, PositiveFloat] = (3 / 4, 4 / 3),
+                 interpolation: Interpolation = "bilinear"):
         self.size = _size2(size, self.name)
         self.scale = (float(scale[0]), float(scale[1]))
         self.ratio = (float(ratio[0]), float(ratio[1]))
@@ -145,6 +154,12 @@ class RandomResizedCrop(SampleStage):
         return spec.with_(height=self.size[0], width=self.size[1])
 
     draws = RRC_DRAWS
+
+    def torch_baseline(self) -> list:
+        """``torchvision.transforms.RandomResizedCrop`` (torch's RNG: other crops, same work)."""
+        from ..torch_ref import RandomResizedCrop as TorchRandomResizedCrop
+
+        return [TorchRandomResizedCrop(self.size, self.scale, self.ratio, self._resample)]
 
     def apply(self, img: Image.Image, rng) -> Image.Image:
         """``rng``: the uniform draws (see :func:`random_resized_crop_params`) or a Generator."""
@@ -178,7 +193,7 @@ class Resize(SampleStage):
 
     name = "resize"
 
-    def __init__(self, size: int = 256, interpolation: str = "bilinear", upscale: bool = True):
+    def __init__(self, size: PositiveInt = 256, interpolation: Interpolation = "bilinear", upscale: bool = True):
         self.size = int(size)
         if self.size < 1:
             raise ConfigError(f"{self.name}: size must be positive, got {size}")
@@ -188,6 +203,12 @@ class Resize(SampleStage):
 
     def config(self) -> dict[str, Any]:
         return {"size": self.size, "interpolation": self.interpolation, "upscale": self.upscale}
+
+    def torch_baseline(self) -> list:
+        """``torchvision.transforms.Resize(size)``."""
+        from ..torch_ref import Resize as TorchResize
+
+        return [TorchResize(self.size, self._resample, self.upscale)]
 
     def apply(self, img: Image.Image, rng=None) -> Image.Image:
         w, h = img.size
@@ -235,7 +256,7 @@ class ResizeCenterCrop(SampleStage):
 
     name = "resize_center_crop"
 
-    def __init__(self, resize: int = 256, crop=224, interpolation: str = "bilinear"):
+    def __init__(self, resize: PositiveInt = 256, crop: Size = 224, interpolation: Interpolation = "bilinear"):
         self.resize = int(resize)
         self.crop = _size2(crop, self.name)
         if self.resize < max(self.crop):
@@ -245,6 +266,12 @@ class ResizeCenterCrop(SampleStage):
 
     def config(self) -> dict[str, Any]:
         return {"resize": self.resize, "crop": list(self.crop), "interpolation": self.interpolation}
+
+    def torch_baseline(self) -> list:
+        """``torchvision.transforms.Resize(resize)`` then ``CenterCrop(crop)``."""
+        from ..torch_ref import CenterCrop, Resize as TorchResize
+
+        return [TorchResize(self.resize, self._resample), CenterCrop(self.crop)]
 
     def out_spec(self, spec: ImageSpec) -> ImageSpec:
         return spec.with_(height=self.crop[0], width=self.crop[1])
@@ -280,7 +307,7 @@ class HorizontalFlip(SampleStage):
     name = "horizontal_flip"
     deterministic = False
 
-    def __init__(self, p: float = 0.5):
+    def __init__(self, p: Probability = 0.5):
         if not 0.0 <= p <= 1.0:
             raise ConfigError(f"{self.name}: p must be in [0, 1], got {p}")
         self.p = float(p)
@@ -290,6 +317,12 @@ class HorizontalFlip(SampleStage):
 
     draws = 1
 
+    def torch_baseline(self) -> list:
+        """``torchvision.transforms.RandomHorizontalFlip(p)``."""
+        from ..torch_ref import RandomHorizontalFlip
+
+        return [RandomHorizontalFlip(self.p)]
+
     def apply(self, img: Image.Image, rng) -> Image.Image:
         """``rng``: one uniform draw (flip when it is below ``p``) or a Generator."""
         if as_uniforms(rng, 1)[0] < self.p:
@@ -297,6 +330,8 @@ class HorizontalFlip(SampleStage):
         return img
 
     has_dali = True
+    #: right before normalize, DALI flips in crop_mirror_normalize(mirror=...) instead
+    dali_folds = {"normalize": {"flip": "mirror"}}
 
     def dali_params(self, sizes, u):
         return {"flip": (u[:, 0] < self.p).astype(np.int32)}, sizes
@@ -305,3 +340,47 @@ class HorizontalFlip(SampleStage):
         from nvidia.dali import fn
 
         return fn.flip(x, horizontal=args["flip"], vertical=0, device=device)
+
+
+def _torch_random_vertical_flip(p: float, img: Image.Image) -> Image.Image:
+    """``torchvision.transforms.RandomVerticalFlip(p)`` on a PIL image (torch's RNG)."""
+    import torch
+
+    return img.transpose(Image.Transpose.FLIP_TOP_BOTTOM) if torch.rand(1) < p else img
+
+
+class VerticalFlip(SampleStage):
+    """Mirror top-bottom with probability ``p`` (default 0.5), as torchvision's
+    ``RandomVerticalFlip``; one uniform draw per sample (flip when it is below ``p``)."""
+
+    name = "vertical_flip"
+    deterministic = False
+    draws = 1
+    has_dali = True
+
+    def __init__(self, p: Probability = 0.5):
+        if not 0.0 <= p <= 1.0:
+            raise ConfigError(f"{self.name}: p must be in [0, 1], got {p}")
+        self.p = float(p)
+
+    def config(self) -> dict[str, Any]:
+        return {"p": self.p}
+
+    def apply(self, img: Image.Image, rng) -> Image.Image:
+        """``rng``: one uniform draw (flip when it is below ``p``) or a Generator."""
+        if as_uniforms(rng, 1)[0] < self.p:
+            return img.transpose(Image.Transpose.FLIP_TOP_BOTTOM)
+        return img
+
+    def torch_baseline(self) -> list:
+        import functools
+
+        return [functools.partial(_torch_random_vertical_flip, self.p)]
+
+    def dali_params(self, sizes, u):
+        return {"flip": (u[:, 0] < self.p).astype(np.int32)}, sizes
+
+    def dali(self, x, args, device):
+        from nvidia.dali import fn
+
+        return fn.flip(x, horizontal=0, vertical=args["flip"], device=device)

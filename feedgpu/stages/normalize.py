@@ -8,6 +8,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..spec import ImageSpec
 from .base import BatchStage
+from .params import PositiveFloat
 
 #: ImageNet statistics (torchvision's reference scripts, on the 0-1 scale).
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -29,8 +30,12 @@ class Normalize(BatchStage):
     """
 
     name = "normalize"
+    #: in YAML, the batch's dtype and layout are the output section's
+    from_output = ("dtype", "layout")
 
-    def __init__(self, mean=IMAGENET_MEAN, std=IMAGENET_STD, dtype: str = "float32", layout: str = "NCHW"):
+    def __init__(self, mean: tuple[float, float, float] = IMAGENET_MEAN,
+                 std: tuple[PositiveFloat, PositiveFloat, PositiveFloat] = IMAGENET_STD,
+                 dtype: str = "float32", layout: str = "NCHW"):
         if len(mean) != 3 or len(std) != 3:
             raise ConfigError(f"{self.name}: mean and std need 3 values, got {list(mean)}, {list(std)}")
         if any(s <= 0 for s in std):
@@ -49,6 +54,12 @@ class Normalize(BatchStage):
 
     def config(self) -> dict[str, Any]:
         return {"mean": list(self.mean), "std": list(self.std), "dtype": self.dtype, "layout": self.layout}
+
+    def torch_baseline(self) -> list:
+        """``ToTensor()`` then ``Normalize(mean, std)``, then this stage's dtype and layout."""
+        from ..torch_ref import Normalize as TorchNormalize, ToTensor
+
+        return [ToTensor(), TorchNormalize(self.mean, self.std, self.dtype, self.layout)]
 
     def out_spec(self, spec: ImageSpec) -> ImageSpec:
         return spec.with_(dtype=self.dtype, layout="CHW" if self.layout == "NCHW" else "HWC")
