@@ -675,6 +675,7 @@ def test_pin_memory_without_cuda_warns_as_torch_and_delivers_plain_tensors():
         assert [b.tolist() for b in batches] == [[0, 1, 2], [3, 4, 5]]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_pin_memory_pins_batches_from_workers():
     batches = list(IterableRunner(Uneven([3, 2]), batch_size=2, num_workers=2, pin_memory=True))

@@ -315,3 +315,17 @@ def test_other_order_settings_are_refused():
         DataLoader(Items(37), batch_size=5, shuffle=True, seed=1).load_state_dict(state)
     with pytest.raises(StateError, match="another dataset"):
         DataLoader(Items(38), batch_size=4, shuffle=True, seed=1).load_state_dict(state)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_pin_memory_pins_like_torch(num_workers):
+    class Arrays(Items):
+        def __getitem__(self, i):
+            return {"x": torch.full((3,), float(i)), "i": i}
+
+    for make in LOADERS:
+        batches = list(make(Arrays(9), batch_size=4, num_workers=num_workers, pin_memory=True))
+        assert [b["i"].tolist() for b in batches] == [[0, 1, 2, 3], [4, 5, 6, 7], [8]]
+        assert all(b["x"].is_pinned() and b["i"].is_pinned() for b in batches), make
