@@ -156,6 +156,8 @@ class DataLoader(tud.DataLoader[T_co]):
         self._batch_size = bs
         shuffle_default = p.shuffle if p is not None and sampler is None and batch_sampler is None else False
         shuffled = bool(shuffle if shuffle is not None else shuffle_default)
+        if drop_last is not _UNSET and not isinstance(drop_last, bool):
+            raise ConfigError(f"drop_last should be a boolean value, but got drop_last={drop_last}")
         dl = bool(drop_last if drop_last is not _UNSET else (p.drop_last if p else False))
         nw = num_workers if num_workers is not _UNSET else (p.num_workers if p else 0)
         self.auto_workers = nw == "auto"
@@ -177,8 +179,17 @@ class DataLoader(tud.DataLoader[T_co]):
         persistent_default = persistent_workers is _UNSET
         if persistent_workers is _UNSET:
             persistent_workers = bool(p.persistent_workers and self.num_workers > 0) if p else False
+        if prefetch_factor is not None and (isinstance(prefetch_factor, bool) or not isinstance(prefetch_factor, int)):
+            raise ArgumentTypeError(f"prefetch_factor must be an int, got {prefetch_factor!r}")
+        if prefetch_factor is not None and prefetch_factor < 0:
+            raise ConfigError("prefetch_factor option should be non-negative")
+        if prefetch_factor == 0:  # torch's loader would wait for ever: no batch is ever asked for
+            raise ConfigError("prefetch_factor=0 asks the workers for no batch; give prefetch_factor >= 1")
         self._prefetch = int(prefetch_factor if prefetch_factor is not None else (p.prefetch_factor if p else 2))
-        t = float(timeout if timeout is not _UNSET else (p.timeout if p else 0.0))
+        t = timeout if timeout is not _UNSET else (p.timeout if p else 0.0)
+        if isinstance(t, bool) or not isinstance(t, (int, float)):
+            raise ArgumentTypeError(f"timeout must be a number of seconds, got {t!r}")
+        t = float(t)
         if t < 0:
             raise ConfigError("timeout option should be non-negative")
         # the given values of feedgpu's own keywords (frameworks re-create the loader from them)

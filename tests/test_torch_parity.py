@@ -124,6 +124,26 @@ def test_invalid_arguments_raise_what_torch_raises(kwargs):
     assert str(ours.value).split()[:2] == str(theirs.value).split()[:2]
 
 
+@pytest.mark.parametrize("kwargs", [dict(timeout="1"), dict(prefetch_factor=-1, num_workers=1), dict(batch_size=0),
+                                    dict(batch_size=-1), dict(batch_size="4"), dict(batch_size=2.0),
+                                    dict(num_workers=1.5), dict(drop_last="yes"),
+                                    dict(multiprocessing_context="nope", num_workers=1),
+                                    dict(multiprocessing_context=5, num_workers=1),
+                                    dict(multiprocessing_context="spawn", num_workers=0)])
+def test_bad_arguments_raise_the_kind_of_error_torch_raises(kwargs):
+    def kind(make):
+        try:
+            list(make(Items(10), **kwargs))
+        except TypeError:
+            return TypeError
+        except ValueError:
+            return ValueError
+        return None
+
+    assert kind(tud.DataLoader) is not None
+    assert kind(DataLoader) is kind(tud.DataLoader)
+
+
 def test_a_num_workers_of_the_wrong_type_is_a_type_error_as_in_torch():
     with pytest.raises(TypeError):
         tud.DataLoader(Items(), num_workers="many")
