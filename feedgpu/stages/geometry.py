@@ -301,11 +301,15 @@ class ResizeCenterCrop(SampleStage):
         return _dali_resize(x, self.crop[1], self.crop[0], self.interpolation, args)
 
 
-class HorizontalFlip(SampleStage):
-    """Mirror left-right with probability ``p`` (default 0.5)."""
+class _RandomFlip(SampleStage):
+    """A mirror with probability ``p`` (default 0.5): one uniform draw per sample, flipped when
+    it is below ``p``. Subclasses name the axis."""
 
-    name = "horizontal_flip"
     deterministic = False
+    draws = 1
+    has_dali = True
+    _transpose: Image.Transpose
+    _horizontal = 0
 
     def __init__(self, p: Probability = 0.5):
         if not 0.0 <= p <= 1.0:
@@ -315,23 +319,11 @@ class HorizontalFlip(SampleStage):
     def config(self) -> dict[str, Any]:
         return {"p": self.p}
 
-    draws = 1
-
-    def torch_baseline(self) -> list:
-        """``torchvision.transforms.RandomHorizontalFlip(p)``."""
-        from ..torch_ref import RandomHorizontalFlip
-
-        return [RandomHorizontalFlip(self.p)]
-
     def apply(self, img: Image.Image, rng) -> Image.Image:
         """``rng``: one uniform draw (flip when it is below ``p``) or a Generator."""
         if as_uniforms(rng, 1)[0] < self.p:
-            return img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+            return img.transpose(self._transpose)
         return img
-
-    has_dali = True
-    #: right before normalize, DALI flips in crop_mirror_normalize(mirror=...) instead
-    dali_folds = {"normalize": {"flip": "mirror"}}
 
     def dali_params(self, sizes, u):
         return {"flip": (u[:, 0] < self.p).astype(np.int32)}, sizes
@@ -339,7 +331,25 @@ class HorizontalFlip(SampleStage):
     def dali(self, x, args, device):
         from nvidia.dali import fn
 
-        return fn.flip(x, horizontal=args["flip"], vertical=0, device=device)
+        h = args["flip"] if self._horizontal else 0
+        v = 0 if self._horizontal else args["flip"]
+        return fn.flip(x, horizontal=h, vertical=v, device=device)
+
+
+class HorizontalFlip(_RandomFlip):
+    """Mirror left-right with probability ``p`` (default 0.5)."""
+
+    name = "horizontal_flip"
+    _transpose = Image.Transpose.FLIP_LEFT_RIGHT
+    _horizontal = 1
+    #: right before normalize, DALI flips in crop_mirror_normalize(mirror=...) instead
+    dali_folds = {"normalize": {"flip": "mirror"}}
+
+    def torch_baseline(self) -> list:
+        """``torchvision.transforms.RandomHorizontalFlip(p)``."""
+        from ..torch_ref import RandomHorizontalFlip
+
+        return [RandomHorizontalFlip(self.p)]
 
 
 def _torch_random_vertical_flip(p: float, img: Image.Image) -> Image.Image:
@@ -349,38 +359,14 @@ def _torch_random_vertical_flip(p: float, img: Image.Image) -> Image.Image:
     return img.transpose(Image.Transpose.FLIP_TOP_BOTTOM) if torch.rand(1) < p else img
 
 
-class VerticalFlip(SampleStage):
+class VerticalFlip(_RandomFlip):
     """Mirror top-bottom with probability ``p`` (default 0.5), as torchvision's
-    ``RandomVerticalFlip``; one uniform draw per sample (flip when it is below ``p``)."""
+    ``RandomVerticalFlip``."""
 
     name = "vertical_flip"
-    deterministic = False
-    draws = 1
-    has_dali = True
-
-    def __init__(self, p: Probability = 0.5):
-        if not 0.0 <= p <= 1.0:
-            raise ConfigError(f"{self.name}: p must be in [0, 1], got {p}")
-        self.p = float(p)
-
-    def config(self) -> dict[str, Any]:
-        return {"p": self.p}
-
-    def apply(self, img: Image.Image, rng) -> Image.Image:
-        """``rng``: one uniform draw (flip when it is below ``p``) or a Generator."""
-        if as_uniforms(rng, 1)[0] < self.p:
-            return img.transpose(Image.Transpose.FLIP_TOP_BOTTOM)
-        return img
+    _transpose = Image.Transpose.FLIP_TOP_BOTTOM
 
     def torch_baseline(self) -> list:
         import functools
 
         return [functools.partial(_torch_random_vertical_flip, self.p)]
-
-    def dali_params(self, sizes, u):
-        return {"flip": (u[:, 0] < self.p).astype(np.int32)}, sizes
-
-    def dali(self, x, args, device):
-        from nvidia.dali import fn
-
-        return fn.flip(x, horizontal=0, vertical=args["flip"], device=device)
