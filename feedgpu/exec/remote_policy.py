@@ -143,7 +143,8 @@ class RemotePolicy:
                                 f"the training loop has not waited for {self._calm} windows "
                                 f"({_pct(m.wait_fraction)}); releasing a remote worker")
         d = local.decide(m)
-        if d.changes:
+        if d.changes:   # the windows before a local change are not the base of a remote step
+            self._recent = []
             return replace(d, remote_workers=r)
         if waiting and d.kind == "hold" and r < c.max_remote:
             if r in self._no_add:
