@@ -34,6 +34,7 @@ import copy
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import yaml
@@ -198,6 +199,7 @@ def main(argv=None) -> int:
     rates = a.sleep_rate or [300.0, 800.0, 3000.0]
     names = a.consumer or ["cnn-1t", "cnn-all", "busy-core", *[f"sleep-{r:g}" for r in rates]]
     t_start = time.perf_counter()
+    warnings.filterwarnings("ignore", message="num_workers=.* exceeds the")  # cores + 1 is measured on purpose
     data = str(default_sample(a.images, progress=True))
     doc = yaml.safe_load(PIPELINE.read_text())
     doc = copy.deepcopy(doc)

@@ -69,8 +69,9 @@ def check_final(sim: Simulation, steps, *, tolerance: float = 0.05):
 def steps_bound(start: int, best: int) -> int:
     """Windows one-step-at-a-time needs from ``start`` to ``best`` workers and to check both
     neighbours and the prefetch depth there: each experiment takes a settle window and 2-6
-    measured ones, a close call as many again at the old setting."""
-    return 7 * (abs(start - best) + 4) + 8
+    measured ones, a close call as many again at the old setting (on a noisy plateau most steps are
+    close calls)."""
+    return 9 * (abs(start - best) + 4) + 8
 
 
 # -- synthetic throughput curves --------------------------------------------------------------------
@@ -174,13 +175,13 @@ SCENARIOS = {
 
 
 @pytest.mark.parametrize("noise,seeds", [(0.0, (0,)), (0.02, (1, 2))], ids=["exact", "noisy"])
-@pytest.mark.parametrize("start", ["one", "half"])
+@pytest.mark.parametrize("start", ["one", "half", "all"])
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_converges_to_best_fixed_setting(name, start, noise, seeds):
     producer, demand = SCENARIOS[name]
     for seed in seeds:
         sim = Simulation(producer, demand, noise=noise, seed=seed)
-        w0 = {"one": 1, "half": start_workers(producer.cores)}[start]
+        w0 = {"one": 1, "half": (int(producer.cores) + 1) // 2, "all": start_workers(producer.cores)}[start]
         cfg = PolicyConfig(max_workers=int(producer.cores))
         steps = run(Policy(cfg), sim, 300, w0)
         best_w, _ = check_final(sim, steps)

@@ -132,7 +132,8 @@ class Autoscaler:
     """Sizes the loader's worker pool and prefetch depth while it runs.
 
     Args:
-        workers: the pool size to start with (default: half the CPU budget, rounded up).
+        workers: the pool size to start with (default: one per core, see
+            :func:`~feedgpu.exec.balancer.start_workers`).
         prefetch: batches in flight per worker to start with.
         config: the policy's bounds and constants (default :func:`default_config`).
         window_s, min_batches: a window lasts at least this long and holds at least this many
@@ -149,7 +150,7 @@ class Autoscaler:
             with more, a :class:`~feedgpu.exec.remote_policy.RemotePolicy` decides them.
         remote: remote workers running at the start (0).
         cores: cores this process may run on (default :func:`cpu_cores`); sets the starting
-            pool (half of the cores but one) and the reported CPU budget.
+            pool and the reported CPU budget.
         memory_available: ``() -> bytes`` of memory still available (default: psutil's
             ``virtual_memory().available``); None from it means no RAM budget. Tests pass
             their own, so that nothing reads the machine's load.
@@ -166,8 +167,7 @@ class Autoscaler:
         self.remote_policy = RemotePolicy(RemoteConfig(max_remote=max_remote)) if max_remote > 0 else None
         self.remote = min(remote, max_remote)
         c = self.policy.config
-        budget = max(1.0, self.cores - 1.0)
-        self.workers = max(c.min_workers, min(c.max_workers, workers or start_workers(budget, c)))
+        self.workers = max(c.min_workers, min(c.max_workers, workers or start_workers(self.cores, c)))
         self.prefetch = max(c.min_prefetch, min(c.max_prefetch, prefetch))
         self.window_s, self.min_batches = window_s, min_batches
         self.buffer_bytes, self.device, self.callback = buffer_bytes, device, callback

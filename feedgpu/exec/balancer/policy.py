@@ -144,10 +144,12 @@ class PolicyConfig:
         return self.tolerance
 
 
-def start_workers(cpu_budget: float, config: PolicyConfig | None = None) -> int:
-    """A starting pool size: half of ``cpu_budget`` cores, rounded up, within the bounds."""
+def start_workers(cores: float, config: PolicyConfig | None = None) -> int:
+    """A starting pool size: one worker per core (what a user would set), within the bounds.
+    Starting high costs the training loop nothing while the policy checks whether fewer
+    workers train as fast; starting low starves it until the first experiments are in."""
     c = config or PolicyConfig()
-    return max(c.min_workers, min(c.max_workers, math.ceil(cpu_budget / 2)))
+    return max(c.min_workers, min(c.max_workers, math.ceil(cores)))
 
 
 @dataclass(frozen=True)
