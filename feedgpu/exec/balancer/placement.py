@@ -82,7 +82,7 @@ def choose_placement(options: Sequence[EngineRate], cpu_budget: float, gpu_mem_f
     (delivering more than the consumer takes gains nothing). Among the options within
     ``tolerance`` of the best such rate, the one with the fewest CPU cores is chosen; ties
     (cores within ``tolerance``) go to the option not using the GPU (its SMs are the model's:
-    GPU preprocessing slows the model, see ``docs/anchors.md``), then to the simpler
+    GPU preprocessing slows the model's step), then to the simpler
     engine (python, dali-cpu, dali-gpu).
 
     Raises :class:`ConfigError` when no option fits.
