@@ -71,7 +71,7 @@ def steps_bound(start: int, best: int) -> int:
     neighbours and the prefetch depth there: each experiment takes a settle window and 2-6
     measured ones, a close call as many again at the old setting (on a noisy plateau most steps are
     close calls)."""
-    return 9 * (abs(start - best) + 4) + 8
+    return 10 * (abs(start - best) + 4) + 8
 
 
 # -- synthetic throughput curves --------------------------------------------------------------------

@@ -407,7 +407,6 @@ class Policy:
         # noisy means is biased up, and a lucky window must not set the bar
         best_key, best, top = max(((k, r, r.rate * (1 - noise / math.sqrt(r.n))) for k, r in self._records.items()
                                    if r.n >= c.measure_windows or k == src), key=lambda x: x[2])
-        top = max(top, a.rate) if best_key != src else top
         if top <= 0:
             return True, math.inf, 0.0, "nothing was trained at any setting"
         margin = b.rate * (1 + tol) / top - 1
