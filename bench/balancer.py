@@ -1,134 +1,247 @@
 #!/usr/bin/env python
-"""The recorded balancer benchmark: ``num_workers="auto"`` against every fixed worker count.
+"""The recorded balancer benchmark: ``num_workers="auto"`` against every fixed worker count,
+with real training loops side by side in one run.
 
-For each demand level, a synthetic consumer (``feedgpu.idle.RateConsumer``: it sleeps
-``batch / rate`` seconds per batch, as a GPU step would, without using a core) is fed by
-``feedgpu.DataLoader`` on ``pipelines/imagenet_train.yaml`` (decode, random resized crop 224,
-flip, normalize float32) over the default 2,000-image sample, once with each fixed worker count
-(1 .. cores) and once with ``"auto"``, each in a fresh loader, one after the other on a quiet
-machine. Reported per level:
+The loader is ``feedgpu.DataLoader`` on ``pipelines/imagenet_train.yaml`` (decode, random
+resized crop, flip, normalize float32) with a ``--crop`` px crop and batch ``--batch-size``,
+persistent workers, over the default ImageNet-like sample. Consumers, each in the main
+process, as a training loop would be:
 
-* the best fixed count: the fewest workers whose delivered rate is within 3 % of the highest;
-* auto's delivered rate over time (the balancer's 1 s windows), the time from the first batch
-  until the mean of three consecutive windows reaches 95 % of the best fixed rate, the worker
-  counts it used after that, and its rate over the last half of the run;
-* the balancer's diagnosis (``feedgpu.idle``'s, what ``feedgpu bench --consumer-rate`` prints):
-  verdict, rate per core and the cores that demand would need.
+* ``cnn-1t``: a small conv net trained on the CPU (forward, cross-entropy, backward, SGD) with
+  ``torch.set_num_threads(1)``;
+* ``cnn-all``: the same with one thread per core (the model competes with the workers);
+* ``busy-core``: spins one core for ``batch / --busy-rate`` seconds per batch, as the Python
+  side of a GPU training loop keeps a core busy;
+* ``sleep-R``: sleeps ``batch / R`` seconds per batch (no CPU), for each ``--sleep-rate``.
 
-Writes ``bench/results/balancer.json`` and ``bench/results/balancer.md``.
+For each consumer and round, every fixed count (1 .. cores + 1) and ``auto`` run in a fresh
+loader, in an order rotated each round, ``--seconds`` each, timed from the first batch.
+Reported per run: trained samples/s (samples the loop consumed per second) and the waiting
+share (time in ``next()`` over wall time); for ``auto`` also its final setting, the time
+until the mean of three consecutive balancer windows came within ``TIE`` of the best fixed
+count's median rate, and its experiments in words.
 
-    .venv/bin/python bench/balancer.py                      # demands 400, 800, 3000 samples/s
-    .venv/bin/python bench/balancer.py --demand 500 --auto-seconds 60
+Writes ``bench/results/balancer.json`` and ``bench/results/balancer.md`` (figures only; any
+conclusion is written by hand in the notes there).
+
+    .venv/bin/python bench/balancer.py                                  # the recorded run
+    .venv/bin/python bench/balancer.py --seconds 12 --rounds 1 --consumer cnn-1t --consumer sleep-300
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
-from cpu_loader import wait_quiet, write_results  # noqa: E402
+from cpu_loader import write_results  # noqa: E402
+
+import torch  # noqa: E402
 
 from feedgpu import DataLoader, Pipeline  # noqa: E402
 from feedgpu.cli.bench import machine_info  # noqa: E402
 from feedgpu.exec.autoscale import cpu_cores  # noqa: E402
-from feedgpu.idle import RateConsumer, _diagnosis, run_loader  # noqa: E402
-from feedgpu.metrics import cpu_seconds  # noqa: E402
 from feedgpu.sample_data import default_sample  # noqa: E402
 
 PIPELINE = REPO / "pipelines" / "imagenet_train.yaml"
 TIE = 0.03
-REACH = 0.95
 
 
-def one(p, nw, demand: float, seconds: float, batch_size: int) -> dict:
-    loader = DataLoader(p, num_workers=nw, batch_size=batch_size, device="cpu")
-    consumer = RateConsumer(demand)
-    it = iter(loader)  # start the workers (and take one batch) before the clock starts
-    next(it)
-    del it
-    pids = loader.worker_pids()
-    c0, t0 = cpu_seconds(pids), time.perf_counter()
-    r = run_loader(loader, consumer, seconds)
+# -- consumers ----------------------------------------------------------------------------------
+
+def _images(batch):
+    return batch.images if hasattr(batch, "images") else batch[0]
+
+
+def _labels(batch):
+    return batch.labels if hasattr(batch, "labels") else batch[1]
+
+
+class ConvNet:
+    """A small conv net trained on the CPU: one SGD step per batch."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+        torch.manual_seed(0)
+        self.model = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3, stride=2, padding=1), torch.nn.ReLU(),
+            torch.nn.Conv2d(8, 16, 3, stride=2, padding=1), torch.nn.ReLU(),
+            torch.nn.Conv2d(16, 32, 3, stride=2, padding=1), torch.nn.ReLU(),
+            torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(32, 10))
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
+
+    def start(self):
+        torch.set_num_threads(self.threads)
+
+    def step(self, batch) -> None:
+        x = _images(batch)
+        y = _labels(batch).long() % 10
+        self.opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(self.model(x), y)
+        loss.backward()
+        self.opt.step()
+
+
+class BusyCore:
+    """Keeps one core busy for ``rows / rate`` seconds per batch."""
+
+    def __init__(self, rate: float):
+        self.rate = rate
+
+    def start(self):
+        pass
+
+    def step(self, batch) -> None:
+        t = time.thread_time() + len(_images(batch)) / self.rate
+        while time.thread_time() < t:
+            pass
+
+
+class Sleeper:
+    """Sleeps ``rows / rate`` seconds per batch (no CPU used)."""
+
+    def __init__(self, rate: float):
+        self.rate = rate
+
+    def start(self):
+        pass
+
+    def step(self, batch) -> None:
+        time.sleep(len(_images(batch)) / self.rate)
+
+
+def consumer(name: str, a) -> object:
+    if name == "cnn-1t":
+        return ConvNet(1)
+    if name == "cnn-all":
+        return ConvNet(cpu_cores())
+    if name == "busy-core":
+        return BusyCore(a.busy_rate)
+    if name.startswith("sleep-"):
+        return Sleeper(float(name.split("-", 1)[1]))
+    raise SystemExit(f"unknown consumer {name!r}")
+
+
+# -- one run --------------------------------------------------------------------------------------
+
+def train(p: Pipeline, nw, cons, seconds: float, batch_size: int) -> dict:
+    loader = DataLoader(p, num_workers=nw, batch_size=batch_size, device="cpu", persistent_workers=True)
+    cons.start()
+    epoch = 0
+    it = iter(loader)
+    cons.step(next(it))           # the workers are up before the clock starts
+    rows = waited = 0.0
+    steps = 0
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        tw = time.perf_counter()
+        try:
+            b = next(it)
+        except StopIteration:
+            epoch += 1
+            loader.set_epoch(epoch)
+            it = iter(loader)
+            b = next(it)
+        waited += time.perf_counter() - tw
+        cons.step(b)
+        rows += len(_images(b))
+        steps += 1
     wall = time.perf_counter() - t0
-    r["cores_used"] = (cpu_seconds(loader.worker_pids()) - c0) / wall if nw != "auto" else None
-    r["workers"] = nw
+    r = {"workers": nw, "samples_per_s": rows / wall, "waiting_share": waited / wall, "steps": steps,
+         "wall_s": round(wall, 2)}
     if nw == "auto":
         b = loader.balancer
-        r["timeline"] = list(b.timeline)
-        r["diagnosis"] = _diagnosis(list(b.measurements))
-        r["decisions"] = [d.as_dict() for d in b.policy.history if d.changes]
+        st = loader.stats()["balancer"]
+        r["final"] = f"{b.workers}w/p{b.prefetch}"
+        r["final_workers"] = b.workers
+        r["timeline"] = [{"t": round(x["t"] - t0, 2), "rate": round(x["delivered_rate"], 1),
+                          "wait": round(x["wait_fraction"], 4), "workers": x["workers"], "prefetch": x["prefetch"],
+                          "decision": x["decision"]} for x in b.timeline]
+        r["experiments"] = [e["text"] for e in st["experiments"]]
+        r["summary"] = st["summary"]
     loader.shutdown()
+    del it
     return r
 
 
-def analyse_auto(auto: dict, best_rate: float, best_n: int) -> dict:
-    tl = auto["timeline"]
-    if not tl:
-        return {"reached_s": None}
-    t0 = tl[0]["t"] - 1.0  # windows end at t; the first one began about a window earlier
-    reached = None
+def reached(auto: dict, best_rate: float) -> float | None:
+    """Seconds from the clock's start until three consecutive windows average within TIE of
+    ``best_rate`` (None: never)."""
+    tl = auto.get("timeline") or []
     for i in range(2, len(tl)):
-        mean = statistics.mean(p["delivered_rate"] for p in tl[i - 2:i + 1])
-        if mean >= REACH * best_rate:
-            reached = tl[i]["t"] - t0
-            break
-    after = [p["workers"] for p in tl if reached is not None and p["t"] - t0 >= reached]
-    half = [p["delivered_rate"] for p in tl[len(tl) // 2:]]
-    return {"reached_s": reached, "workers_after": sorted(set(after)), "max_workers_after": max(after) if after else None,
-            "extra_workers": (max(after) - best_n) if after else None,
-            "late_rate": statistics.median(half) if half else None,
-            "late_ratio": (statistics.median(half) / best_rate) if half and best_rate else None}
+        if statistics.mean(x["rate"] for x in tl[i - 2:i + 1]) >= (1 - TIE) * best_rate:
+            return max(0.0, tl[i]["t"])
+    return None
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--demand", type=float, action="append", help="samples/s (repeatable; default 400, 800, 3000)")
-    ap.add_argument("--images", type=int, default=2000)
-    ap.add_argument("--batch-size", type=int, default=256)
-    ap.add_argument("--fixed-seconds", type=float, default=20.0)
-    ap.add_argument("--auto-seconds", type=float, default=45.0)
+    ap.add_argument("--consumer", action="append",
+                    help="cnn-1t, cnn-all, busy-core, sleep-R (repeatable; default all, sleep at each --sleep-rate)")
+    ap.add_argument("--sleep-rate", type=float, action="append", help="samples/s (default 300, 800, 3000)")
+    ap.add_argument("--busy-rate", type=float, default=1000.0, help="samples/s the busy-core consumer takes")
+    ap.add_argument("--images", type=int, default=1000)
+    ap.add_argument("--crop", type=int, default=112)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--seconds", type=float, default=40.0)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-fixed", type=int, default=None, help="largest fixed count (default cores + 1)")
+    ap.add_argument("--note", default="", help="a note recorded with the results (e.g. the machine was shared)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
-    ap.add_argument("--quiet-s", type=float, default=30.0, help="wait up to this long for a quiet machine before each run")
     a = ap.parse_args(argv)
-    demands = a.demand or [400.0, 800.0, 3000.0]
+    rates = a.sleep_rate or [300.0, 800.0, 3000.0]
+    names = a.consumer or ["cnn-1t", "cnn-all", "busy-core", *[f"sleep-{r:g}" for r in rates]]
     t_start = time.perf_counter()
+    warnings.filterwarnings("ignore", message="num_workers=.* exceeds the")  # cores + 1 is measured on purpose
     data = str(default_sample(a.images, progress=True))
-    p = Pipeline.from_yaml(PIPELINE, **{"source.path": data, "output.device": "cpu"})
+    doc = yaml.safe_load(PIPELINE.read_text())
+    doc = copy.deepcopy(doc)
+    doc["source"]["path"] = data
+    doc["output"]["device"] = "cpu"
+    for s in doc["stages"]:
+        if s["op"] == "random_resized_crop":
+            s["size"] = a.crop
+    p = Pipeline.from_config(doc, where=str(PIPELINE))
     cores = cpu_cores()
-    levels = []
-    for demand in demands:
-        runs = {}
-        for nw in [*range(1, cores + 1), "auto"]:
-            waited = wait_quiet(a.quiet_s)
-            secs = a.auto_seconds if nw == "auto" else a.fixed_seconds
-            r = one(p, nw, demand, secs, a.batch_size)
-            r["waited_for_quiet_s"] = round(waited, 1)
-            runs[str(nw)] = r
-            print(f"demand {demand:,.0f}/s, workers {nw}: {r['samples_per_s']:,.0f} samples/s", file=sys.stderr)
-        fixed = {int(k): v["samples_per_s"] for k, v in runs.items() if k != "auto"}
+    counts = list(range(1, (a.max_fixed or cores + 1) + 1))
+    kinds = [*counts, "auto"]
+    results = []
+    for name in names:
+        runs: dict[str, list] = {str(k): [] for k in kinds}
+        for rnd in range(a.rounds):
+            order = kinds[rnd % len(kinds):] + kinds[:rnd % len(kinds)]
+            for nw in order:
+                r = train(p, nw, consumer(name, a), a.seconds, a.batch_size)
+                r["round"] = rnd
+                runs[str(nw)].append(r)
+                print(f"{name} round {rnd} workers {nw}: {r['samples_per_s']:,.0f} samples/s, waiting "
+                      f"{100 * r['waiting_share']:.1f} %" + (f", ended at {r['final']}" if nw == "auto" else ""),
+                      file=sys.stderr, flush=True)
+        med = {k: statistics.median(x["samples_per_s"] for x in v) for k, v in runs.items()}
+        fixed = {k: med[str(k)] for k in counts}
         top = max(fixed.values())
-        best_n = min(n for n, v in fixed.items() if v >= (1 - TIE) * top)
-        level = {"demand": demand, "runs": runs, "best_fixed_workers": best_n, "best_fixed_rate": fixed[best_n],
-                 "auto": analyse_auto(runs["auto"], fixed[best_n], best_n)}
-        d = runs["auto"]["diagnosis"]
-        if d:
-            bf = runs[str(best_n)]
-            per_core = bf["samples_per_s"] / bf["cores_used"] if bf["cores_used"] else None
-            level["check"] = {"fixed_rate_per_core": per_core,
-                              "cores_needed_from_fixed": demand / per_core if per_core else None}
-        levels.append(level)
-    doc = {"format": "feedgpu.bench.balancer/1", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-           "machine": machine_info(), "settings": {"pipeline": str(PIPELINE.relative_to(REPO)), "data": data,
-                                                   "images": a.images, "batch_size": a.batch_size,
-                                                   "fixed_seconds": a.fixed_seconds, "auto_seconds": a.auto_seconds,
-                                                   "tie": TIE, "reach": REACH},
-           "levels": levels, "total_seconds": round(time.perf_counter() - t_start, 1)}
-    write_results(a.out, "balancer", doc, markdown)
+        best = min(k for k, v in fixed.items() if v >= (1 - TIE) * top)
+        reach = [reached(x, fixed[best]) for x in runs["auto"]]
+        results.append({
+            "consumer": name, "runs": runs, "median_samples_per_s": med,
+            "median_waiting_share": {k: statistics.median(x["waiting_share"] for x in v) for k, v in runs.items()},
+            "best_fixed": best, "best_fixed_rate": fixed[best], "top_fixed_rate": top,
+            "auto_vs_top": med["auto"] / top, "auto_final": [x["final"] for x in runs["auto"]],
+            "auto_reached_s": reach})
+    out = {"format": "feedgpu.bench.balancer/2", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+           "machine": machine_info(), "note": a.note,
+           "settings": {"pipeline": str(PIPELINE.relative_to(REPO)), "data": data, "images": a.images,
+                        "crop": a.crop, "batch_size": a.batch_size, "seconds": a.seconds, "rounds": a.rounds,
+                        "busy_rate": a.busy_rate, "fixed_counts": counts, "tie": TIE},
+           "consumers": results, "total_seconds": round(time.perf_counter() - t_start, 1)}
+    write_results(a.out, "balancer", out, markdown)
     return 0
 
 
@@ -138,39 +251,34 @@ def _f(v, spec=",.0f"):
 
 def markdown(doc: dict) -> str:
     m, s = doc["machine"], doc["settings"]
-    lines = ["# Balancer: num_workers=\"auto\" against fixed worker counts", "",
+    counts = s["fixed_counts"]
+    lines = ["# Balancer: num_workers=\"auto\" against fixed worker counts, real training loops", "",
              f"Machine: {m['cpus_usable']} CPUs ({m['cpu_model']}), {m['ram_gb']} GB, PIL {m['pil_label']}, "
-             f"torch {m['torch']}. Data: {s['images']} ImageNet-like images (`{s['pipeline']}`, batch "
-             f"{s['batch_size']}, float32 NCHW 224). Consumer: synthetic (sleeps batch/rate per step). Fixed counts "
-             f"run {s['fixed_seconds']:.0f} s, auto {s['auto_seconds']:.0f} s, each in a fresh loader, one after "
-             f"the other; best fixed = fewest workers within {100 * s['tie']:.0f} % of the highest rate.", "",
-             "| demand (samples/s) | " + " | ".join(f"{k} workers" for k in doc["levels"][0]["runs"] if k != "auto")
-             + " | best fixed | auto: reached 95 % after | auto workers after | auto late rate (vs best) | verdict |",
-             "|---" * (len(doc["levels"][0]["runs"]) + 5) + "|"]
-    for lv in doc["levels"]:
-        runs, au = lv["runs"], lv["auto"]
-        fixed = " | ".join(_f(v["samples_per_s"]) for k, v in runs.items() if k != "auto")
-        d = runs["auto"].get("diagnosis") or {}
-        lines.append(f"| {lv['demand']:,.0f} | {fixed} | {lv['best_fixed_workers']} ({_f(lv['best_fixed_rate'])}) | "
-                     f"{_f(au.get('reached_s'), '.1f')} s | {au.get('workers_after')} | {_f(au.get('late_rate'))} "
-                     f"({_f(au.get('late_ratio'), '.2f')}x) | {d.get('verdict', '-')} |")
-    lines += ["", "Diagnosis of the auto runs (last setting, windows after the first) against a check from the "
-              "best fixed run (its samples/s per core used by the workers):", "",
-              "| demand | verdict | delivered | rate per core | cores needed | check: rate per core (fixed) | "
-              "check: cores needed |", "|---|---|---|---|---|---|---|"]
-    for lv in doc["levels"]:
-        d = lv["runs"]["auto"].get("diagnosis") or {}
-        c = lv.get("check") or {}
-        lines.append(f"| {lv['demand']:,.0f} | {d.get('verdict', '-')} | {_f(d.get('delivered_rate'))} | "
-                     f"{_f(d.get('rate_per_core'))} | {_f(d.get('cores_needed'), '.1f')} | "
-                     f"{_f(c.get('fixed_rate_per_core'))} | {_f(c.get('cores_needed_from_fixed'), '.1f')} |")
-    lines += ["", "Balancer decisions (changes only) per level:", ""]
-    for lv in doc["levels"]:
-        tl = lv["runs"]["auto"]["timeline"]
-        t0 = tl[0]["t"] - 1.0 if tl else 0.0
-        steps = "; ".join(f"t={d['t'] - t0:.0f}s {d['kind']} to {d['workers']}w/p{d['prefetch']}"
-                          for d in lv["runs"]["auto"]["decisions"])
-        lines.append(f"- demand {lv['demand']:,.0f}: {steps or 'none'}")
+             f"torch {m['torch']}. Data: {s['images']} ImageNet-like images, `{s['pipeline']}` with a "
+             f"{s['crop']} px crop, batch {s['batch_size']}, persistent workers. Each run {s['seconds']:.0f} s in a "
+             f"fresh loader, {s['rounds']} round(s), order rotated each round; medians over rounds. Best fixed: the "
+             f"fewest workers within {100 * s['tie']:.0f} % of the highest fixed rate.", ""]
+    if doc.get("note"):
+        lines += [f"Note: {doc['note']}", ""]
+    lines += ["Trained samples/s (waiting share of step time):", "",
+              "| consumer | " + " | ".join(f"{k} workers" for k in counts)
+              + " | auto | best fixed | auto / highest fixed | auto ended at | auto within 3 % after |",
+              "|---" * (len(counts) + 6) + "|"]
+    for c in doc["consumers"]:
+        med, wt = c["median_samples_per_s"], c["median_waiting_share"]
+        cells = [f"{_f(med[str(k)])} ({100 * wt[str(k)]:.0f} %)" for k in counts]
+        reach = ", ".join("never" if x is None else f"{x:.0f} s" for x in c["auto_reached_s"])
+        lines.append(f"| {c['consumer']} | " + " | ".join(cells)
+                     + f" | {_f(med['auto'])} ({100 * wt['auto']:.0f} %) | {c['best_fixed']} | "
+                       f"{c['auto_vs_top']:.3f} | {', '.join(c['auto_final'])} | {reach} |")
+    lines += ["", "Each round's runs (samples/s):", ""]
+    for c in doc["consumers"]:
+        per = "; ".join(f"{k}: " + ", ".join(_f(x["samples_per_s"]) for x in v) for k, v in c["runs"].items())
+        lines.append(f"- {c['consumer']}: {per}")
+    lines += ["", "The balancer's experiments (first auto run of each consumer):", ""]
+    for c in doc["consumers"]:
+        a = c["runs"]["auto"][0]
+        lines.append(f"- {c['consumer']}: " + ("; ".join(a["experiments"]) or "none") + f". Summary: {a['summary']}")
     lines.append("")
     return "\n".join(lines) + "\n"
 

@@ -84,15 +84,17 @@ class DataLoader(tud.DataLoader[T_co]):
             (:mod:`feedgpu.exec.ray_workers`) and reach the training loop in the same order, with
             the same sharding, random draws and ``state_dict()`` as the local pool; with
             ``num_workers=0`` all of them do. Under ``num_workers="auto"`` the balancer adds remote
-            workers when the local pool is at its CPU budget and the training loop still waits,
-            and releases them when it stops waiting. ``worker_init_fn`` runs in local workers only.
+            workers when the local pool cannot grow (a local worker more was measured not to
+            train faster, or ``max_local_workers``) and the training loop still waits, and
+            releases them when it stops waiting. ``worker_init_fn`` runs in local workers only.
         cache: for a pipeline, overrides its cache setting (``False`` turns it off; ``True``, a
             directory or a mapping turns it on; see :class:`~feedgpu.cache.CacheSettings`). The
             first epoch fills the cache while training; later epochs and runs read it.
         num_workers: worker processes, 0 to load in the main process, or ``"auto"``: the
-            throughput balancer (:mod:`feedgpu.exec.autoscale`) starts with half the cores and
-            grows or shrinks the pool (and the prefetch depth, 1-4) while it runs, to deliver
-            what the training loop consumes with the fewest workers. The batch order, random
+            throughput balancer (:mod:`feedgpu.exec.autoscale`) starts with one worker per core
+            and tries one step at a time (workers, prefetch depth 1-4) while it runs, keeping a
+            setting only when the training loop trains faster (the fewest workers within 3 % of
+            the best measured). The batch order, random
             stages and ``state_dict()`` do not depend on the count. Default: the pipeline's
             (``"auto"`` unless set); for a torch Dataset 0, as in torch. With the DALI engine,
             ``"auto"`` gives DALI one thread per core but one (fixed while it runs).

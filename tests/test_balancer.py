@@ -1,4 +1,5 @@
-"""The throughput balancer's policy, against simulated producers and consumers.
+"""The throughput balancer's policy, against synthetic throughput curves and simulated
+producers and consumers.
 
 No processes, no GPU, no clock: every scenario runs a few hundred simulated windows through
 :class:`feedgpu.exec.balancer.Policy` in milliseconds, and the same seed gives the same run.
@@ -12,10 +13,9 @@ import pytest
 
 from feedgpu.errors import ConfigError
 from feedgpu.exec.balancer import (
-    DaliTrial, Decision, EngineRate, Measurement, Policy, PolicyConfig, choose_dali_settings, choose_placement,
-    dali_gpu_candidates, diagnose, start_workers,
+    Decision, EngineRate, Measurement, Policy, PolicyConfig, choose_placement, diagnose, start_workers,
 )
-from feedgpu.exec.simulate import MIB, Producer, Simulation, at, run
+from feedgpu.exec.simulate import MIB, Curve, Producer, Simulation, at, run
 
 GIB = 2**30
 
@@ -41,9 +41,16 @@ def real_changes(steps) -> list[int]:
 
 
 def converged_at(steps, since: int = 0) -> int:
-    """Windows after ``since`` until the last real change (0 when none)."""
-    later = [i for i in real_changes(steps) if i >= since]
+    """Windows after ``since`` until the last real change before the first periodic re-check
+    (0 when none). A re-check may still find a better setting a noisy verdict missed."""
+    probes = [i for i, s in enumerate(steps) if s.decision.kind == "probe" and i >= since]
+    end = probes[0] if probes else len(steps)
+    later = [i for i in real_changes(steps) if since <= i < end]
     return later[-1] - since + 1 if later else 0
+
+
+def settings(steps) -> list[tuple[int, int]]:
+    return [(s.decision.workers, s.decision.prefetch) for s in steps]
 
 
 def check_final(sim: Simulation, steps, *, tolerance: float = 0.05):
@@ -59,79 +66,141 @@ def check_final(sim: Simulation, steps, *, tolerance: float = 0.05):
     return best_w, best_rate
 
 
-# -- scenarios: constant demand ---------------------------------------------------------------------
+def steps_bound(start: int, best: int) -> int:
+    """Windows one-step-at-a-time needs from ``start`` to ``best`` workers and to check both
+    neighbours and the prefetch depth there: each experiment takes a settle window and 2-6
+    measured ones, a close call as many again at the old setting (on a noisy plateau most steps are
+    close calls)."""
+    return 10 * (abs(start - best) + 4) + 8
 
-#: name -> (producer, demand, bound on windows to converge). The bound counts windows (a few
-#: seconds each in the loader); it includes the settle window after every change and the
-#: windows re-measured on close calls.
-SCENARIOS = {
-    # the CPU can meet demand: 5 workers of 200/s for 900/s
-    "below": (Producer(200, 8), 900, 25),
-    # demand above all the cores give: the budget's 8 workers
-    "above": (Producer(200, 8), 4000, 10),
-    # demand just inside the budget (7.5 workers' worth)
-    "near": (Producer(200, 8), 1500, 25),
-    # diminishing returns (rate ~ workers ** 0.9) on the 16-core reference box, 15 for the pool
-    "diminishing": (Producer(213, 15, scaling=0.9), 100_000, 10),
-    # a hand-off cap (1,500/s) reached at 5 workers though 12 cores are free
-    "capped": (Producer(300, 12, cap_rate=1500), 5000, 30),
-    # docs/anchors.md: torch+Pillow ~213/s per worker, ResNet-50 demand 4,722/s, 15 cores
-    "reference-cpu-bound": (Producer(213, 15), 4722, 10),
-    # same box, a consumer the CPU can meet with 12 workers
-    "reference-meets": (Producer(213, 15), 2500, 30),
-    # the 2-core development machine
-    "two-cores": (Producer(300, 2), 500, 10),
-    # a consumer one worker can feed
-    "tiny-demand": (Producer(300, 8), 100, 10),
-    # workers idle for lack of queued batches: prefetch 4 is needed
-    "shallow-prefetch": (Producer(200, 8, min_prefetch=4), 1300, 40),
-    # a loader-only benchmark: the consumer takes everything
-    "loader-only": (Producer(200, 8), math.inf, 10),
+
+# -- synthetic throughput curves --------------------------------------------------------------------
+
+#: name -> (rate by worker count at prefetch 2, max workers, the best count). Rates are what the
+#: training loop trains (samples/s); the prefetch depth changes nothing unless said.
+CURVES = {
+    # the loader limits the loop up to 6 workers, then the loop's own speed
+    "rising": ({w: min(150 * w, 900) for w in range(1, 9)}, 8, 6),
+    # a rate no worker count changes: the fewest workers
+    "flat": ({w: 500 for w in range(1, 9)}, 8, 1),
+    # a model trained on the CPU next to the workers: two workers best, more take its cores
+    "falling-past-optimum": ({1: 700, 2: 870, 3: 800, 4: 740, 5: 700, 6: 660}, 6, 2),
+    # the 2-core machine of the issue: over-subscribing both cores trains fastest
+    "two-cores-trainer": ({1: 715, 2: 870}, 2, 2),
+    # the loader takes CPU from the training process: one worker trains fastest
+    "loader-steals-cpu": ({1: 900, 2: 820, 3: 760, 4: 700}, 4, 1),
+    # a plateau: 3 workers within 3 % of the best (5)
+    "plateau": ({1: 300, 2: 600, 3: 880, 4: 890, 5: 900, 6: 900}, 6, 3),
 }
 
 
-@pytest.mark.parametrize("noise,seeds", [(0.0, (0,)), (0.02, (1, 2, 3))], ids=["exact", "noisy"])
-@pytest.mark.parametrize("start", ["one", "half", "budget"])
+def curve(name: str, noise: float = 0.0, seed: int = 0, wait=None) -> tuple[Curve, int, int]:
+    rates, top, best = CURVES[name]
+    return Curve(lambda w, p: rates[min(max(w, 1), top)], wait=wait, noise=noise, seed=seed), top, best
+
+
+@pytest.mark.parametrize("noise,seeds", [(0.0, (0,)), (0.02, (1, 2, 3)), (0.04, (4, 5))],
+                         ids=["exact", "noisy", "very-noisy"])
+@pytest.mark.parametrize("start", ["one", "half", "max"])
+@pytest.mark.parametrize("name", sorted(CURVES))
+def test_settles_on_the_best_point_of_a_throughput_curve(name, start, noise, seeds):
+    for seed in seeds:
+        sim, top, best = curve(name, noise, seed)
+        w0 = {"one": 1, "half": (top + 1) // 2, "max": top}[start]
+        steps = run(Policy(PolicyConfig(max_workers=top)), sim, 240, w0)
+        w = steps[-1].decision.workers
+        rates = CURVES[name][0]
+        # the best, or (with noise) a count training within 3 % of it with no more workers
+        slack = 2 if noise > 0.03 else 1
+        assert w == best or (noise and rates[w] >= 0.97 * rates[best] and w <= best + slack), (
+            f"seed {seed}: ended at {w}, best {best}: {steps[-1].decision.reason}")
+        took = converged_at(steps)
+        assert took <= steps_bound(w0, best) + (20 if noise > 0.03 else 0), (
+            f"seed {seed}: converged after {took} windows: {real_changes(steps)}")
+        # never oscillates: after the one re-check due in this run, nothing changes any more
+        assert not [i for i in real_changes(steps) if i >= len(steps) - 40], (seed, real_changes(steps))
+
+
+def test_a_flat_curve_while_the_loop_waits_settles_on_the_fewest_workers():
+    """A hand-off limit: the loop waits whatever the count, so more workers are tried, found not
+    faster, and fewer kept down to the fewest that train as fast."""
+    sim, _, _ = curve("flat", wait=lambda w, p: 0.4)
+    steps = run(Policy(PolicyConfig(max_workers=8)), sim, 120, 4)
+    assert steps[-1].decision.workers == 1
+    kinds = [e["kind"] for s in steps if (e := s.decision.experiment)]
+    assert kinds[0] == "add" and "remove" in kinds
+
+
+def test_the_cpu_budget_is_not_a_limit():
+    """The training process takes one of two cores (budget 1.0), yet two workers train faster:
+    the policy measures that instead of assuming the budget."""
+    sim = Simulation(Producer(400, 2), 870, cpu_budget=1.0)
+    steps = run(Policy(PolicyConfig(max_workers=2)), sim, 40, 1)
+    assert steps[-1].decision.workers == 2
+    assert any(s.decision.kind == "add" for s in steps)
+
+
+def test_each_experiment_is_reported_in_words():
+    sim, _, _ = curve("falling-past-optimum")
+    p = Policy(PolicyConfig(max_workers=6))
+    steps = run(p, sim, 60, 1)
+    exps = p.stats()["experiments"]
+    assert exps and exps == [s.decision.experiment for s in steps if s.decision.experiment]
+    first = exps[0]
+    assert (first["kind"], first["from"], first["to"], first["kept"]) == ("add", "1w/p2", "2w/p2", True)
+    assert first["rate_from"] == pytest.approx(700) and first["rate_to"] == pytest.approx(870)
+    assert "tried 2 workers / prefetch 2 (add) against 1 workers / prefetch 2" in first["text"]
+    assert "+24.3%" in first["text"] and "kept" in first["text"] and "of its step time" in first["text"]
+    undone = [e for e in exps if not e["kept"]]
+    assert undone and all("undone" in e["text"] for e in undone)
+    st = p.stats()
+    assert st["settled"] and st["workers"] == 2 and "settled" in st["summary"]
+    assert st["waiting"]["1w/p2"] == pytest.approx(0.3)
+
+
+# -- scenarios: a sleeping consumer at constant demand ----------------------------------------------
+
+#: name -> (producer, demand). The bound on windows is :func:`steps_bound`.
+SCENARIOS = {
+    "below": (Producer(200, 8), 900),                       # 5 workers of 200/s for 900/s
+    "above": (Producer(200, 8), 4000),                      # more than all the cores give
+    "near": (Producer(200, 8), 1500),                       # 7.5 workers' worth
+    "diminishing": (Producer(213, 15, scaling=0.9), 100_000),
+    "capped": (Producer(300, 12, cap_rate=1500), 5000),     # a hand-off cap reached at 5 workers
+    "two-cores": (Producer(300, 2), 500),
+    "tiny-demand": (Producer(300, 8), 100),
+    "shallow-prefetch": (Producer(200, 8, min_prefetch=4), 1300),
+    "loader-only": (Producer(200, 8), math.inf),
+}
+
+
+@pytest.mark.parametrize("noise,seeds", [(0.0, (0,)), (0.02, (1, 2))], ids=["exact", "noisy"])
+@pytest.mark.parametrize("start", ["one", "half", "all"])
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_converges_to_best_fixed_setting(name, start, noise, seeds):
-    producer, demand, bound = SCENARIOS[name]
+    producer, demand = SCENARIOS[name]
     for seed in seeds:
         sim = Simulation(producer, demand, noise=noise, seed=seed)
-        w0 = {"one": 1, "half": start_workers(producer.cores), "budget": int(producer.cores)}[start]
-        steps = run(Policy(), sim, 200, w0)
-        check_final(sim, steps)
+        w0 = {"one": 1, "half": (int(producer.cores) + 1) // 2, "all": start_workers(producer.cores)}[start]
+        cfg = PolicyConfig(max_workers=int(producer.cores))
+        steps = run(Policy(cfg), sim, 300, w0)
+        best_w, _ = check_final(sim, steps)
         took = converged_at(steps)
+        bound = steps_bound(w0, best_w) + (12 if name == "shallow-prefetch" else 0)
         assert took <= bound, f"seed {seed}: converged after {took} windows (bound {bound}): {real_changes(steps)}"
-        # no oscillation: nothing changes in the last 100 windows but undone re-check probes
-        assert not [i for i in real_changes(steps) if i >= 100], real_changes(steps)
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_noisier_windows_still_converge(seed):
-    """3 % noise per window on both rates: within 5 % of the best, one worker more at most."""
-    for producer, demand, _ in (SCENARIOS["below"], SCENARIOS["near"], SCENARIOS["reference-meets"]):
-        sim = Simulation(producer, demand, noise=0.03, seed=seed)
-        steps = run(Policy(), sim, 200, start_workers(producer.cores))
-        check_final(sim, steps)
-        assert converged_at(steps) <= 40
+        assert not [i for i in real_changes(steps) if i >= len(steps) - 60], real_changes(steps)
 
 
 def test_long_run_is_quiet():
-    """1,000 noisy windows at a steady demand: after converging, no change but re-check probes,
-    and those come at doubling intervals only while the consumer waits."""
+    """1,000 noisy windows at a steady demand: after converging, no change but re-check probes
+    at doubling intervals."""
     sim = Simulation(Producer(200, 8), 900, noise=0.02, seed=7)
-    steps = run(Policy(), sim, 1000, 4)
-    assert converged_at(steps) <= 25
-    assert not [s for s in steps[25:] if s.decision.changes]  # supply meets demand: no probes
-
-    sim = Simulation(Producer(200, 8), 4000, noise=0.02, seed=7)  # at the CPU budget: nothing to probe
-    steps = run(Policy(), sim, 1000, 4)
-    assert max(real_changes(steps)) < 10 and not [s for s in steps if s.decision.kind == "probe"]
-
-    sim = Simulation(Producer(300, 12, cap_rate=1500), 5000, noise=0.02, seed=7)  # waits below budget
-    steps = run(Policy(), sim, 1000, 6)
+    steps = run(Policy(PolicyConfig(max_workers=8)), sim, 1000, 4)
+    assert converged_at(steps) <= 40
+    sim = Simulation(Producer(300, 12, cap_rate=1500), 5000, noise=0.02, seed=7)  # waits at any count
+    steps = run(Policy(PolicyConfig(max_workers=12)), sim, 1000, 6)
     probes = [i for i, s in enumerate(steps) if s.decision.kind == "probe"]
-    assert max(real_changes(steps)) < 30
+    assert max(real_changes(steps)) < 60
     assert 2 <= len(probes) <= 4, probes
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert all(g2 > g1 for g1, g2 in zip(gaps, gaps[1:])), gaps
@@ -150,68 +219,47 @@ def test_deterministic():
 STEP_AT = 100
 
 
-@pytest.mark.parametrize("noise,seed", [(0.0, 0), (0.02, 1), (0.02, 2)])
+@pytest.mark.parametrize("noise,seed", [(0.0, 0), (0.02, 1)])
 @pytest.mark.parametrize("before,after", [(600, 1400), (1400, 600), (900, 4000), (4000, 900)],
                          ids=["up", "down", "up-past-cpu", "down-from-cpu"])
 def test_adapts_to_a_step_in_demand(before, after, noise, seed):
     sim = Simulation(Producer(200, 8), ((0, before), (STEP_AT, after)), noise=noise, seed=seed)
-    steps = run(Policy(), sim, 250, 4)
+    steps = run(Policy(PolicyConfig(max_workers=8)), sim, 260, 4)
     w_before, rate_before = sim.best_fixed(t=STEP_AT - 1)
     d = steps[STEP_AT - 2].decision
     assert sim.delivered(d.workers, d.prefetch, t=STEP_AT - 1) >= 0.95 * rate_before
     assert d.workers <= w_before + 1
     check_final(sim, steps)
-    assert converged_at(steps, since=STEP_AT) <= 30
-    assert any("demand moved" in s.decision.reason for s in steps[STEP_AT:STEP_AT + 5])
+    w_after, _ = sim.best_fixed()
+    assert converged_at(steps, since=STEP_AT) <= steps_bound(d.workers, w_after) + 4
+    assert any("records forgotten" in s.decision.reason for s in steps[STEP_AT:STEP_AT + 8])
 
 
-@pytest.mark.parametrize("budget_sees_contention", [True, False], ids=["budget-sees-it", "budget-blind"])
 @pytest.mark.parametrize("noise,seed", [(0.0, 0), (0.02, 3)])
-def test_adapts_to_cpu_contention(budget_sees_contention, noise, seed):
-    """Another process takes 4 of 8 cores from window 100: the pool shrinks to what is left
-    (more workers only share the same cores)."""
-    sim = Simulation(Producer(250, 8), 1500, contention=((0, 0), (STEP_AT, 4)), noise=noise, seed=seed,
-                     budget_sees_contention=budget_sees_contention)
-    steps = run(Policy(), sim, 250, 4)
+def test_adapts_to_cpu_contention(noise, seed):
+    """Another process takes 4 of 8 cores from window 100: the rate at the held setting drops,
+    the records are forgotten, and the pool shrinks to what trains as fast."""
+    sim = Simulation(Producer(250, 8), 1500, contention=((0, 0), (STEP_AT, 4)), noise=noise, seed=seed)
+    steps = run(Policy(PolicyConfig(max_workers=8)), sim, 300, 4)
     best_w, _ = check_final(sim, steps)
     assert best_w == 4
-    assert converged_at(steps, since=STEP_AT) <= 40
-    if budget_sees_contention:
-        assert all(s.decision.workers <= 4 for s in steps[STEP_AT:])  # at once, never over budget
-    else:
-        assert any("rate at" in s.decision.reason and "moved" in s.decision.reason for s in steps[STEP_AT:])
+    assert any("rate moved" in s.decision.reason for s in steps[STEP_AT:])
+    assert converged_at(steps, since=STEP_AT) <= steps_bound(6, 4) + 10
 
 
-@pytest.mark.parametrize("budget_sees_contention", [True, False], ids=["budget-sees-it", "budget-blind"])
-def test_grows_back_when_contention_ends(budget_sees_contention):
-    """The neighbour leaves at window 100. With a budget that counts other processes' CPU the pool
-    grows at once; blind to it, the periodic re-check finds the free cores."""
-    sim = Simulation(Producer(250, 8), 1500, contention=((0, 4), (STEP_AT, 0)), noise=0.02, seed=5,
-                     budget_sees_contention=budget_sees_contention)
-    steps = run(Policy(), sim, 400, 4)
+def test_grows_back_when_contention_ends():
+    """The neighbour leaves at window 100: nothing the loader measures at its setting changes, so
+    the periodic re-check finds the free cores."""
+    sim = Simulation(Producer(250, 8), 1500, contention=((0, 4), (STEP_AT, 0)), noise=0.02, seed=5)
+    steps = run(Policy(PolicyConfig(max_workers=8)), sim, 500, 4)
     check_final(sim, steps)
-    took = converged_at(steps, since=STEP_AT)
-    assert took <= (30 if budget_sees_contention else PolicyConfig().recheck_windows + 40)
+    assert converged_at(steps, since=STEP_AT) <= 2 * PolicyConfig().recheck_windows + 60
 
 
-def test_never_exceeds_the_cpu_budget():
-    sim = Simulation(Producer(200, 16), 10_000, cpu_budget=5.6)  # round(5.6) = 6
-    steps = run(Policy(), sim, 100, 2)
-    assert max(s.decision.workers for s in steps) == 6
-    assert "CPU budget" in steps[-1].decision.reason
-
-
-def test_shrinks_at_once_when_the_budget_drops():
-    p = Policy()
-    m = Measurement(t=1, workers=8, delivered_rate=1600, demand_rate=4000, wait_fraction=0.6,
-                    cpu_cores_used=8, cpu_budget=3.2)
-    d = p.decide(m)
-    assert (d.kind, d.workers) == ("remove", 3)
-    assert "CPU budget (3.2 cores)" in d.reason
-
+# -- hard limits ---------------------------------------------------------------------------------------
 
 def test_respects_the_ram_budget():
-    """1 GiB per worker over 512 MiB, 5 GiB budget: at most 4 workers however hungry the consumer."""
+    """1 GiB per worker over 512 MiB, 5 GiB budget: at most 4 workers however hungry the loop."""
     producer = Producer(200, 16, rss_base_bytes=512 * MIB, rss_per_worker_bytes=GIB)
     sim = Simulation(producer, 10_000, ram_budget_bytes=5 * GIB, noise=0.02, seed=1)
     steps = run(Policy(), sim, 120, 1)
@@ -227,11 +275,13 @@ def test_respects_the_ram_budget():
 
 def test_min_and_max_workers():
     cfg = PolicyConfig(min_workers=2, max_workers=5)
-    steps = run(Policy(cfg), Simulation(Producer(200, 16), 100), 60, 3)
+    steps = run(Policy(cfg), Simulation(Producer(200, 16), 100), 80, 3)
     assert min(s.decision.workers for s in steps) == 2
-    steps = run(Policy(cfg), Simulation(Producer(200, 16), 10_000), 60, 3)
+    steps = run(Policy(cfg), Simulation(Producer(200, 16), 10_000), 80, 3)
     assert max(s.decision.workers for s in steps) == 5
-    assert "configured maximum" in steps[-1].decision.reason
+    assert "configured maximum (5 workers)" in steps[-1].decision.reason
+    d = Policy(cfg).decide(window(1, 7, 1000))
+    assert (d.kind, d.workers) == ("remove", 5)
 
 
 # -- single rules --------------------------------------------------------------------------------------
@@ -243,67 +293,55 @@ def window(t, workers, rate, demand=1000.0, *, prefetch=2, cores=None, budget=8.
 
 
 def quiet(**kw) -> PolicyConfig:
-    """No settle window, no estimate jump, one window per step: each rule in isolation."""
-    base = dict(settle_windows=0, estimate=False, base_windows=1, noise_prior=0.01)
+    """No settle window, one window per step, little noise: each rule in isolation."""
+    base = dict(settle_windows=0, base_windows=1, measure_windows=1, noise_prior=0.001, noise_floor=0.001)
     base.update(kw)
     return PolicyConfig(**base)
 
 
-def test_add_kept_when_it_gains_more_than_7_percent():
+def test_add_kept_when_it_trains_more_than_the_tolerance_faster():
     p = Policy(quiet())
-    assert p.decide(window(1, 4, 400)).kind == "add"          # the consumer waits 60 %
+    assert p.decide(window(1, 4, 400)).kind == "add"          # the loop waits 60 %
     d = p.decide(window(2, 5, 500))                           # +25 %: kept, and add again
     assert (d.kind, d.workers) == ("add", 6)
-    assert "kept the add to 5 workers" in d.reason
+    assert "kept the add from 4 workers / prefetch 2 to 5 workers / prefetch 2" in d.reason
+    assert d.experiment["kept"] and d.experiment["change"] == pytest.approx(0.25)
 
 
 def test_add_undone_when_it_gains_less():
-    p = Policy(quiet())
+    p = Policy(quiet(max_prefetch=2))
     p.decide(window(1, 4, 400))
     d = p.decide(window(2, 5, 410))                           # +2.5 %
     assert (d.kind, d.workers) == ("revert", 4)
-    assert "undid the add" in d.reason and "+2.5 %" in d.reason
-    d = p.decide(window(3, 4, 400))                           # not tried again
-    assert (d.kind, d.workers) == ("hold", 4)
-    assert "not worth it" in d.reason
+    assert "undid the add" in d.reason and "+2.5%" in d.reason and not d.experiment["kept"]
+    d = p.decide(window(3, 4, 400))                           # not tried again: fewer instead
+    assert (d.kind, d.workers) == ("remove", 3)
 
 
-def test_add_threshold_shrinks_in_large_pools():
-    cfg = PolicyConfig()
-    assert cfg.add_threshold(2) == pytest.approx(0.07)
-    assert cfg.add_threshold(10) == pytest.approx(0.05)      # half an average worker's share
-    assert cfg.add_threshold(40) == pytest.approx(0.04)      # never below the floor
-    with pytest.raises(ConfigError):
-        PolicyConfig(loss_threshold=0.05, add_floor=0.04)
-
-
-def test_remove_kept_while_the_consumer_does_not_wait():
+def test_cheaper_kept_within_the_tolerance_of_the_best():
     p = Policy(quiet())
-    assert p.decide(window(1, 6, 1000)).kind == "remove"      # supply >= demand
-    d = p.decide(window(2, 5, 1000))
+    assert p.decide(window(1, 6, 1000)).kind == "remove"      # the loop does not wait
+    d = p.decide(window(2, 5, 985))                           # -1.5 % of the best: kept
     assert (d.kind, d.workers) == ("remove", 4)
-    d = p.decide(window(3, 4, 800))                           # the consumer waits 20 %
+    d = p.decide(window(3, 4, 960))                           # -4 % of the best: undone
     assert (d.kind, d.workers) == ("revert", 5)
-    assert "now waits 20.0 %" in d.reason
-    assert p.decide(window(4, 5, 1000)).kind == "hold"
+    assert "not within 3.0 %" in d.reason
+    assert p.decide(window(4, 5, 985)).kind == "prefetch"     # then a shallower prefetch
 
 
-def test_plateau_removal_when_workers_idle():
-    """The consumer waits but the workers idle (a hand-off limit): fewer workers give as much."""
-    p = Policy(quiet(max_prefetch=2))
-    assert p.decide(window(1, 8, 500, cores=2.0, budget=16)).kind == "add"
-    d = p.decide(window(2, 9, 500, cores=2.0, budget=16))
-    assert d.kind == "revert"
-    d = p.decide(window(3, 8, 500, cores=2.0, budget=16))
-    assert (d.kind, d.workers) == ("remove", 3)               # ceil(2 cores * 1.1)
-    d = p.decide(window(4, 3, 495, cores=2.0, budget=16))     # 1 % less: kept; 4 to 8 gave no more
-    assert d.kind == "remove" and d.workers == 2
-    d = p.decide(window(5, 2, 400, cores=2.0, budget=16))
-    assert (d.kind, d.workers) == ("revert", 3)
-    assert p.decide(window(6, 3, 495, cores=2.0, budget=16)).kind == "hold"
+def test_no_oscillation_between_two_settings_near_the_threshold():
+    """Two settings 3 % apart, measured over and over: once decided, the verdict holds."""
+    p = Policy(PolicyConfig(max_workers=2, settle_windows=0))
+    rates = {1: 1000.0, 2: 1030.0}
+    w, pf, seen = 1, 2, []
+    for t in range(200):
+        d = p.decide(window(t, w, rates[w], demand=1100.0, prefetch=pf))
+        w, pf = d.workers, d.prefetch
+        seen.append(w)
+    assert len(set(seen[50:])) == 1
 
 
-def test_prefetch_deepened_when_workers_idle():
+def test_prefetch_deepened_first_when_workers_idle():
     p = Policy(quiet())
     d = p.decide(window(1, 4, 400, cores=2.0))
     assert (d.kind, d.workers, d.prefetch) == ("prefetch", 4, 3)
@@ -311,40 +349,33 @@ def test_prefetch_deepened_when_workers_idle():
     assert d.kind == "prefetch" and d.prefetch == 4
 
 
-def test_estimate_jump():
-    p = Policy(PolicyConfig(settle_windows=0))
-    assert p.decide(window(1, 2, 400, demand=1500)).kind == "measure"
-    d = p.decide(window(2, 2, 400, demand=1500))
-    assert (d.kind, d.workers) == ("add", 8)                  # ceil(1500 / 200)
-    assert "estimated" in d.reason
-    p = Policy(PolicyConfig(settle_windows=0))
-    p.decide(window(1, 12, 1000, cores=4.0, budget=16))
-    d = p.decide(window(2, 12, 1000, cores=4.0, budget=16))
-    assert (d.kind, d.workers) == ("remove", 5)               # ceil(4 cores * 1.1)
-
-
-def test_close_calls_are_measured_again():
-    p = Policy(quiet(noise_prior=0.03, noise_floor=0.03))
+def test_close_calls_are_measured_again_at_both_settings():
+    p = Policy(quiet(noise_prior=0.03, noise_floor=0.03, max_measure_windows=2))
     p.decide(window(1, 4, 400))
-    d = p.decide(window(2, 5, 430))                           # +7.5 %, noise 3 %: unclear
+    d = p.decide(window(2, 5, 415))                           # +3.8 %, noise 3 %: unclear
     assert d.kind == "measure" and "close call" in d.reason
+    d = p.decide(window(3, 5, 415))
+    assert (d.kind, d.workers) == ("revert", 4) and "measuring 4 workers / prefetch 2 again" in d.reason
+    d = p.decide(window(4, 4, 400))
+    assert d.experiment is not None and "measured both again" in d.reason
 
 
 def test_settle_window_after_each_change():
-    p = Policy(PolicyConfig(estimate=False, base_windows=1))
+    p = Policy(PolicyConfig(base_windows=1, measure_windows=1))
     assert p.decide(window(1, 4, 400)).kind == "settle"       # the first window is warm-up
     assert p.decide(window(2, 4, 400)).kind == "add"
     assert p.decide(window(3, 5, 500)).kind == "settle"
 
 
-def test_demand_drift_forgets_records():
-    p = Policy(quiet())
+def test_drift_at_a_held_setting_forgets_records():
+    p = Policy(quiet(max_prefetch=2, min_workers=4))
     p.decide(window(1, 4, 400))
     p.decide(window(2, 5, 410))                               # refused
-    p.decide(window(3, 4, 400))
-    p.decide(window(4, 4, 400, demand=1500))                  # one window: not yet
-    d = p.decide(window(5, 4, 400, demand=1500))
-    assert "demand moved" in d.reason
+    for t in range(3, 6):
+        assert p.decide(window(t, 4, 400)).kind == "hold"
+    p.decide(window(6, 4, 400, demand=1500))                  # one window: not yet
+    d = p.decide(window(7, 4, 400, demand=1500))
+    assert "demand moved" in d.reason and "records forgotten" in d.reason
     assert d.kind == "add"                                    # the refusal is forgotten
     assert p.stats()["resets"] == 1
 
@@ -353,33 +384,33 @@ def test_loader_running_another_setting_is_followed():
     p = Policy(quiet())
     p.decide(window(1, 4, 400))                               # asks for 5
     d = p.decide(window(2, 3, 300))
-    assert "not the 5 / 2 decided" in d.reason
+    assert "not the 5 workers / prefetch 2 decided" in d.reason
 
 
 def test_decisions_are_logged_with_reasons(caplog):
     sim = Simulation(Producer(200, 8), 900)
     with caplog.at_level(logging.DEBUG, logger="feedgpu.balancer"):
-        steps = run(Policy(), sim, 20, 2)
-    changes = [r for r in caplog.records if r.levelno == logging.INFO]
+        steps = run(Policy(), sim, 30, 2)
+    changes = [r for r in caplog.records if r.levelno == logging.INFO and "experiment" not in r.getMessage()]
     assert len(changes) == sum(s.decision.changes for s in steps) > 0
     assert all(r.name == "feedgpu.balancer" for r in caplog.records)
-    assert "workers" in changes[0].getMessage()
+    assert any("balancer experiment: tried" in r.getMessage() for r in caplog.records)
 
 
 def test_stats_for_the_loader():
-    p = Policy()
-    run(p, Simulation(Producer(200, 8), 900), 30, 2)
+    p = Policy(PolicyConfig(max_workers=8))
+    run(p, Simulation(Producer(200, 8), 900), 60, 2)
     st = p.stats()
-    assert st["workers"] == 5 and st["prefetch"] == 2
-    assert st["decisions"] == 30 and st["changes"] >= 1
-    assert st["rates"]["5w/p2"] == pytest.approx(900)
+    assert st["workers"] == 5 and st["settled"]
+    assert st["decisions"] == 60 and st["changes"] >= 3
+    assert st["rates"][f"5w/p{st['prefetch']}"] == pytest.approx(900)
     assert st["last"][-1]["kind"] == "hold" and st["last"][-1]["reason"]
-    assert len(p.history) == 30 and isinstance(p.history[0], Decision)
+    assert len(p.history) == 60 and isinstance(p.history[0], Decision)
 
 
 def test_dali_engines_report_threads():
     sim = Simulation(Producer(500, 8), 3000, engine="dali-cpu")
-    steps = run(Policy(), sim, 40, 2)
+    steps = run(Policy(PolicyConfig(max_workers=8)), sim, 60, 2)
     d = steps[-1].decision
     assert d.engine == "dali-cpu" and d.dali_threads == d.workers == 6
 
@@ -395,6 +426,8 @@ def test_measurement_validation():
                     cpu_budget=1, engine="tpu")
     with pytest.raises(ConfigError, match="cpu_budget"):
         Measurement(t=0, workers=1, delivered_rate=1, demand_rate=None, wait_fraction=0, cpu_cores_used=0, cpu_budget=0)
+    with pytest.raises(ConfigError, match="tolerance"):
+        PolicyConfig(tolerance=0)
 
 
 def test_unknown_demand_steers_by_wait():
@@ -409,7 +442,7 @@ def test_unknown_demand_steers_by_wait():
 def test_diagnosis_cpu_bound_with_the_numbers():
     """docs/anchors.md: 15 Pillow workers give 3,197/s; ResNet-50 takes 4,722/s."""
     sim = Simulation(Producer(3197 / 15, 15), 4722)
-    steps = run(Policy(), sim, 40, 8)
+    steps = run(Policy(PolicyConfig(max_workers=15)), sim, 80, 8)
     dg = diagnose([s.measurement for s in steps[-5:]])
     assert dg.verdict == "CPU-bound"
     assert dg.delivered_rate == pytest.approx(3197, rel=1e-6)
@@ -424,7 +457,7 @@ def test_diagnosis_meets_demand_and_input_bound():
     steps = run(Policy(), sim, 40, 2)
     assert diagnose(steps[-1].measurement).verdict == "meets demand"
     sim = Simulation(Producer(300, 12, cap_rate=1500), 5000)
-    steps = run(Policy(), sim, 60, 6)
+    steps = run(Policy(PolicyConfig(max_workers=12)), sim, 80, 6)
     dg = Policy().diagnose(steps[-1].measurement)
     assert dg.verdict == "input-bound" and "not the CPU" in dg.message
     m = window(1, 8, 1600, demand=math.inf)
@@ -479,19 +512,6 @@ def test_placement_budgets():
         EngineRate("tpu", 1, 1, 1)
 
 
-def test_dali_settings():
-    """docs/anchors.md, DALI GPU data-only: 4 threads / 0.9 fastest; 8 threads within 6 %."""
-    trials = [DaliTrial(8, 0.75, 30851), DaliTrial(8, 0.9, 29579), DaliTrial(4, 0.9, 32656),
-              DaliTrial(2, 0.9, 17126), DaliTrial(8, 0.0, 12374)]
-    assert choose_dali_settings(trials) == DaliTrial(4, 0.9, 32656)
-    # a demand of 20,000/s: 2 threads cannot meet it, 4 can
-    assert choose_dali_settings(trials, demand_rate=20_000) == DaliTrial(4, 0.9, 32656)
-    # ResNet-50 takes 4,722/s: 2 threads are enough
-    assert choose_dali_settings(trials, demand_rate=4722) == DaliTrial(2, 0.9, 17126)
-    assert dali_gpu_candidates(2) == [(2, 0.75), (2, 0.9)]
-    assert dali_gpu_candidates(15) == [(t, h) for t in (2, 4, 8) for h in (0.75, 0.9)]
-
-
 # -- the simulator itself ---------------------------------------------------------------------------
 
 def test_simulator_model():
@@ -508,3 +528,11 @@ def test_simulator_model():
     assert sim.best_fixed() == (5, 1000)
     a = [Simulation(p, 1000, noise=0.05, seed=3).measure(4, 2) for _ in range(2)]
     assert a[0] == a[1]
+
+
+def test_curve_model():
+    sim = Curve(lambda w, p: {1: 700, 2: 870, 3: 800}[w])
+    assert sim.best(3) == (2, 870)
+    assert sim.measure(1, 2).wait_fraction == pytest.approx(0.3)      # one more trains faster
+    m = sim.measure(2, 2)
+    assert (m.delivered_rate, m.wait_fraction) == (870, pytest.approx(0.01))

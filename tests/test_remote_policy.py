@@ -43,15 +43,16 @@ def policies(max_local=2, max_remote=4):
 
 
 def test_adds_remote_workers_only_when_the_local_pool_is_at_its_budget_and_the_loop_waits():
-    local, remote = policies(max_local=8)   # the CPU budget (2 cores) is the limit
+    local, remote = policies(max_local=8)   # 2 cores: a third local worker trains no faster
     sim = Sim(demand=450)   # 2 local cores give 200/s: 3 remote workers more are needed (500/s)
-    ds, (w, _, r) = run(sim, 60, local, remote)
+    ds, (w, _, r) = run(sim, 160, local, remote)
     assert (w, r) == (2, 3)
     adds = [d for d in ds if d.kind == "remote-add"]
     assert [d.remote_workers for d in adds][:3] == [1, 2, 3]
-    assert "cannot grow" in adds[0].reason and "CPU budget" in adds[0].reason
-    assert all(d.workers <= 2 for d in ds), "the local pool never exceeds its budget"
-    assert all(d.workers == 2 for d in ds[:12]), "remote workers are added with the local pool at its budget"
+    assert "cannot grow" in adds[0].reason and "3 workers / prefetch 2: 200/s vs 200/s" in adds[0].reason
+    assert all(d.workers <= 3 for d in ds), "a third local worker is tried, never a fourth"
+    assert all(d.workers == 2 for d in ds if d.kind.startswith("remote")), \
+        "remote workers are added with the local pool at its best"
     # a 4th remote worker: tried when the loop still waits at 3? It does not (450 < 500)
     assert sim.measure(0, w, 2, r).wait_fraction == 0.0
 
@@ -67,10 +68,11 @@ def test_no_remote_worker_while_the_local_pool_can_still_grow():
 def test_a_remote_worker_that_adds_nothing_is_undone_and_not_tried_again():
     local, remote = policies()
     sim = Sim(demand=450, remote_rate=0.0)   # e.g. a one-node cluster on the same busy cores
-    ds, (_, _, r) = run(sim, 60, local, remote)
+    ds, (_, _, r) = run(sim, 160, local, remote)
     assert r == 0
-    assert [d.kind for d in ds].count("remote-add") == 1
-    revert = next(d for d in ds if d.kind == "revert")
+    adds = [i for i, d in enumerate(ds) if d.kind == "remote-add"]
+    assert adds and all(b - a >= RemoteConfig().recheck_windows for a, b in zip(adds, adds[1:])), adds
+    revert = next(d for d in ds if d.kind == "revert" and "remote" in d.reason)
     assert revert.remote_workers == 0 and "undone: 0 -> 1 remote workers" in revert.reason
     assert remote.stats()["not_worth_adding"].keys() == {0}
 
@@ -78,15 +80,15 @@ def test_a_remote_worker_that_adds_nothing_is_undone_and_not_tried_again():
 def test_releases_remote_workers_when_demand_falls_and_keeps_what_is_needed():
     local, remote = policies()
     sim = Sim(demand=450)
-    _, state = run(sim, 60, local, remote)
+    _, state = run(sim, 160, local, remote)
     assert state[2] == 3
     sim.demand = 320          # 2 local + 2 remote (400/s) meet it; 2 local + 1 remote (300/s) do not
-    ds, (w, _, r) = run(sim, 80, local, remote, start=state, t0=60)
+    ds, (w, _, r) = run(sim, 120, local, remote, start=state, t0=160)
     assert (w, r) == (2, 2)
     kinds = [d.kind for d in ds]
     assert kinds.count("remote-remove") == 2 and "revert" in kinds   # 3 -> 2 kept, 2 -> 1 undone
     sim.demand = 150          # the local pool alone is enough: every remote worker goes
-    ds, (w, _, r) = run(sim, 80, local, remote, start=(w, 2, r), t0=140)
+    ds, (w, _, r) = run(sim, 120, local, remote, start=(w, 2, r), t0=280)
     assert r == 0
     assert all(d.kind != "remote-add" for d in ds)
 
@@ -94,9 +96,9 @@ def test_releases_remote_workers_when_demand_falls_and_keeps_what_is_needed():
 def test_remote_steps_are_released_before_local_workers():
     local, remote = policies()
     sim = Sim(demand=450)
-    _, state = run(sim, 60, local, remote)
+    _, state = run(sim, 160, local, remote)
     sim.demand = 100
-    ds, _ = run(sim, 12, local, remote, start=state, t0=60)
+    ds, _ = run(sim, 12, local, remote, start=state, t0=160)
     first_change = next(d for d in ds if d.changes)
     assert first_change.kind == "remote-remove" and first_change.workers == 2
 
@@ -126,7 +128,7 @@ def test_a_step_is_judged_once_the_new_remote_worker_has_started():
     state, late = (2, 2, 0), 6            # Ray takes 6 windows to start each new worker
     started_at = {}
     decisions = []
-    for t in range(40):
+    for t in range(160):
         w, p, r = state
         m = sim.measure(t, w, p, r)
         started = sum(1 for k in range(1, r + 1) if t - started_at.get(k, t) >= late)
@@ -138,7 +140,7 @@ def test_a_step_is_judged_once_the_new_remote_worker_has_started():
         if d.remote_workers > r:
             started_at[d.remote_workers] = t
         state = (d.workers, d.prefetch, d.remote_workers)
-    judged = [d.reason.split(":")[0] for d in decisions if d.reason.startswith(("kept", "undone: 0", "undone: 1 ->",
+    judged = [d.reason.split(":")[0] for d in decisions if d.reason.startswith(("kept: ", "undone: 0", "undone: 1 ->",
                                                                                  "undone: 2 -> 3"))]
     assert judged[:3] == ["kept"] * 3, [(d.kind, d.reason) for d in decisions]   # no add judged before it ran
     assert sum("waiting for Ray to start" in d.reason for d in decisions) >= 15
@@ -150,12 +152,12 @@ def test_a_remote_worker_ray_never_starts_is_given_back():
     sim = Sim(demand=450)
     state = (2, 2, 0)
     decisions = []
-    for t in range(12):
+    for t in range(60):
         w, p, r = state
         m = Measurement(**{**sim.measure(t, w, p, 0).__dict__, "remote_workers": r, "remote_started": 0})
         d = remote.decide(m, local)
         decisions.append(d)
         state = (d.workers, d.prefetch, d.remote_workers)
-    revert = next(d for d in decisions if d.kind == "revert")
+    revert = next(d for d in decisions if d.kind == "revert" and "remote" in d.reason)
     assert revert.remote_workers == 0 and "did not start a remote worker within 3 windows" in revert.reason
     assert [d.kind for d in decisions].count("remote-add") == 1, "not tried again while the loop still waits"

@@ -8,10 +8,10 @@ autoscaler builds a :class:`~feedgpu.exec.balancer.Measurement` from what it saw
   wall time), hence the delivered rate, the demand rate (samples / busy time) and the wait
   fraction;
 * the CPU time of the worker processes (``psutil``), of the main process and of everything else
-  on the cores this process may run on, which sets the CPU budget: those cores minus what the
-  training process and other processes used;
+  on the cores this process may run on (reported, and used by the diagnosis; the policy does
+  not limit the pool by it: it measures whether a worker more trains faster);
 * the workers' unique memory (USS) plus the loader's batch buffers, and the RAM budget: what the
-  loader holds plus half of the memory still available;
+  loader holds plus half of the memory still available (a hard limit);
 * free GPU memory when the loader delivers to a CUDA device,
 
 asks the pure :class:`~feedgpu.exec.balancer.Policy` for a decision and returns it; the loader
@@ -31,9 +31,9 @@ from .remote_policy import RemoteConfig, RemotePolicy
 
 log = logging.getLogger("feedgpu.balancer")
 
-#: Window length in seconds. Ours: a 1 s window at ~1,000 samples/s holds 4 batches of 256 and
-#: its rate varies ~2-3 % on the 2-core development machine; the policy's own noise estimate
-#: asks for more windows where that is too noisy.
+#: Window length in seconds, and batches a window holds at least. The policy estimates the
+#: noise of a window from the windows themselves and measures more of them where one is too
+#: noisy to decide.
 WINDOW_S = 1.0
 MIN_BATCHES = 3
 
@@ -56,6 +56,16 @@ def default_config(cores: int | None = None, max_prefetch: int = 4) -> PolicyCon
     """The policy bounds used by the loader: 1 to ``cores`` workers, prefetch 1 to
     ``max_prefetch`` batches per worker (4: the batch buffers are sized for the maximum)."""
     return PolicyConfig(min_workers=1, max_workers=cores or cpu_cores(), min_prefetch=1, max_prefetch=max_prefetch)
+
+
+def _memory_available() -> int | None:
+    """Bytes of memory still available (psutil), None when it cannot be read."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except Exception:  # noqa: BLE001 - no budget when it cannot be read
+        return None
 
 
 class _Probe:
@@ -122,7 +132,8 @@ class Autoscaler:
     """Sizes the loader's worker pool and prefetch depth while it runs.
 
     Args:
-        workers: the pool size to start with (default: half the CPU budget, rounded up).
+        workers: the pool size to start with (default: one per core, see
+            :func:`~feedgpu.exec.balancer.start_workers`).
         prefetch: batches in flight per worker to start with.
         config: the policy's bounds and constants (default :func:`default_config`).
         window_s, min_batches: a window lasts at least this long and holds at least this many
@@ -138,26 +149,31 @@ class Autoscaler:
         max_remote: remote workers (``executor: ray``) the balancer may add, 0 for none (default);
             with more, a :class:`~feedgpu.exec.remote_policy.RemotePolicy` decides them.
         remote: remote workers running at the start (0).
+        cores: cores this process may run on (default :func:`cpu_cores`); sets the starting
+            pool and the reported CPU budget.
+        memory_available: ``() -> bytes`` of memory still available (default: psutil's
+            ``virtual_memory().available``); None from it means no RAM budget. Tests pass
+            their own, so that nothing reads the machine's load.
     """
 
     def __init__(self, workers: int | None = None, prefetch: int = 2, config: PolicyConfig | None = None,
                  window_s: float = WINDOW_S, min_batches: int = MIN_BATCHES, buffer_bytes: int = 0,
                  device: str = "cpu", callback: Callable[[dict], None] | None = None,
                  clock: Callable[[], float] = time.perf_counter, probe=None, cores: int | None = None,
-                 max_remote: int = 0, remote: int = 0):
+                 max_remote: int = 0, remote: int = 0, memory_available: Callable[[], int | None] | None = None):
         self.cores = cores or cpu_cores()
         self.policy = Policy(config or default_config(self.cores))
         self.max_remote = max_remote
         self.remote_policy = RemotePolicy(RemoteConfig(max_remote=max_remote)) if max_remote > 0 else None
         self.remote = min(remote, max_remote)
         c = self.policy.config
-        budget = max(1.0, self.cores - 1.0)
-        self.workers = max(c.min_workers, min(c.max_workers, workers or start_workers(budget, c)))
+        self.workers = max(c.min_workers, min(c.max_workers, workers or start_workers(self.cores, c)))
         self.prefetch = max(c.min_prefetch, min(c.max_prefetch, prefetch))
         self.window_s, self.min_batches = window_s, min_batches
         self.buffer_bytes, self.device, self.callback = buffer_bytes, device, callback
         self.clock = clock
         self._probe = probe
+        self._memory_available = memory_available or _memory_available
         self.timeline: deque[dict] = deque(maxlen=100_000)
         self.measurements: deque[Measurement] = deque(maxlen=1000)
         self._reset_window(None)
@@ -219,10 +235,14 @@ class Autoscaler:
                  "next_workers": d.workers}
         if self.remote_policy is not None:
             point.update(remote_workers=m.remote_workers, next_remote_workers=d.remote_workers, reason=d.reason)
+        if d.experiment is not None:
+            point["experiment"] = d.experiment["text"]
         self.timeline.append(point)
         if self.callback is not None:
             try:
-                self.callback({"t": m.t, "measurement": m.__dict__.copy(), "decision": d.as_dict()})
+                self.callback({"t": m.t, "measurement": m.__dict__.copy(), "decision": d.as_dict(),
+                               "waiting_share": m.wait_fraction, "experiment": d.experiment,
+                               "report": self.report(d)})
             except Exception:  # noqa: BLE001 - a user's logger must not stop training
                 log.exception("feedgpu balancer callback failed")
         self._reset_window(self.clock())
@@ -236,14 +256,9 @@ class Autoscaler:
             self._uss = uss
         busy = max(wall - self._wait, 0.0)
         demand = self._rows / busy if busy > 1e-6 else float("inf")
-        ram_budget = None
         rss = self._uss + self.buffer_bytes
-        try:
-            import psutil
-
-            ram_budget = int(rss + 0.5 * psutil.virtual_memory().available)
-        except Exception:  # noqa: BLE001 - no budget when it cannot be read
-            pass
+        free = self._memory_available()
+        ram_budget = None if free is None else int(rss + 0.5 * free)
         return Measurement(
             t=now, workers=self.workers, delivered_rate=self._rows / wall, demand_rate=demand,
             wait_fraction=min(1.0, self._wait / wall), cpu_cores_used=max(0.0, worker_cpu / wall),
@@ -259,13 +274,32 @@ class Autoscaler:
         idx = int(self.device.split(":")[1]) if ":" in self.device else torch.cuda.current_device()
         return int(torch.cuda.mem_get_info(idx)[0])
 
+    def report(self, d: Decision | None = None) -> str:
+        """The last window and decision in plain words: the loop's throughput, its waiting
+        share of step time, and what the balancer does next and why."""
+        m = self.last_measurement
+        if m is None:
+            return "no window measured yet"
+        d = d or (self.policy.history[-1] if self.policy.history else None)
+        s = (f"the training loop took {m.delivered_rate:,.0f} samples/s with {m.workers} workers / prefetch "
+             f"{m.prefetch} and waited for batches {100 * m.wait_fraction:.1f} % of its step time")
+        if d is not None:
+            s += f"; next: {d.kind} ({d.workers} workers / prefetch {d.prefetch}): {d.reason}"
+        return s
+
     def stats(self) -> dict:
-        """``loader.stats()["balancer"]``: the policy's state and decisions (see
-        :meth:`Policy.stats`), the last window's measurement and diagnosis, and the windows
-        measured so far."""
+        """``loader.stats()["balancer"]``: the policy's state, experiments and decisions (see
+        :meth:`Policy.stats`), the last window's measurement and diagnosis, the windows measured
+        so far, ``waiting_share`` (the last window's share of the loop's step time spent
+        waiting for a batch), ``waiting_share_mean`` (over all windows measured) and ``report``
+        (:meth:`report`)."""
         d = self.policy.stats()
         d.update(workers=self.workers, prefetch=self.prefetch, windows=self._windows,
                  cores=self.cores, window_s=self.window_s, remote_workers=self.remote)
+        ms = self.measurements
+        d["waiting_share"] = ms[-1].wait_fraction if ms else None
+        d["waiting_share_mean"] = sum(x.wait_fraction for x in ms) / len(ms) if ms else None
+        d["report"] = self.report()
         d["remote"] = self.remote_policy.stats() if self.remote_policy is not None else None
         m = self.last_measurement
         d["last_window"] = None if m is None else dict(m.__dict__)

@@ -5,8 +5,8 @@ Ray. It sits in front of the local :class:`~feedgpu.exec.balancer.Policy` and mo
 remote workers one step at a time:
 
 1. **Add** a remote worker when the training loop waits (``wait_fraction > wait_threshold``) and
-   the local policy holds (the local pool is at its CPU budget, at ``max_local_workers``, or
-   one more local worker was found not worth it), up to ``max_remote``. Keep it when the
+   the local policy holds (the local pool is at ``max_local_workers`` or its memory budget, or
+   one more local worker was measured not to train faster), up to ``max_remote``. Keep it when the
    delivered rate rose more than the local rule's :meth:`PolicyConfig.add_threshold` for the
    pool's total size, or more than ``loss_threshold`` and the loop stopped waiting; else go back
    and do not try that step again until demand moves (the cluster's CPUs may be the same
@@ -143,7 +143,8 @@ class RemotePolicy:
                                 f"the training loop has not waited for {self._calm} windows "
                                 f"({_pct(m.wait_fraction)}); releasing a remote worker")
         d = local.decide(m)
-        if d.changes:
+        if d.changes:   # the windows before a local change are not the base of a remote step
+            self._recent = []
             return replace(d, remote_workers=r)
         if waiting and d.kind == "hold" and r < c.max_remote:
             if r in self._no_add:

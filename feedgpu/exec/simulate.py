@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Callable, Sequence, Union
 
 from .balancer import Decision, Measurement, Policy
 
@@ -154,6 +154,55 @@ class Simulation:
                            ram_budget_bytes=self.ram_budget_bytes, prefetch=prefetch, engine=self.engine)
 
 
+@dataclass
+class Curve:
+    """A training loop whose throughput is a given function of the loader's setting, as a
+    model trained on the CPU next to the workers gives: it may rise with the workers, stay
+    flat, or fall past an optimum (workers take the cores the model needs).
+
+    Args:
+        rate: ``rate(workers, prefetch) -> samples/s`` the loop trains (noise-free).
+        wait: ``wait(workers, prefetch) -> share of step time waiting`` (default: 0.3 while
+            one worker more trains faster, else 0.01: the loop waits while the loader limits it).
+        noise: relative standard deviation of each window's rate.
+        cores_per_worker: cores each worker uses (reported, busy workers by default).
+        window_s, seed: seconds per window; seeds the noise.
+    """
+
+    rate: Callable[[int, int], float]
+    wait: Callable[[int, int], float] | None = None
+    noise: float = 0.0
+    cores_per_worker: float = 1.0
+    window_s: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        self.t = 0.0
+        self._rng = random.Random(self.seed)
+
+    def waiting(self, workers: int, prefetch: int) -> float:
+        if self.wait is not None:
+            return self.wait(workers, prefetch)
+        return 0.3 if self.rate(workers + 1, prefetch) > self.rate(workers, prefetch) * 1.001 else 0.01
+
+    def best(self, max_workers: int, prefetch: int = 2, tolerance: float = 0.03) -> tuple[int, float]:
+        """The fewest workers training within ``tolerance`` of the best rate, and the best rate."""
+        rates = {w: self.rate(w, prefetch) for w in range(1, max_workers + 1)}
+        top = max(rates.values())
+        return min(w for w, r in rates.items() if r >= (1 - tolerance) * top), top
+
+    def measure(self, workers: int, prefetch: int) -> Measurement:
+        """Advance one window with this setting and return what the loader would measure."""
+        self.t += self.window_s
+        r = self.rate(workers, prefetch)
+        if self.noise > 0:
+            r *= max(0.05, 1.0 + self._rng.gauss(0.0, self.noise))
+        wait = min(1.0, max(0.0, self.waiting(workers, prefetch)))
+        demand = r / (1 - wait) if wait < 1 else math.inf
+        return Measurement(t=self.t, workers=workers, delivered_rate=r, demand_rate=demand, wait_fraction=wait,
+                           cpu_cores_used=self.cores_per_worker * workers, cpu_budget=1.0, prefetch=prefetch)
+
+
 @dataclass(frozen=True)
 class Step:
     """One window of a run: what was measured and what the policy decided."""
@@ -162,7 +211,7 @@ class Step:
     decision: Decision
 
 
-def run(policy: Policy, sim: Simulation, windows: int, workers: int, prefetch: int = 2) -> list[Step]:
+def run(policy: Policy, sim: Simulation | Curve, windows: int, workers: int, prefetch: int = 2) -> list[Step]:
     """Drive ``policy`` over ``windows`` windows of ``sim``, starting from ``workers`` and
     ``prefetch``; each decision is applied before the next window."""
     steps = []

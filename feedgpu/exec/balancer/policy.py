@@ -1,0 +1,488 @@
+"""The balancer's policy: find the setting at which the training loop trains fastest.
+
+The objective is the training loop's throughput: samples consumed per second, measured where
+the loop asks for batches (:attr:`Measurement.delivered_rate`). Of settings within
+``tolerance`` of the best, the one with the fewest workers and then the shallowest prefetch
+wins (the loader's CPU and memory are the tie-breaker). Nothing models what will be faster:
+the policy tries a neighbouring setting, one step at a time, and keeps it only when the
+measured throughput says so.
+
+Rules, applied to each window (:meth:`Policy.decide`):
+
+1. Hard limits first: ``max_workers`` (the cores, or the user's ``max_local_workers``) and the
+   memory budget (per-worker memory from the measurements). A pool above a limit shrinks to it
+   at once. The CPU the training loop or other processes use is *not* a limit: whether a
+   worker more trains faster on busy cores is measured, not assumed.
+2. The window after a change is not judged (``settle_windows``).
+3. An experiment moves to a neighbour: while the loop waits for batches (more than
+   ``wait_threshold`` of its step time), one worker more or one batch of prefetch more
+   (prefetch first when the workers are idle part of the time); in any case one worker less,
+   then one batch of prefetch less. A costlier neighbour is kept when it trains more than
+   ``tolerance`` faster than where it came from; a cheaper one when it trains within
+   ``tolerance`` of the best setting measured (so the two verdicts never both hold: no
+   oscillation). An experiment not kept is undone and not tried again; the reverse of a kept
+   one is not tried either.
+4. A verdict is reached once the deciding difference is ``confidence`` standard errors from
+   its threshold (the noise of a window is estimated from the windows themselves) after at
+   least ``measure_windows`` windows; a close call is measured again, up to
+   ``max_measure_windows`` at the new setting, then at the old one, then judged on the means.
+5. With no neighbour left to try, the policy holds (settled). When the rate, or the loop's
+   demand, at an unchanged setting moves by more than ``drift_threshold`` for
+   ``drift_windows`` windows (another process takes cores, the model changed), every record is
+   forgotten and the experiments start again from there; a settled policy also starts again
+   after ``recheck_windows`` windows, the interval doubling up to ``recheck_max_windows``.
+
+Every decision carries its reason in plain words and is logged on the ``feedgpu.balancer``
+logger (INFO for changes, DEBUG for holds); :meth:`Policy.stats` is what ``loader.stats()``
+shows under ``"balancer"``, with each experiment: what was tried, what it measured, whether
+it was kept and why.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from dataclasses import dataclass, replace
+
+from ...errors import ConfigError
+from .diagnosis import WAIT_THRESHOLD, Diagnosis, diagnose
+from .measurement import Decision, Measurement, _fmt_rate, _gib, _pct, setting
+from .window import Record, drifted, pooled_noise
+
+log = logging.getLogger("feedgpu.balancer")
+
+#: Settings whose throughputs are within this share are equal; the cheaper one is chosen.
+TOLERANCE = 0.03
+#: Forget the records when the rate or demand at an unchanged setting moves by more than this
+#: (five times the noise of a few-second window, so noise alone does not trigger it).
+DRIFT_THRESHOLD = 0.15
+#: Workers using less than this share of a core each are idle part of the time: a deeper
+#: prefetch is tried before a worker more.
+BUSY_THRESHOLD = 0.8
+#: Standard errors a difference must clear to be judged before ``max_measure_windows``.
+CONFIDENCE = 2.0
+#: Relative noise of a window's rate assumed before enough windows are seen, and the least.
+NOISE_PRIOR = 0.02
+NOISE_FLOOR = 0.01
+
+Key = tuple  # (workers, prefetch)
+_COSTLIER = ("add", "prefetch-up")
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """The constants of :class:`Policy` (defaults: the module constants).
+
+    Args:
+        tolerance: throughputs within this share are equal (0.03): a costlier setting is kept
+            when it trains more than this faster, a cheaper one when it trains within this of
+            the best measured.
+        wait_threshold: the loop waits when more than this share of its step time goes to
+            waiting for a batch (0.03); more workers or prefetch are tried only then.
+        drift_threshold, drift_windows: forget the records when the rate or demand at an
+            unchanged setting moves more than this share (0.15) for this many windows (2).
+        busy_threshold: workers using less than this share of a core are idle part of the time
+            (0.8): a deeper prefetch is tried first.
+        min_workers, max_workers: bounds of the pool (1, 64); ``max_workers`` is a hard limit.
+        min_prefetch, max_prefetch: bounds of the prefetch depth (1, 8).
+        settle_windows: windows not judged after each change (1).
+        measure_windows: windows measured at least at a new setting before a verdict (2).
+        base_windows: windows measured at least at a setting before an experiment leaves it (2).
+        max_measure_windows: windows measured at most on a close call, at each of the two
+            settings (6).
+        confidence: standard errors a difference must clear to be judged early (2.0).
+        noise_prior, noise_floor: relative noise of one window's rate assumed before enough
+            windows are seen, and the least assumed (0.02, 0.01).
+        recheck_windows, recheck_max_windows: a settled policy starts its experiments again
+            after this many windows, the interval doubling up to the maximum (120, 1920).
+        history: decisions kept for :meth:`Policy.stats` (200).
+
+    Raises:
+        ConfigError: on bounds out of order or a tolerance outside (0, 0.5).
+    """
+
+    tolerance: float = TOLERANCE
+    wait_threshold: float = WAIT_THRESHOLD
+    drift_threshold: float = DRIFT_THRESHOLD
+    busy_threshold: float = BUSY_THRESHOLD
+    min_workers: int = 1
+    max_workers: int = 64
+    min_prefetch: int = 1
+    max_prefetch: int = 8
+    settle_windows: int = 1
+    measure_windows: int = 2
+    base_windows: int = 2
+    max_measure_windows: int = 6
+    confidence: float = CONFIDENCE
+    noise_prior: float = NOISE_PRIOR
+    noise_floor: float = NOISE_FLOOR
+    drift_windows: int = 2
+    recheck_windows: int = 120
+    recheck_max_windows: int = 1920
+    history: int = 200
+
+    def __post_init__(self):
+        if not 0 < self.tolerance < 0.5:
+            raise ConfigError(f"PolicyConfig: need 0 < tolerance < 0.5, got {self.tolerance}")
+        if not 1 <= self.min_workers <= self.max_workers:
+            raise ConfigError(f"PolicyConfig: need 1 <= min_workers <= max_workers, got {self.min_workers}, "
+                              f"{self.max_workers}")
+        if not 1 <= self.min_prefetch <= self.max_prefetch:
+            raise ConfigError("PolicyConfig: need 1 <= min_prefetch <= max_prefetch")
+        if (self.settle_windows < 0 or not 1 <= self.measure_windows <= self.max_measure_windows
+                or self.base_windows < 1 or self.drift_windows < 1):
+            raise ConfigError("PolicyConfig: need settle_windows >= 0, 1 <= measure_windows <= max_measure_windows, "
+                              "base_windows >= 1, drift_windows >= 1")
+
+    @property
+    def loss_threshold(self) -> float:
+        """Throughput a cheaper setting may lose and still be kept (``tolerance``)."""
+        return self.tolerance
+
+    def add_threshold(self, workers: int) -> float:
+        """Gain a costlier setting must exceed to be kept (``tolerance``, whatever ``workers``)."""
+        return self.tolerance
+
+
+def start_workers(cores: float, config: PolicyConfig | None = None) -> int:
+    """A starting pool size: one worker per core (what a user would set), within the bounds.
+    Starting high costs the training loop nothing while the policy checks whether fewer
+    workers train as fast; starting low starves it until the first experiments are in."""
+    c = config or PolicyConfig()
+    return max(c.min_workers, min(c.max_workers, math.ceil(cores)))
+
+
+@dataclass(frozen=True)
+class _Trial:
+    src: Key
+    dst: Key
+    kind: str           # "add", "remove", "prefetch-up" or "prefetch-down"
+    label: str          # the decision kind that started it ("add", "remove", "prefetch", "probe")
+    phase: str = "dst"  # "dst": measuring the new setting; "src": measuring the old one again
+
+
+def _kind(kind: str) -> str:
+    return "prefetch" if kind.startswith("prefetch") else kind
+
+
+class Policy:
+    """Finds the worker count and prefetch depth at which the training loop trains fastest;
+    see the module doc for the rules. Deterministic: the same measurements give the same
+    decisions (no clock, no randomness)."""
+
+    def __init__(self, config: PolicyConfig | None = None):
+        self.config = config or PolicyConfig()
+        self._history: deque[Decision] = deque(maxlen=self.config.history)
+        self._experiments: deque[dict] = deque(maxlen=self.config.history)
+        self._decisions = self._changes = self._forgotten = 0
+        self._key: Key | None = None
+        self._settle = self.config.settle_windows
+        self._off = 0
+        self._recheck_every = self.config.recheck_windows
+        self._held = 0
+        self._pending: dict | None = None
+        self._forget_state()
+
+    # -- public ---------------------------------------------------------------------------------
+    def decide(self, m: Measurement) -> Decision:
+        """The setting for the next window, given the window ``m`` just measured."""
+        d = self._decide(m)
+        if self._pending is not None and d.experiment is None:
+            d = replace(d, experiment=self._pending)
+        self._pending = None
+        self._decisions += 1
+        if d.changes:
+            self._changes += 1
+            self._key = (d.workers, d.prefetch)
+            self._settle = self.config.settle_windows
+            self._off = 0
+        self._history.append(d)
+        log.log(logging.INFO if d.changes else logging.DEBUG, "t=%.1f %s -> %d workers, prefetch %d: %s",
+                d.t, d.kind, d.workers, d.prefetch, d.reason)
+        return d
+
+    def forget(self) -> None:
+        """Forget every record and verdict (the next windows experiment again from the current
+        setting)."""
+        self._forget_state()
+        self._off = 0
+        self._recheck_every = self.config.recheck_windows
+        self._forgotten += 1
+
+    @property
+    def history(self) -> tuple[Decision, ...]:
+        """The last ``config.history`` decisions, oldest first."""
+        return tuple(self._history)
+
+    @property
+    def experiments(self) -> tuple[dict, ...]:
+        """The concluded experiments, oldest first (see :meth:`stats`)."""
+        return tuple(self._experiments)
+
+    def stats(self) -> dict:
+        """For ``loader.stats()["balancer"]``.
+
+        Returns a dict: ``workers``, ``prefetch`` (the current setting), ``settled`` (no
+        experiment left to try), ``decisions``, ``changes``, ``resets`` (records forgotten),
+        ``noise`` (relative noise of one window's rate), ``rates`` (mean samples/s trained at
+        each setting measured, ``"<workers>w/p<prefetch>"``), ``waiting`` (mean share of step
+        time spent waiting for a batch, same keys), ``demand_rate`` (samples/s the loop would
+        take at the current setting if it never waited), ``experiments`` (the last 20, each
+        with ``text``: in plain words what was tried, measured, and why it was kept or
+        undone), ``summary`` (one sentence) and ``last`` (the last 20 decisions as dicts).
+        """
+        w, p = self._key if self._key is not None else (None, None)
+        rec = self._records.get(self._key) if self._key is not None else None
+        return {
+            "workers": w, "prefetch": p, "settled": self._settled, "decisions": self._decisions,
+            "changes": self._changes, "resets": self._forgotten, "noise": round(self._noise(), 4),
+            "rates": {f"{k[0]}w/p{k[1]}": round(r.rate, 1) for k, r in sorted(self._records.items())},
+            "waiting": {f"{k[0]}w/p{k[1]}": round(r.wait, 4) for k, r in sorted(self._records.items())},
+            "demand_rate": rec.demand if rec is not None and rec.demand_n else None,
+            "experiments": list(self._experiments)[-20:],
+            "summary": self._summary(),
+            "last": [d.as_dict() for d in list(self._history)[-20:]],
+        }
+
+    def diagnose(self, m: Measurement) -> Diagnosis:
+        """:func:`diagnose` of ``m`` with this policy's wait threshold."""
+        return diagnose([m], wait_threshold=self.config.wait_threshold)
+
+    # -- state ----------------------------------------------------------------------------------
+    def _forget_state(self) -> None:
+        self._records: dict[Key, Record] = {}
+        self._refused: dict[tuple[Key, Key], str] = {}   # (from, to) -> why the step is not taken
+        self._trial: _Trial | None = None
+        self._settled = False
+        self._held = 0
+
+    def _noise(self) -> float:
+        c = self.config
+        return pooled_noise(self._records.values(), c.noise_prior, c.noise_floor)
+
+    def _summary(self) -> str:
+        if self._key is None or self._key not in self._records:
+            return "no window measured yet"
+        r = self._records[self._key]
+        s = (f"{setting(self._key)}: the loop trains {_fmt_rate(r.rate)} and waits {_pct(r.wait)} of its step "
+             f"time ({r.n} windows)")
+        kept = sum(e["kept"] for e in self._experiments)
+        s += f"; {len(self._experiments)} experiments, {kept} kept"
+        if self._trial is not None:
+            s += f"; trying {setting(self._trial.dst)} against {setting(self._trial.src)}"
+        elif self._settled:
+            s += "; settled"
+        return s
+
+    def _decision(self, m: Measurement, key: Key, kind: str, reason: str, experiment: dict | None = None) -> Decision:
+        w, p = key
+        dali = m.engine.startswith("dali")
+        return Decision(w, p, kind, reason, t=m.t, engine=m.engine, dali_threads=w if dali else None,
+                        hw_decoder_load=m.hw_decoder_load, remote_workers=m.remote_workers, experiment=experiment)
+
+    def _limit(self, m: Measurement) -> tuple[int, str]:
+        """The largest pool the hard limits allow, and which sets it."""
+        c = self.config
+        limit, why = c.max_workers, f"the configured maximum ({c.max_workers} workers)"
+        if m.ram_budget_bytes is not None and m.rss_bytes > 0:
+            per = self._rss_per_worker(m)
+            fit = m.workers + math.floor((m.ram_budget_bytes - m.rss_bytes) / per)
+            if fit < limit:
+                limit = max(c.min_workers, fit)
+                why = f"the RAM budget ({_gib(m.ram_budget_bytes)}, ~{_gib(per)} per worker)"
+        return limit, why
+
+    def _rss_per_worker(self, m: Measurement) -> float:
+        """Memory one more worker costs: the slope between the two farthest worker counts
+        measured at this prefetch depth, else (conservatively) all memory over the workers."""
+        pts = sorted((k[0], r.rss) for k, r in self._records.items() if k[1] == m.prefetch and r.rss > 0)
+        if len(pts) >= 2 and pts[-1][0] > pts[0][0]:
+            slope = (pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0])
+            if slope > 0:
+                return slope
+        return m.rss_bytes / m.workers
+
+    # -- one window -----------------------------------------------------------------------------
+    def _decide(self, m: Measurement) -> Decision:
+        c = self.config
+        notes: list[str] = []
+        key = (m.workers, m.prefetch)
+        if self._key is None:
+            self._key = key
+        elif key != self._key:
+            notes.append(f"the loader runs {setting(key)}, not the {setting(self._key)} decided; going on from there")
+            self._key, self._trial, self._settle = key, None, 0
+        w, p = key
+        limit, why = self._limit(m)
+        if w > limit:
+            self._trial = None
+            return self._decision(m, (limit, p), "remove", f"{w} workers exceed {why}: down to {limit}")
+        if self._settle > 0:
+            self._settle -= 1
+            return self._decision(m, key, "settle", "; ".join(notes + [f"letting {setting(key)} settle"]))
+        rec = self._records.get(key)
+        if self._trial is None and rec is not None and rec.n >= c.base_windows:
+            moved = drifted(m, rec, c.drift_threshold)
+            self._off = self._off + 1 if moved else 0
+            if moved and self._off >= c.drift_windows:
+                notes.append(f"at unchanged {setting(key)} {moved} for {self._off} windows; records forgotten")
+                self.forget()
+                rec = None
+        if rec is None:
+            rec = self._records[key] = Record()
+        rec.add(m)
+        if self._trial is not None:
+            d = self._judge(m, rec, notes)
+            if d is not None:
+                return d
+        return self._next(m, notes, limit, why)
+
+    def _judge(self, m: Measurement, rec: Record, notes: list[str]) -> Decision | None:
+        """Judge the experiment once enough windows are in (rule 4). Returns the decision, or
+        None to go on from the current setting."""
+        c = self.config
+        t = self._trial
+        key = self._key
+        if rec.n < c.measure_windows:
+            return self._decision(m, key, "measure", f"measuring {setting(key)} ({rec.n} of {c.measure_windows} "
+                                                     "windows)")
+        ok, margin, se, verdict = self._verdict(t.src, t.dst, t.kind)
+        step = f"{t.kind} from {setting(t.src)} to {setting(t.dst)}"
+        close = abs(margin) < c.confidence * se
+        if close and rec.n < c.max_measure_windows:
+            return self._decision(m, key, "measure", f"close call on the {step}, measuring again ({verdict}; "
+                                                     f"{_pct(abs(margin))} from the threshold, noise needs "
+                                                     f"{_pct(c.confidence * se)})")
+        if close and t.phase == "dst" and self._records[t.src].n < c.max_measure_windows:
+            self._trial = replace(t, phase="src")
+            return self._decision(m, t.src, "revert", "; ".join(notes + [
+                f"close call on the {step} ({verdict}): measuring {setting(t.src)} again before deciding"]))
+        self._trial = None
+        exp = self._experiment(m, t, ok, verdict)
+        if ok:
+            self._refused[(t.dst, t.src)] = f"the opposite step was kept ({verdict})"
+            if t.phase == "src":
+                return self._decision(m, t.dst, _kind(t.kind), "; ".join(
+                    notes + [f"measured both again, back to {setting(t.dst)}: kept, {verdict}"]), exp)
+            notes.append(f"kept the {step}: {verdict}")
+            self._pending = exp
+            return None
+        self._refused[(t.src, t.dst)] = verdict
+        if t.phase == "src":
+            notes.append(f"measured both again, staying at {setting(t.src)}: {verdict}")
+            self._pending = exp
+            return None
+        return self._decision(m, t.src, "revert", "; ".join(notes + [f"undid the {step}: {verdict}"]), exp)
+
+    def _experiment(self, m: Measurement, t: _Trial, kept: bool, verdict: str) -> dict:
+        a, b = self._records[t.src], self._records[t.dst]
+        change = b.rate / a.rate - 1 if a.rate > 0 else math.inf
+        text = (f"tried {setting(t.dst)} ({t.kind}) against {setting(t.src)}: the loop trained "
+                f"{_fmt_rate(b.rate)} vs {_fmt_rate(a.rate)} ({change:+.1%}) over {b.n} and {a.n} windows, "
+                f"waiting {_pct(b.wait)} vs {_pct(a.wait)} of its step time; "
+                + ("kept" if kept else "undone") + f": {verdict}")
+        e = {"t": m.t, "kind": t.kind, "from": f"{t.src[0]}w/p{t.src[1]}", "to": f"{t.dst[0]}w/p{t.dst[1]}",
+             "rate_from": round(a.rate, 1), "rate_to": round(b.rate, 1), "change": round(change, 4),
+             "wait_from": round(a.wait, 4), "wait_to": round(b.wait, 4), "windows": [a.n, b.n],
+             "kept": kept, "why": verdict, "text": text}
+        self._experiments.append(e)
+        log.info("balancer experiment: %s", text)
+        return e
+
+    def _verdict(self, src: Key, dst: Key, kind: str) -> tuple[bool, float, float, str]:
+        """Is ``dst`` better than staying at ``src``? Returns (kept, distance of the deciding
+        ratio from its threshold, the ratio's standard error, why in words)."""
+        c = self.config
+        a, b = self._records[src], self._records[dst]
+        tol = c.tolerance
+        noise = self._noise()
+        if kind in _COSTLIER:
+            gain = b.rate / a.rate - 1 if a.rate > 0 else (math.inf if b.rate > 0 else 0.0)
+            margin = gain - tol
+            se = noise * math.sqrt(1 / a.n + 1 / b.n)
+            ok = margin > 0
+            return ok, margin, se, (f"{_fmt_rate(b.rate)} vs {_fmt_rate(a.rate)}, {gain:+.1%}: "
+                                    + ("more" if ok else "not more") + f" than {_pct(tol)} faster")
+        # the best measured, each mean lowered by one standard error: the highest of several
+        # noisy means is biased up, and a lucky window must not set the bar
+        best_key, best, top = max(((k, r, r.rate * (1 - noise / math.sqrt(r.n))) for k, r in self._records.items()
+                                   if r.n >= c.measure_windows or k == src), key=lambda x: x[2])
+        if top <= 0:
+            return True, math.inf, 0.0, "nothing was trained at any setting"
+        margin = b.rate * (1 + tol) / top - 1
+        se = noise * math.sqrt(1 / b.n + 1 / best.n)
+        ok = margin >= 0
+        loss = 1 - b.rate / top
+        return ok, margin, se, (f"{_fmt_rate(b.rate)} vs the best {_fmt_rate(top)} ({setting(best_key)}), "
+                                f"{-loss:+.1%}: " + ("within" if ok else "not within") + f" {_pct(tol)}")
+
+    # -- the next experiment --------------------------------------------------------------------
+    def _candidates(self, key: Key, rec: Record, waiting: bool, limit: int, why_limit: str
+                    ) -> tuple[list[tuple[Key, str]], list[str]]:
+        """Neighbours worth an experiment, in order, and why the others are not."""
+        c = self.config
+        w, p = key
+        out, blocked = [], []
+        up, deeper = [], []
+        if waiting:
+            if w < limit:
+                up = [((w + 1, p), "add")]
+            else:
+                blocked.append(f"no worker more: {why_limit} allows no more than {limit}")
+            if p < c.max_prefetch:
+                deeper = [((w, p + 1), "prefetch-up")]
+            idle = rec.cores > 0 and rec.cores < c.busy_threshold * w
+            out += deeper + up if idle else up + deeper
+        else:
+            blocked.append(f"the loop waits only {_pct(rec.wait)}: a worker more cannot train faster")
+        if w > c.min_workers:
+            out.append(((w - 1, p), "remove"))
+        if not waiting and p > c.min_prefetch:
+            out.append(((w, p - 1), "prefetch-down"))
+        return out, blocked
+
+    def _next(self, m: Measurement, notes: list[str], limit: int, why_limit: str) -> Decision:
+        c = self.config
+        key = self._key
+        rec = self._records[key]
+        waiting = rec.wait > c.wait_threshold
+        state = f"{setting(key)} trains {_fmt_rate(rec.rate)}, waiting {_pct(rec.wait)} of the step time"
+        label = None
+        if self._settled:
+            self._held += 1
+            if self._held < self._recheck_every:
+                return self._hold(m, notes, state, key, waiting, limit, why_limit)
+            self._recheck_every = min(2 * self._recheck_every, c.recheck_max_windows)
+            self._settled, self._held = False, 0
+            first = next(iter(self._candidates(key, rec, waiting, limit, why_limit)[0]), None)
+            if first is not None:   # the most promising step only: the others stay refused
+                self._refused.pop((key, first[0]), None)
+                self._records.pop(first[0], None)
+                label = "probe"
+                notes.append(f"settled for a while: checking {setting(first[0])} again")
+        cands, _ = self._candidates(key, rec, waiting, limit, why_limit)
+        for dst, kind in cands:
+            if (key, dst) in self._refused:
+                continue
+            r = self._records.get(dst)
+            if r is not None and r.n >= c.measure_windows:
+                ok, _, _, verdict = self._verdict(key, dst, kind)
+                if not ok:
+                    self._refused[(key, dst)] = verdict
+                    continue
+                self._refused[(dst, key)] = f"the opposite step was taken ({verdict})"
+                return self._decision(m, dst, _kind(kind), "; ".join(notes + [f"{state}; measured before: "
+                                                                               f"{setting(dst)}, {verdict}"]))
+            if rec.n < c.base_windows:
+                return self._decision(m, key, "measure", "; ".join(notes + [
+                    f"{state}; measuring it again before trying {setting(dst)} ({rec.n} of {c.base_windows} "
+                    "windows)"]))
+            self._trial = _Trial(key, dst, kind, label or _kind(kind))
+            return self._decision(m, dst, label or _kind(kind), "; ".join(notes + [f"{state}; trying {setting(dst)}"]))
+        self._settled, self._held = True, 0
+        return self._hold(m, notes, state, key, waiting, limit, why_limit)
+
+    def _hold(self, m, notes, state, key, waiting, limit, why_limit) -> Decision:
+        _, blocked = self._candidates(key, self._records[key], waiting, limit, why_limit)
+        tried = [f"{setting(b)}: {why}" for (a, b), why in self._refused.items() if a == key]
+        return self._decision(m, key, "hold", "; ".join(notes + [f"{state}; settled"] + blocked + tried))
