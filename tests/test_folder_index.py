@@ -273,3 +273,16 @@ def test_list_only_walk_finds_empty_files_when_they_are_read(tree, tmp_path):
         labels = sorted({int(x) for b in loader for x in b.labels})
     st = loader.stats()
     assert labels == [0, 1, 2] and st["skipped"] == {"dangling link": 1, "empty": 1}
+
+
+def test_pipeline_files_can_turn_the_per_file_stat_off(tree, tmp_path, monkeypatch):
+    monkeypatch.setenv("FEEDGPU_CACHE_DIR", str(tmp_path / "cache"))
+    yaml = Path(__file__).resolve().parents[1] / "feedgpu" / "pipelines" / "imagenet_train.yaml"
+    (tree / "b" / "e.jpg").write_bytes(b"")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        listed = Pipeline.from_yaml(yaml, source={"path": str(tree), "stat_files": False}).source
+        default = Pipeline.from_yaml(yaml, source={"path": str(tree)}).source
+    assert len(listed) == len(default) + 1
+    assert (str(tree / "b" / "e.jpg"), "empty") in default.rejected
+    assert (str(tree / "b" / "e.jpg"), "empty") not in listed.rejected
