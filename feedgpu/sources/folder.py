@@ -115,6 +115,8 @@ class FolderSource(Source):
         self._build(allow_empty, flat)
         if self._index_file is not None:
             self._save(key, start)
+        for name in ("_visited", "_dirs", "_links", "_chunks", "_class_dirs", "_hidden_rel"):
+            delattr(self, name)   # the walk's bookkeeping: not kept (nor pickled to workers)
         self._warn_index(stacklevel=3)
 
     # -- sizes and mtimes -------------------------------------------------------------------------
