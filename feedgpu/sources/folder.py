@@ -38,6 +38,7 @@ import operator
 import os
 import stat
 import warnings
+from array import array
 from pathlib import Path
 
 import numpy as np
@@ -206,7 +207,9 @@ class FolderSource(Source):
         self._visited: dict[tuple[int, int], str] = {}
         self._dirs: list[list] = []        # [rel, dev, ino, mtime_ns] of every folder walked
         self._links: list[str] = []        # indexed files that are symbolic links
-        self._chunks: list[tuple] = []     # per folder: (path bytes, lengths, label, sizes, mtimes)
+        # the index as it grows, in buffers that grow in place (no per-folder copies kept)
+        self._chunks = (bytearray(), array("q"), array("q"), array("q"), array("q"))  # paths, lengths,
+        #                                                             labels, sizes, mtimes
         self._n = 0
         top = [e for e in _list(root_s) if _is_dir(e)]
         self.classes = [e.name for e in top if not e.name.startswith(".")]
@@ -240,16 +243,15 @@ class FolderSource(Source):
             self._warn_hidden(stacklevel=5)
             raise SourceError(f"folder source: no images with endings {self._exts} under {self.root}"
                               + (f" ({len(self.rejected)} left out while indexing)" if self.rejected else ""))
-        chunks, self._chunks = self._chunks, []
-        lens = np.concatenate([c[1] for c in chunks])
+        blob, lens, labels, sizes, mtimes = self._chunks
         self.paths = StringTable.__new__(StringTable)
         self.paths.offsets = np.zeros(len(lens) + 1, dtype=np.int64)
-        np.cumsum(lens, out=self.paths.offsets[1:])
-        self.paths.blob = np.frombuffer(b"".join(c[0] for c in chunks), dtype=np.uint8)
-        self.labels = np.repeat(np.array([c[2] for c in chunks], np.int64), [len(c[1]) for c in chunks])
+        np.cumsum(np.frombuffer(lens, np.int64), out=self.paths.offsets[1:])
+        self.paths.blob = np.frombuffer(blob, dtype=np.uint8)
+        self.labels = np.frombuffer(labels, np.int64)
         if self._stat_files:
-            self._sizes = np.concatenate([c[3] for c in chunks])
-            self._mtimes = np.concatenate([c[4] for c in chunks])
+            self._sizes = np.frombuffer(sizes, np.int64)
+            self._mtimes = np.frombuffer(mtimes, np.int64)
             self._stats_fresh = True
 
     def _note_dir(self, top: str, rel: str):
@@ -327,8 +329,12 @@ class FolderSource(Source):
                 lens = np.fromiter((len(n.encode("utf-8", "surrogateescape")) for n in names),
                                    dtype=np.int64, count=len(names))
             lens += len(prefix.encode("utf-8", "surrogateescape"))
-            self._chunks.append((text.encode("utf-8", "surrogateescape"), lens, label,
-                                 np.array(sizes, np.int64), np.array(mtimes, np.int64)))
+            c = self._chunks
+            c[0].extend(text.encode("utf-8", "surrogateescape"))
+            c[1].frombytes(lens.tobytes())
+            c[2].frombytes(np.full(len(names), label, np.int64).tobytes())
+            c[3].extend(sizes)
+            c[4].extend(mtimes)
             self._n += len(names)
         inner = ancestors | {ident}
         for e in subdirs:
