@@ -32,6 +32,9 @@ class SourceCfg(_Strict):
     path: Union[str, list[str], None] = None
     image_column: str = "image"
     label_column: Union[str, None] = "label"
+    #: folder only: stat each image file while indexing (False: list the folders only; zero-byte
+    #: files are then counted as "empty" when read; see FolderSource)
+    stat_files: bool = True
 
 
 class LoaderCfg(_Strict):

@@ -143,6 +143,8 @@ class Pipeline:
             if fmt != "parquet":
                 spec.pop("image_column", None)
                 spec.pop("label_column", None)
+            if fmt != "folder":
+                spec.pop("stat_files", None)
             self._source = open_source(fmt, path, **spec)
         elif not isinstance(self._source, Source):
             self._source = DatasetSource(self._source)

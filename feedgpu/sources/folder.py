@@ -23,18 +23,28 @@ The rules, and where they differ from ``torchvision.datasets.ImageFolder``:
   file (``"empty"``), a link to nothing (``"dangling link"``) or to itself (``"symlink loop"``),
   something that is not a regular file, such as a FIFO (``"not a regular file"``), a file
   ``stat`` fails on (``"unreadable"``). torchvision indexes them and fails when they are read.
+  With ``stat_files=False`` regular files are not ``stat``-ed while indexing (their type comes
+  from the folder listing): a zero-byte one is then counted as ``"empty"`` when it is read.
+
+The index (paths relative to ``root`` as one UTF-8 blob with int64 offsets, int64 labels, sizes
+and mtimes) is numpy buffers only, so forked workers share it without copy-on-read growth. It is
+saved beside feedgpu's cache and used again while the tree is unchanged (what "unchanged" means,
+and what a file rewritten in place does: :mod:`feedgpu.sources.folder_index`).
 """
 from __future__ import annotations
 
 import errno
+import operator
 import os
 import stat
 import warnings
+from array import array
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import SourceError
+from . import folder_index as _index
 from .base import Record, Source, StringTable
 
 #: File endings indexed by default (torchvision's IMG_EXTENSIONS without the rare ones).
@@ -51,6 +61,23 @@ class FolderSource(Source):
         allow_empty: keep class folders without images as classes (default False: raise).
         flat: index the image files of ``root`` and its sub-folders as one unlabeled set (label
             -1, no classes), as ``feedgpu scan`` reads a folder without class sub-folders.
+        stat_files: ``stat`` each image file while indexing (default True), so zero-byte files
+            are index-time rejects (``"empty"``) and sizes and mtimes are known. False lists the
+            folders only (file types from the listing; links and entries of unknown type are
+            still ``stat``-ed and rejected as above): a zero-byte file is then a counted skip
+            with reason ``"empty"`` when it is read, as in a Parquet source, and sizes and
+            mtimes are read on first use of :attr:`sizes`, :attr:`mtimes` or :meth:`identity`.
+        index_dir: where the saved index lives (:mod:`feedgpu.sources.folder_index`); None: the
+            ``folder-index`` folder of feedgpu's cache dir; False: neither read nor write one.
+
+    Attributes:
+        paths: :class:`StringTable` of the files' paths relative to ``root`` (one UTF-8 blob and
+            int64 offsets).
+        labels: int64 array, one per file.
+        sizes, mtimes: int64 arrays (bytes, ns), one per file, as on disk when first used: from
+            the walk, else (``stat_files=False``, or an index read from a saved file) from a
+            ``stat`` of every file at first access. -1 for a file gone since indexing.
+        from_saved_index: True when the index was read from a saved file (no walk).
 
     Records left out while indexing are in :attr:`rejected` (reasons in the module docstring)
     and warned about once each. Raises :class:`SourceError` when ``root`` is missing, has no
@@ -61,57 +88,181 @@ class FolderSource(Source):
     format = "folder"
 
     def __init__(self, root: str | os.PathLike, extensions: tuple[str, ...] = IMAGE_EXTENSIONS,
-                 allow_empty: bool = False, flat: bool = False):
+                 allow_empty: bool = False, flat: bool = False, stat_files: bool = True,
+                 index_dir: str | os.PathLike | bool | None = None):
         super().__init__()
         self.root = Path(root)
         if not self.root.is_dir():
             raise SourceError(f"folder source: {self.root} is not a directory")
         self._exts = tuple(e.lower() for e in extensions)
+        self._stat_files = bool(stat_files)
         self._hidden: list[str] = []       # hidden folders holding images, for one warning
+        self._index_file: Path | None = None
+        self._sizes = self._mtimes = None  # None: not read yet (see the sizes property)
+        self._stats_fresh = False
+        settings = {"extensions": list(self._exts), "allow_empty": bool(allow_empty), "flat": bool(flat),
+                    "stat_files": self._stat_files}
+        root_s = str(self.root)
+        key = ""
+        if index_dir is not False:
+            base = Path(index_dir) if index_dir not in (None, True) else _index.default_index_dir()
+            key = _index.index_key(root_s, settings)
+            self._index_file = base / f"{key}.idx"
+            saved = _index.load(self._index_file, root_s, key)
+            if saved is not None:
+                self._open_saved(*saved)
+                return
+        start = _index.now_ns()
+        self._build(allow_empty, flat)
+        if self._index_file is not None:
+            self._save(key, start)
+        for name in ("_visited", "_dirs", "_links", "_chunks", "_class_dirs", "_hidden_rel"):
+            delattr(self, name)   # the walk's bookkeeping: not kept (nor pickled to workers)
+        self._warn_index(stacklevel=3)
+
+    # -- sizes and mtimes -------------------------------------------------------------------------
+    @property
+    def sizes(self) -> np.ndarray:
+        if not self._stats_fresh:
+            self._refresh_stats()
+        return self._sizes
+
+    @property
+    def mtimes(self) -> np.ndarray:
+        if not self._stats_fresh:
+            self._refresh_stats()
+        return self._mtimes
+
+    def _refresh_stats(self) -> None:
+        """``stat`` every file; when they differ from what the saved index holds, remove the
+        saved file, so the next run indexes afresh."""
+        n = len(self.paths)
+        sizes = np.empty(n, np.int64)
+        mtimes = np.empty(n, np.int64)
+        blob = self.paths.blob.tobytes()
+        off = self.paths.offsets.tolist()
+        rootb = os.fsencode(str(self.root)) + os.sep.encode()
+        stat_ = os.stat
+        for i in range(n):
+            try:
+                st = stat_(rootb + blob[off[i]:off[i + 1]])
+            except OSError:
+                sizes[i] = mtimes[i] = -1
+                continue
+            sizes[i] = st.st_size
+            mtimes[i] = st.st_mtime_ns
+        if self._sizes is not None and not (np.array_equal(sizes, self._sizes)
+                                            and np.array_equal(mtimes, self._mtimes)):
+            if self._index_file is not None and self.from_saved_index:
+                _index.discard(self._index_file)
+        self._sizes, self._mtimes = sizes, mtimes
+        self._stats_fresh = True
+
+    # -- a saved index --------------------------------------------------------------------------
+    def _save(self, key: str, start: int) -> None:
+        root_s = str(self.root)
+        keys = [k for k, _ in self.rejected] + self._links
+        meta = {"key": key, "classes": self.classes, "hidden": self._hidden_rel,
+                "rejected": [[_rel(k, root_s), r] for k, r in self.rejected],
+                "details": {_rel(k, root_s): d for k, d in self.rejected_details.items()},
+                "dirs": self._dirs, "watch": [[_rel(k, root_s), _index.file_sig(k)] for k in keys]}
+        empty = np.zeros(0, np.int64)
+        arrays = {"offsets": self.paths.offsets, "blob": self.paths.blob, "labels": self.labels,
+                  "sizes": self._sizes if self._sizes is not None else empty,
+                  "mtimes": self._mtimes if self._mtimes is not None else empty}
+        try:
+            _index.save(self._index_file, meta, arrays, start)
+        except OSError as e:
+            warnings.warn(f"feedgpu: could not save the folder index to {self._index_file} ({e}); "
+                          "the next run indexes the folder again", stacklevel=4)
+
+    def _open_saved(self, meta: dict, arrays: dict) -> None:
+        root_s = str(self.root)
+        self.from_saved_index = True
+        self.classes = list(meta["classes"])
+        self._hidden = [os.path.join(root_s, h) for h in meta["hidden"]]
+        for rel, reason in meta["rejected"]:
+            self.reject(os.path.join(root_s, rel), reason, meta["details"].get(rel, ""))
+        self.paths = StringTable.__new__(StringTable)
+        self.paths.offsets, self.paths.blob = arrays["offsets"], arrays["blob"]
+        self.labels = arrays["labels"]
+        if len(arrays["sizes"]) == len(self.labels):   # checked against the disk on first use
+            self._sizes, self._mtimes = arrays["sizes"], arrays["mtimes"]
+        self._warn_index(stacklevel=4)
+
+    def _warn_index(self, stacklevel: int) -> None:
+        self._warn_hidden(stacklevel + 1)
+        self._warn_rejected()
+
+    def _warn_hidden(self, stacklevel: int) -> None:
+        if self._hidden:
+            warnings.warn(f"feedgpu: left out hidden folder(s) holding images: {', '.join(self._hidden)} "
+                          "(torchvision's ImageFolder would make each a class, moving the labels after it)",
+                          stacklevel=stacklevel)
+
+    # -- a walk ---------------------------------------------------------------------------------
+    def _build(self, allow_empty: bool, flat: bool) -> None:
+        self.from_saved_index = False
+        root_s = str(self.root)
         self._visited: dict[tuple[int, int], str] = {}
-        top = [e for e in _list(str(self.root)) if _is_dir(e)]
+        self._dirs: list[list] = []        # [rel, dev, ino, mtime_ns] of every folder walked
+        self._links: list[str] = []        # indexed files that are symbolic links
+        # the index as it grows, in buffers that grow in place (no per-folder copies kept)
+        self._chunks = (bytearray(), array("q"), array("q"), array("q"), array("q"))  # paths, lengths,
+        #                                                             labels, sizes, mtimes
+        self._n = 0
+        top = [e for e in _list(root_s) if _is_dir(e)]
         self.classes = [e.name for e in top if not e.name.startswith(".")]
+        self._hidden_rel: list[str] = []
         for e in top:
-            if e.name.startswith(".") and self._has_images(e.path):
-                self._hidden.append(e.path)
+            if e.name.startswith("."):
+                self._note_dir(e.path, e.name)
+                if self._has_images(e.path):
+                    self._hidden.append(e.path)
+                    self._hidden_rel.append(e.name)
         if not self.classes and not flat:
             raise SourceError(f"folder source: {self.root} has no class sub-folders (ImageFolder layout)")
-        rel: list[str] = []
-        labels: list[int] = []
-        sizes: list[int] = []
-        mtimes: list[int] = []
         empty: list[str] = []
-        root_id = _dir_id(str(self.root))
+        root_id = self._note_dir(root_s, "")
         # a class's folders are its own: a link from inside another class to one is not followed
-        self._class_dirs = {} if flat else {_dir_id(os.path.join(str(self.root), c)): c for c in self.classes}
+        self._class_dirs = {} if flat else {_dir_id(os.path.join(root_s, c)): c for c in self.classes}
         if flat:
             self.classes = []
-            self._walk(str(self.root), root_id, set(), -1, rel, labels, sizes, mtimes)
+            self._walk(root_s, root_id, set(), -1)
         for label, cls in enumerate(self.classes):
-            before = len(rel) + len(self.rejected)
-            top_dir = os.path.join(str(self.root), cls)
-            self._walk(top_dir, _dir_id(top_dir), {root_id}, label, rel, labels, sizes, mtimes, is_class=True)
-            if len(rel) + len(self.rejected) == before:
+            before = self._n + len(self.rejected)
+            top_dir = os.path.join(root_s, cls)
+            self._walk(top_dir, _dir_id(top_dir), {root_id}, label, is_class=True)
+            if self._n + len(self.rejected) == before:
                 empty.append(cls)
         if empty and not allow_empty:
             raise SourceError(f"folder source: no images (endings {', '.join(self._exts)}) in the class "
                               f"folder(s) {', '.join(empty)} under {self.root}; remove them, or pass "
                               "allow_empty=True to keep them as classes without samples")
-        if self._hidden:
-            warnings.warn(f"feedgpu: left out hidden folder(s) holding images: {', '.join(self._hidden)} "
-                          "(torchvision's ImageFolder would make each a class, moving the labels after it)",
-                          stacklevel=2)
-        if not rel:
+        if not self._n:
+            self._warn_hidden(stacklevel=5)
             raise SourceError(f"folder source: no images with endings {self._exts} under {self.root}"
                               + (f" ({len(self.rejected)} left out while indexing)" if self.rejected else ""))
-        self._warn_rejected()
-        self.paths = StringTable(rel)
-        self.labels = np.asarray(labels, dtype=np.int64)
-        self.sizes = np.asarray(sizes, dtype=np.int64)
-        self.mtimes = np.asarray(mtimes, dtype=np.int64)
+        blob, lens, labels, sizes, mtimes = self._chunks
+        self.paths = StringTable.__new__(StringTable)
+        self.paths.offsets = np.zeros(len(lens) + 1, dtype=np.int64)
+        np.cumsum(np.frombuffer(lens, np.int64), out=self.paths.offsets[1:])
+        self.paths.blob = np.frombuffer(blob, dtype=np.uint8)
+        self.labels = np.frombuffer(labels, np.int64)
+        if self._stat_files:
+            self._sizes = np.frombuffer(sizes, np.int64)
+            self._mtimes = np.frombuffer(mtimes, np.int64)
+            self._stats_fresh = True
 
-    def _walk(self, top: str, ident, ancestors: set, label: int, rel, labels, sizes, mtimes,
-              is_class: bool = False) -> None:
+    def _note_dir(self, top: str, rel: str):
+        """``top``'s ``(dev, ino)``; its mtime is noted for the saved index's check (None if stat fails)."""
+        sig = _index.dir_sig(top)
+        if sig is None:
+            return None
+        self._dirs.append([rel, *sig])
+        return sig[0], sig[1]
+
+    def _walk(self, top: str, ident, ancestors: set, label: int, is_class: bool = False) -> None:
         """Index ``top``'s image files (sorted), then its sub-folders (sorted, depth first)."""
         if ident is not None:
             if ident in ancestors:
@@ -125,40 +276,90 @@ class FolderSource(Source):
                 self.reject(top, "duplicate folder", f"the same folder as {self._visited[ident]}, indexed once")
                 return
             self._visited[ident] = top
-        entries = _list(top)
-        subdirs = []
+        root_s = str(self.root)
+        rel = top[len(root_s) + 1:] if top != root_s else ""
+        if rel:
+            self._note_dir(top, rel)
+        exts = self._exts
+        stat_all = self._stat_files
+        subdirs, names, sizes, mtimes = [], [], [], []
+        entries = _list(top, sort=stat_all)
+        if not stat_all:
+            # regular files by the listing's file type (a syscall only where it gives none): no
+            # stat; the rest (folders, links, other types) go through the loop below
+            try:
+                names = [n for n in (e.name for e in entries if e.is_file(follow_symlinks=False))
+                         if n[0] != "." and n.lower().endswith(exts)]
+                entries = sorted((e for e in entries if not e.is_file(follow_symlinks=False)),
+                                 key=_name)
+            except OSError:
+                names = []
+                entries.sort(key=_name)
         for e in entries:
-            if e.name.startswith("."):
+            name = e.name
+            if name[:1] == ".":
                 continue
             if _is_dir(e):
                 subdirs.append(e)
                 continue
-            if not e.name.lower().endswith(self._exts):
+            if not name.lower().endswith(exts):
                 continue
-            path = e.path
-            try:
-                st = os.stat(path)
-            except OSError as err:
-                if err.errno == errno.ELOOP:
-                    self.reject(path, "symlink loop", str(err))
-                elif err.errno == errno.ENOENT and os.path.islink(path):
-                    self.reject(path, "dangling link", f"links to {os.readlink(path)!r}, which does not exist")
+            if not stat_all and not e.is_symlink():
+                if e.is_file(follow_symlinks=False):
+                    names.append(name)
                 else:
-                    self.reject(path, "unreadable", str(err))
+                    self._classify(e)
                 continue
-            if not stat.S_ISREG(st.st_mode):
-                self.reject(path, "not a regular file")
+            st = self._classify(e)
+            if st is None:
                 continue
-            if st.st_size == 0:
-                self.reject(path, "empty")
-                continue
-            rel.append(os.path.relpath(path, self.root))
-            labels.append(label)
+            if e.is_symlink():
+                self._links.append(e.path)
+            names.append(name)
             sizes.append(st.st_size)
             mtimes.append(st.st_mtime_ns)
+        if names:
+            if not stat_all:
+                names.sort()
+            prefix = rel + os.sep if rel else ""
+            text = prefix + prefix.join(names) if prefix else "".join(names)
+            if text.isascii():   # one byte per character
+                lens = np.fromiter(map(len, names), dtype=np.int64, count=len(names))
+            else:
+                lens = np.fromiter((len(n.encode("utf-8", "surrogateescape")) for n in names),
+                                   dtype=np.int64, count=len(names))
+            lens += len(prefix.encode("utf-8", "surrogateescape"))
+            c = self._chunks
+            c[0].extend(text.encode("utf-8", "surrogateescape"))
+            c[1].frombytes(lens.tobytes())
+            c[2].frombytes(np.full(len(names), label, np.int64).tobytes())
+            c[3].extend(sizes)
+            c[4].extend(mtimes)
+            self._n += len(names)
         inner = ancestors | {ident}
         for e in subdirs:
-            self._walk(e.path, _dir_id(e.path), inner, label, rel, labels, sizes, mtimes)
+            self._walk(e.path, _dir_id(e.path), inner, label)
+
+    def _classify(self, e):
+        """The followed ``stat`` of an image file worth indexing, else None (it is rejected)."""
+        path = e.path
+        try:
+            st = e.stat()
+        except OSError as err:
+            if err.errno == errno.ELOOP:
+                self.reject(path, "symlink loop", str(err))
+            elif err.errno == errno.ENOENT and os.path.islink(path):
+                self.reject(path, "dangling link", f"links to {os.readlink(path)!r}, which does not exist")
+            else:
+                self.reject(path, "unreadable", str(err))
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            self.reject(path, "not a regular file")
+            return None
+        if st.st_size == 0:
+            self.reject(path, "empty")
+            return None
+        return st
 
     def _has_images(self, top: str, look: int = 10_000) -> bool:
         """Whether a hidden folder holds image files (for the warning), looking at up to ``look``
@@ -190,11 +391,14 @@ class FolderSource(Source):
         h.update(self.labels.tobytes())
 
 
-def _list(top: str) -> list:
-    """``top``'s entries sorted by name; :class:`SourceError` when it cannot be listed."""
+_name = operator.attrgetter("name")
+
+
+def _list(top: str, sort: bool = True) -> list:
+    """``top``'s entries (sorted by name); :class:`SourceError` when it cannot be listed."""
     try:
         with os.scandir(top) as it:
-            return sorted(it, key=lambda e: e.name)
+            return sorted(it, key=_name) if sort else list(it)
     except OSError as e:
         raise SourceError(f"folder source: cannot list the folder {top}: {e.strerror or e}; "
                           "its images would be missing from the dataset") from None
@@ -205,6 +409,10 @@ def _is_dir(entry) -> bool:
         return entry.is_dir()   # follows symbolic links
     except OSError:             # a link loop: not a folder (indexed, or rejected, as a file)
         return False
+
+
+def _rel(key: str, root: str) -> str:
+    return key[len(root) + 1:] if key.startswith(root + os.sep) else os.path.relpath(key, root)
 
 
 def _dir_id(path: str):
