@@ -37,6 +37,11 @@ class ArgumentTypeError(ConfigError, TypeError):
     """An argument of the wrong type, where torch raises ``TypeError``."""
 
 
+def _len_or_none(order) -> int | None:
+    """``len(order)``; None for a user's sampler without a length."""
+    return order.known_len() if hasattr(order, "known_len") else len(order)
+
+
 class _Unbatched:
     """``batch_size=None``: each sample through ``collate_fn`` alone (torch's ``default_convert``
     by default), as torch loads unbatched."""
@@ -466,7 +471,7 @@ class DataLoader(tud.DataLoader[T_co]):
         epoch, start = self._position
         return loader_state.make_state(self._source_fingerprint(), epoch, start, self._batches_seen,
                                        self._rows_seen if start else 0, self.seed, order.config(),
-                                       isinstance(order, ShardedOrder), len(order))
+                                       isinstance(order, ShardedOrder), _len_or_none(order))
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from :meth:`state_dict`: the next batch is the one the saved run would have got
@@ -482,7 +487,8 @@ class DataLoader(tud.DataLoader[T_co]):
                                                                     order.config(), sharded_)
         self.shutdown()  # workers and buffers are rebuilt with the restored seed
         self._set_seed(seed)
-        if sharded_ and start >= order.n or not sharded_ and start >= len(order):
+        known = order.n if sharded_ else _len_or_none(order)   # a sampler without len(): replayed to its end
+        if known is not None and start >= known:
             epoch, start, batches, rows = epoch + 1, 0, 0, 0
         self._epoch, self._start, self._position = epoch, start, (epoch, start)
         self._restored = (epoch, start) if start else None

@@ -1,0 +1,150 @@
+"""A user's sampler and batch_sampler, run with torch.utils.data.DataLoader and feedgpu.DataLoader.
+
+torch runs an epoch until the sampler is exhausted: its ``len()`` only answers ``len(loader)``,
+and it need not have one (a generator, an infinite sampler as detectron2's). The keys it yields
+reach the dataset as given (a map-style dataset may take string keys).
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch.utils.data as tud
+
+from feedgpu import DataLoader
+
+pytestmark = pytest.mark.timeout(120)
+LOADERS = [tud.DataLoader, DataLoader]
+
+
+class Items(tud.Dataset):
+    """Item i: i."""
+
+    def __init__(self, n: int = 23):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return i
+
+
+class Lying(tud.Sampler):
+    """Yields ``range(k)`` but says its length is ``claimed``."""
+
+    def __init__(self, k: int, claimed: int):
+        self.k, self.claimed = k, claimed
+
+    def __iter__(self):
+        return iter(range(self.k))
+
+    def __len__(self):
+        return self.claimed
+
+
+class Endless(tud.Sampler):
+    """0, 1, ..., n-1, 0, 1, ... forever, without ``__len__`` (an iteration-based training sampler)."""
+
+    def __init__(self, n: int = 23):
+        self.n = n
+
+    def __iter__(self):
+        return (i % self.n for i in itertools.count())
+
+
+class Unsized(tud.Sampler):
+    """A re-iterable sampler without ``__len__``: the keys given, every epoch."""
+
+    def __init__(self, keys):
+        self.keys = list(keys)
+
+    def __iter__(self):
+        return iter(self.keys)
+
+
+def _lists(loader) -> list:
+    return [b.tolist() if hasattr(b, "tolist") else b for b in loader]
+
+
+def _both(fn):
+    theirs, ours = (fn(make) for make in LOADERS)
+    assert ours == theirs
+    return ours
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_generator_as_sampler_or_batch_sampler(num_workers):
+    got = _both(lambda make: _lists(make(Items(), batch_size=2, sampler=(i for i in [5, 4, 3]),
+                                         num_workers=num_workers)))
+    assert got == [[5, 4], [3]]
+    got = _both(lambda make: _lists(make(Items(), batch_sampler=([i, i + 1] for i in range(0, 6, 2)),
+                                         num_workers=num_workers)))
+    assert got == [[0, 1], [2, 3], [4, 5]]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_an_endless_sampler_runs_until_the_loop_stops(num_workers):
+    def first_nine(make):
+        return [b.tolist() for b in itertools.islice(make(Items(), batch_size=4, sampler=Endless(),
+                                                           num_workers=num_workers), 9)]
+
+    got = _both(first_nine)
+    assert got[5] == [20, 21, 22, 0] and len(got) == 9
+    for make in LOADERS:
+        with pytest.raises(TypeError):
+            len(make(Items(), batch_size=4, sampler=Endless()))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("k, claimed", [(5, 9), (9, 5)])
+def test_the_epoch_is_what_the_sampler_yields_not_its_len(num_workers, k, claimed):
+    got = _both(lambda make: _lists(make(Items(), batch_size=2, sampler=Lying(k, claimed),
+                                         num_workers=num_workers)))
+    assert [i for b in got for i in b] == list(range(k))
+    got = _both(lambda make: _lists(make(Items(), batch_sampler=tud.BatchSampler(Lying(k, claimed), 2, False),
+                                         num_workers=num_workers)))
+    assert [i for b in got for i in b] == list(range(k))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_keys_reach_the_dataset_as_the_sampler_gives_them(num_workers):
+    class Keyed(tud.Dataset):
+        def __len__(self):
+            return 3
+
+        def __getitem__(self, key):
+            return f"{type(key).__name__}:{key}"
+
+    got = _both(lambda make: _lists(make(Keyed(), batch_size=2, sampler=["a", "b", "c"], num_workers=num_workers)))
+    assert got == [["str:a", "str:b"], ["str:c"]]
+    got = _both(lambda make: _lists(make(Keyed(), batch_size=2, sampler=[1.5, 2.0], num_workers=num_workers)))
+    assert got == [["float:1.5", "float:2.0"]]
+    got = _both(lambda make: _lists(make(Keyed(), batch_size=2, sampler=[2, 0], num_workers=num_workers)))
+    assert got == [["int:2", "int:0"]]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_sampler_without_len_resumes_and_its_epoch_ends_where_it_ends(num_workers):
+    keys = [7, 3, 9, 1, 0, 12, 5]
+
+    def make():
+        return DataLoader(Items(), batch_size=2, sampler=Unsized(keys), num_workers=num_workers)
+
+    full = _lists(make())
+    assert full == [[7, 3], [9, 1], [0, 12], [5]]
+    for k in range(len(full) + 1):
+        first = make()
+        it = iter(first)
+        seen = [next(it).tolist() for _ in range(k)]
+        state = first.state_dict()
+        del it
+        resumed = make()
+        resumed.load_state_dict(state)
+        rest = _lists(resumed)
+        if seen + rest != full:
+            # the end was already known (workers read the sampler ahead): the state is the next epoch's start
+            assert k == len(full) and rest == full and state["epoch"] == 1, (k, rest)
+    done = make()
+    assert _lists(done) == full
+    assert done.state_dict()["epoch"] == 1 and done.state_dict()["num_batches"] is None
