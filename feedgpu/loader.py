@@ -227,6 +227,7 @@ class DataLoader(tud.DataLoader[T_co]):
         self._epoch = 0
         self._start = 0
         self._restored: tuple[int, int] | None = None   # set by load_state_dict until the next iteration
+        self._drives_sampler_epoch = False   # set_epoch() was called: a user sampler's set_epoch follows it
         self._position = (0, 0)
         self._rows_seen = self._batches_seen = 0
         self._fingerprint: str | None = None
@@ -398,6 +399,7 @@ class DataLoader(tud.DataLoader[T_co]):
         if self._iterable is not None:
             return self._iterable.set_epoch(epoch)
         epoch = int(epoch)
+        self._drives_sampler_epoch = self._user is not None
         if self._restored is not None and self._restored[0] == epoch:
             self._epoch, self._start = self._restored
         else:
@@ -418,6 +420,8 @@ class DataLoader(tud.DataLoader[T_co]):
             self._sharding_epoch = sampler_epoch
             self.set_epoch(sampler_epoch)  # DistributedSampler.set_epoch, as a framework calls it
         order = self._sharded_order()
+        if self._user is not None:
+            self._user_epoch()
         if self._start and isinstance(order, ShardedOrder) and self._start >= order.n:
             self._epoch, self._start = self._epoch + 1, 0  # the restored epoch was complete
         self._restored = None
@@ -432,6 +436,18 @@ class DataLoader(tud.DataLoader[T_co]):
             return CudaPrefetcher(it, self._device, plan.batch_stage if plan.batch_on_device else None,
                                   depth=self._prefetch)
         return it
+
+    def _user_epoch(self) -> None:
+        """A user's sampler keeps the epoch its owner gives it (``sampler.set_epoch``), as in
+        torch: the loader's epoch follows the sampler's ``epoch`` attribute when it has one, and
+        the loader calls the sampler's ``set_epoch`` only to replay a mid-epoch state, or once
+        :meth:`set_epoch` was called on the loader."""
+        u = self._user
+        u.set_epoch_on = self._restored is not None or self._drives_sampler_epoch
+        if not u.set_epoch_on:
+            e = getattr(u.batch_sampler if u.batch_sampler is not None else u.sampler, "epoch", None)
+            if isinstance(e, int) and not isinstance(e, bool):
+                self._epoch = e
 
     def _close_live(self) -> None:
         it = self._live() if self._live is not None else None

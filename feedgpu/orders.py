@@ -87,7 +87,8 @@ def reads_as_sharding(sampler) -> bool:
 class UserOrder:
     """Batches from a user's ``sampler`` or ``batch_sampler``. Resuming replays the sampler for
     the epoch (after ``set_epoch`` when it has one) and skips the batches already seen, so the
-    sampler must give the same order for the same epoch.
+    sampler must give the same order for the same epoch. Otherwise the sampler's epoch is its
+    owner's (``set_epoch_on`` is False): as torch, the loader does not call its ``set_epoch``.
 
     As in torch, an epoch is what iterating the sampler gives, until it is exhausted: its
     ``len()`` (which it need not have: a generator, an infinite sampler) only answers
@@ -97,6 +98,7 @@ class UserOrder:
     def __init__(self, n: int, sampler, batch_sampler, batch_size: int, drop_last: bool, seed: int):
         self.n, self.sampler, self.batch_sampler = n, sampler, batch_sampler
         self.batch_size, self.drop_last, self.seed = batch_size, drop_last, seed
+        self.set_epoch_on = False   # call the sampler's set_epoch(epoch) before iterating it (the loader decides)
 
     def __len__(self) -> int:
         if self.batch_sampler is not None:
@@ -117,7 +119,7 @@ class UserOrder:
 
     def batches(self, epoch: int):
         src = self.batch_sampler if self.batch_sampler is not None else self.sampler
-        if hasattr(src, "set_epoch"):
+        if self.set_epoch_on and hasattr(src, "set_epoch"):
             src.set_epoch(epoch)
         if self.batch_sampler is not None:
             for b in self.batch_sampler:

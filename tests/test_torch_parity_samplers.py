@@ -148,3 +148,53 @@ def test_a_sampler_without_len_resumes_and_its_epoch_ends_where_it_ends(num_work
     done = make()
     assert _lists(done) == full
     assert done.state_dict()["epoch"] == 1 and done.state_dict()["num_batches"] is None
+
+
+class OwnDistributed(tud.DistributedSampler):
+    """A DistributedSampler subclass (a user's own): iterated as given, not read as sharding."""
+
+
+def _own(seed: int = 0) -> OwnDistributed:
+    return OwnDistributed(Items(12), num_replicas=1, rank=0, shuffle=True, seed=seed)
+
+
+def test_the_sampler_keeps_the_epoch_its_owner_sets():
+    """The loader must not reset a user's set_epoch: resuming training at epoch 5, or leaving each
+    epoch early (Lightning's limit_train_batches), must still change the order every epoch."""
+    def from_epoch_five(make):
+        s = _own()
+        loader = make(Items(12), batch_size=4, sampler=s)
+        out = []
+        for e in (5, 6):
+            s.set_epoch(e)
+            out.append(_lists(loader))
+        return out
+
+    five, six = _both(from_epoch_five)
+    assert five != six
+
+    def first_batch_each_epoch(make):
+        s = _own()
+        loader = make(Items(12), batch_size=4, sampler=s)
+        out = []
+        for e in range(3):
+            s.set_epoch(e)
+            out.append(next(iter(loader)).tolist())
+        return out
+
+    assert len(set(map(tuple, _both(first_batch_each_epoch)))) == 3
+
+
+def test_a_user_samplers_epoch_is_the_states_and_a_resume_replays_it():
+    s = _own()
+    s.set_epoch(5)
+    loader = DataLoader(Items(12), batch_size=4, sampler=s)
+    expected = _lists(loader)
+    it = iter(loader)
+    first = next(it).tolist()
+    state = loader.state_dict()
+    del it
+    assert state["epoch"] == 5
+    resumed = DataLoader(Items(12), batch_size=4, sampler=_own())   # a fresh sampler, at epoch 0
+    resumed.load_state_dict(state)
+    assert [first] + _lists(resumed) == expected
