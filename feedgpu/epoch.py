@@ -18,7 +18,7 @@ import warnings
 
 import numpy as np
 
-from .errors import SkipBudgetExceeded
+from .errors import IteratorSuperseded, SkipBudgetExceeded
 from .exec.host_buffers import pin
 from .exec.process_pool import unpack_exception
 from .sampling import ShardedOrder
@@ -78,6 +78,7 @@ class EpochIterator:
         self.nb = sys.maxsize if self.open else first + self.view.num_batches   # the end of the numbering
         self.tag = next(_tags)
         self.closed = False
+        self.superseded = False   # a newer iteration of the loader stopped this one
         self.pending: dict[int, tuple] = {}      # seq -> task (submitted, result not yet used)
         self.ready: dict[int, tuple] = {}        # seq -> (task, ok, payload)
         view = self.view   # not self: the generator would hold the iterator in a cycle
@@ -191,6 +192,11 @@ class EpochIterator:
         return self
 
     def __next__(self):
+        if self.superseded:
+            raise IteratorSuperseded(
+                f"this iterator of the DataLoader was stopped at batch {self.next_b} of epoch {self.epoch} by a newer "
+                "iter(loader): a feedgpu DataLoader runs one iteration at a time (its position is its state_dict()), "
+                "torch's allows several; build a second DataLoader to iterate the dataset twice at once")
         if self.closed or self.next_b >= self.nb:
             self.close()
             raise StopIteration

@@ -414,7 +414,7 @@ class DataLoader(tud.DataLoader[T_co]):
     def __iter__(self):
         if self._iterable is not None:
             return iter(self._iterable)
-        self._close_live()
+        self._close_live(superseded=True)
         sampler_epoch = getattr(self.sampler, "epoch", None) if reads_as_sharding(self.sampler) else None
         if sampler_epoch is not None and sampler_epoch != self._sharding_epoch:
             self._sharding_epoch = sampler_epoch
@@ -449,9 +449,11 @@ class DataLoader(tud.DataLoader[T_co]):
             if isinstance(e, int) and not isinstance(e, bool):
                 self._epoch = e
 
-    def _close_live(self) -> None:
+    def _close_live(self, superseded: bool = False) -> None:
         it = self._live() if self._live is not None else None
         if it is not None:
+            if superseded and not it.closed:
+                it.superseded = True   # its next() raises, rather than ending the epoch early
             it.close()
         self._live = None
 

@@ -198,3 +198,26 @@ def test_a_user_samplers_epoch_is_the_states_and_a_resume_replays_it():
     resumed = DataLoader(Items(12), batch_size=4, sampler=_own())   # a fresh sampler, at epoch 0
     resumed.load_state_dict(state)
     assert [first] + _lists(resumed) == expected
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_second_iterator_stops_the_first_loudly(num_workers):
+    """torch runs two iterators of one loader side by side; feedgpu runs one iteration at a time
+    (the loader's position is its state): the older iterator's next() raises, never a silent end."""
+    from feedgpu import IteratorSuperseded
+
+    theirs = tud.DataLoader(Items(10), batch_size=3, num_workers=num_workers)
+    a, b = iter(theirs), iter(theirs)
+    assert next(a).tolist() == next(b).tolist() == [0, 1, 2]
+    ours = DataLoader(Items(10), batch_size=3, num_workers=num_workers)
+    a = iter(ours)
+    assert next(a).tolist() == [0, 1, 2]
+    b = iter(ours)
+    with pytest.raises(IteratorSuperseded, match="stopped at batch 1 of epoch 0 by a newer iter"):
+        next(a)
+    assert isinstance(IteratorSuperseded("x"), RuntimeError)
+    assert _lists(b) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    done = iter(ours)   # a finished iterator is not superseded: it just ends
+    assert len(list(done)) == 4
+    iter(ours)
+    assert list(done) == []
