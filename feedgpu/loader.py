@@ -211,11 +211,13 @@ class DataLoader(tud.DataLoader[T_co]):
         self.drop_last = False if batch_sampler is not None else dl
         self.prefetch_factor = self._prefetch if self.num_workers > 0 else None
         self.multiprocessing_context = multiprocessing_context
-        n = self._num_samples() if not (distributed.initialized() and not user_sampler and rank is None
-                                        and world_size is None) else None
+        collective = distributed.initialized() and not user_sampler and rank is None and world_size is None
+        if not collective and not user_sampler:
+            self._num_samples()   # a source that cannot be opened fails here
         if user_sampler:
             self.sampler, self.batch_sampler = sampler, batch_sampler
-            self._user = UserOrder(self._num_samples(), sampler, batch_sampler, bs, dl, self.seed)
+            # torch never asks a dataset for its len() when a sampler chooses the keys
+            self._user = UserOrder(self._num_samples(optional=p is None), sampler, batch_sampler, bs, dl, self.seed)
         else:
             self._user = None
             self.sampler = sampler if sampler is not None else (
@@ -237,7 +239,7 @@ class DataLoader(tud.DataLoader[T_co]):
         self._live = None
         self._executor_totals = ExecutorTotals()
         self._stats = LoaderStats()
-        if n is None:  # ranks from torch.distributed: every rank must hold the same samples (or it hangs)
+        if collective:  # ranks from torch.distributed: every rank must hold the same samples (or it hangs)
             self._sharded_order(collective=True)
         if p is not None:  # samples the source left out while indexing, by reason (after the check above)
             self._stats.add_index_skips(p.source)
@@ -351,9 +353,14 @@ class DataLoader(tud.DataLoader[T_co]):
         if isinstance(self.sampler, OrderSampler):
             self.sampler.seed = self.seed
 
-    def _num_samples(self) -> int:
-        """Samples in the dataset now (a torch Dataset that grows is followed, as in torch)."""
-        return len(self.pipeline.source) if self.pipeline is not None else len(self.dataset)
+    def _num_samples(self, optional: bool = False) -> int | None:
+        """Samples in the dataset now (a torch Dataset that grows is followed, as in torch);
+        ``optional``: None for a torch Dataset without ``__len__``."""
+        if self.pipeline is not None:
+            return len(self.pipeline.source)
+        if optional and not hasattr(self.dataset, "__len__"):
+            return None
+        return len(self.dataset)
 
     def _rank_world(self) -> tuple[int, int, bool]:
         """``(rank, world_size, from_the_process_group)`` for the next iteration."""
@@ -474,8 +481,9 @@ class DataLoader(tud.DataLoader[T_co]):
                 self._fingerprint = self.pipeline.source.identity()
             else:
                 d = self.dataset
+                size = len(d) if hasattr(d, "__len__") else "unsized"
                 self._fingerprint = d.identity() if hasattr(d, "make_work") else \
-                    f"{type(d).__module__}.{type(d).__qualname__}:{len(d)}"
+                    f"{type(d).__module__}.{type(d).__qualname__}:{size}"
         return self._fingerprint
 
     def state_dict(self) -> dict:

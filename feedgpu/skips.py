@@ -58,7 +58,7 @@ def epoch_samples(order) -> int:
     if per_rank is not None:
         return int(per_rank)
     known = order.known_len() if hasattr(order, "known_len") else len(order)
-    return int(order.n if known is None else known * order.batch_size)
+    return int((order.n or 0) if known is None else known * order.batch_size)
 
 
 class SkipBudget:

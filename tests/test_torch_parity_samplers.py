@@ -221,3 +221,27 @@ def test_a_second_iterator_stops_the_first_loudly(num_workers):
     assert len(list(done)) == 4
     iter(ours)
     assert list(done) == []
+
+
+class UnsizedDataset(tud.Dataset):
+    """A map-style dataset without ``__len__`` (optional in torch): key k gives k * 10."""
+
+    def __getitem__(self, k):
+        return k * 10
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_dataset_without_len_works_with_a_sampler(num_workers):
+    got = _both(lambda make: _lists(make(UnsizedDataset(), batch_size=2, sampler=[3, 1, 4],
+                                         num_workers=num_workers)))
+    assert got == [[30, 10], [40]]
+    got = _both(lambda make: _lists(make(UnsizedDataset(), batch_sampler=[[2], [0, 1]], num_workers=num_workers)))
+    assert got == [[20], [0, 10]]
+    loader = DataLoader(UnsizedDataset(), batch_size=2, sampler=[3, 1, 4], num_workers=num_workers)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    del it
+    resumed = DataLoader(UnsizedDataset(), batch_size=2, sampler=[3, 1, 4], num_workers=num_workers)
+    resumed.load_state_dict(state)
+    assert _lists(resumed) == [[40]]
