@@ -5,7 +5,8 @@ Each phase spawns its ranks (``file://`` rendezvous). The loader is built BEFORE
 seeded differently, as a script that builds its loader first would: iterating after the group
 is up must give each rank a disjoint share of one order (rank 0's seed). A state saved by rank 1
 on 2 ranks is resumed on 1 rank, and one saved on 1 rank is resumed on 2 (with workers): the
-epoch's samples are each delivered exactly once over the two runs.
+epoch's samples are each delivered exactly once over the two runs. A ``__len__`` that raises on
+one rank fails every rank with a ConfigError that names it (not gloo's lost connection).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(150)
 N, BS = 12, 2   # 12 = 2 ranks x 2 batches x 2 + 4, and 1 rank x 3 batches x 2 + 6: no padding anywhere
 
 
@@ -58,13 +59,44 @@ def _rank_main(rank: int, world: int, rendezvous: str, out: str, take: int | Non
     Path(out, f"rank{rank}.json").write_text(json.dumps(rec))
 
 
+class LenFailsOnRankOne(Indexed):
+    """``__len__`` raises ``OSError`` on rank 1 (its data is not mounted there)."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def __len__(self):
+        if self.rank == 1:
+            raise OSError("/data/train: no such directory on this node")
+        return N
+
+
+def _len_fails_main(rank: int, world: int, rendezvous: str, out: str, *_) -> None:
+    rec: dict = {"rank": rank}
+    try:
+        import torch.distributed as dist
+
+        from feedgpu import DataLoader
+
+        dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
+        try:
+            DataLoader(LenFailsOnRankOne(rank), batch_size=BS)
+            rec["error"] = None
+        except Exception as e:  # noqa: BLE001 - recorded for the parent
+            rec["error"] = [type(e).__name__, str(e), type(e.__cause__).__name__]
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        rec["crash"] = traceback.format_exc()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(rec))
+
+
 def _phase(base: Path, name: str, world: int, take: int | None, state_in: Path | None = None,
-           num_workers: int = 0) -> list[dict]:
+           num_workers: int = 0, target=_rank_main) -> list[dict]:
     out = base / name
     out.mkdir()
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, args=(r, world, f"file://{base / (name + '.rdv')}", str(out), take,
-                                                  None if state_in is None else str(state_in), num_workers))
+    procs = [ctx.Process(target=target, args=(r, world, f"file://{base / (name + '.rdv')}", str(out), take,
+                                              None if state_in is None else str(state_in), num_workers))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -110,3 +142,11 @@ def test_one_rank_to_two_delivers_the_rest_of_the_epoch_once(tmp_path):
     total = _samples(first) + _samples(rest)
     assert total == Counter(range(N)), total
     assert rest[0]["state"]["epoch"] == rest[1]["state"]["epoch"] == 1   # the epoch is complete on both
+
+
+def test_a_len_that_raises_on_one_rank_fails_every_rank_naming_it(tmp_path):
+    recs = _phase(tmp_path, "len", world=2, take=None, target=_len_fails_main)
+    for r in recs:
+        kind, message, cause = r["error"]
+        assert kind == "ConfigError" and "rank 1: OSError: /data/train: no such directory" in message
+    assert recs[1]["error"][2] == "OSError" and recs[0]["error"][2] == "NoneType"
