@@ -245,3 +245,32 @@ def test_a_dataset_without_len_works_with_a_sampler(num_workers):
     resumed = DataLoader(UnsizedDataset(), batch_size=2, sampler=[3, 1, 4], num_workers=num_workers)
     resumed.load_state_dict(state)
     assert _lists(resumed) == [[40]]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_pipelines_sampler_indices_are_checked_as_a_sequence_checks_them(folder_ds, num_workers):
+    """A Pipeline is the dataset: an index out of range fails its batch with IndexError (the next
+    batch comes), a negative one is the sample it names from the end (before: index -1 read a key
+    of the folder's root and counted it as an unreadable skip), a float is a TypeError (before: 0.5
+    read sample 0)."""
+    from feedgpu import Pipeline
+    from feedgpu.stages import Decode, ResizeCenterCrop
+
+    def loader(sampler):
+        return DataLoader(Pipeline({"format": "folder", "path": str(folder_ds)}, [Decode(), ResizeCenterCrop(8, 8)],
+                                   batch_size=2, shuffle=False, num_workers=num_workers, device="cpu"),
+                          sampler=sampler)
+
+    everything = [int(v) for b in loader(None) for v in b.labels]
+    n = len(everything)
+    it = iter(loader([0, n + 3, 1, 2]))
+    with pytest.raises(IndexError, match=f"index {n + 3} from the sampler is out of range"):
+        next(it)
+    assert next(it).labels.tolist() == everything[1:3]
+    assert [b.labels.tolist() for b in loader([-1, 0])] == [[everything[-1], everything[0]]]
+    wrapped, direct = next(iter(loader([-1]))), next(iter(loader([n - 1])))
+    assert wrapped.images.tolist() == direct.images.tolist()   # the same sample, the same draws
+    with pytest.raises(IndexError):
+        list(loader([-n - 1]))
+    with pytest.raises(TypeError, match="pipeline indices must be integers, got 0.5"):
+        list(loader([0.5, 1]))
