@@ -22,7 +22,8 @@ from .exec.engines import EngineSettings
 from .exec.executors import ExecutorSettings, check_executor
 from .exec.process_pool import ProcessPool
 from .metrics import ExecutorTotals, LoaderStats
-from .orders import OrderRandomSampler, OrderSampler, OrderSequentialSampler, UserOrder, reads_as_sharding, sharded
+from .orders import (OrderRandomSampler, OrderSampler, OrderSequentialSampler, UserOrder, order_len,
+                     reads_as_sharding, sharded)
 from .pipeline import Pipeline, resolve_device
 from .sampling import ShardedOrder
 from .skips import check_max_skipped
@@ -35,11 +36,6 @@ _FROZEN = ("batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "pe
 
 class ArgumentTypeError(ConfigError, TypeError):
     """An argument of the wrong type, where torch raises ``TypeError``."""
-
-
-def _len_or_none(order) -> int | None:
-    """``len(order)``; None for a user's sampler without a length."""
-    return order.known_len() if hasattr(order, "known_len") else len(order)
 
 
 class _Unbatched:
@@ -427,8 +423,8 @@ class DataLoader(tud.DataLoader[T_co]):
             self._sharding_epoch = sampler_epoch
             self.set_epoch(sampler_epoch)  # DistributedSampler.set_epoch, as a framework calls it
         order = self._sharded_order()
-        if self._user is not None:
-            self._user_epoch()
+        if self._user is not None:  # a user's sampler keeps its owner's epoch (UserOrder.epoch_for)
+            self._epoch = self._user.epoch_for(self._epoch, self._restored is not None or self._drives_sampler_epoch)
         if self._start and isinstance(order, ShardedOrder) and self._start >= order.n:
             self._epoch, self._start = self._epoch + 1, 0  # the restored epoch was complete
         self._restored = None
@@ -443,18 +439,6 @@ class DataLoader(tud.DataLoader[T_co]):
             return CudaPrefetcher(it, self._device, plan.batch_stage if plan.batch_on_device else None,
                                   depth=self._prefetch)
         return it
-
-    def _user_epoch(self) -> None:
-        """A user's sampler keeps the epoch its owner gives it (``sampler.set_epoch``), as in
-        torch: the loader's epoch follows the sampler's ``epoch`` attribute when it has one, and
-        the loader calls the sampler's ``set_epoch`` only to replay a mid-epoch state, or once
-        :meth:`set_epoch` was called on the loader."""
-        u = self._user
-        u.set_epoch_on = self._restored is not None or self._drives_sampler_epoch
-        if not u.set_epoch_on:
-            e = getattr(u.batch_sampler if u.batch_sampler is not None else u.sampler, "epoch", None)
-            if isinstance(e, int) and not isinstance(e, bool):
-                self._epoch = e
 
     def _close_live(self, superseded: bool = False) -> None:
         it = self._live() if self._live is not None else None
@@ -497,7 +481,7 @@ class DataLoader(tud.DataLoader[T_co]):
         epoch, start = self._position
         return loader_state.make_state(self._source_fingerprint(), epoch, start, self._batches_seen,
                                        self._rows_seen if start else 0, self.seed, order.config(),
-                                       isinstance(order, ShardedOrder), _len_or_none(order))
+                                       isinstance(order, ShardedOrder), order_len(order))
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from :meth:`state_dict`: the next batch is the one the saved run would have got
@@ -513,7 +497,7 @@ class DataLoader(tud.DataLoader[T_co]):
                                                                     order.config(), sharded_)
         self.shutdown()  # workers and buffers are rebuilt with the restored seed
         self._set_seed(seed)
-        known = order.n if sharded_ else _len_or_none(order)   # a sampler without len(): replayed to its end
+        known = order.n if sharded_ else order_len(order)   # a sampler without len(): replayed to its end
         if known is not None and start >= known:
             epoch, start, batches, rows = epoch + 1, 0, 0, 0
         self._epoch, self._start, self._position = epoch, start, (epoch, start)

@@ -106,6 +106,17 @@ class UserOrder:
         k = len(self.sampler)
         return k // self.batch_size if self.drop_last else math.ceil(k / self.batch_size)
 
+    def epoch_for(self, epoch: int, pinned: bool) -> int:
+        """The epoch of the next iteration. The sampler keeps the epoch its owner gives it
+        (``sampler.set_epoch``), as in torch: unless ``pinned`` (a mid-epoch state to replay, or
+        the loader's ``set_epoch`` was called), the sampler's ``epoch`` attribute, when it has
+        one, is the epoch, and its ``set_epoch`` is not called."""
+        self.set_epoch_on = pinned
+        e = getattr(self.batch_sampler if self.batch_sampler is not None else self.sampler, "epoch", None)
+        if not pinned and isinstance(e, int) and not isinstance(e, bool):
+            return e
+        return epoch
+
     def known_len(self) -> int | None:
         """``len(self)``, or None when the sampler has no length."""
         try:
@@ -175,6 +186,11 @@ class UserView:
         pos = b
         return np.random.default_rng([self.order.seed & 0xFFFFFFFFFFFFFFFF, self.epoch, pos, 1]).integers(
             0, self.order.n, size=k)
+
+
+def order_len(order) -> int | None:
+    """``len(order)``; None for a user's sampler without a length."""
+    return order.known_len() if isinstance(order, UserOrder) else len(order)
 
 
 def sharded(n: int, batch_size: int, shuffle: bool, seed: int, rank: int, world_size: int,
