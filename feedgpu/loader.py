@@ -585,6 +585,10 @@ class DataLoader(tud.DataLoader[T_co]):
         self._release_pool(force=True)
 
     def __del__(self):
+        if getattr(self, "_iterable", None) is not None:
+            # a live iterator holds the runner, which stops its workers when it goes:
+            # `for b in DataLoader(iterable_ds)` drops the loader at once, not its iteration
+            return
         try:
             self.shutdown()
         except Exception:
