@@ -62,3 +62,25 @@ def test_a_temporary_loaders_stream_error_is_raised_as_torchs():
                 out.append("ValueError")
         got[make] = out
     assert got[DataLoader] == got[tud.DataLoader] == [[1], [2], "ValueError", "end"]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_second_iterator_stops_the_first_loudly(num_workers):
+    """torch runs two iterators of one loader side by side; feedgpu runs one at a time (as for a
+    map-style dataset): the older iterator's next() raises, never a silent end of its pass."""
+    from feedgpu import IteratorSuperseded
+
+    theirs = tud.DataLoader(Stream(), batch_size=3, num_workers=num_workers)
+    a, b = iter(theirs), iter(theirs)
+    assert next(a).tolist() == next(b).tolist()
+    ours = DataLoader(Stream(), batch_size=3, num_workers=num_workers)
+    a = iter(ours)
+    first = next(a).tolist()
+    b = iter(ours)
+    with pytest.raises(IteratorSuperseded, match="stopped by a newer iter"):
+        next(a)
+    assert next(b).tolist() == first
+    done = iter(ours)
+    rest = list(done)
+    iter(ours)
+    assert rest and list(done) == []   # a finished iterator just ends
