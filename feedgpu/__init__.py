@@ -2,8 +2,8 @@
 
 ``import feedgpu`` needs neither a GPU nor NVIDIA DALI; nothing here touches CUDA.
 """
-from .errors import (ConfigError, DecodeError, FeedgpuError, LoaderTimeout, SampleError, SkipBudgetExceeded,
-                     SharedMemoryError, SourceError, StageError, StateError, WorkerError)
+from .errors import (ConfigError, DecodeError, FeedgpuError, IteratorSuperseded, LoaderTimeout, SampleError,
+                     SkipBudgetExceeded, SharedMemoryError, SourceError, StageError, StateError, WorkerError)
 from .exec.work import Batch
 from .imaging import pil_build
 from .loader import DataLoader
@@ -15,6 +15,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Batch", "ConfigError", "DataLoader", "DatasetSource", "DecodeError", "FeedgpuError", "FolderSource",
-    "LoaderTimeout", "ParquetSource", "Pipeline", "SampleError", "SkipBudgetExceeded", "SkippedSampleWarning",
+    "IteratorSuperseded", "LoaderTimeout", "ParquetSource", "Pipeline", "SampleError", "SkipBudgetExceeded", "SkippedSampleWarning",
     "SharedMemoryError", "SourceError", "StageError", "StateError", "TarShardSource", "WorkerError", "pil_build",
 ]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .errors import ConfigError, FeedgpuError
+from .errors import ConfigError
 
 
 def initialized() -> bool:
@@ -52,11 +52,13 @@ def agree(get_len: Callable[[], int], seed: int) -> tuple[int, int]:
     ranks need not have seeded alike, so every rank takes rank 0's. Collective."""
     import torch.distributed as dist
 
-    n, err = None, None
+    n, err, own = None, None, None
     try:
         n = int(get_len())
-    except FeedgpuError as e:  # report it to the other ranks first, then raise it here too
-        err = f"{type(e).__name__}: {e}"
+    except Exception as e:  # noqa: BLE001 - any error (a torch Dataset's __len__ may raise anything):
+        # report it to the other ranks first, then raise it here too; raised alone, the other
+        # ranks would wait in the collective for ever
+        err, own = f"{type(e).__name__}: {e}", e
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (n, err, int(seed)))
     me = dist.get_rank()
@@ -66,7 +68,7 @@ def agree(get_len: Callable[[], int], seed: int) -> tuple[int, int]:
         lines = [f"  rank {r}: {e}" for r, e in failed] + [f"  rank {r}: no samples" for r in empty]
         raise ConfigError(f"rank {me}: not every rank has data, so ranks would get different numbers of "
                           "batches and training would hang; every rank must index the same dataset "
-                          "(feedgpu shards it):\n" + "\n".join(lines))
+                          "(feedgpu shards it):\n" + "\n".join(lines)) from own
     counts = [k for k, _, _ in gathered]
     if len(set(counts)) > 1:
         raise ConfigError(f"rank {me}: ranks index different numbers of samples ({', '.join(f'rank {r}: {k}' for r, k in enumerate(counts))}); "

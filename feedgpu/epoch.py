@@ -12,12 +12,13 @@ a worker that died beyond recovery, a timeout and an exceeded skip budget end th
 from __future__ import annotations
 
 import itertools
+import sys
 import time
 import warnings
 
 import numpy as np
 
-from .errors import SkipBudgetExceeded
+from .errors import IteratorSuperseded, SkipBudgetExceeded
 from .exec.host_buffers import pin
 from .exec.process_pool import unpack_exception
 from .sampling import ShardedOrder
@@ -71,18 +72,23 @@ class EpochIterator:
         # training loop (it calls commit()), not when it leaves the CPU pool.
         self.deferred = deferred_commit
         self.uncommitted: list[tuple[int, int]] = []
-        self.nb = first + self.view.num_batches   # the end of the numbering
+        # a user's sampler ends where it is exhausted (its len() need not exist or be right):
+        # the end of the numbering is found when the sampler runs out (_ended)
+        self.open = self.view.num_batches is None
+        self.nb = sys.maxsize if self.open else first + self.view.num_batches   # the end of the numbering
         self.tag = next(_tags)
         self.closed = False
+        self.superseded = False   # a newer iteration of the loader stopped this one
         self.pending: dict[int, tuple] = {}      # seq -> task (submitted, result not yet used)
         self.ready: dict[int, tuple] = {}        # seq -> (task, ok, payload)
         view = self.view   # not self: the generator would hold the iterator in a cycle
-        self._batches = (view.batch(b) for b in range(first, self.nb))
+        self._batches = iter(view) if self.open else (view.batch(b) for b in range(first, self.nb))
         self.submitted = first
         self.budget = SkipBudget(loader._max_skipped, epoch_samples(order), epoch)
         self._bad: set[str] = set()   # keys skipped in this epoch
         self._peeked: dict[int, np.ndarray] = {}   # inline mode: batch -> indices, read ahead
         self._peeked_to = first
+        self.submitted_all = False   # an open-ended epoch's sampler is exhausted
         self.inline = (loader.num_workers == 0 and not loader._executor.remote) or loader._engine.name == "dali"
         self.work = loader._make_work()
         self.work.refresh()  # workers forked below inherit an up-to-date cache index
@@ -116,10 +122,33 @@ class EpochIterator:
         return (loader.persistent_workers and isinstance(self.order, ShardedOrder) and self.pool is not None
                 and loader._cache_settings is None)
 
-    def _indices(self, b: int) -> np.ndarray:
-        """Indices of batch ``b`` (inline mode reads ``prefetch_factor`` batches ahead)."""
+    def _take(self) -> np.ndarray | None:
+        """The next batch's indices from the order; None where an open-ended epoch ends."""
+        if self.submitted_all:
+            return None
+        try:
+            return next(self._batches)
+        except StopIteration:
+            if not self.open:
+                raise
+            self.submitted_all = True
+            return None
+
+    def _ended(self, end: int) -> None:
+        """The user's sampler ran out: batch ``end`` is the end of the epoch."""
+        self.nb = end
+        if self.next_b >= end and not self.uncommitted:  # every batch before it was committed
+            self._complete()
+
+    def _indices(self, b: int) -> np.ndarray | None:
+        """Indices of batch ``b``, None past the epoch's end (inline mode reads
+        ``prefetch_factor`` batches ahead with DALI)."""
         while self._peeked_to <= b:
-            self._peeked[self._peeked_to] = next(self._batches)
+            ks = self._take()
+            if ks is None:
+                self._ended(self._peeked_to)
+                return None
+            self._peeked[self._peeked_to] = ks
             self._peeked_to += 1
         for old in [k for k in self._peeked if k < self.next_b]:
             del self._peeked[old]
@@ -140,7 +169,11 @@ class EpochIterator:
         limit = self.loader._inflight_limit()
         while (self.submitted < self.nb and len(self.pending) + len(self.ready) < limit
                and self.work.can_submit()):
-            self._submit(self.tag, self.submitted, self.epoch, next(self._batches), self.pending)
+            indices = self._take()
+            if indices is None:
+                self._ended(self.submitted)
+                break
+            self._submit(self.tag, self.submitted, self.epoch, indices, self.pending)
             self.submitted += 1
         if self.submitted < self.nb or not self._lookahead_ok():
             return
@@ -159,10 +192,18 @@ class EpochIterator:
         return self
 
     def __next__(self):
+        if self.superseded:
+            raise IteratorSuperseded(
+                f"this iterator of the DataLoader was stopped at batch {self.next_b} of epoch {self.epoch} by a newer "
+                "iter(loader): a feedgpu DataLoader runs one iteration at a time (its position is its state_dict()), "
+                "torch's allows several; build a second DataLoader to iterate the dataset twice at once")
         if self.closed or self.next_b >= self.nb:
             self.close()
             raise StopIteration
         b = self.next_b
+        if self.inline and self._indices(b) is None:  # the user's sampler ended: so does the epoch
+            self.close()
+            raise StopIteration
         t0 = time.perf_counter()
         cause = None
         try:
@@ -171,6 +212,8 @@ class EpochIterator:
                 if self.work.runs_ahead:  # DALI: start this and the next batches, in order
                     for k in range(b, min(self.nb, b + 1 + self.loader._prefetch)):
                         ks = self._indices(k)
+                        if ks is None:
+                            break
                         self.work.prefetch(k, self.epoch, ks, self._spares(k, len(ks)))
                     batch, report = self.work.run_inline(b, self.epoch, indices, self._spares(b, len(indices)))
                 else:
@@ -255,14 +298,18 @@ class EpochIterator:
     def _commit(self, b: int, rows: int) -> None:
         loader = self.loader
         if b + 1 >= self.nb:  # the epoch is complete: the next iteration starts the next one
-            loader._epoch = self.epoch + 1
-            loader._position = (self.epoch + 1, 0)
-            loader._rows_seen = 0
-            loader._batches_seen = 0
+            self._complete()
         else:
             loader._position = (self.epoch, self.view.position(b + 1))
             loader._rows_seen += rows
             loader._batches_seen += 1
+
+    def _complete(self) -> None:
+        loader = self.loader
+        loader._epoch = self.epoch + 1
+        loader._position = (self.epoch + 1, 0)
+        loader._rows_seen = 0
+        loader._batches_seen = 0
 
     def _wait(self, b: int):
         while b not in self.ready:

@@ -94,6 +94,12 @@ class LoaderTimeout(FeedgpuError, RuntimeError, TimeoutError):
     followed by feedgpu's detail (the stage and sample each busy worker is on)."""
 
 
+class IteratorSuperseded(FeedgpuError, RuntimeError):
+    """``next()`` on an iterator of a :class:`~feedgpu.DataLoader` after a newer ``iter(loader)``
+    stopped it: a feedgpu loader runs one iteration at a time (its position is its
+    ``state_dict()``), where torch's allows several. Raised instead of a silent end of the epoch."""
+
+
 class StateError(FeedgpuError, ValueError):
     """A ``state_dict`` does not match this loader (other dataset, batch size or world size)."""
 

@@ -22,7 +22,8 @@ from .exec.engines import EngineSettings
 from .exec.executors import ExecutorSettings, check_executor
 from .exec.process_pool import ProcessPool
 from .metrics import ExecutorTotals, LoaderStats
-from .orders import OrderRandomSampler, OrderSampler, OrderSequentialSampler, UserOrder, reads_as_sharding, sharded
+from .orders import (OrderRandomSampler, OrderSampler, OrderSequentialSampler, UserOrder, order_len,
+                     reads_as_sharding, sharded)
 from .pipeline import Pipeline, resolve_device
 from .sampling import ShardedOrder
 from .skips import check_max_skipped
@@ -219,11 +220,13 @@ class DataLoader(tud.DataLoader[T_co]):
         self.drop_last = False if batch_sampler is not None else dl
         self.prefetch_factor = self._prefetch if self.num_workers > 0 else None
         self.multiprocessing_context = multiprocessing_context
-        n = self._num_samples() if not (distributed.initialized() and not user_sampler and rank is None
-                                        and world_size is None) else None
+        collective = distributed.initialized() and not user_sampler and rank is None and world_size is None
+        if not collective and not user_sampler:
+            self._num_samples()   # a source that cannot be opened fails here
         if user_sampler:
             self.sampler, self.batch_sampler = sampler, batch_sampler
-            self._user = UserOrder(self._num_samples(), sampler, batch_sampler, bs, dl, self.seed)
+            # torch never asks a dataset for its len() when a sampler chooses the keys
+            self._user = UserOrder(self._num_samples(optional=p is None), sampler, batch_sampler, bs, dl, self.seed)
         else:
             self._user = None
             self.sampler = sampler if sampler is not None else (
@@ -235,6 +238,7 @@ class DataLoader(tud.DataLoader[T_co]):
         self._epoch = 0
         self._start = 0
         self._restored: tuple[int, int] | None = None   # set by load_state_dict until the next iteration
+        self._drives_sampler_epoch = False   # set_epoch() was called: a user sampler's set_epoch follows it
         self._position = (0, 0)
         self._rows_seen = self._batches_seen = 0
         self._fingerprint: str | None = None
@@ -244,7 +248,7 @@ class DataLoader(tud.DataLoader[T_co]):
         self._live = None
         self._executor_totals = ExecutorTotals()
         self._stats = LoaderStats()
-        if n is None:  # ranks from torch.distributed: every rank must hold the same samples (or it hangs)
+        if collective:  # ranks from torch.distributed: every rank must hold the same samples (or it hangs)
             self._sharded_order(collective=True)
         if p is not None:  # samples the source left out while indexing, by reason (after the check above)
             self._stats.add_index_skips(p.source)
@@ -358,9 +362,14 @@ class DataLoader(tud.DataLoader[T_co]):
         if isinstance(self.sampler, OrderSampler):
             self.sampler.seed = self.seed
 
-    def _num_samples(self) -> int:
-        """Samples in the dataset now (a torch Dataset that grows is followed, as in torch)."""
-        return len(self.pipeline.source) if self.pipeline is not None else len(self.dataset)
+    def _num_samples(self, optional: bool = False) -> int | None:
+        """Samples in the dataset now (a torch Dataset that grows is followed, as in torch);
+        ``optional``: None for a torch Dataset without ``__len__``."""
+        if self.pipeline is not None:
+            return len(self.pipeline.source)
+        if optional and not hasattr(self.dataset, "__len__"):
+            return None
+        return len(self.dataset)
 
     def _rank_world(self) -> tuple[int, int, bool]:
         """``(rank, world_size, from_the_process_group)`` for the next iteration."""
@@ -406,6 +415,7 @@ class DataLoader(tud.DataLoader[T_co]):
         if self._iterable is not None:
             return self._iterable.set_epoch(epoch)
         epoch = int(epoch)
+        self._drives_sampler_epoch = self._user is not None
         if self._restored is not None and self._restored[0] == epoch:
             self._epoch, self._start = self._restored
         else:
@@ -420,12 +430,14 @@ class DataLoader(tud.DataLoader[T_co]):
     def __iter__(self):
         if self._iterable is not None:
             return iter(self._iterable)
-        self._close_live()
+        self._close_live(superseded=True)
         sampler_epoch = getattr(self.sampler, "epoch", None) if reads_as_sharding(self.sampler) else None
         if sampler_epoch is not None and sampler_epoch != self._sharding_epoch:
             self._sharding_epoch = sampler_epoch
             self.set_epoch(sampler_epoch)  # DistributedSampler.set_epoch, as a framework calls it
         order = self._sharded_order()
+        if self._user is not None:  # a user's sampler keeps its owner's epoch (UserOrder.epoch_for)
+            self._epoch = self._user.epoch_for(self._epoch, self._restored is not None or self._drives_sampler_epoch)
         if self._start and isinstance(order, ShardedOrder) and self._start >= order.n:
             self._epoch, self._start = self._epoch + 1, 0  # the restored epoch was complete
         self._restored = None
@@ -441,9 +453,11 @@ class DataLoader(tud.DataLoader[T_co]):
                                   depth=self._prefetch)
         return it
 
-    def _close_live(self) -> None:
+    def _close_live(self, superseded: bool = False) -> None:
         it = self._live() if self._live is not None else None
         if it is not None:
+            if superseded and not it.closed:
+                it.superseded = True   # its next() raises, rather than ending the epoch early
             it.close()
         self._live = None
 
@@ -464,8 +478,9 @@ class DataLoader(tud.DataLoader[T_co]):
                 self._fingerprint = self.pipeline.source.identity()
             else:
                 d = self.dataset
+                size = len(d) if hasattr(d, "__len__") else "unsized"
                 self._fingerprint = d.identity() if hasattr(d, "make_work") else \
-                    f"{type(d).__module__}.{type(d).__qualname__}:{len(d)}"
+                    f"{type(d).__module__}.{type(d).__qualname__}:{size}"
         return self._fingerprint
 
     def state_dict(self) -> dict:
@@ -479,7 +494,7 @@ class DataLoader(tud.DataLoader[T_co]):
         epoch, start = self._position
         return loader_state.make_state(self._source_fingerprint(), epoch, start, self._batches_seen,
                                        self._rows_seen if start else 0, self.seed, order.config(),
-                                       isinstance(order, ShardedOrder), len(order))
+                                       isinstance(order, ShardedOrder), order_len(order))
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from :meth:`state_dict`: the next batch is the one the saved run would have got
@@ -495,7 +510,8 @@ class DataLoader(tud.DataLoader[T_co]):
                                                                     order.config(), sharded_)
         self.shutdown()  # workers and buffers are rebuilt with the restored seed
         self._set_seed(seed)
-        if sharded_ and start >= order.n or not sharded_ and start >= len(order):
+        known = order.n if sharded_ else order_len(order)   # a sampler without len(): replayed to its end
+        if known is not None and start >= known:
             epoch, start, batches, rows = epoch + 1, 0, 0, 0
         self._epoch, self._start, self._position = epoch, start, (epoch, start)
         self._restored = (epoch, start) if start else None
@@ -584,6 +600,10 @@ class DataLoader(tud.DataLoader[T_co]):
         self._release_pool(force=True)
 
     def __del__(self):
+        if getattr(self, "_iterable", None) is not None:
+            # a live iterator holds the runner, which stops its workers when it goes:
+            # `for b in DataLoader(iterable_ds)` drops the loader at once, not its iteration
+            return
         try:
             self.shutdown()
         except Exception:

@@ -13,7 +13,7 @@
      "seed": int,
      "world_size": int,       # of the run that saved it (informational)
      "sampler": {...},        # the order's settings, without rank and world size
-     "num_batches": int}      # len(loader) of the run that saved it
+     "num_batches": int}      # len(loader) of the run that saved it (None: a sampler without len)
 
 Any rank can load any rank's state: with feedgpu's own order, each rank derives its share of
 what remains of the epoch from the global position, on the world size it runs with now (another
@@ -36,11 +36,11 @@ def order_settings(config: dict) -> dict:
 
 
 def make_state(fingerprint: str, epoch: int, start: int, batches: int, rows: int, seed: int, config: dict,
-               sharded: bool, num_batches: int) -> dict:
+               sharded: bool, num_batches: int | None) -> dict:
     return {"format": FORMAT, "fingerprint": fingerprint, "epoch": int(epoch),
             "samples_seen": int(start if sharded else rows), "batches_seen": int(batches), "seed": int(seed),
             "world_size": int(config.get("world_size", 1)), "sampler": order_settings(config),
-            "num_batches": int(num_batches)}
+            "num_batches": None if num_batches is None else int(num_batches)}
 
 
 def read_state(state, fingerprint: str, config: dict, sharded: bool) -> tuple[int, int, int, int, int]:

@@ -52,11 +52,13 @@ def skip_limit(max_skipped, samples: int) -> int | None:
 
 
 def epoch_samples(order) -> int:
-    """Samples one rank reads per epoch: a ShardedOrder's ``per_rank``, else batches x batch size."""
+    """Samples one rank reads per epoch: a ShardedOrder's ``per_rank``, else batches x batch size
+    (a sampler without ``len()``: the dataset's sample count)."""
     per_rank = getattr(order, "per_rank", None)
     if per_rank is not None:
         return int(per_rank)
-    return int(len(order) * order.batch_size)
+    known = order.known_len() if hasattr(order, "known_len") else len(order)
+    return int((order.n or 0) if known is None else known * order.batch_size)
 
 
 class SkipBudget:

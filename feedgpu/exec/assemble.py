@@ -64,6 +64,24 @@ class Spares:
                     f"{self.n} spares; last: {last or 'a sample found bad earlier in the batch'}") from None
 
 
+
+def source_indices(indices: np.ndarray, n: int) -> np.ndarray:
+    """A batch's indices into a source of ``n`` samples, as a Python sequence takes them: a
+    negative index ``-n <= i < 0`` is ``i + n`` (so the sample, its label and its random draws
+    are those of ``i + n``).
+
+    Raises ``TypeError`` for a non-integral index and ``IndexError`` for one out of range (a
+    user's sampler gave it), naming it: the batch fails as torch's would on ``dataset[i]``."""
+    if indices.dtype.kind not in "iu":
+        bad = next((k for k in indices.tolist() if not isinstance(k, int)), None)
+        raise TypeError(f"pipeline indices must be integers, got {bad!r} ({type(bad).__name__}) from the sampler")
+    out = indices.astype(np.int64, copy=False)
+    wrong = (out < -n) | (out >= n)
+    if wrong.any():
+        raise IndexError(f"index {int(out[wrong][0])} from the sampler is out of range for the pipeline's "
+                         f"{n} samples")
+    return np.where(out < 0, out + n, out) if (out < 0).any() else out
+
 class Assembler:
     """Runs a plan's CPU part for one batch at a time.
 
@@ -88,8 +106,11 @@ class Assembler:
         """Write ``len(indices)`` samples into ``images[:n]`` / ``labels[:n]``.
 
         Raises :class:`SampleError` (``on_error="raise"``), :class:`StageError` for a stage
-        bug, and :class:`SkipBudgetExceeded` when the batch runs out of spares.
+        bug, :class:`SkipBudgetExceeded` when the batch runs out of spares, and ``IndexError`` /
+        ``TypeError`` for an index a user's sampler gave that the source does not hold (see
+        :func:`source_indices`).
         """
+        indices = source_indices(indices, len(self.source))
         rep = BatchReport(stage_seconds=dict.fromkeys(self.names, 0.0))
         if self.cache is not None:
             self.cache.refresh()

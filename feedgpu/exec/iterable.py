@@ -46,7 +46,7 @@ import multiprocessing as mp
 import warnings
 import weakref
 
-from ..errors import ConfigError, LoaderTimeout, StateError
+from ..errors import ConfigError, IteratorSuperseded, LoaderTimeout, StateError
 from .host_buffers import pin
 from .iterable_pool import WorkerSet
 from .iterable_worker import Fetcher, is_stateful, unpack_error
@@ -171,7 +171,7 @@ class IterableRunner:
         return n
 
     def __iter__(self):
-        self._close_live()
+        self._close_live(superseded=True)
         restore, self._pending = self._pending, None
         if restore is not None and (restore["done"] or restore["workers"] is None):
             restore = None
@@ -189,9 +189,11 @@ class IterableRunner:
         if callable(getattr(self.dataset, "set_epoch", None)):
             self.dataset.set_epoch(epoch)
 
-    def _close_live(self) -> None:
+    def _close_live(self, superseded: bool = False) -> None:
         it = self._live() if self._live is not None else None
         if it is not None:
+            if superseded and not it.closed:
+                it.superseded = True   # its next() raises, rather than ending the pass early
             it.close()
         self._live = None
 
@@ -268,7 +270,7 @@ class _InlineIter:
     """``num_workers=0``: the pass runs in the main process, one batch per ``next()``."""
 
     def __init__(self, runner: IterableRunner, restore: dict | None):
-        self.runner, self.closed = runner, False
+        self.runner, self.closed, self.superseded = runner, False, False
         base_seed = restore["base_seed"] if restore is not None else draw_base_seed(runner.generator)
         start = restore["workers"][0] if restore is not None else None
         self.fetcher = Fetcher(runner.dataset, runner.batch_size, runner.drop_last, runner.collate_fn,
@@ -282,6 +284,8 @@ class _InlineIter:
         return self
 
     def __next__(self):
+        if self.superseded:
+            raise superseded_error()
         if self.closed:
             raise StopIteration
         try:
@@ -309,7 +313,7 @@ class _WorkerIter:
     """``num_workers > 0``: batches from the workers in torch's round-robin order."""
 
     def __init__(self, runner: IterableRunner, restore: dict | None):
-        self.runner, self.closed = runner, False
+        self.runner, self.closed, self.superseded = runner, False, False
         n = runner.num_workers
         workers = runner._workers if runner.persistent_workers else None
         if restore is not None:
@@ -357,6 +361,8 @@ class _WorkerIter:
             self.pos["workers"][w] = msg[2]
 
     def __next__(self):
+        if self.superseded:
+            raise superseded_error()
         if self.closed:
             raise StopIteration
         pos, n = self.pos, self.runner.num_workers
@@ -436,6 +442,12 @@ def _len_warning(runner: IterableRunner, yielded: int) -> None:
                       f"len(dataloader)), but {yielded} samples have been fetched. " +
                       ("For multiprocessing data-loading, this could be caused by not properly configuring the "
                        "IterableDataset replica at each worker." if runner.num_workers > 0 else ""), stacklevel=3)
+
+
+def superseded_error() -> IteratorSuperseded:
+    return IteratorSuperseded("this iterator of the DataLoader was stopped by a newer iter(loader): a feedgpu "
+                              "DataLoader runs one iteration at a time (its position is its state_dict()), torch's "
+                              "allows several; build a second DataLoader to iterate the dataset twice at once")
 
 
 def runner_for_loader(dataset, *, shuffle=None, sampler=None, batch_sampler=None, batch_size=1, num_workers=0,

@@ -201,10 +201,11 @@ class DatasetWork(PayloadWork):
     def handle(self, task: tuple):
         indices = task[3]
         items = []
-        for i in indices.tolist():
-            progress.at("__getitem__", i)
+        keys = indices.tolist()   # ints, or a user sampler's other keys as it gave them
+        for i in keys:
+            progress.at("__getitem__", i if isinstance(i, int) else -1)
             items.append(self.dataset[i])
-        progress.at("collate_fn", int(indices[0]) if len(indices) else -1)
+        progress.at("collate_fn", keys[0] if keys and isinstance(keys[0], int) else -1)
         return self.collate_fn(items)
 
     def describe(self, index: int) -> str:
