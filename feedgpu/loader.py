@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from typing import Any, Callable, TypeVar
+from typing import Callable, TypeVar
 
 import torch.utils.data as tud
 
@@ -19,16 +19,14 @@ from .errors import ConfigError
 from .exec.autoscale import Autoscaler, cpu_cores, default_config
 from .exec.build import make_pool, make_work
 from .exec.engines import EngineSettings
-from .exec.executors import ExecutorSettings, check_executor
 from .exec.process_pool import ProcessPool
 from .metrics import ExecutorTotals, LoaderStats
 from .orders import (OrderRandomSampler, OrderSampler, OrderSequentialSampler, UserOrder, order_len,
                      reads_as_sharding, sharded)
-from .pipeline import Pipeline, resolve_device
+from .loader_setup import _UNSET, init_iterable, resolve_settings
+from .pipeline import Pipeline
 from .sampling import ShardedOrder
-from .skips import check_max_skipped
 
-_UNSET: Any = object()
 T_co = TypeVar("T_co", covariant=True)
 # torch's DataLoader refuses to change these once it is built (ValueError); so does feedgpu's
 _FROZEN = ("batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers")
@@ -36,17 +34,6 @@ _FROZEN = ("batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "pe
 
 class ArgumentTypeError(ConfigError, TypeError):
     """An argument of the wrong type, where torch raises ``TypeError``."""
-
-
-class _Unbatched:
-    """``batch_size=None``: each sample through ``collate_fn`` alone (torch's ``default_convert``
-    by default), as torch loads unbatched."""
-
-    def __init__(self, collate_fn: Callable):
-        self.collate_fn = collate_fn
-
-    def __call__(self, items: list):
-        return self.collate_fn(items[0])
 
 
 class DataLoader(tud.DataLoader[T_co]):
@@ -132,7 +119,7 @@ class DataLoader(tud.DataLoader[T_co]):
                  stats_callback: Callable[[dict], None] | None = None):
         self._iterable = None
         if isinstance(dataset, tud.IterableDataset):  # run as torch runs it (feedgpu.exec.iterable)
-            self._init_iterable(dataset, locals())
+            init_iterable(self, dataset, locals())
             return
         if not in_order:
             raise ConfigError("in_order=False: feedgpu always delivers batches in order (exact resume needs it)")
@@ -199,7 +186,7 @@ class DataLoader(tud.DataLoader[T_co]):
         self.rank, self.world_size, self.device, self.on_error = rank, world_size, device, on_error
         self.cache, self.engine, self.executor, self.stats_callback = cache, engine, executor, stats_callback
         self.max_skipped = None if max_skipped is _UNSET else max_skipped
-        self._settings(dataset, p, collate_fn, device, on_error, cache, engine, max_skipped, executor, unbatched)
+        resolve_settings(self, dataset, p, collate_fn, device, on_error, cache, engine, max_skipped, executor, unbatched)
         if self._executor.remote and persistent_default and p is not None:
             persistent_workers = p.persistent_workers  # remote workers persist as local ones would
         if seed is None:
@@ -272,77 +259,6 @@ class DataLoader(tud.DataLoader[T_co]):
                                               remote=self._remote_start)
                 self._set_live(self._autoscaler.workers, self._autoscaler.prefetch)
         self._frozen = True
-
-    def _init_iterable(self, dataset, given: dict) -> None:
-        from .exec.iterable import runner_for_loader
-
-        def arg(name, default):
-            return default if given[name] is _UNSET else given[name]
-
-        opts = {k: given[k] for k in ("seed", "rank", "world_size", "device", "on_error", "cache", "engine",
-                                      "executor", "stats_callback")}
-        opts["max_skipped"] = arg("max_skipped", None)
-        r = self._iterable = runner_for_loader(
-            dataset, shuffle=given["shuffle"], sampler=given["sampler"], batch_sampler=given["batch_sampler"],
-            batch_size=arg("batch_size", 1), num_workers=arg("num_workers", 0), collate_fn=given["collate_fn"],
-            pin_memory=given["pin_memory"], drop_last=arg("drop_last", False), timeout=arg("timeout", 0),
-            worker_init_fn=given["worker_init_fn"], multiprocessing_context=given["multiprocessing_context"],
-            generator=given["generator"], prefetch_factor=given["prefetch_factor"],
-            persistent_workers=arg("persistent_workers", False), feedgpu_options=opts,
-            in_order=given["in_order"], pin_memory_device=given["pin_memory_device"])
-        self.dataset, self.pipeline, self.batch_size, self.drop_last = dataset, None, r.batch_size, r.drop_last
-        self.num_workers, self.prefetch_factor, self.timeout = r.num_workers, r.prefetch_factor, r.timeout
-        self.collate_fn, self.worker_init_fn, self.pin_memory = r.collate_fn, r.worker_init_fn, r.pin_memory
-        self.persistent_workers, self.generator, self.sampler, self.batch_sampler = r.persistent_workers, \
-            given["generator"], None, None
-        self.pin_memory_device, self.in_order, self.shuffle = given["pin_memory_device"], given["in_order"], False
-        self.multiprocessing_context = given["multiprocessing_context"] if r.num_workers > 0 else None
-        self._frozen = True
-
-    def _settings(self, dataset, p, collate_fn, device, on_error, cache, engine, max_skipped, executor, unbatched) -> None:
-        """Resolve feedgpu's own settings (private: the public attributes keep what was given)."""
-        if p is not None:
-            if collate_fn is not None:
-                raise ConfigError("collate_fn cannot be used with a feedgpu Pipeline: batches are assembled in "
-                                  "shared memory by the stages; end the pipeline with a batch stage instead")
-            self._on_error = on_error or p.on_error
-            self._max_skipped = check_max_skipped(p.max_skipped if max_skipped is _UNSET else max_skipped)
-            self._device = resolve_device(device or p.device)
-            self._cache_settings = p.cache if cache is None else CacheSettings.make(cache)
-            if engine is not None:
-                import copy
-
-                p = self.pipeline = copy.copy(p)
-                p.engine = EngineSettings.make(engine)
-                if p.engine.name == "dali":
-                    from .exec.dali_engine import check_dali_plan
-                    from .exec.plan import make_plan
-
-                    check_dali_plan(make_plan(p.stages, "cpu"))
-            self._engine = p.engine
-            self._executor = p.executor if executor is None else ExecutorSettings.make(executor)
-            if self._engine.name == "dali" and self._cache_settings is not None:
-                raise ConfigError("cache and engine 'dali' cannot be combined yet: the DALI engine reads the "
-                                  "source directly; use engine: python with a cache")
-            self._collate = None
-        else:
-            self._engine = EngineSettings()
-            self._executor = ExecutorSettings.make(executor)
-            if on_error is not None or device is not None or cache is not None or engine is not None \
-                    or max_skipped not in (_UNSET, None):
-                raise ConfigError("on_error, max_skipped, device, cache and engine apply to feedgpu Pipelines; for a torch Dataset, errors "
-                                  "raise as in torch and pin_memory moves nothing to the GPU")
-            self._on_error, self._device, self._cache_settings, self._max_skipped = "raise", "cpu", None, None
-            if collate_fn is not None and hasattr(dataset, "make_work"):
-                raise ConfigError("collate_fn cannot be used with a dataset that assembles its own batches "
-                                  "(a feedgpu.tabular.TablePipeline)")
-            default = tud.default_convert if unbatched else tud.default_collate
-            self._collate = _Unbatched(collate_fn or default) if unbatched else (collate_fn or default)
-        check_executor(self._executor, self._engine, self._cache_settings)
-        self._remote_start = self._executor.start_remote(self.auto_workers) if self._executor.remote else 0
-        if self._executor.remote and self.num_workers == 0 and self._remote_start < 1:
-            raise ConfigError("executor 'ray' with num_workers=0 runs every batch remotely: it needs "
-                              "executor.remote_workers >= 1")
 
     # -- torch DataLoader surface --------------------------------------------------------------
     def __setattr__(self, name: str, value) -> None:
