@@ -30,6 +30,20 @@ from ..errors import SourceError
 from .base import Record, Source, class_names, expand_paths
 
 _NULL = np.iinfo(np.int64).min   # a null label while indexing
+_HUGE = _NULL + 1                 # a uint64 label that int64 cannot hold
+
+
+def _int64_labels(col: pa.ChunkedArray) -> np.ndarray:
+    """A label column as int64, nulls as ``_NULL`` and uint64 values over int64's range as
+    ``_HUGE`` (both left out while indexing)."""
+    huge = None
+    if pa.types.is_uint64(col.type):
+        huge = np.asarray(pc.fill_null(pc.greater(col, pa.scalar(np.iinfo(np.int64).max, pa.uint64())), False))
+        col = pc.if_else(huge, pa.scalar(0, pa.uint64()), col)
+    lab = np.asarray(pc.fill_null(col.cast(pa.int64()), _NULL), dtype=np.int64).copy()
+    if huge is not None:
+        lab[huge] = _HUGE
+    return lab
 
 
 class _Chunks:
@@ -60,7 +74,7 @@ class ParquetSource(Source):
     Raises :class:`SourceError` when a file or column is missing or has the wrong type, or no
     row is left. Null or zero-length images are reported when read (reason ``"empty"``). Labels
     are read while indexing: a null label is left out with reason ``"missing label"``, a label
-    below -1 with ``"bad label"``; -1 is the documented "no label" value, kept only in a source
+    below -1 or (uint64) over 2**63 - 1 with ``"bad label"``; -1 is the documented "no label" value, kept only in a source
     where no row has a label (an unlabeled source), else left out as ``"missing label"`` too.
     Rows left out are in :attr:`rejected`, named ``file.parquet#row``.
     """
@@ -103,8 +117,7 @@ class ParquetSource(Source):
                 # Only labels are read here: image bytes stay on disk, so an empty image is
                 # found when it is read (reason "empty"), not while indexing.
                 if label_column:
-                    col = pf.read_row_group(rg, columns=[label_column]).column(0)
-                    lab = np.asarray(pc.fill_null(col.cast(pa.int64()), _NULL), dtype=np.int64)
+                    lab = _int64_labels(pf.read_row_group(rg, columns=[label_column]).column(0))
                 else:
                     lab = np.full(n, -1, np.int64)
                 fids.append(np.full(n, fid, np.int32))
@@ -121,7 +134,8 @@ class ParquetSource(Source):
         for i in np.flatnonzero(bad).tolist():
             v = int(labels_[i])
             reason = "bad label" if _NULL < v < -1 else "missing label"
-            self.reject(self.key(i), reason, "null label" if v == _NULL else f"label {v}")
+            self.reject(self.key(i), reason, "null label" if v == _NULL
+                        else "label over 2**63 - 1 (labels are int64)" if v == _HUGE else f"label {v}")
         keep = ~bad
         self.file_ids, self.row_groups, self.rows = file_ids[keep], row_groups[keep], rows_[keep]
         self.labels = labels_[keep]

@@ -30,7 +30,7 @@ Records that cannot be delivered are left out while indexing, each named in
   with no label of its own: a second field of the WebDataset sample, not a sample;
 * ``"missing label"``: an image with no label, in a source where other samples have labels (a
   source with no label member at all is unlabeled: every label is -1);
-* ``"bad label"``: a label that is not a non-negative integer; ``"no image"``: a group, or a
+* ``"bad label"``: a label that is not a non-negative integer below 2**63; ``"no image"``: a group, or a
   qualified label, without an image; ``"empty"``: a zero-byte image; ``"no key"``: an image
   whose base name starts with a dot (``.x.jpg``), which has no WebDataset key;
 * ``"truncated"``: an image (or its label) whose data the shard's end cuts; ``"truncated
@@ -54,6 +54,7 @@ IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "tif", "tiff", "gi
 LABEL_SUFFIXES = ("cls.txt", "cls", "label")
 _COMPRESSED = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00", b"\x28\xb5\x2f\xfd")
 _LABEL_BYTES = 64
+_MAX_LABEL = np.iinfo(np.int64).max   # labels are held as int64
 
 
 def split_member(name: str) -> tuple[str | None, str]:
@@ -255,7 +256,7 @@ class TarShardSource(Source):
                 label = _read_label(raw, labs[0])
                 if label is None:
                     self.reject(f"{path}:{m.name}", "bad label",
-                                f"{labs[0].name!r} does not hold a non-negative integer")
+                                f"{labs[0].name!r} does not hold a non-negative integer below 2**63")
                     continue
             yield m, label
         for qual, labs in labels.items():
@@ -310,6 +311,7 @@ def _read_label(raw, m: _Member) -> int | None:
         return None
     raw.seek(m.offset)
     text = raw.read(m.size).decode("ascii", "replace").strip()
-    if not text.isdigit():
+    if not (text.isascii() and text.isdigit()):
         return None
-    return int(text)
+    value = int(text)
+    return value if value <= _MAX_LABEL else None

@@ -1,0 +1,62 @@
+"""The conservation rule against inputs written by other tools and odd values a user meets:
+labels that overflow int64, exit statuses of ``feedgpu convert``, and the like. Each test
+fails on the defect it names."""
+from __future__ import annotations
+
+import io
+import tarfile
+import warnings
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from conftest import PHOTOS
+from feedgpu import ParquetSource, TarShardSource
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def cli(*args):
+    from feedgpu.cli.main import main
+
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def photo(i: int) -> bytes:
+    return sorted(PHOTOS.glob("*.jpg"))[i].read_bytes()
+
+
+def write_tar(path: Path, members, fmt=tarfile.PAX_FORMAT) -> Path:
+    with tarfile.open(path, "w", format=fmt) as tf:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    return path
+
+
+def quiet(make, *a, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return make(*a, **kw)
+
+
+def test_a_tar_label_over_int64_is_a_bad_label_not_a_crash(tmp_path):
+    shard = write_tar(tmp_path / "s.tar", [("k.jpg", photo(0)), ("k.cls", b"99999999999999999999999"),
+                                           ("z.jpg", photo(1)), ("z.cls", b"1")])
+    src = quiet(TarShardSource, shard)
+    assert src.labels.tolist() == [1]
+    assert src.rejected == [(f"{shard}:k.jpg", "bad label")]
+
+
+def test_a_uint64_parquet_label_over_int64_is_a_bad_label_not_a_crash(tmp_path):
+    path = tmp_path / "u.parquet"
+    pq.write_table(pa.table({"image": pa.array([photo(0), photo(1), photo(2)], pa.binary()),
+                             "label": pa.array([0, 2 ** 63 + 5, 2], pa.uint64())}), path)
+    src = quiet(ParquetSource, path)
+    assert src.labels.tolist() == [0, 2]
+    assert src.rejected == [(f"{path}#1", "bad label")]
+    assert "2**63" in src.rejected_details[f"{path}#1"]
