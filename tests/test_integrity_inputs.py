@@ -60,3 +60,20 @@ def test_a_uint64_parquet_label_over_int64_is_a_bad_label_not_a_crash(tmp_path):
     assert src.labels.tolist() == [0, 2]
     assert src.rejected == [(f"{path}#1", "bad label")]
     assert "2**63" in src.rejected_details[f"{path}#1"]
+
+
+def test_convert_errors_exit_2_and_name_what_it_reads(tmp_path):
+    """Exit 1 means records were left out; an input convert cannot take is an error (2)."""
+    shard = write_tar(tmp_path / "s.tar", [("k.jpg", photo(0)), ("k.cls", b"1")])
+    r = cli("convert", shard, tmp_path / "out", "--to", "tar")
+    assert r.exit_code == 2, r.output
+    assert "already tar shards" in r.output
+    pq_dir = tmp_path / "pq"
+    pq_dir.mkdir()
+    pq.write_table(pa.table({"image": pa.array([photo(0)], pa.binary()), "label": pa.array([0])}),
+                   pq_dir / "part-0.parquet")
+    for src in (pq_dir, pq_dir / "part-0.parquet"):
+        r = cli("convert", src, tmp_path / "out2", "--to", "tar")
+        assert r.exit_code == 2, r.output
+        assert "Parquet" in r.output and "class sub-folders" not in r.output
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out2").exists()
