@@ -77,3 +77,25 @@ def test_convert_errors_exit_2_and_name_what_it_reads(tmp_path):
         assert r.exit_code == 2, r.output
         assert "Parquet" in r.output and "class sub-folders" not in r.output
     assert not (tmp_path / "out").exists() and not (tmp_path / "out2").exists()
+
+
+def test_scan_names_the_records_of_a_source_with_none_left(tmp_path):
+    """A shard whose every image is a duplicate key, or a class folder of empty files: the
+    source has no sample left. Before: scan exited 2 with "no samples left", naming none."""
+    import json
+
+    shard = write_tar(tmp_path / "dup.tar", [("k.jpg", photo(0)), ("k.cls", b"1"), ("k.png", photo(1))])
+    folder = tmp_path / "f"
+    (folder / "a").mkdir(parents=True)
+    (folder / "a" / "x.jpg").write_bytes(b"")
+    (folder / "a" / "y.jpg").write_bytes(b"")
+    for data, want in ((shard, {(f"{shard}:k.jpg", "duplicate key"), (f"{shard}:k.png", "duplicate key")}),
+                       (folder, {(str(folder / "a" / "x.jpg"), "empty"), (str(folder / "a" / "y.jpg"), "empty")})):
+        r = cli("scan", data, "--workers", "0", "--json", "-")
+        assert r.exit_code == 1, r.output
+        doc = json.loads(r.output)
+        assert doc["samples"] == 0 and doc["bad_total"] == 2
+        assert {(b["key"], b["reason"]) for b in doc["bad"]} == want
+    with pytest.raises(Exception, match="no samples left") as info:
+        quiet(TarShardSource, shard)
+    assert len(info.value.rejected) == 2

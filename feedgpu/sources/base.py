@@ -14,6 +14,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..errors import SourceError
+
 
 @dataclass(frozen=True)
 class Record:
@@ -118,6 +120,14 @@ class Source:
         self.rejected.append((key, reason))
         if detail:
             self.rejected_details[key] = detail
+
+    def _nothing_left(self, message: str) -> SourceError:
+        """The :class:`SourceError` for a source whose every record was left out while indexing,
+        carrying ``rejected`` and ``rejected_details`` (so ``feedgpu scan`` can list them)."""
+        err = SourceError(message)
+        err.rejected = list(self.rejected)
+        err.rejected_details = dict(self.rejected_details)
+        return err
 
     @property
     def index_skips(self) -> dict[str, list[str]]:

@@ -102,8 +102,8 @@ class FolderSource(Source):
                           "(torchvision's ImageFolder would make each a class, moving the labels after it)",
                           stacklevel=2)
         if not rel:
-            raise SourceError(f"folder source: no images with endings {self._exts} under {self.root}"
-                              + (f" ({len(self.rejected)} left out while indexing)" if self.rejected else ""))
+            raise self._nothing_left(f"folder source: no images with endings {self._exts} under {self.root}"
+                                      + (f" ({len(self.rejected)} left out while indexing)" if self.rejected else ""))
         self._warn_rejected()
         self.paths = StringTable(rel)
         self.labels = np.asarray(labels, dtype=np.int64)

@@ -141,8 +141,8 @@ class ParquetSource(Source):
         self.labels = labels_[keep]
         self._warn_rejected()
         if len(self.labels) == 0:
-            raise SourceError(f"parquet source: no rows left in {len(self.files)} file(s)"
-                              + (f" ({len(self.rejected)} left out while indexing)" if self.rejected else ""))
+            raise self._nothing_left(f"parquet source: no rows left in {len(self.files)} file(s)"
+                                      + (f" ({len(self.rejected)} left out while indexing)" if self.rejected else ""))
         self.classes = class_names(self.files[0], self.labels)
         self._cache: OrderedDict = OrderedDict()   # (file, row group, slice or -1) -> _Chunks
         self._cached = 0

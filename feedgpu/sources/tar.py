@@ -149,8 +149,8 @@ class TarShardSource(Source):
                 keep.append(i)
         self._warn_rejected()
         if not keep:
-            raise SourceError(f"tar source: no samples left in {len(self.shards)} shard(s)"
-                              + (f" ({len(self.rejected)} left out while indexing)" if self.rejected else ""))
+            raise self._nothing_left(f"tar source: no samples left in {len(self.shards)} shard(s)"
+                                      + (f" ({len(self.rejected)} left out while indexing)" if self.rejected else ""))
         self.members = StringTable([keys[i] for i in keep])
         self.shard_ids = np.asarray([shard_ids[i] for i in keep], dtype=np.int32)
         self.offsets = np.asarray([offsets[i] for i in keep], dtype=np.int64)
