@@ -99,3 +99,38 @@ def test_scan_names_the_records_of_a_source_with_none_left(tmp_path):
     with pytest.raises(Exception, match="no samples left") as info:
         quiet(TarShardSource, shard)
     assert len(info.value.rejected) == 2
+
+
+@pytest.mark.parametrize("fmt", [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT])
+def test_every_cut_of_a_shard_keeps_labels_right_or_counts_the_loss(tmp_path, fmt):
+    """A shard cut at every block boundary and inside each member: every sample indexed has the
+    label written for it, and what is not indexed is named. Before: a shard cut just after its
+    first image (before that image's .cls) was read as an unlabeled source, the image delivered
+    with label -1 and no reject for it."""
+    members = []
+    for i in range(6):
+        members += [(f"s{i:02d}.jpg", photo(i)[:1500 + 100 * i]), (f"s{i:02d}.cls", str(i + 1).encode())]
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=fmt) as tf:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    full = buf.getvalue()
+    cuts = sorted(set(range(512, len(full), 512)) | {c + d for c in range(512, len(full), 512) for d in (7, 300)})
+    shard = tmp_path / "cut.tar"
+    for cut in cuts:
+        shard.write_bytes(full[:cut])
+        try:
+            src = quiet(TarShardSource, shard)
+            got = {src.members[i]: int(src.labels[i]) for i in range(len(src))}
+            rejected = src.rejected
+        except Exception as e:   # noqa: BLE001 - nothing left: the error carries the rejects
+            got, rejected = {}, e.rejected
+        assert got == {k: int(k[1:3]) + 1 for k in got}, cut
+        sample_rejects = {k.rsplit(":", 1)[1] for k, r in rejected if r == "truncated"}
+        assert len(got) + len(sample_rejects) == 6 or any(r.endswith("shard") for _, r in rejected), cut
+    shard.write_bytes(full[:512 + 1536])   # s00.jpg whole, its .cls cut off
+    with pytest.raises(Exception, match="no samples left") as info:
+        quiet(TarShardSource, shard)
+    assert (f"{shard}:s00.jpg", "truncated") in info.value.rejected

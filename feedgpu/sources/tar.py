@@ -33,7 +33,8 @@ Records that cannot be delivered are left out while indexing, each named in
 * ``"bad label"``: a label that is not a non-negative integer below 2**63; ``"no image"``: a group, or a
   qualified label, without an image; ``"empty"``: a zero-byte image; ``"no key"``: an image
   whose base name starts with a dot (``.x.jpg``), which has no WebDataset key;
-* ``"truncated"``: an image (or its label) whose data the shard's end cuts; ``"truncated
+* ``"truncated"``: an image (or its label) whose data the shard's end cuts, or the last image
+  before a shard's damage when it has no label (its label member may be what was lost); ``"truncated
   shard"``: a shard that ends inside a header, inside member data or without its end-of-archive
   marker (the samples after the cut are lost: the entry names the shard and the byte);
   ``"corrupt shard"``: an unreadable header in the middle of a shard (indexing stops there), or
@@ -116,6 +117,8 @@ class TarShardSource(Source):
         labeled = False
         for sid, path in enumerate(self.shards):
             groups: dict[str, dict] = {}
+            self._cut = False
+            last = None
             with open(path, "rb") as raw:
                 for m in self._members(path, raw):
                     key, field = split_member(m.name)
@@ -127,12 +130,12 @@ class TarShardSource(Source):
                     kind, qual = _kind(field)
                     if kind is None:
                         continue
-                    g = groups.setdefault(key, {"image": {}, "label": {}, "first": m.name})
+                    g = last = groups.setdefault(key, {"image": {}, "label": {}, "first": m.name})
                     g[kind].setdefault(qual, []).append(m)
                     if kind == "label":
                         labeled = True
                 for g in groups.values():
-                    for m, label in self._samples(path, raw, g):
+                    for m, label in self._samples(path, raw, g, self._cut and g is last):
                         keys.append(m.name)
                         shard_ids.append(sid)
                         offsets.append(m.offset)
@@ -197,18 +200,22 @@ class TarShardSource(Source):
                 error = str(e)
             end = tf.offset
         if error is not None:
+            self._cut = True   # the shard's last group may have lost members
             self.reject(path, "truncated shard", f"{error}: the shard ends at byte {size}, inside a member's "
                         "data; members after it are lost")
             return
         raw.seek(end)
         block = raw.read(tarfile.BLOCKSIZE)
         if not block:
+            self._cut = True   # the shard's last group may have lost members
             self.reject(path, "truncated shard", f"no end-of-archive marker after byte {end}: the shard "
                         "was cut at a block boundary; members after it are lost")
         elif len(block) < tarfile.BLOCKSIZE:
+            self._cut = True   # the shard's last group may have lost members
             self.reject(path, "truncated shard", f"cut inside a header at byte {end} (shard size {size}); "
                         "members after it are lost")
         elif block.count(0) != tarfile.BLOCKSIZE:
+            self._cut = True   # the shard's last group may have lost members
             self.reject(path, "corrupt shard", f"unreadable header at byte {end}; members after it are not "
                         "indexed")
         else:
@@ -221,8 +228,10 @@ class TarShardSource(Source):
                                 "archive appended to this one?); members there are not indexed")
                     break
 
-    def _samples(self, path: str, raw, g: dict):
-        """``(image member, label)`` of one key group (label -2: none); the rest is rejected."""
+    def _samples(self, path: str, raw, g: dict, cut: bool = False):
+        """``(image member, label)`` of one key group (label -2: none); the rest is rejected.
+        ``cut``: the group is the last before a shard's damage, so an image without a label may
+        have lost it there (rejected as ``"truncated"``, never delivered unlabeled)."""
         images, labels = g["image"], g["label"]
         used: set[str] = set()
         if not images:
@@ -250,6 +259,10 @@ class TarShardSource(Source):
                 continue
             if m.size == 0:
                 self.reject(f"{path}:{m.name}", "empty")
+                continue
+            if cut and not labs:
+                self.reject(f"{path}:{m.name}", "truncated", "the last sample before the shard's damage, "
+                            "without a label: its label member may be lost there")
                 continue
             label = -2
             if labs:
