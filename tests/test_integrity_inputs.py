@@ -134,3 +134,25 @@ def test_every_cut_of_a_shard_keeps_labels_right_or_counts_the_loss(tmp_path, fm
     with pytest.raises(Exception, match="no samples left") as info:
         quiet(TarShardSource, shard)
     assert (f"{shard}:s00.jpg", "truncated") in info.value.rejected
+
+
+def test_hidden_images_inside_a_class_are_named_not_dropped_silently(tmp_path):
+    """torchvision's ImageFolder indexes ``cat/.ipynb_checkpoints/a-checkpoint.jpg`` and
+    ``cat/.b.jpg`` (os.walk lists them); feedgpu leaves them out as documented. Before: with no
+    word, only hidden folders directly under the root were named."""
+    from feedgpu import FolderSource
+
+    (tmp_path / "cat" / ".ipynb_checkpoints").mkdir(parents=True)
+    (tmp_path / "cat" / "a.jpg").write_bytes(photo(0))
+    (tmp_path / "cat" / ".b.jpg").write_bytes(photo(1))
+    (tmp_path / "cat" / ".ipynb_checkpoints" / "a-checkpoint.jpg").write_bytes(photo(0))
+    (tmp_path / "cat" / ".git").mkdir()
+    (tmp_path / "cat" / ".git" / "HEAD").write_bytes(b"ref: refs/heads/main\n")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        src = FolderSource(tmp_path)
+    assert [Path(src.key(i)).name for i in range(len(src))] == ["a.jpg"]
+    text = " ".join(str(w.message) for w in seen)
+    assert str(tmp_path / "cat" / ".b.jpg") in text
+    assert str(tmp_path / "cat" / ".ipynb_checkpoints") in text
+    assert ".git" not in text   # no image in it: nothing to say

@@ -7,8 +7,10 @@ The rules, and where they differ from ``torchvision.datasets.ImageFolder``:
   indexed (as in torchvision).
 * Hidden entries (names starting with ``"."``: ``.ipynb_checkpoints``, ``.git``, macOS ``._x.jpg``
   files) are left out, at every level. torchvision makes a hidden folder a class (``.git`` sorts
-  first, so every label after it moves by one; it then fails when the folder holds no image):
-  feedgpu warns once, naming each hidden folder that holds images, so labels never move silently.
+  first, so every label after it moves by one; it then fails when the folder holds no image), and
+  indexes hidden files and the images of hidden folders inside a class: feedgpu warns once,
+  naming each hidden folder that holds images and each hidden image file (the first 20), so
+  neither labels nor samples change silently.
 * A class folder with no image file raises :class:`SourceError` naming it, as torchvision does
   (``FileNotFoundError: Found no valid file for the classes ...``); ``allow_empty=True`` keeps it
   as a class without samples (its label stays reserved, as torchvision's ``allow_empty``).
@@ -98,9 +100,11 @@ class FolderSource(Source):
                               f"folder(s) {', '.join(empty)} under {self.root}; remove them, or pass "
                               "allow_empty=True to keep them as classes without samples")
         if self._hidden:
-            warnings.warn(f"feedgpu: left out hidden folder(s) holding images: {', '.join(self._hidden)} "
-                          "(torchvision's ImageFolder would make each a class, moving the labels after it)",
-                          stacklevel=2)
+            more = len(self._hidden) - 20
+            warnings.warn(f"feedgpu: left out {len(self._hidden)} hidden folder(s) holding images and hidden "
+                          f"image file(s): {', '.join(self._hidden[:20])}" + (f" and {more} more" if more > 0 else "")
+                          + " (torchvision's ImageFolder indexes them: a hidden folder under the root becomes a "
+                          "class, moving the labels after it)", stacklevel=2)
         if not rel:
             raise self._nothing_left(f"folder source: no images with endings {self._exts} under {self.root}"
                                       + (f" ({len(self.rejected)} left out while indexing)" if self.rejected else ""))
@@ -129,6 +133,8 @@ class FolderSource(Source):
         subdirs = []
         for e in entries:
             if e.name.startswith("."):
+                if _is_dir(e) and self._has_images(e.path) or e.name.lower().endswith(self._exts):
+                    self._hidden.append(e.path)
                 continue
             if _is_dir(e):
                 subdirs.append(e)
