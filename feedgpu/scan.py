@@ -121,10 +121,14 @@ def guess_format(path: str | os.PathLike) -> str:
 
 
 def _open_folder(data):
-    """A folder with class sub-folders as ImageFolder, else (a flat folder) every image in it."""
-    from .sources.folder import FolderSource, _is_dir, _list
+    """A folder with class sub-folders and no image files of its own as ImageFolder, else (a
+    flat folder, or images beside sub-folders) every image under it, unlabeled: image files in
+    the root of an ImageFolder are not samples, but a scan reads every file."""
+    from .sources.folder import IMAGE_EXTENSIONS, FolderSource, _is_dir, _list
 
-    if any(_is_dir(e) and not e.name.startswith(".") for e in _list(str(data))):
+    entries = [e for e in _list(str(data)) if not e.name.startswith(".")]
+    loose = any(not _is_dir(e) and e.name.lower().endswith(IMAGE_EXTENSIONS) for e in entries)
+    if any(_is_dir(e) for e in entries) and not loose:
         return FolderSource(data)
     return FolderSource(data, flat=True)
 

@@ -156,3 +156,25 @@ def test_hidden_images_inside_a_class_are_named_not_dropped_silently(tmp_path):
     assert str(tmp_path / "cat" / ".b.jpg") in text
     assert str(tmp_path / "cat" / ".ipynb_checkpoints") in text
     assert ".git" not in text   # no image in it: nothing to say
+
+
+def test_scan_reads_images_beside_sub_folders_and_the_source_names_them(tmp_path):
+    """A download of images with one ``thumbs/`` sub-folder. Before: scan took it for an
+    ImageFolder, read the 1 thumbnail, said "0 bad" and exited 0 (the cut JPEG in the root
+    unread); the folder source left the root's images out without a word."""
+    import json
+
+    from feedgpu import FolderSource
+
+    (tmp_path / "thumbs").mkdir()
+    (tmp_path / "thumbs" / "t.jpg").write_bytes(photo(0))
+    for i in range(3):
+        (tmp_path / f"{i}.jpg").write_bytes(photo(i + 1))
+    (tmp_path / "cut.jpg").write_bytes(photo(5)[:4000])
+    r = cli("scan", tmp_path, "--workers", "0", "--json", "-")
+    assert r.exit_code == 1, r.output
+    doc = json.loads(r.output)
+    assert doc["samples"] == 5 and [b["key"] for b in doc["bad"]] == [str(tmp_path / "cut.jpg")]
+    with pytest.warns(UserWarning, match=r"4 image file\(s\) in the dataset root .* not indexed"):
+        src = FolderSource(tmp_path)
+    assert len(src) == 1 and src.classes == ["thumbs"]

@@ -4,7 +4,7 @@ The rules, and where they differ from ``torchvision.datasets.ImageFolder``:
 
 * Classes are the sub-folders of ``root`` (symbolic links to folders included), sorted by name,
   as torchvision's ``find_classes``; files in ``root`` itself belong to no class and are not
-  indexed (as in torchvision).
+  indexed (as in torchvision), with one warning naming the image files among them.
 * Hidden entries (names starting with ``"."``: ``.ipynb_checkpoints``, ``.git``, macOS ``._x.jpg``
   files) are left out, at every level. torchvision makes a hidden folder a class (``.git`` sorts
   first, so every label after it moves by one; it then fails when the folder holds no image), and
@@ -71,7 +71,14 @@ class FolderSource(Source):
         self._exts = tuple(e.lower() for e in extensions)
         self._hidden: list[str] = []       # hidden folders holding images, for one warning
         self._visited: dict[tuple[int, int], str] = {}
-        top = [e for e in _list(str(self.root)) if _is_dir(e)]
+        listed = _list(str(self.root))
+        top = [e for e in listed if _is_dir(e)]
+        loose = [e.path for e in listed if not flat and not e.name.startswith(".") and not _is_dir(e)
+                 and e.name.lower().endswith(self._exts)]
+        if loose and top:
+            warnings.warn(f"feedgpu: {len(loose)} image file(s) in the dataset root {self.root} belong to no class "
+                          f"and are not indexed (as in torchvision's ImageFolder): {', '.join(loose[:5])}"
+                          + (" ..." if len(loose) > 5 else ""), stacklevel=2)
         self.classes = [e.name for e in top if not e.name.startswith(".")]
         for e in top:
             if e.name.startswith(".") and self._has_images(e.path):
@@ -101,8 +108,8 @@ class FolderSource(Source):
                               "allow_empty=True to keep them as classes without samples")
         if self._hidden:
             more = len(self._hidden) - 20
-            warnings.warn(f"feedgpu: left out {len(self._hidden)} hidden folder(s) holding images and hidden "
-                          f"image file(s): {', '.join(self._hidden[:20])}" + (f" and {more} more" if more > 0 else "")
+            warnings.warn(f"feedgpu: left out hidden folder(s) holding images and hidden image file(s), "
+                          f"{len(self._hidden)} in all: {', '.join(self._hidden[:20])}" + (f" and {more} more" if more > 0 else "")
                           + " (torchvision's ImageFolder indexes them: a hidden folder under the root becomes a "
                           "class, moving the labels after it)", stacklevel=2)
         if not rel:
