@@ -178,3 +178,17 @@ def test_scan_reads_images_beside_sub_folders_and_the_source_names_them(tmp_path
     with pytest.warns(UserWarning, match=r"4 image file\(s\) in the dataset root .* not indexed"):
         src = FolderSource(tmp_path)
     assert len(src) == 1 and src.classes == ["thumbs"]
+
+
+def test_a_shard_labelled_in_json_says_its_labels_are_minus_1(tmp_path):
+    """WebDataset shards with ``k.jpg`` + ``k.json`` (``{"label": 2}``): feedgpu reads labels from
+    ``.cls`` only. Before: every label -1, no word; now one warning says so."""
+    shard = write_tar(tmp_path / "s.tar", [("k.jpg", photo(0)), ("k.json", b'{"label": 2}'),
+                                           ("z.jpg", photo(1)), ("z.json", b'{"label": 1}')])
+    with pytest.warns(UserWarning, match=r"no label member .* every label is -1 .*2 member\(s\) are \.json"):
+        src = TarShardSource(shard)
+    assert src.labels.tolist() == [-1, -1]
+    labelled = write_tar(tmp_path / "l.tar", [("k.jpg", photo(0)), ("k.cls", b"2"), ("k.json", b"{}")])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert TarShardSource(labelled).labels.tolist() == [2]

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import os
 import tarfile
+import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -53,6 +54,7 @@ from .base import Record, Source, StringTable, class_names, expand_paths
 
 IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "tif", "tiff", "gif")
 LABEL_SUFFIXES = ("cls.txt", "cls", "label")
+_OTHER_LABEL_FIELDS = ("json", "txt", "id", "class", "target")   # WebDataset fields some writers label with
 _COMPRESSED = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00", b"\x28\xb5\x2f\xfd")
 _LABEL_BYTES = 64
 _MAX_LABEL = np.iinfo(np.int64).max   # labels are held as int64
@@ -96,9 +98,10 @@ class TarShardSource(Source):
     Args:
         shards: a directory holding ``*.tar``, a glob, a path, or a list of these.
 
-    Labels come from the ``.cls`` member (a non-negative integer as text). Records left out
-    while indexing are in :attr:`rejected` with their reasons (module docstring), and warned
-    about once each. Raises :class:`SourceError` for missing, compressed or unreadable shards
+    Labels come from the ``.cls`` member (a non-negative integer as text); a source with no
+    label member but ``.json``/``.txt``/... members is unlabeled, with one warning saying so.
+    Records left out while indexing are in :attr:`rejected` with their reasons (module
+    docstring), and warned about once each. Raises :class:`SourceError` for missing, compressed or unreadable shards
     (random access needs plain tar) and when no sample is left.
     """
 
@@ -115,6 +118,7 @@ class TarShardSource(Source):
         sizes: list[int] = []
         labels: list[int] = []     # -2: no label (decided once every shard is indexed)
         labeled = False
+        other_labels = 0           # members that may hold a label feedgpu does not read (.json ...)
         for sid, path in enumerate(self.shards):
             groups: dict[str, dict] = {}
             self._cut = False
@@ -129,6 +133,7 @@ class TarShardSource(Source):
                         continue
                     kind, qual = _kind(field)
                     if kind is None:
+                        other_labels += field in _OTHER_LABEL_FIELDS
                         continue
                     g = last = groups.setdefault(key, {"image": {}, "label": {}, "first": m.name})
                     g[kind].setdefault(qual, []).append(m)
@@ -151,6 +156,11 @@ class TarShardSource(Source):
             else:
                 keep.append(i)
         self._warn_rejected()
+        if not labeled and other_labels:
+            warnings.warn(f"feedgpu: tar source {self.shards[0]}{' ...' if len(self.shards) > 1 else ''} has no "
+                          f"label member ({', '.join('.' + x for x in LABEL_SUFFIXES)}), so every label is -1 "
+                          f"(unlabeled); {other_labels} member(s) are {'/'.join('.' + x for x in _OTHER_LABEL_FIELDS)}, "
+                          "which feedgpu does not read labels from", stacklevel=2)
         if not keep:
             raise self._nothing_left(f"tar source: no samples left in {len(self.shards)} shard(s)"
                                       + (f" ({len(self.rejected)} left out while indexing)" if self.rejected else ""))
