@@ -192,3 +192,24 @@ def test_a_shard_labelled_in_json_says_its_labels_are_minus_1(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert TarShardSource(labelled).labels.tolist() == [2]
+
+
+def test_class_names_with_newlines_and_percents_round_trip(tmp_path):
+    """Before: a class folder named "a\\nb" was written as two lines of _classes.txt, and the
+    converted source named label 1 "b" (the folder's label 1 is "c")."""
+    from feedgpu import FolderSource
+
+    names = ["a\nb", "c", "d\u2028e", "f%0Ag", "r\rs"]
+    for i, name in enumerate(names):
+        (tmp_path / "src" / name).mkdir(parents=True)
+        (tmp_path / "src" / name / f"{i}.jpg").write_bytes(photo(i))
+    folder = FolderSource(tmp_path / "src")
+    assert folder.classes == sorted(names)
+    for to in ("tar", "parquet"):
+        r = cli("convert", tmp_path / "src", tmp_path / to, "--to", to)
+        assert r.exit_code == 0, r.output
+        from feedgpu.sources import open_source
+
+        got = quiet(open_source, to, tmp_path / to)
+        assert got.classes == folder.classes, to
+        assert got.labels.tolist() == folder.labels.tolist()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -51,6 +52,16 @@ def expand_paths(spec, suffix: str) -> list[str]:
 CLASS_NAMES_FILE = "_classes.txt"  # a leading "_": pyarrow's dataset readers skip it
 
 
+_NAME_CHARS = {"%25": "%", "%0A": "\n", "%0D": "\r"}
+_NAME_ESCAPES = re.compile("%25|%0A|%0D")
+
+
+def encode_class_name(name: str) -> str:
+    """A class name as one line of :data:`CLASS_NAMES_FILE`: ``%``, newline and carriage return
+    written ``%25``, ``%0A``, ``%0D`` (folder names may hold them)."""
+    return name.replace("%", "%25").replace("\n", "%0A").replace("\r", "%0D")
+
+
 def class_names(first_file, labels: np.ndarray) -> list[str]:
     """Class names for ``labels``: the :data:`CLASS_NAMES_FILE` beside ``first_file`` when it
     names every label, else the labels as strings (``[]`` without labels). Bytes that are not
@@ -58,10 +69,14 @@ def class_names(first_file, labels: np.ndarray) -> list[str]:
     n = int(labels.max()) + 1 if len(labels) and labels.max() >= 0 else 0
     path = os.path.join(os.path.dirname(os.path.abspath(first_file)), CLASS_NAMES_FILE)
     try:
-        with open(path, encoding="utf-8", errors="surrogateescape") as f:
-            names = f.read().splitlines()
+        with open(path, encoding="utf-8", errors="surrogateescape", newline="") as f:
+            text = f.read()
     except OSError:
-        names = []
+        text = ""
+    # one name a line, "\n" only ("\r", "\x0b", "\u2028" ... may be in a name); %25, %0A and %0D
+    # stand for "%", a newline and a carriage return (encode_class_name)
+    names = [_NAME_ESCAPES.sub(lambda m: _NAME_CHARS[m.group()], line.removesuffix("\r"))
+             for line in (text[:-1] if text.endswith("\n") else text).split("\n")] if text else []
     return names if n and len(names) >= n else [str(c) for c in range(n)]
 
 
