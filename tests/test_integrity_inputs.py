@@ -213,3 +213,28 @@ def test_class_names_with_newlines_and_percents_round_trip(tmp_path):
         got = quiet(open_source, to, tmp_path / to)
         assert got.classes == folder.classes, to
         assert got.labels.tolist() == folder.labels.tolist()
+
+
+@pytest.mark.parametrize("fmt", ["tar", "parquet"])
+def test_a_file_named_twice_is_read_once(tmp_path, fmt):
+    """``["shards", "shards/s.tar"]``, or a link to the same shard. Before: every record was
+    indexed twice, so delivered twice an epoch, without a word."""
+    import os
+
+    from feedgpu.sources import open_source
+
+    (tmp_path / "d").mkdir()
+    if fmt == "tar":
+        one = write_tar(tmp_path / "d" / "s.tar", [("k.jpg", photo(0)), ("k.cls", b"1"),
+                                                   ("z.jpg", photo(1)), ("z.cls", b"2")])
+    else:
+        one = tmp_path / "d" / "s.parquet"
+        pq.write_table(pa.table({"image": pa.array([photo(0), photo(1)], pa.binary()), "label": pa.array([1, 2])}),
+                       one)
+    os.symlink(one, tmp_path / f"link.{fmt}")
+    for spec in ([tmp_path / "d", one], [str(one), str(tmp_path / f"link.{fmt}")], str(tmp_path / "d" / f"*.{fmt}")):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            src = open_source(fmt, spec)
+        assert src.labels.tolist() == [1, 2], spec
+        assert any("named more than once" in str(w.message) for w in seen) == isinstance(spec, list)

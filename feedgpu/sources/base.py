@@ -36,9 +36,32 @@ class Record:
 
 def expand_paths(spec, suffix: str) -> list[str]:
     """A directory (its ``*<suffix>`` files), a glob pattern, one path, or a list of those;
-    sorted within each item."""
+    sorted within each item. A file named twice (overlapping items, a link to a file already
+    named) is kept once, where it first comes, with one warning naming the repeats: its records
+    would otherwise be delivered twice an epoch."""
+    paths = _expand(spec, suffix)
+    seen: dict = {}
+    out, repeats = [], []
+    for p in paths:
+        try:
+            st = os.stat(p)
+            ident = (st.st_dev, st.st_ino)
+        except OSError:   # missing: the source says so
+            ident = ("missing", os.path.abspath(p))
+        if ident in seen:
+            repeats.append(f"{p} (same file as {seen[ident]})")
+            continue
+        seen[ident] = p
+        out.append(p)
+    if repeats:
+        warnings.warn(f"feedgpu: {len(repeats)} file(s) named more than once, read once: "
+                      + ", ".join(repeats[:5]) + (" ..." if len(repeats) > 5 else ""), stacklevel=3)
+    return out
+
+
+def _expand(spec, suffix: str) -> list[str]:
     if isinstance(spec, (list, tuple)):
-        return [p for s in spec for p in expand_paths(s, suffix)]
+        return [p for s in spec for p in _expand(s, suffix)]
     spec = os.fspath(spec)
     if os.path.isdir(spec):
         return sorted(glob.glob(os.path.join(spec, f"*{suffix}")))
