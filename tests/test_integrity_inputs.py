@@ -238,3 +238,23 @@ def test_a_file_named_twice_is_read_once(tmp_path, fmt):
             src = open_source(fmt, spec)
         assert src.labels.tolist() == [1, 2], spec
         assert any("named more than once" in str(w.message) for w in seen) == isinstance(spec, list)
+
+
+def test_folder_order_is_torchvisions_with_names_that_sort_before_a_slash(tmp_path):
+    """torchvision's make_dataset walks ``sorted(os.walk(class_dir, followlinks=True))`` and sorts
+    the file names: by folder path, so ``sub-a/`` and ``sub.v2/`` come before ``sub/deep/``.
+    Before: a depth-first walk put ``sub/deep/b.jpg`` first, so sample i differed from
+    torchvision's with shuffle=False."""
+    import os
+
+    from feedgpu import FolderSource
+
+    files = ["c/z.jpg", "c/Sub/d.jpg", "c/sub/a.jpg", "c/sub/deep/b.jpg", "c/sub-a/c.jpg", "c/sub.v2/e.jpg",
+             "c/sub a/f.jpg", "d/x/y.jpg", "d/x-1/w.jpg"]
+    for i, f in enumerate(files):
+        (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / f).write_bytes(photo(i))
+    src = FolderSource(tmp_path)
+    want = [(os.path.join(root, f), label) for label, c in enumerate(["c", "d"])
+            for root, _, names in sorted(os.walk(tmp_path / c, followlinks=True)) for f in sorted(names)]
+    assert [(src.key(i), int(src.labels[i])) for i in range(len(src))] == [(str(p), lab) for p, lab in want]

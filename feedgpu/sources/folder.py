@@ -14,7 +14,8 @@ The rules, and where they differ from ``torchvision.datasets.ImageFolder``:
 * A class folder with no image file raises :class:`SourceError` naming it, as torchvision does
   (``FileNotFoundError: Found no valid file for the classes ...``); ``allow_empty=True`` keeps it
   as a class without samples (its label stays reserved, as torchvision's ``allow_empty``).
-* Sub-folders, and symbolic links to folders, are followed (torchvision: ``os.walk(...,
+* Samples of a class are in torchvision's order (``sorted(os.walk(...))``: by folder path, then
+  file name). Sub-folders, and symbolic links to folders, are followed (torchvision: ``os.walk(...,
   followlinks=True)``), each real folder once: a link back to a folder above it is left out with
   reason ``"symlink loop"``, a second path to a folder already indexed, or a link from one class
   into another class's folder, with ``"duplicate folder"`` (torchvision would loop, or index the
@@ -96,10 +97,13 @@ class FolderSource(Source):
         if flat:
             self.classes = []
             self._walk(str(self.root), root_id, set(), -1, rel, labels, sizes, mtimes)
+            _torchvision_order(rel, sizes, mtimes, 0)
         for label, cls in enumerate(self.classes):
             before = len(rel) + len(self.rejected)
+            start = len(rel)
             top_dir = os.path.join(str(self.root), cls)
             self._walk(top_dir, _dir_id(top_dir), {root_id}, label, rel, labels, sizes, mtimes, is_class=True)
+            _torchvision_order(rel, sizes, mtimes, start)
             if len(rel) + len(self.rejected) == before:
                 empty.append(cls)
         if empty and not allow_empty:
@@ -123,7 +127,8 @@ class FolderSource(Source):
 
     def _walk(self, top: str, ident, ancestors: set, label: int, rel, labels, sizes, mtimes,
               is_class: bool = False) -> None:
-        """Index ``top``'s image files (sorted), then its sub-folders (sorted, depth first)."""
+        """Index ``top``'s image files, then its sub-folders (depth first); the caller puts them in
+        torchvision's order (:func:`_torchvision_order`)."""
         if ident is not None:
             if ident in ancestors:
                 self.reject(top, "symlink loop", "a link to a folder above it")
@@ -201,6 +206,16 @@ class FolderSource(Source):
         h.update(self.sizes.tobytes())
         h.update(self.mtimes.tobytes())
         h.update(self.labels.tobytes())
+
+
+def _torchvision_order(rel: list, sizes: list, mtimes: list, start: int) -> None:
+    """Put ``rel[start:]`` (one class's files, with their sizes and mtimes) in torchvision's order:
+    ``sorted(os.walk(...))`` sorts by folder path, then file name, so ``sub-a/x.jpg`` comes before
+    ``sub/deep/y.jpg`` ("-" sorts before "/"), which a depth-first walk does not give."""
+    order = sorted(range(start, len(rel)), key=lambda i: os.path.split(rel[i]))
+    if order != list(range(start, len(rel))):
+        for seq in (rel, sizes, mtimes):
+            seq[start:] = [seq[i] for i in order]
 
 
 def _list(top: str) -> list:
