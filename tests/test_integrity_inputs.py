@@ -258,3 +258,26 @@ def test_folder_order_is_torchvisions_with_names_that_sort_before_a_slash(tmp_pa
     want = [(os.path.join(root, f), label) for label, c in enumerate(["c", "d"])
             for root, _, names in sorted(os.walk(tmp_path / c, followlinks=True)) for f in sorted(names)]
     assert [(src.key(i), int(src.labels[i])) for i in range(len(src))] == [(str(p), lab) for p, lab in want]
+
+
+def test_a_cut_parquet_file_is_named_and_a_non_parquet_file_is_a_source_error(tmp_path):
+    """Before: a Parquet file cut before its footer, or an empty one, raised a bare ArrowInvalid
+    without the file's name (``feedgpu scan`` printed a traceback); the other files' rows were lost."""
+    import json
+
+    from feedgpu import SourceError
+
+    good = tmp_path / "d" / "a.parquet"
+    good.parent.mkdir()
+    pq.write_table(pa.table({"image": pa.array([photo(0), photo(1)], pa.binary()), "label": pa.array([1, 2])}), good)
+    (tmp_path / "d" / "b.parquet").write_bytes(good.read_bytes()[:len(good.read_bytes()) // 2])
+    (tmp_path / "d" / "c.parquet").write_bytes(b"")
+    src = quiet(ParquetSource, tmp_path / "d")
+    assert src.labels.tolist() == [1, 2]
+    assert src.rejected == [(str(tmp_path / "d" / "b.parquet"), "truncated file"),
+                            (str(tmp_path / "d" / "c.parquet"), "truncated file")]
+    r = cli("scan", tmp_path / "d", "--workers", "0", "--json", "-")
+    assert r.exit_code == 1 and json.loads(r.output)["by_reason"] == {"truncated file": 2}, r.output
+    (tmp_path / "e.parquet").write_bytes(b"<html>404</html>")
+    with pytest.raises(SourceError, match="e.parquet is not a Parquet file"):
+        ParquetSource(tmp_path / "e.parquet")

@@ -71,8 +71,9 @@ class ParquetSource(Source):
         label_column: integer column (default ``"label"``); ``None`` for unlabeled data (-1).
         cache_bytes: bytes of decoded row groups kept per process (default 256 MiB).
 
-    Raises :class:`SourceError` when a file or column is missing or has the wrong type, or no
-    row is left. Null or zero-length images are reported when read (reason ``"empty"``). Labels
+    Raises :class:`SourceError` when a file or column is missing or has the wrong type, a file
+    is not Parquet, or no row is left; a file cut before its footer (it starts as Parquet, or is
+    empty) is left out as ``"truncated file"`` (its rows cannot be counted). Null or zero-length images are reported when read (reason ``"empty"``). Labels
     are read while indexing: a null label is left out with reason ``"missing label"``, a label
     below -1 or (uint64) over 2**63 - 1 with ``"bad label"``; -1 is the documented "no label" value, kept only in a source
     where no row has a label (an unlabeled source), else left out as ``"missing label"`` too.
@@ -96,7 +97,14 @@ class ParquetSource(Source):
         for fid, path in enumerate(self.files):
             if not os.path.isfile(path):
                 raise SourceError(f"parquet source: {path} is not a file")
-            pf = pq.ParquetFile(path)
+            try:
+                pf = pq.ParquetFile(path)
+            except (pa.ArrowException, OSError) as e:
+                self._unreadable(path, e)   # a cut file: rejected; not Parquet at all: SourceError
+                st = os.stat(path)
+                self._meta.append((os.path.abspath(path), st.st_size, st.st_mtime_ns))
+                self._rg_starts.append(np.zeros(1, np.int64))
+                continue
             schema = pf.schema_arrow
             for col, want in ((image_column, "binary"), (label_column, "integer")):
                 if col is None:
@@ -151,6 +159,18 @@ class ParquetSource(Source):
         self._files: dict = {}
         self._pid = os.getpid()
         self._lock = threading.Lock()
+
+    def _unreadable(self, path: str, error: Exception) -> None:
+        """A file pyarrow cannot open: one that starts as Parquet (``PAR1``) or is empty was cut
+        before its footer, where Parquet keeps its index, so all its rows are lost: rejected as
+        ``"truncated file"``, named. Anything else raises :class:`SourceError`."""
+        with open(path, "rb") as f:
+            head = f.read(4)
+        if head in (b"PAR1", b""):
+            self.reject(path, "truncated file", f"{error}; its rows are lost (Parquet's index is at the "
+                        "end of the file)")
+            return
+        raise SourceError(f"parquet source: {path} is not a Parquet file ({error})") from None
 
     def __getstate__(self) -> dict:
         """Pickled (to a Ray worker) without this process's open files, cached row groups and lock."""
