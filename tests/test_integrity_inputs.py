@@ -281,3 +281,19 @@ def test_a_cut_parquet_file_is_named_and_a_non_parquet_file_is_a_source_error(tm
     (tmp_path / "e.parquet").write_bytes(b"<html>404</html>")
     with pytest.raises(SourceError, match="e.parquet is not a Parquet file"):
         ParquetSource(tmp_path / "e.parquet")
+
+
+def test_a_damaged_label_page_names_its_rows_and_keeps_the_rest(tmp_path):
+    """Before: a damaged page in one row group's label column raised a bare OSError ("Couldn't
+    deserialize thrift") while indexing: no file name, every row lost."""
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"image": pa.array([photo(i) for i in range(4)], pa.binary()),
+                             "label": pa.array([0, 1, 2, 3])}), path, row_group_size=2)
+    data = bytearray(path.read_bytes())
+    at = pq.ParquetFile(path).metadata.row_group(1).column(1).data_page_offset
+    data[at:at + 20] = b"\xff" * 20
+    path.write_bytes(bytes(data))
+    src = quiet(ParquetSource, path)
+    assert src.labels.tolist() == [0, 1]
+    assert src.rejected == [(f"{path}#2", "corrupt file"), (f"{path}#3", "corrupt file")]
+    assert "\n" not in src.rejected_details[f"{path}#2"]

@@ -31,6 +31,7 @@ from .base import Record, Source, class_names, expand_paths
 
 _NULL = np.iinfo(np.int64).min   # a null label while indexing
 _HUGE = _NULL + 1                 # a uint64 label that int64 cannot hold
+_CORRUPT = _NULL + 2              # a label in a row group whose label column cannot be read
 
 
 def _int64_labels(col: pa.ChunkedArray) -> np.ndarray:
@@ -73,7 +74,8 @@ class ParquetSource(Source):
 
     Raises :class:`SourceError` when a file or column is missing or has the wrong type, a file
     is not Parquet, or no row is left; a file cut before its footer (it starts as Parquet, or is
-    empty) is left out as ``"truncated file"`` (its rows cannot be counted). Null or zero-length images are reported when read (reason ``"empty"``). Labels
+    empty) is left out as ``"truncated file"`` (its rows cannot be counted), and the rows of a row
+    group whose label column cannot be read (a damaged page) as ``"corrupt file"``. Null or zero-length images are reported when read (reason ``"empty"``). Labels
     are read while indexing: a null label is left out with reason ``"missing label"``, a label
     below -1 or (uint64) over 2**63 - 1 with ``"bad label"``; -1 is the documented "no label" value, kept only in a source
     where no row has a label (an unlabeled source), else left out as ``"missing label"`` too.
@@ -93,6 +95,7 @@ class ParquetSource(Source):
         self.cache_bytes = cache_bytes
         fids, rgs, rows, labels = [], [], [], []
         self._meta = []
+        self._corrupt: dict = {}   # (file, row group) -> why its labels cannot be read
         self._rg_starts = []  # per file: first row (in the file) of each row group, for keys
         for fid, path in enumerate(self.files):
             if not os.path.isfile(path):
@@ -125,7 +128,11 @@ class ParquetSource(Source):
                 # Only labels are read here: image bytes stay on disk, so an empty image is
                 # found when it is read (reason "empty"), not while indexing.
                 if label_column:
-                    lab = _int64_labels(pf.read_row_group(rg, columns=[label_column]).column(0))
+                    try:
+                        lab = _int64_labels(pf.read_row_group(rg, columns=[label_column]).column(0))
+                    except (pa.ArrowException, OSError) as e:   # a damaged page: its rows, named
+                        lab = np.full(n, _CORRUPT, np.int64)
+                        self._corrupt[(fid, rg)] = " ".join(str(e).split())
                 else:
                     lab = np.full(n, -1, np.int64)
                 fids.append(np.full(n, fid, np.int32))
@@ -141,6 +148,10 @@ class ParquetSource(Source):
         self.file_ids, self.row_groups, self.rows = file_ids, row_groups, rows_
         for i in np.flatnonzero(bad).tolist():
             v = int(labels_[i])
+            if v == _CORRUPT:
+                why = self._corrupt[(int(file_ids[i]), int(row_groups[i]))]
+                self.reject(self.key(i), "corrupt file", f"its row group's label column cannot be read: {why}")
+                continue
             reason = "bad label" if _NULL < v < -1 else "missing label"
             self.reject(self.key(i), reason, "null label" if v == _NULL
                         else "label over 2**63 - 1 (labels are int64)" if v == _HUGE else f"label {v}")
