@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from .errors import ConfigError, SourceError
-from .sources.base import CLASS_NAMES_FILE, Source
+from .sources.base import CLASS_NAMES_FILE, Source, encode_class_name
 from .sources.folder import FolderSource
 from .sources.tar import TarShardSource
 
@@ -106,10 +106,11 @@ def write_class_names(out: Path, classes: list[str]) -> None:
     """:data:`~feedgpu.sources.base.CLASS_NAMES_FILE` in ``out``: the class names in label order, one per line, which the tar and
     Parquet sources read back (:func:`feedgpu.sources.base.class_names`). A folder name that is not
     UTF-8 (Python decodes it with surrogate escapes) is written as its own bytes, as the tar member
-    names are."""
+    names are; ``%``, newline and carriage return as ``%25``, ``%0A``, ``%0D``
+    (:func:`~feedgpu.sources.base.encode_class_name`), so a name never spans two lines."""
     if classes:
-        (out / CLASS_NAMES_FILE).write_text("".join(f"{c}\n" for c in classes), encoding="utf-8",
-                                            errors="surrogateescape")
+        (out / CLASS_NAMES_FILE).write_text("".join(f"{encode_class_name(c)}\n" for c in classes),
+                                            encoding="utf-8", errors="surrogateescape", newline="")
 
 
 class _Staging:

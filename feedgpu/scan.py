@@ -22,7 +22,9 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .errors import ConfigError, SampleError
+import numpy as np
+
+from .errors import ConfigError, SampleError, SourceError
 from .sources import Source, open_source
 from .stages.decode import Decode
 
@@ -119,10 +121,14 @@ def guess_format(path: str | os.PathLike) -> str:
 
 
 def _open_folder(data):
-    """A folder with class sub-folders as ImageFolder, else (a flat folder) every image in it."""
-    from .sources.folder import FolderSource, _is_dir, _list
+    """A folder with class sub-folders and no image files of its own as ImageFolder, else (a
+    flat folder, or images beside sub-folders) every image under it, unlabeled: image files in
+    the root of an ImageFolder are not samples, but a scan reads every file."""
+    from .sources.folder import IMAGE_EXTENSIONS, FolderSource, _is_dir, _list
 
-    if any(_is_dir(e) and not e.name.startswith(".") for e in _list(str(data))):
+    entries = [e for e in _list(str(data)) if not e.name.startswith(".")]
+    loose = any(not _is_dir(e) and e.name.lower().endswith(IMAGE_EXTENSIONS) for e in entries)
+    if any(_is_dir(e) for e in entries) and not loose:
         return FolderSource(data)
     return FolderSource(data, flat=True)
 
@@ -207,6 +213,28 @@ def _run_inline(source, decode, bounds):
     return hi - lo, [b for b in (check_one(source, decode, i) for i in range(lo, hi)) if b is not None]
 
 
+class NothingLeft(Source):
+    """A source whose every record was left out while indexing (every image of a shard a
+    duplicate key, every file empty ...): no samples, and its ``rejected`` from the
+    :class:`SourceError` the source raised, so a scan names them (exit status 1, not 2)."""
+
+    def __init__(self, fmt: str, data, error: SourceError):
+        super().__init__()
+        self.format, self.data, self.message = fmt, str(data), str(error)
+        self.rejected = list(error.rejected)
+        self.rejected_details = dict(getattr(error, "rejected_details", {}))
+        self.labels = np.zeros(0, np.int64)
+        self.classes = []
+
+    def _digest(self, h) -> None:
+        h.update(self.data.encode("utf-8", "surrogateescape"))
+        for key, reason in self.rejected:
+            h.update(f"{key}\0{reason}\0".encode("utf-8", "surrogateescape"))
+
+    def describe(self) -> str:
+        return f"{self.format} source, 0 samples: {self.message}"
+
+
 def open_for_scan(data: str, fmt: str | None = None, overrides: dict | None = None,
                   max_pixels: int | None = None):
     """``(source, decode, pipeline or None)`` for a dataset path or a pipeline YAML file.
@@ -230,7 +258,12 @@ def open_for_scan(data: str, fmt: str | None = None, overrides: dict | None = No
         with warnings.catch_warnings():  # samples left out while indexing are in the report
             warnings.simplefilter("ignore")
             fmt = fmt or guess_format(data)
-            source = _open_folder(data) if fmt == "folder" and os.path.isdir(data) else open_source(fmt, data)
+            try:
+                source = _open_folder(data) if fmt == "folder" and os.path.isdir(data) else open_source(fmt, data)
+            except SourceError as e:
+                if not getattr(e, "rejected", None):
+                    raise
+                source = NothingLeft(fmt, data, e)   # every record left out: report them, not an error
         decode = Decode()
     if max_pixels is not None:
         decode = Decode(decode.exif_orientation, max_pixels, decode.background)

@@ -94,7 +94,7 @@ def test_folder_to_tar(folder_ds, folder_records, sources, tmp_path):
 
 def test_tar_to_tar_is_refused(tar_ds, tmp_path):
     res = cli("convert", tar_ds, tmp_path / "out", "--to", "tar")
-    assert res.exit_code == 1 and "already tar shards" in res.output
+    assert res.exit_code == 2 and "already tar shards" in res.output
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 

@@ -185,12 +185,17 @@ def convert(src, out, fmt, per_file) -> None:
 
     from ..convert import folder_to_parquet, folder_to_tar, shards_to_parquet
 
+    from ..errors import ConfigError
+
     src_path = Path(src)
     is_shards = src_path.suffix == ".tar" or (src_path.is_dir() and any(src_path.glob("*.tar")))
+    if src_path.suffix == ".parquet" or (not is_shards and src_path.is_dir() and any(src_path.glob("*.parquet"))):
+        raise ConfigError(f"convert: {src} holds Parquet files; convert reads an ImageFolder directory or "
+                          "tar shards (a Parquet source is read by the loader as it is)")
     if is_shards and fmt == "parquet":
         files = shards_to_parquet(src, out, rows_per_file=per_file, progress=True)
     elif is_shards:
-        raise click.ClickException("the input is already tar shards")
+        raise ConfigError(f"convert: {src} is already tar shards; give --to parquet")
     elif fmt == "parquet":
         files = folder_to_parquet(src, out, rows_per_file=per_file, progress=True)
     else:

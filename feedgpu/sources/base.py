@@ -8,11 +8,14 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
+
+from ..errors import SourceError
 
 
 @dataclass(frozen=True)
@@ -33,9 +36,32 @@ class Record:
 
 def expand_paths(spec, suffix: str) -> list[str]:
     """A directory (its ``*<suffix>`` files), a glob pattern, one path, or a list of those;
-    sorted within each item."""
+    sorted within each item. A file named twice (overlapping items, a link to a file already
+    named) is kept once, where it first comes, with one warning naming the repeats: its records
+    would otherwise be delivered twice an epoch."""
+    paths = _expand(spec, suffix)
+    seen: dict = {}
+    out, repeats = [], []
+    for p in paths:
+        try:
+            st = os.stat(p)
+            ident = (st.st_dev, st.st_ino)
+        except OSError:   # missing: the source says so
+            ident = ("missing", os.path.abspath(p))
+        if ident in seen:
+            repeats.append(f"{p} (same file as {seen[ident]})")
+            continue
+        seen[ident] = p
+        out.append(p)
+    if repeats:
+        warnings.warn(f"feedgpu: {len(repeats)} file(s) named more than once, read once: "
+                      + ", ".join(repeats[:5]) + (" ..." if len(repeats) > 5 else ""), stacklevel=3)
+    return out
+
+
+def _expand(spec, suffix: str) -> list[str]:
     if isinstance(spec, (list, tuple)):
-        return [p for s in spec for p in expand_paths(s, suffix)]
+        return [p for s in spec for p in _expand(s, suffix)]
     spec = os.fspath(spec)
     if os.path.isdir(spec):
         return sorted(glob.glob(os.path.join(spec, f"*{suffix}")))
@@ -49,6 +75,16 @@ def expand_paths(spec, suffix: str) -> list[str]:
 CLASS_NAMES_FILE = "_classes.txt"  # a leading "_": pyarrow's dataset readers skip it
 
 
+_NAME_CHARS = {"%25": "%", "%0A": "\n", "%0D": "\r"}
+_NAME_ESCAPES = re.compile("%25|%0A|%0D")
+
+
+def encode_class_name(name: str) -> str:
+    """A class name as one line of :data:`CLASS_NAMES_FILE`: ``%``, newline and carriage return
+    written ``%25``, ``%0A``, ``%0D`` (folder names may hold them)."""
+    return name.replace("%", "%25").replace("\n", "%0A").replace("\r", "%0D")
+
+
 def class_names(first_file, labels: np.ndarray) -> list[str]:
     """Class names for ``labels``: the :data:`CLASS_NAMES_FILE` beside ``first_file`` when it
     names every label, else the labels as strings (``[]`` without labels). Bytes that are not
@@ -56,10 +92,14 @@ def class_names(first_file, labels: np.ndarray) -> list[str]:
     n = int(labels.max()) + 1 if len(labels) and labels.max() >= 0 else 0
     path = os.path.join(os.path.dirname(os.path.abspath(first_file)), CLASS_NAMES_FILE)
     try:
-        with open(path, encoding="utf-8", errors="surrogateescape") as f:
-            names = f.read().splitlines()
+        with open(path, encoding="utf-8", errors="surrogateescape", newline="") as f:
+            text = f.read()
     except OSError:
-        names = []
+        text = ""
+    # one name a line, "\n" only ("\r", "\x0b", "\u2028" ... may be in a name); %25, %0A and %0D
+    # stand for "%", a newline and a carriage return (encode_class_name)
+    names = [_NAME_ESCAPES.sub(lambda m: _NAME_CHARS[m.group()], line.removesuffix("\r"))
+             for line in (text[:-1] if text.endswith("\n") else text).split("\n")] if text else []
     return names if n and len(names) >= n else [str(c) for c in range(n)]
 
 
@@ -118,6 +158,14 @@ class Source:
         self.rejected.append((key, reason))
         if detail:
             self.rejected_details[key] = detail
+
+    def _nothing_left(self, message: str) -> SourceError:
+        """The :class:`SourceError` for a source whose every record was left out while indexing,
+        carrying ``rejected`` and ``rejected_details`` (so ``feedgpu scan`` can list them)."""
+        err = SourceError(message)
+        err.rejected = list(self.rejected)
+        err.rejected_details = dict(self.rejected_details)
+        return err
 
     @property
     def index_skips(self) -> dict[str, list[str]]:

@@ -116,7 +116,7 @@ class FolderSource(Source):
         self._build(allow_empty, flat)
         if self._index_file is not None:
             self._save(key, start)
-        for name in ("_visited", "_dirs", "_links", "_chunks", "_class_dirs", "_hidden_rel"):
+        for name in ("_visited", "_dirs", "_links", "_chunks", "_class_dirs", "_hidden_rel", "_pending"):
             delattr(self, name)   # the walk's bookkeeping: not kept (nor pickled to workers)
         self._warn_index(stacklevel=3)
 
@@ -196,9 +196,12 @@ class FolderSource(Source):
 
     def _warn_hidden(self, stacklevel: int) -> None:
         if self._hidden:
-            warnings.warn(f"feedgpu: left out hidden folder(s) holding images: {', '.join(self._hidden)} "
-                          "(torchvision's ImageFolder would make each a class, moving the labels after it)",
-                          stacklevel=stacklevel)
+            more = len(self._hidden) - 20
+            warnings.warn(f"feedgpu: left out hidden folder(s) holding images and hidden image file(s), "
+                          f"{len(self._hidden)} in all: {', '.join(self._hidden[:20])}"
+                          + (f" and {more} more" if more > 0 else "")
+                          + " (torchvision's ImageFolder indexes them: a hidden folder under the root becomes a "
+                          "class, moving the labels after it)", stacklevel=stacklevel)
 
     # -- a walk ---------------------------------------------------------------------------------
     def _build(self, allow_empty: bool, flat: bool) -> None:
@@ -211,7 +214,15 @@ class FolderSource(Source):
         self._chunks = (bytearray(), array("q"), array("q"), array("q"), array("q"))  # paths, lengths,
         #                                                             labels, sizes, mtimes
         self._n = 0
-        top = [e for e in _list(root_s) if _is_dir(e)]
+        self._pending: list[tuple] = []    # one class's folders, walked, until put in order
+        listed = _list(root_s)
+        top = [e for e in listed if _is_dir(e)]
+        loose = [e.path for e in listed if not flat and not e.name.startswith(".") and not _is_dir(e)
+                 and e.name.lower().endswith(self._exts)]
+        if loose and top:
+            warnings.warn(f"feedgpu: {len(loose)} image file(s) in the dataset root {self.root} belong to no class "
+                          f"and are not indexed (as in torchvision's ImageFolder): {', '.join(loose[:5])}"
+                          + (" ..." if len(loose) > 5 else ""), stacklevel=4)
         self.classes = [e.name for e in top if not e.name.startswith(".")]
         self._hidden_rel: list[str] = []
         for e in top:
@@ -229,10 +240,12 @@ class FolderSource(Source):
         if flat:
             self.classes = []
             self._walk(root_s, root_id, set(), -1)
+            self._flush_pending()
         for label, cls in enumerate(self.classes):
             before = self._n + len(self.rejected)
             top_dir = os.path.join(root_s, cls)
             self._walk(top_dir, _dir_id(top_dir), {root_id}, label, is_class=True)
+            self._flush_pending()
             if self._n + len(self.rejected) == before:
                 empty.append(cls)
         if empty and not allow_empty:
@@ -241,8 +254,8 @@ class FolderSource(Source):
                               "allow_empty=True to keep them as classes without samples")
         if not self._n:
             self._warn_hidden(stacklevel=5)
-            raise SourceError(f"folder source: no images with endings {self._exts} under {self.root}"
-                              + (f" ({len(self.rejected)} left out while indexing)" if self.rejected else ""))
+            raise self._nothing_left(f"folder source: no images with endings {self._exts} under {self.root}"
+                                      + (f" ({len(self.rejected)} left out while indexing)" if self.rejected else ""))
         blob, lens, labels, sizes, mtimes = self._chunks
         self.paths = StringTable.__new__(StringTable)
         self.paths.offsets = np.zeros(len(lens) + 1, dtype=np.int64)
@@ -253,6 +266,23 @@ class FolderSource(Source):
             self._sizes = np.frombuffer(sizes, np.int64)
             self._mtimes = np.frombuffer(mtimes, np.int64)
             self._stats_fresh = True
+
+    def _flush_pending(self) -> None:
+        """Append the walked folders of one class in torchvision's order: ``sorted(os.walk(...))``
+        sorts by folder path, so ``sub-a/`` comes before ``sub/deep/`` ("-" sorts before "/"),
+        which a depth-first walk does not give; each folder's files are sorted by name."""
+        c = self._chunks
+        for _, text, lens, label, sizes, mtimes in sorted(self._pending, key=lambda t: t[0]):
+            c[0].extend(text.encode("utf-8", "surrogateescape"))
+            c[1].frombytes(lens.tobytes())
+            c[2].frombytes(np.full(len(lens), label, np.int64).tobytes())
+            c[3].extend(sizes)
+            c[4].extend(mtimes)
+        self._pending = []
+
+    def _note_hidden(self, path: str) -> None:
+        self._hidden.append(path)
+        self._hidden_rel.append(path[len(str(self.root)) + 1:])
 
     def _note_dir(self, top: str, rel: str):
         """``top``'s ``(dev, ino)``; its mtime is noted for the saved index's check (None if stat fails)."""
@@ -288,8 +318,11 @@ class FolderSource(Source):
             # regular files by the listing's file type (a syscall only where it gives none): no
             # stat; the rest (folders, links, other types) go through the loop below
             try:
-                names = [n for n in (e.name for e in entries if e.is_file(follow_symlinks=False))
-                         if n[0] != "." and n.lower().endswith(exts)]
+                files = [e for e in entries if e.is_file(follow_symlinks=False) and e.name.lower().endswith(exts)]
+                names = [e.name for e in files if e.name[0] != "."]
+                for e in files:
+                    if e.name[0] == ".":
+                        self._note_hidden(e.path)
                 entries = sorted((e for e in entries if not e.is_file(follow_symlinks=False)),
                                  key=_name)
             except OSError:
@@ -298,6 +331,8 @@ class FolderSource(Source):
         for e in entries:
             name = e.name
             if name[:1] == ".":
+                if (_is_dir(e) and self._has_images(e.path)) or name.lower().endswith(exts):
+                    self._note_hidden(e.path)   # torchvision indexes these: named in one warning
                 continue
             if _is_dir(e):
                 subdirs.append(e)
@@ -329,12 +364,7 @@ class FolderSource(Source):
                 lens = np.fromiter((len(n.encode("utf-8", "surrogateescape")) for n in names),
                                    dtype=np.int64, count=len(names))
             lens += len(prefix.encode("utf-8", "surrogateescape"))
-            c = self._chunks
-            c[0].extend(text.encode("utf-8", "surrogateescape"))
-            c[1].frombytes(lens.tobytes())
-            c[2].frombytes(np.full(len(names), label, np.int64).tobytes())
-            c[3].extend(sizes)
-            c[4].extend(mtimes)
+            self._pending.append((top, text, lens, label, sizes, mtimes))
             self._n += len(names)
         inner = ancestors | {ident}
         for e in subdirs:

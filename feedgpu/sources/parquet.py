@@ -30,6 +30,21 @@ from ..errors import SourceError
 from .base import Record, Source, class_names, expand_paths
 
 _NULL = np.iinfo(np.int64).min   # a null label while indexing
+_HUGE = _NULL + 1                 # a uint64 label that int64 cannot hold
+_CORRUPT = _NULL + 2              # a label in a row group whose label column cannot be read
+
+
+def _int64_labels(col: pa.ChunkedArray) -> np.ndarray:
+    """A label column as int64, nulls as ``_NULL`` and uint64 values over int64's range as
+    ``_HUGE`` (both left out while indexing)."""
+    huge = None
+    if pa.types.is_uint64(col.type):
+        huge = np.asarray(pc.fill_null(pc.greater(col, pa.scalar(np.iinfo(np.int64).max, pa.uint64())), False))
+        col = pc.if_else(huge, pa.scalar(0, pa.uint64()), col)
+    lab = np.asarray(pc.fill_null(col.cast(pa.int64()), _NULL), dtype=np.int64).copy()
+    if huge is not None:
+        lab[huge] = _HUGE
+    return lab
 
 
 class _Chunks:
@@ -57,10 +72,12 @@ class ParquetSource(Source):
         label_column: integer column (default ``"label"``); ``None`` for unlabeled data (-1).
         cache_bytes: bytes of decoded row groups kept per process (default 256 MiB).
 
-    Raises :class:`SourceError` when a file or column is missing or has the wrong type, or no
-    row is left. Null or zero-length images are reported when read (reason ``"empty"``). Labels
+    Raises :class:`SourceError` when a file or column is missing or has the wrong type, a file
+    is not Parquet, or no row is left; a file cut before its footer (it starts as Parquet, or is
+    empty) is left out as ``"truncated file"`` (its rows cannot be counted), and the rows of a row
+    group whose label column cannot be read (a damaged page) as ``"corrupt file"``. Null or zero-length images are reported when read (reason ``"empty"``). Labels
     are read while indexing: a null label is left out with reason ``"missing label"``, a label
-    below -1 with ``"bad label"``; -1 is the documented "no label" value, kept only in a source
+    below -1 or (uint64) over 2**63 - 1 with ``"bad label"``; -1 is the documented "no label" value, kept only in a source
     where no row has a label (an unlabeled source), else left out as ``"missing label"`` too.
     Rows left out are in :attr:`rejected`, named ``file.parquet#row``.
     """
@@ -78,11 +95,19 @@ class ParquetSource(Source):
         self.cache_bytes = cache_bytes
         fids, rgs, rows, labels = [], [], [], []
         self._meta = []
+        self._corrupt: dict = {}   # (file, row group) -> why its labels cannot be read
         self._rg_starts = []  # per file: first row (in the file) of each row group, for keys
         for fid, path in enumerate(self.files):
             if not os.path.isfile(path):
                 raise SourceError(f"parquet source: {path} is not a file")
-            pf = pq.ParquetFile(path)
+            try:
+                pf = pq.ParquetFile(path)
+            except (pa.ArrowException, OSError) as e:
+                self._unreadable(path, e)   # a cut file: rejected; not Parquet at all: SourceError
+                st = os.stat(path)
+                self._meta.append((os.path.abspath(path), st.st_size, st.st_mtime_ns))
+                self._rg_starts.append(np.zeros(1, np.int64))
+                continue
             schema = pf.schema_arrow
             for col, want in ((image_column, "binary"), (label_column, "integer")):
                 if col is None:
@@ -103,8 +128,11 @@ class ParquetSource(Source):
                 # Only labels are read here: image bytes stay on disk, so an empty image is
                 # found when it is read (reason "empty"), not while indexing.
                 if label_column:
-                    col = pf.read_row_group(rg, columns=[label_column]).column(0)
-                    lab = np.asarray(pc.fill_null(col.cast(pa.int64()), _NULL), dtype=np.int64)
+                    try:
+                        lab = _int64_labels(pf.read_row_group(rg, columns=[label_column]).column(0))
+                    except (pa.ArrowException, OSError) as e:   # a damaged page: its rows, named
+                        lab = np.full(n, _CORRUPT, np.int64)
+                        self._corrupt[(fid, rg)] = " ".join(str(e).split())
                 else:
                     lab = np.full(n, -1, np.int64)
                 fids.append(np.full(n, fid, np.int32))
@@ -120,15 +148,20 @@ class ParquetSource(Source):
         self.file_ids, self.row_groups, self.rows = file_ids, row_groups, rows_
         for i in np.flatnonzero(bad).tolist():
             v = int(labels_[i])
+            if v == _CORRUPT:
+                why = self._corrupt[(int(file_ids[i]), int(row_groups[i]))]
+                self.reject(self.key(i), "corrupt file", f"its row group's label column cannot be read: {why}")
+                continue
             reason = "bad label" if _NULL < v < -1 else "missing label"
-            self.reject(self.key(i), reason, "null label" if v == _NULL else f"label {v}")
+            self.reject(self.key(i), reason, "null label" if v == _NULL
+                        else "label over 2**63 - 1 (labels are int64)" if v == _HUGE else f"label {v}")
         keep = ~bad
         self.file_ids, self.row_groups, self.rows = file_ids[keep], row_groups[keep], rows_[keep]
         self.labels = labels_[keep]
         self._warn_rejected()
         if len(self.labels) == 0:
-            raise SourceError(f"parquet source: no rows left in {len(self.files)} file(s)"
-                              + (f" ({len(self.rejected)} left out while indexing)" if self.rejected else ""))
+            raise self._nothing_left(f"parquet source: no rows left in {len(self.files)} file(s)"
+                                      + (f" ({len(self.rejected)} left out while indexing)" if self.rejected else ""))
         self.classes = class_names(self.files[0], self.labels)
         self._cache: OrderedDict = OrderedDict()   # (file, row group, slice or -1) -> _Chunks
         self._cached = 0
@@ -137,6 +170,18 @@ class ParquetSource(Source):
         self._files: dict = {}
         self._pid = os.getpid()
         self._lock = threading.Lock()
+
+    def _unreadable(self, path: str, error: Exception) -> None:
+        """A file pyarrow cannot open: one that starts as Parquet (``PAR1``) or is empty was cut
+        before its footer, where Parquet keeps its index, so all its rows are lost: rejected as
+        ``"truncated file"``, named. Anything else raises :class:`SourceError`."""
+        with open(path, "rb") as f:
+            head = f.read(4)
+        if head in (b"PAR1", b""):
+            self.reject(path, "truncated file", f"{error}; its rows are lost (Parquet's index is at the "
+                        "end of the file)")
+            return
+        raise SourceError(f"parquet source: {path} is not a Parquet file ({error})") from None
 
     def __getstate__(self) -> dict:
         """Pickled (to a Ray worker) without this process's open files, cached row groups and lock."""

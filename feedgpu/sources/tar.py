@@ -30,10 +30,11 @@ Records that cannot be delivered are left out while indexing, each named in
   with no label of its own: a second field of the WebDataset sample, not a sample;
 * ``"missing label"``: an image with no label, in a source where other samples have labels (a
   source with no label member at all is unlabeled: every label is -1);
-* ``"bad label"``: a label that is not a non-negative integer; ``"no image"``: a group, or a
+* ``"bad label"``: a label that is not a non-negative integer below 2**63; ``"no image"``: a group, or a
   qualified label, without an image; ``"empty"``: a zero-byte image; ``"no key"``: an image
   whose base name starts with a dot (``.x.jpg``), which has no WebDataset key;
-* ``"truncated"``: an image (or its label) whose data the shard's end cuts; ``"truncated
+* ``"truncated"``: an image (or its label) whose data the shard's end cuts, or the last image
+  before a shard's damage when it has no label (its label member may be what was lost); ``"truncated
   shard"``: a shard that ends inside a header, inside member data or without its end-of-archive
   marker (the samples after the cut are lost: the entry names the shard and the byte);
   ``"corrupt shard"``: an unreadable header in the middle of a shard (indexing stops there), or
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import os
 import tarfile
+import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -52,8 +54,10 @@ from .base import Record, Source, StringTable, class_names, expand_paths
 
 IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "tif", "tiff", "gif")
 LABEL_SUFFIXES = ("cls.txt", "cls", "label")
+_OTHER_LABEL_FIELDS = ("json", "txt", "id", "class", "target")   # WebDataset fields some writers label with
 _COMPRESSED = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00", b"\x28\xb5\x2f\xfd")
 _LABEL_BYTES = 64
+_MAX_LABEL = np.iinfo(np.int64).max   # labels are held as int64
 
 
 def split_member(name: str) -> tuple[str | None, str]:
@@ -94,9 +98,10 @@ class TarShardSource(Source):
     Args:
         shards: a directory holding ``*.tar``, a glob, a path, or a list of these.
 
-    Labels come from the ``.cls`` member (a non-negative integer as text). Records left out
-    while indexing are in :attr:`rejected` with their reasons (module docstring), and warned
-    about once each. Raises :class:`SourceError` for missing, compressed or unreadable shards
+    Labels come from the ``.cls`` member (a non-negative integer as text); a source with no
+    label member but ``.json``/``.txt``/... members is unlabeled, with one warning saying so.
+    Records left out while indexing are in :attr:`rejected` with their reasons (module
+    docstring), and warned about once each. Raises :class:`SourceError` for missing, compressed or unreadable shards
     (random access needs plain tar) and when no sample is left.
     """
 
@@ -113,8 +118,11 @@ class TarShardSource(Source):
         sizes: list[int] = []
         labels: list[int] = []     # -2: no label (decided once every shard is indexed)
         labeled = False
+        other_labels = 0           # members that may hold a label feedgpu does not read (.json ...)
         for sid, path in enumerate(self.shards):
             groups: dict[str, dict] = {}
+            self._cut = False
+            last = None
             with open(path, "rb") as raw:
                 for m in self._members(path, raw):
                     key, field = split_member(m.name)
@@ -125,13 +133,14 @@ class TarShardSource(Source):
                         continue
                     kind, qual = _kind(field)
                     if kind is None:
+                        other_labels += field in _OTHER_LABEL_FIELDS
                         continue
-                    g = groups.setdefault(key, {"image": {}, "label": {}, "first": m.name})
+                    g = last = groups.setdefault(key, {"image": {}, "label": {}, "first": m.name})
                     g[kind].setdefault(qual, []).append(m)
                     if kind == "label":
                         labeled = True
                 for g in groups.values():
-                    for m, label in self._samples(path, raw, g):
+                    for m, label in self._samples(path, raw, g, self._cut and g is last):
                         keys.append(m.name)
                         shard_ids.append(sid)
                         offsets.append(m.offset)
@@ -147,9 +156,14 @@ class TarShardSource(Source):
             else:
                 keep.append(i)
         self._warn_rejected()
+        if not labeled and other_labels:
+            warnings.warn(f"feedgpu: tar source {self.shards[0]}{' ...' if len(self.shards) > 1 else ''} has no "
+                          f"label member ({', '.join('.' + x for x in LABEL_SUFFIXES)}), so every label is -1 "
+                          f"(unlabeled); {other_labels} member(s) are {'/'.join('.' + x for x in _OTHER_LABEL_FIELDS)}, "
+                          "which feedgpu does not read labels from", stacklevel=2)
         if not keep:
-            raise SourceError(f"tar source: no samples left in {len(self.shards)} shard(s)"
-                              + (f" ({len(self.rejected)} left out while indexing)" if self.rejected else ""))
+            raise self._nothing_left(f"tar source: no samples left in {len(self.shards)} shard(s)"
+                                      + (f" ({len(self.rejected)} left out while indexing)" if self.rejected else ""))
         self.members = StringTable([keys[i] for i in keep])
         self.shard_ids = np.asarray([shard_ids[i] for i in keep], dtype=np.int32)
         self.offsets = np.asarray([offsets[i] for i in keep], dtype=np.int64)
@@ -196,18 +210,22 @@ class TarShardSource(Source):
                 error = str(e)
             end = tf.offset
         if error is not None:
+            self._cut = True   # the shard's last group may have lost members
             self.reject(path, "truncated shard", f"{error}: the shard ends at byte {size}, inside a member's "
                         "data; members after it are lost")
             return
         raw.seek(end)
         block = raw.read(tarfile.BLOCKSIZE)
         if not block:
+            self._cut = True   # the shard's last group may have lost members
             self.reject(path, "truncated shard", f"no end-of-archive marker after byte {end}: the shard "
                         "was cut at a block boundary; members after it are lost")
         elif len(block) < tarfile.BLOCKSIZE:
+            self._cut = True   # the shard's last group may have lost members
             self.reject(path, "truncated shard", f"cut inside a header at byte {end} (shard size {size}); "
                         "members after it are lost")
         elif block.count(0) != tarfile.BLOCKSIZE:
+            self._cut = True   # the shard's last group may have lost members
             self.reject(path, "corrupt shard", f"unreadable header at byte {end}; members after it are not "
                         "indexed")
         else:
@@ -220,8 +238,10 @@ class TarShardSource(Source):
                                 "archive appended to this one?); members there are not indexed")
                     break
 
-    def _samples(self, path: str, raw, g: dict):
-        """``(image member, label)`` of one key group (label -2: none); the rest is rejected."""
+    def _samples(self, path: str, raw, g: dict, cut: bool = False):
+        """``(image member, label)`` of one key group (label -2: none); the rest is rejected.
+        ``cut``: the group is the last before a shard's damage, so an image without a label may
+        have lost it there (rejected as ``"truncated"``, never delivered unlabeled)."""
         images, labels = g["image"], g["label"]
         used: set[str] = set()
         if not images:
@@ -250,12 +270,16 @@ class TarShardSource(Source):
             if m.size == 0:
                 self.reject(f"{path}:{m.name}", "empty")
                 continue
+            if cut and not labs:
+                self.reject(f"{path}:{m.name}", "truncated", "the last sample before the shard's damage, "
+                            "without a label: its label member may be lost there")
+                continue
             label = -2
             if labs:
                 label = _read_label(raw, labs[0])
                 if label is None:
                     self.reject(f"{path}:{m.name}", "bad label",
-                                f"{labs[0].name!r} does not hold a non-negative integer")
+                                f"{labs[0].name!r} does not hold a non-negative integer below 2**63")
                     continue
             yield m, label
         for qual, labs in labels.items():
@@ -310,6 +334,7 @@ def _read_label(raw, m: _Member) -> int | None:
         return None
     raw.seek(m.offset)
     text = raw.read(m.size).decode("ascii", "replace").strip()
-    if not text.isdigit():
+    if not (text.isascii() and text.isdigit()):
         return None
-    return int(text)
+    value = int(text)
+    return value if value <= _MAX_LABEL else None
