@@ -390,8 +390,8 @@ class DataLoader(tud.DataLoader[T_co]):
     # -- state ------------------------------------------------------------------------------
     def _source_fingerprint(self) -> str:
         if self._fingerprint is None:
-            if self.pipeline is not None:
-                self._fingerprint = self.pipeline.source.identity()
+            if self.pipeline is not None:  # which records, in which order (not their bytes)
+                self._fingerprint = self.pipeline.source.order_identity()
             else:
                 d = self.dataset
                 size = len(d) if hasattr(d, "__len__") else "unsized"
@@ -422,8 +422,11 @@ class DataLoader(tud.DataLoader[T_co]):
             return self._iterable.load_state_dict(state)
         order = self._sharded_order(collective=False)
         sharded_ = isinstance(order, ShardedOrder)
-        epoch, start, batches, rows, seed = loader_state.read_state(state, self._source_fingerprint(),
-                                                                    order.config(), sharded_)
+        fingerprint = self._source_fingerprint()
+        if isinstance(state, dict) and state.get("format") == loader_state.OLD_FORMAT and self.pipeline is not None \
+                and state.get("fingerprint") != fingerprint and state.get("fingerprint") == self.pipeline.source.identity():
+            fingerprint = state["fingerprint"]   # saved before states held the order identity
+        epoch, start, batches, rows, seed = loader_state.read_state(state, fingerprint, order.config(), sharded_)
         self.shutdown()  # workers and buffers are rebuilt with the restored seed
         self._set_seed(seed)
         known = order.n if sharded_ else order_len(order)   # a sampler without len(): replayed to its end

@@ -3,7 +3,8 @@
 ``feedgpu.loader/2``::
 
     {"format": "feedgpu.loader/2",
-     "fingerprint": str,      # the source's identity: another dataset is refused
+     "fingerprint": str,      # which records the source holds, in which order, with which labels
+                              # (Source.order_identity): another dataset is refused
      "epoch": int,            # the epoch the next batch belongs to
      "samples_seen": int,     # feedgpu's own order: indices of the epoch order consumed by ALL
                               # ranks together (a prefix, feedgpu.sampling); a user sampler: the
@@ -26,7 +27,7 @@ from __future__ import annotations
 from .errors import StateError
 
 FORMAT = "feedgpu.loader/2"
-_OLD = "feedgpu.loader/1"
+OLD_FORMAT = _OLD = "feedgpu.loader/1"
 _RANKLESS = ("rank", "world_size", "seed")
 
 

@@ -507,3 +507,31 @@ def test_loaded_state_is_reported_back(src):
     again.load_state_dict(state)
     assert again.state_dict() == state
     assert state["num_batches"] == len(first) and state["seed"] == 0
+
+
+def test_a_state_follows_the_records_not_their_bytes(tmp_path):
+    """A loader state records which samples, in which order, with which labels: a file rewritten
+    with other bytes keeps the state loadable (no stat of every file to load it); a file added
+    makes it another dataset."""
+    import shutil
+
+    photos = sorted((Path(__file__).resolve().parents[2] / "shared" / "data" / "photos").glob("*.jpg"))[:6]
+    for i, p in enumerate(photos):
+        (tmp_path / f"c{i % 2}").mkdir(exist_ok=True)
+        shutil.copy(p, tmp_path / f"c{i % 2}" / f"{i}.jpg")
+
+    def make():
+        return DataLoader(Pipeline({"format": "folder", "path": str(tmp_path), "index_dir": False},
+                                   [Decode(), ResizeCenterCrop(16, 16)], batch_size=2, num_workers=0, device="cpu"))
+
+    first = make()
+    it = iter(first)
+    next(it)
+    state = first.state_dict()
+    shutil.copy(photos[5], tmp_path / "c0" / "0.jpg")   # other bytes, same name
+    again = make()
+    again.load_state_dict(state)
+    assert again.state_dict()["samples_seen"] == 2
+    shutil.copy(photos[0], tmp_path / "c1" / "9.jpg")   # one record more
+    with pytest.raises(StateError, match="another dataset"):
+        make().load_state_dict(state)

@@ -200,6 +200,12 @@ class Source:
     def _digest(self, h) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def order_identity(self) -> str:
+        """A digest of which records the source holds, in which order, with which labels: what a
+        loader state needs to be resumed on (``identity()`` by default; a folder source skips
+        the sizes and mtimes, so a state loads without a stat of every file)."""
+        return self.identity()
+
     def _warn_rejected(self, listed: int = 20) -> None:
         """One warning per record left out while indexing, for the first ``listed``; then one
         warning with the count of the rest by reason (:attr:`rejected` names them all)."""

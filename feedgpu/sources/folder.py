@@ -34,6 +34,7 @@ and what a file rewritten in place does: :mod:`feedgpu.sources.folder_index`).
 from __future__ import annotations
 
 import errno
+import hashlib
 import operator
 import os
 import stat
@@ -413,6 +414,15 @@ class FolderSource(Source):
         with open(path, "rb") as f:
             data = f.read()
         return Record(data, int(self.labels[index]), path)
+
+    def order_identity(self) -> str:
+        """Paths and labels only (see :meth:`Source.order_identity`): the contents' sizes and
+        mtimes belong to the cache's fingerprint, not to a loader state's."""
+        h = hashlib.blake2b(digest_size=16)
+        h.update(b"folder-order")
+        self.paths.digest(h)
+        h.update(self.labels.tobytes())
+        return h.hexdigest()
 
     def _digest(self, h) -> None:
         self.paths.digest(h)
