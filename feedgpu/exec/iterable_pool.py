@@ -20,6 +20,7 @@ import weakref
 
 from ..errors import LoaderTimeout, WorkerError
 from .iterable_worker import worker_loop
+from .process_pool import frozen_gc
 
 POLL_S = 0.1
 GRACE_S = 1.0
@@ -91,7 +92,8 @@ class WorkerSet:
                                 args=(w, n, runner.dataset, theirs, base_seed, runner.worker_init_fn,
                                       runner.batch_size, runner.drop_last, runner.collate_fn, runner.stateful,
                                       os.getpid()))
-                p.start()
+                with frozen_gc(ctx.get_start_method()):
+                    p.start()
                 theirs.close()
                 self.procs.append(p)
                 self.conns.append(mine)

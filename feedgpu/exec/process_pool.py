@@ -47,6 +47,8 @@ while writing can corrupt only its own pipe, which is dropped with it.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
@@ -316,7 +318,8 @@ class ProcessPool:
         p = self._ctx.Process(target=_worker_main, name=f"{self._name}-{wid}", daemon=True,
                               args=(wid, self._load, tasks, writer, self._parent, self.board, seeding, self.method))
         try:
-            p.start()
+            with frozen_gc(self.method):
+                p.start()
         finally:
             writer.close()  # the worker holds the only write end: its death reads as EOF here
         w = self._workers[wid] = _Worker(wid, p, tasks, reader)
@@ -490,3 +493,21 @@ class ProcessPool:
         if self._finalizer.still_active():
             self._finalizer.cancel()
             self._state.close(self.grace_s if grace_s is None else grace_s)
+
+
+@contextlib.contextmanager
+def frozen_gc(method: str):
+    """Around a fork: the objects of the parent go to the garbage collector's permanent
+    generation, so a forked child never collects (and never finalizes) what it inherited.
+    Unreachable objects of the parent, such as a dropped Ray actor handle whose finalizer talks
+    to Ray's threads that the child does not have, would otherwise be finalized in the child
+    and can hang it. The parent's collector is restored at once. No effect for spawn and
+    forkserver (their children start empty)."""
+    if method != "fork":
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
