@@ -6,6 +6,7 @@ Datasets and worker_init_fns live at the top of this module: spawned and forkser
 import them (pytest put this directory on ``sys.path``, which spawn passes on)."""
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import random
@@ -411,6 +412,8 @@ def test_next_after_a_failed_batch_gives_the_next_batch_as_torch(no_leaked_worke
             except KeyError:
                 got.append("KeyError")
         results.append(got)
+        del it   # stops its workers now (the fixture checks none is left); torch's iterator sits in
+        gc.collect()   # a reference cycle with the exception it raised, so only the collector frees it
     assert results[0] == [[0, 1], [2, 3], [4, 5], "KeyError", [8, 9], [10, 11]]
     assert results[1] == results[0]
 
