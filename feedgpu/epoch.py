@@ -395,3 +395,14 @@ def _rows(batch) -> int:
         return int(first.size(0))
     except Exception:  # noqa: BLE001
         return 1
+
+
+def close_live(ref, superseded: bool = False) -> None:
+    """Close the iterator a loader's weak reference ``ref`` (or None) points to, if it is alive;
+    ``superseded``: a newer ``iter()`` took over, so its next ``next()`` raises rather than
+    ending the pass early."""
+    it = ref() if ref is not None else None
+    if it is not None:
+        if superseded and not it.closed:
+            it.superseded = True
+        it.close()

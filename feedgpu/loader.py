@@ -14,7 +14,7 @@ import torch.utils.data as tud
 
 from . import distributed, loader_state
 from .cache.settings import CacheSettings
-from .epoch import Ahead, EpochIterator
+from .epoch import Ahead, EpochIterator, close_live
 from .errors import ConfigError
 from .exec.autoscale import Autoscaler, cpu_cores, default_config
 from .exec.build import make_pool, make_work
@@ -370,11 +370,7 @@ class DataLoader(tud.DataLoader[T_co]):
         return it
 
     def _close_live(self, superseded: bool = False) -> None:
-        it = self._live() if self._live is not None else None
-        if it is not None:
-            if superseded and not it.closed:
-                it.superseded = True   # its next() raises, rather than ending the epoch early
-            it.close()
+        close_live(self._live, superseded)
         self._live = None
 
     @property

@@ -65,6 +65,13 @@ def torchvision_rrc_params(width: int, height: int, scale, ratio) -> tuple[int, 
             i = torch.randint(0, height - h + 1, size=(1,)).item()
             j = torch.randint(0, width - w + 1, size=(1,)).item()
             return i, j, h, w
+    h, w = rrc_fallback_size(width, height, ratio)
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+def rrc_fallback_size(width: int, height: int, ratio) -> tuple[int, int]:
+    """``(h, w)`` of torchvision's random-resized-crop fallback after 10 misses: the whole image,
+    cut to the nearest bound of ``ratio`` (the window is then centred)."""
     in_ratio = float(width) / float(height)
     if in_ratio < min(ratio):
         w = width
@@ -74,7 +81,7 @@ def torchvision_rrc_params(width: int, height: int, scale, ratio) -> tuple[int, 
         w = int(round(h * max(ratio)))
     else:
         w, h = width, height
-    return (height - h) // 2, (width - w) // 2, h, w
+    return h, w
 
 
 class RandomResizedCrop:

@@ -43,8 +43,8 @@ def small_jpeg(seed: int) -> bytes:
     return buf.getvalue()
 
 
-def write_tar(path: Path, members) -> Path:
-    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tf:
+def write_tar(path: Path, members, fmt=tarfile.PAX_FORMAT) -> Path:
+    with tarfile.open(path, "w", format=fmt) as tf:
         for name, data in members:
             info = tarfile.TarInfo(name)
             info.size = len(data)

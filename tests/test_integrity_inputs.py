@@ -29,19 +29,7 @@ def photo(i: int) -> bytes:
     return sorted(PHOTOS.glob("*.jpg"))[i].read_bytes()
 
 
-def write_tar(path: Path, members, fmt=tarfile.PAX_FORMAT) -> Path:
-    with tarfile.open(path, "w", format=fmt) as tf:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tf.addfile(info, io.BytesIO(data))
-    return path
-
-
-def quiet(make, *a, **kw):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return make(*a, **kw)
+from test_integrity import quiet, write_tar  # noqa: E402  the same helpers as the first integrity tests
 
 
 def test_a_tar_label_over_int64_is_a_bad_label_not_a_crash(tmp_path):

@@ -17,17 +17,7 @@ pytestmark = pytest.mark.timeout(120)
 LOADERS = [tud.DataLoader, DataLoader]
 
 
-class Items(tud.Dataset):
-    """Item i: i."""
-
-    def __init__(self, n: int = 23):
-        self.n = n
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        return i
+from test_torch_parity import Items  # noqa: E402  item i: i
 
 
 class Lying(tud.Sampler):

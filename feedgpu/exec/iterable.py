@@ -46,6 +46,7 @@ import multiprocessing as mp
 import warnings
 import weakref
 
+from ..epoch import close_live
 from ..errors import ConfigError, IteratorSuperseded, LoaderTimeout, StateError
 from .host_buffers import pin
 from .iterable_pool import WorkerSet
@@ -190,11 +191,7 @@ class IterableRunner:
             self.dataset.set_epoch(epoch)
 
     def _close_live(self, superseded: bool = False) -> None:
-        it = self._live() if self._live is not None else None
-        if it is not None:
-            if superseded and not it.closed:
-                it.superseded = True   # its next() raises, rather than ending the pass early
-            it.close()
+        close_live(self._live, superseded)
         self._live = None
 
     # -- state -----------------------------------------------------------------------------------

@@ -95,15 +95,9 @@ def random_resized_crop_params(width: int, height: int, scale, ratio, rng) -> tu
         h = int(round(math.sqrt(target_area / aspect)))
         if 0 < w <= width and 0 < h <= height:
             return int(u[20] * (height - h + 1)), int(u[21] * (width - w + 1)), h, w
-    in_ratio = width / height
-    if in_ratio < min(ratio):
-        w = width
-        h = int(round(w / min(ratio)))
-    elif in_ratio > max(ratio):
-        h = height
-        w = int(round(h * max(ratio)))
-    else:
-        w, h = width, height
+    from ..torch_ref import rrc_fallback_size   # torchvision's fallback, shared with the baseline
+
+    h, w = rrc_fallback_size(width, height, ratio)
     h, w = max(1, min(h, height)), max(1, min(w, width))
     return (height - h) // 2, (width - w) // 2, h, w
 
