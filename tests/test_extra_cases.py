@@ -1,14 +1,12 @@
 """Kinds of input next to the shared hard cases, made here from ``shared/data/photos``: animated
 GIF and WebP (first frame), WebP lossy and lossless, progressive JPEG, names that disagree with
 the content, and odd or non-UTF-8 names, in every source format, on the Python and DALI CPU
-engines. Arithmetic-coded and 12-bit JPEGs cannot be written with Pillow: the first is made
+engines. Arithmetic-coded and 12-bit JPEGs cannot be written with Pillow: both are small files
 with cjpeg when installed, the second is a file shipped in ``tests/data``."""
 from __future__ import annotations
 
 import io
 import os
-import shutil
-import subprocess
 import tarfile
 import warnings
 from pathlib import Path
@@ -197,22 +195,28 @@ def test_webp_without_libwebp_is_skipped_as_unsupported_format(engine, no_leaked
     loader.shutdown()
 
 
-def test_arithmetic_coded_jpeg():
-    cjpeg = shutil.which("cjpeg")
-    if cjpeg is None:
-        pytest.skip("no cjpeg here: Pillow cannot write arithmetic-coded JPEG (libjpeg-turbo decodes it "
-                    "when built with arithmetic support; not testable without a sample file)")
-    ppm = _save(_photo(0), "PPM")
-    data = subprocess.run([cjpeg, "-arithmetic", "-quality", "95"], input=ppm, capture_output=True,
-                          check=True).stdout
-    try:
-        got = np.asarray(Decode().apply(data))
-    except Exception as e:  # noqa: BLE001
-        from feedgpu import DecodeError
+#: An arithmetic-coded JPEG (SOF9) of ``_photo(0)``, 4:4:4, written by libjpeg-turbo 2.1.5's
+#: ``cjpeg -arithmetic -quality 95 -sample 1x1`` (Debian's libjpeg-turbo-progs): Pillow cannot write one.
+ARITHMETIC = Path(__file__).parent / "data" / "arithmetic.jpg"
 
-        assert isinstance(e, DecodeError), e  # if unsupported: a typed skip, never a crash
-        return
-    _check("arithmetic.jpg", got, np.asarray(_photo(0)), "close", tol=3.0)
+
+@pytest.mark.parametrize("fmt", ["folder", "tar", "parquet"])
+@pytest.mark.parametrize("engine", ["python", "dali-cpu"])
+def test_arithmetic_coded_jpeg_decodes_right(fmt, engine, tmp_path, no_leaked_workers):
+    """libjpeg-turbo (Pillow-SIMD's and DALI's) decodes arithmetic coding: the photo's pixels
+    on both engines, in every source format, no skip."""
+    if engine == "dali-cpu":
+        pytest.importorskip("nvidia.dali")
+    data = ARITHMETIC.read_bytes()
+    assert b"\xff\xc9" in data                        # the arithmetic-coded frame header
+    files = {"arith.jpg": (data, np.asarray(_photo(0)), "close"),
+             **{f"good{k}.jpg": (_save(_photo(k), "JPEG", quality=95), np.asarray(_photo(k)), "close")
+                for k in (1, 2)}}
+    root = _write(tmp_path / fmt, fmt, files)
+    src = open_source(fmt, root)
+    images = _run(src, "python" if engine == "python" else {"name": "dali", "device": "cpu"})
+    for i, name in enumerate(_names(fmt, root, src)):
+        _check(f"{fmt}/{engine}/{name}", images[i], files[name][1], "close", tol=3.0)
 
 
 #: A real 12-bit JPEG (SOF1, precision 12; 96 x 64 RGB of photo 00 times 16), written by imagecodecs
