@@ -2,7 +2,7 @@
 GIF and WebP (first frame), WebP lossy and lossless, progressive JPEG, names that disagree with
 the content, and odd or non-UTF-8 names, in every source format, on the Python and DALI CPU
 engines. Arithmetic-coded and 12-bit JPEGs cannot be written with Pillow: both are small files
-with cjpeg when installed, the second is a file shipped in ``tests/data``."""
+shipped in ``tests/data`` (how each was made is written beside its test)."""
 from __future__ import annotations
 
 import io
