@@ -49,8 +49,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..errors import SourceError
-from .base import Record, Source, StringTable, class_names, expand_paths
+from ..errors import DownloadError, SampleError, SourceError
+from .base import CLASS_NAMES_FILE, Record, Source, StringTable, class_names, class_names_from_text, expand_paths
 
 IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "tif", "tiff", "gif")
 LABEL_SUFFIXES = ("cls.txt", "cls", "label")
@@ -96,7 +96,22 @@ class TarShardSource(Source):
     docstring).
 
     Args:
-        shards: a directory holding ``*.tar``, a glob, a path, or a list of these.
+        shards: a directory holding ``*.tar``, a glob, a path, or a list of these; or URLs
+            (``s3://``, ``gs://``, ``http(s)://``, ``file://``: a glob or folder where the store
+            lists, a list of URLs, or the index file ``feedgpu convert`` writes, ``_index.json``).
+        cache_dir, cache_budget, storage_options, cache: for URLs, the node-local shard cache
+            (:class:`~feedgpu.remote.cache.ShardCache`: its folder, default
+            ``<user cache dir>/feedgpu/shards``; its disk budget, bytes or ``"200GiB"``, default
+            none; fsspec options of the store) or a cache to share.
+
+    URLs: shards are read from local copies in the shard cache, downloaded whole when first
+    read (with an index file, whose member table is the index, no shard is needed to open the
+    source; without one, each shard is downloaded while indexing). A shard that cannot be
+    downloaded after the cache's retries is left out while indexing as ``"bad shard"``, named
+    (its records, named, when the index file lists them); one that fails when read makes each
+    of its samples a skipped sample of reason ``"bad shard"``, counted in the loader's skip
+    budget. A shard changed on the store since the source was opened raises
+    :class:`~feedgpu.errors.RemoteChangedError` when read. Keys and fingerprints use the URLs.
 
     Labels come from the ``.cls`` member (a non-negative integer as text); a source with no
     label member but ``.json``/``.txt``/... members is unlabeled, with one warning saying so.
@@ -107,9 +122,20 @@ class TarShardSource(Source):
 
     format = "tar"
 
-    def __init__(self, shards):
+    def __init__(self, shards, *, cache_dir=None, cache_budget=None, storage_options=None, cache=None):
         super().__init__()
-        self.shards = expand_paths(shards, ".tar")
+        self._remote = None
+        from ..remote.index import is_index
+        from ..remote.urls import has_url
+
+        if has_url(shards) or is_index(shards):
+            from ..remote.files import RemoteFiles, make_cache
+
+            self._remote = RemoteFiles(shards, ".tar", "tar",
+                                       make_cache(cache, cache_dir, cache_budget, storage_options))
+            self.shards = self._remote.urls
+        else:
+            self.shards = expand_paths(shards, ".tar")
         if not self.shards:
             raise SourceError(f"tar source: no shards match {shards!r}")
         keys: list[str] = []
@@ -119,12 +145,23 @@ class TarShardSource(Source):
         labels: list[int] = []     # -2: no label (decided once every shard is indexed)
         labeled = False
         other_labels = 0           # members that may hold a label feedgpu does not read (.json ...)
-        for sid, path in enumerate(self.shards):
+        for sid, path, local in self._locals():
+            if local is None:
+                continue
+            if isinstance(local, dict):   # the index file's member table
+                n = len(local["members"])
+                keys.extend(local["members"])
+                shard_ids.extend([sid] * n)
+                offsets.extend(local["offsets"])
+                sizes.extend(local["sizes"])
+                labels.extend(local["labels"])
+                labeled = labeled or any(lab >= 0 for lab in local["labels"])
+                continue
             groups: dict[str, dict] = {}
             self._cut = False
             last = None
-            with open(path, "rb") as raw:
-                for m in self._members(path, raw):
+            with open(local, "rb") as raw:
+                for m in self._members(path, raw, local):
                     key, field = split_member(m.name)
                     if key is None:
                         if m.name.lower().endswith(tuple("." + e for e in IMAGE_SUFFIXES)):
@@ -169,15 +206,52 @@ class TarShardSource(Source):
         self.offsets = np.asarray([offsets[i] for i in keep], dtype=np.int64)
         self.sizes = np.asarray([sizes[i] for i in keep], dtype=np.int64)
         self.labels = np.maximum(np.asarray([labels[i] for i in keep], dtype=np.int64), -1)
-        self.classes = class_names(self.shards[0], self.labels)
+        self.classes = (class_names(self.shards[0], self.labels) if self._remote is None else
+                        class_names_from_text(self._remote.text_beside(CLASS_NAMES_FILE), self.labels))
         self._fds: dict[int, int] = {}
         self._pid = os.getpid()
 
+    def _locals(self):
+        """``(shard id, name, local path | member table | None)`` per shard: a local shard is
+        its own path; a remote one is downloaded (up to the cache's ``max_downloads`` ahead,
+        pinned until indexed) unless the index file holds its member table; one that cannot be
+        downloaded is left out as ``"bad shard"`` (None)."""
+        if self._remote is None:
+            yield from ((sid, p, p) for sid, p in enumerate(self.shards))
+            return
+        files, cache = self._remote.files, self._remote.cache
+        ahead: dict = {}
+
+        def submit(j):
+            f = files[j]
+            if f.samples is None and f.identity is not None and j not in ahead:
+                cache.pin(f.url)
+                ahead[j] = cache.fetch_async(f.url, f.identity, f.sha256)
+
+        for sid, f in enumerate(files):
+            for j in range(sid, min(len(files), sid + cache.max_downloads)):
+                submit(j)
+            if f.identity is None:   # the store could not be reached for it
+                names = [f"{f.url}:{m}" for m in f.samples["members"]] if f.samples else [f.url]
+                for name in names:
+                    self.reject(name, "bad shard", f.error)
+                continue
+            if f.samples is not None:
+                yield sid, f.url, f.samples
+                continue
+            try:
+                yield sid, f.url, ahead.pop(sid).result()
+            except DownloadError as e:
+                self.reject(f.url, "bad shard", str(e))
+            finally:
+                cache.unpin(f.url)
+
     # -- indexing ----------------------------------------------------------------------------
-    def _members(self, path: str, raw):
-        """The regular-file members of one shard, in order; what the shard's end or a bad header
-        cuts off is recorded as a ``"truncated shard"`` / ``"corrupt shard"`` entry."""
-        if not os.path.isfile(path):
+    def _members(self, path: str, raw, local: str):
+        """The regular-file members of one shard (named ``path``, read from ``local``), in order;
+        what the shard's end or a bad header cuts off is recorded as a ``"truncated shard"`` /
+        ``"corrupt shard"`` entry."""
+        if not os.path.isfile(local):
             raise SourceError(f"tar source: {path} is not a file")
         size = os.fstat(raw.fileno()).st_size
         magic = raw.read(6)
@@ -188,7 +262,7 @@ class TarShardSource(Source):
             raise SourceError(f"tar source: {path} is compressed; random access needs plain, "
                               "uncompressed .tar shards")
         try:
-            tf = tarfile.open(path, mode="r:")
+            tf = tarfile.open(local, mode="r:")
         except tarfile.ReadError as e:
             if size < tarfile.BLOCKSIZE:
                 self.reject(path, "truncated shard", f"{size} bytes: cut inside the first header")
@@ -297,12 +371,20 @@ class TarShardSource(Source):
         self.__dict__.update(state)
         self._pid = os.getpid()
 
-    def _fd(self, sid: int) -> int:
+    def _fd(self, sid: int, index: int) -> int:
         if self._pid != os.getpid():  # forked: file offsets are shared, descriptors are not ours
             self._fds, self._pid = {}, os.getpid()
         fd = self._fds.get(sid)
         if fd is None:
-            fd = self._fds[sid] = os.open(self.shards[sid], os.O_RDONLY)
+            if self._remote is None:
+                fd = self._fds[sid] = os.open(self.shards[sid], os.O_RDONLY)
+                return fd
+            try:
+                local = self._remote.local(sid)
+            except DownloadError as e:
+                raise SampleError(self.key(index), "bad shard", str(e)) from None
+            self._remote.cache.pin(self.shards[sid])   # not evicted while open here
+            fd = self._fds[sid] = os.open(local, os.O_RDONLY)
         return fd
 
     def key(self, index: int) -> str:
@@ -310,22 +392,27 @@ class TarShardSource(Source):
 
     def read(self, index: int) -> Record:
         sid = int(self.shard_ids[index])
-        data = os.pread(self._fd(sid), int(self.sizes[index]), int(self.offsets[index]))
+        data = os.pread(self._fd(sid, index), int(self.sizes[index]), int(self.offsets[index]))
         return Record(data, int(self.labels[index]), self.key(index))
 
     def _digest(self, h) -> None:
-        for p in self.shards:
+        if self._remote is not None:   # URL, size and ETag: the same on a machine with a new cache
+            self._remote.digest(h)
+        for p in self.shards if self._remote is None else ():
             st = os.stat(p)
             h.update(f"{os.path.abspath(p)}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
         self.members.digest(h)
         h.update(self.offsets.tobytes())
 
     def __del__(self):
-        for fd in getattr(self, "_fds", {}).values():
+        remote = getattr(self, "_remote", None)
+        for sid, fd in getattr(self, "_fds", {}).items():
             try:
                 os.close(fd)
             except OSError:
                 pass
+            if remote is not None and self._pid == os.getpid():
+                remote.cache.unpin(self.shards[sid])
 
 
 def _read_label(raw, m: _Member) -> int | None:
