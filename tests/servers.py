@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import time
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -14,19 +15,25 @@ class FileServer:
     """Serves the files under ``root`` at ``http://127.0.0.1:PORT/<relative path>``.
 
     Attributes (tests set them while it runs):
-        fail: ``{name: n}``: the next ``n`` requests for ``name`` (HEAD or GET) answer 503.
+        fail: ``{name: n}``: the next ``n`` ranged GETs of ``name`` (downloads) answer 503.
+        down: names every request for which answers 503.
         truncate: ``{name: n}``: the next ``n`` GETs of ``name`` send half of the body they
             announce, then close the connection.
-        lie_etag: ``{name: etag}``: HEADs of ``name`` answer with this ETag while GETs send the
-            real file with its own (an ETag that does not match what is sent).
+        corrupt: ``{name: n}``: the next ``n`` GETs of ``name`` flip a byte of the body (the
+            ETag stays the file's: damage the ETag cannot show).
+        delay: ``{name: seconds}``: GETs of ``name`` wait this long before answering.
+        after_get: ``{name: callable}``: called once, after the next GET of ``name`` was sent.
         requests: ``Counter`` of ``(method, name)``; ``bytes_sent``: body bytes of GETs.
     """
 
     def __init__(self, root):
         self.root = Path(root)
         self.fail: dict[str, int] = {}
+        self.down: set[str] = set()
         self.truncate: dict[str, int] = {}
-        self.lie_etag: dict[str, str] = {}
+        self.corrupt: dict[str, int] = {}
+        self.delay: dict[str, float] = {}
+        self.after_get: dict = {}
         self.requests: Counter = Counter()
         self.bytes_sent = 0
         self._lock = threading.Lock()
@@ -66,7 +73,7 @@ class FileServer:
         with self._lock:
             self.requests[(h.command, name)] += 1
         path = self.root / name
-        if self._take(self.fail, name):
+        if name in self.down or (h.command == "GET" and "Range" in h.headers and self._take(self.fail, name)):
             h.send_response(503)
             h.send_header("Content-Length", "0")
             h.end_headers()
@@ -78,8 +85,6 @@ class FileServer:
             return
         data = path.read_bytes()
         etag = '"' + hashlib.md5(data).hexdigest()[:16] + '"'
-        if not body and name in self.lie_etag:
-            etag = self.lie_etag[name]
         start, end = 0, len(data)
         rng = h.headers.get("Range")
         if rng and rng.startswith("bytes="):
@@ -98,6 +103,10 @@ class FileServer:
         h.end_headers()
         if not body:
             return
+        if name in self.delay:
+            time.sleep(self.delay[name])
+        if part and self._take(self.corrupt, name):
+            part = bytes([part[0] ^ 0xFF]) + part[1:]
         if self._take(self.truncate, name):
             h.wfile.write(part[:len(part) // 2])
             h.wfile.flush()
@@ -106,6 +115,9 @@ class FileServer:
         h.wfile.write(part)
         with self._lock:
             self.bytes_sent += len(part)
+            hook = self.after_get.pop(name, None)
+        if hook is not None:
+            hook()
 
     def close(self) -> None:
         self.httpd.shutdown()

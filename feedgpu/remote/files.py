@@ -118,7 +118,7 @@ class RemoteFiles:
         f = self.files[i]
         fs, path = filesystem(f.url, self.storage_options)
         kw = {"size": f.identity.size} if f.identity is not None else {}
-        return fs.open(path, "rb", block_size=256 << 10, **kw)   # footers and label columns: small reads
+        return fs.open(path, "rb", cache_type="none", **kw)   # footers and label columns: exact ranges
 
     def text_beside(self, name: str) -> str:
         """The text of ``name`` in the folder of the index file (or of the first file), ``""``

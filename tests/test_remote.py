@@ -1,0 +1,321 @@
+"""Data over HTTP: the shard cache and the tar / Parquet sources against a real HTTP server on
+loopback (tests/servers.py), with injected faults."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import pickle
+import subprocess
+import sys
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from conftest import PHOTOS, REPO, batches_equal, clone_all
+from feedgpu import Batch, DataLoader, ParquetSource, Pipeline, SkipBudgetExceeded, SkippedSampleWarning, TarShardSource
+from feedgpu.convert import folder_to_parquet, folder_to_tar
+from feedgpu.errors import CacheFullError, DownloadError, RemoteChangedError, SampleError, SourceError
+from feedgpu.remote import ShardCache
+from feedgpu.sample_data import build_imagenet_like
+from feedgpu.stages import Decode, ResizeCenterCrop
+from servers import FileServer
+
+pytestmark = pytest.mark.timeout(120)
+
+N = 24          # images: 3 tar shards of 10, 10, 4; 3 Parquet files
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("remote")
+    folder = build_imagenet_like(root / "train", N, photos_dir=PHOTOS, seed=0)
+    folder_to_tar(folder, root / "tar", samples_per_shard=10)
+    folder_to_parquet(folder, root / "pq", rows_per_file=10, row_group_bytes=3 * 40_000)
+    return root
+
+
+@pytest.fixture
+def served(data, tmp_path):
+    """A copy of the data behind a fresh server (tests change files)."""
+    import shutil
+
+    root = tmp_path / "www"
+    shutil.copytree(data / "tar", root / "tar")
+    shutil.copytree(data / "pq", root / "pq")
+    srv = FileServer(root)
+    yield srv
+    srv.close()
+
+
+def shard_urls(srv, sub="tar", ext=".tar"):
+    return [f"{srv.url}/{sub}/{p.name}" for p in sorted((srv.root / sub).glob(f"*{ext}"))]
+
+
+def no_sleep():
+    slept = []
+    return slept, slept.append
+
+
+def cache_in(tmp_path, budget=None, **kw):
+    slept, sleep = no_sleep()
+    kw.setdefault("retries", 2)
+    c = ShardCache(tmp_path / "cache", budget, sleep=sleep, **kw)
+    c.slept = slept
+    return c
+
+
+def same_records(a, b) -> None:
+    assert len(a) == len(b)
+    for i in range(len(a)):
+        ra, rb = a.read(i), b.read(i)
+        assert bytes(ra.payload) == bytes(rb.payload) and ra.label == rb.label, i
+    assert a.classes == b.classes
+
+
+def pipe(src, **kw):
+    opts = dict(batch_size=5, num_workers=0, shuffle=True, seed=3, device="cpu")
+    opts.update(kw)
+    return Pipeline(src, [Decode(), ResizeCenterCrop(32, 32)], **opts)
+
+
+# -- sources over HTTP -----------------------------------------------------------------------------
+def test_tar_over_http_holds_the_local_records(data, served, tmp_path):
+    local = TarShardSource(data / "tar")
+    by_list = TarShardSource(shard_urls(served), cache=cache_in(tmp_path))
+    same_records(by_list, local)
+    assert by_list.key(0) == f"{served.url}/tar/shard-000000.tar:{local.members[0]}"
+    by_index = TarShardSource(f"{served.url}/tar/_index.json", cache=cache_in(tmp_path))
+    same_records(by_index, local)
+    assert by_index.identity() == by_list.identity() != local.identity()
+
+
+def test_index_file_opens_a_tar_source_without_downloading_a_shard(served, tmp_path):
+    src = TarShardSource(f"{served.url}/tar/_index.json", cache=cache_in(tmp_path))
+    assert sum(served.gets(f"tar/{p.name}") for p in (served.root / "tar").glob("*.tar")) == 0
+    src.read(len(src) - 1)   # the last shard only
+    assert [served.gets(f"tar/shard-00000{k}.tar") for k in range(3)] == [0, 0, 1]
+
+
+def test_http_cannot_list(served, tmp_path):
+    for spec in (f"{served.url}/tar/*.tar", f"{served.url}/tar/"):
+        with pytest.raises(SourceError, match="cannot list"):
+            TarShardSource(spec, cache=cache_in(tmp_path))
+
+
+def test_parquet_over_http_indexes_by_ranged_reads(data, served, tmp_path):
+    urls = shard_urls(served, "pq", ".parquet")
+    total = sum(p.stat().st_size for p in (served.root / "pq").glob("*.parquet"))
+    src = ParquetSource(urls, cache=cache_in(tmp_path))
+    assert served.bytes_sent < total / 2, "footers and labels only, not the images"
+    assert len(src) == N and not src.rejected
+    sent = served.bytes_sent
+    same_records(src, ParquetSource(data / "pq"))
+    # reads download each file whole, once, into the shard cache
+    assert served.bytes_sent - sent == total
+    assert src._remote.cache.stats()["misses"] == 3
+
+
+def test_conservation_one_epoch_over_http(data, served, tmp_path):
+    for src, local in ((TarShardSource(f"{served.url}/tar/_index.json", cache=cache_in(tmp_path)),
+                        TarShardSource(data / "tar")),
+                       (ParquetSource(f"{served.url}/pq/_index.json", cache=cache_in(tmp_path)),
+                        ParquetSource(data / "pq"))):
+        got = clone_all(DataLoader(pipe(src, num_workers=2)))
+        want = clone_all(DataLoader(pipe(local, num_workers=2)))
+        assert batches_equal(got, want)
+        assert Counter(l for b in got for l in b.labels.tolist()) == Counter(local.labels.tolist())
+
+
+def test_resume_on_a_fresh_cache_directory(served, tmp_path):
+    url = f"{served.url}/tar/_index.json"
+    reference = clone_all(DataLoader(pipe(TarShardSource(url, cache_dir=tmp_path / "a"))))
+    first = DataLoader(pipe(TarShardSource(url, cache_dir=tmp_path / "a")))
+    it = iter(first)
+    head = [Batch(b.images.clone(), b.labels.clone()) for b in (next(it) for _ in range(2))]
+    state = first.state_dict()
+    first.shutdown()
+    del it
+    # preemption: a new machine, an empty cache directory
+    fresh = TarShardSource(url, cache_dir=tmp_path / "b")
+    assert not any((tmp_path / "b").glob("*.data"))
+    again = DataLoader(pipe(fresh))
+    again.load_state_dict(state)
+    assert batches_equal(head + clone_all(again), reference)
+
+
+# -- the shard cache -------------------------------------------------------------------------------
+def test_failing_download_is_retried_with_backoff(served, tmp_path):
+    url = shard_urls(served)[0]
+    served.fail["tar/shard-000000.tar"] = 2
+    cache = cache_in(tmp_path, retries=3, backoff_s=0.5)
+    path = cache.local_path(url)
+    assert Path(path).read_bytes() == (served.root / "tar/shard-000000.tar").read_bytes()
+    assert cache.slept == [0.5, 1.0] and cache.stats()["retries"] == 2
+
+
+def test_truncated_response_is_retried_never_served(served, tmp_path):
+    url = shard_urls(served)[1]
+    served.truncate["tar/shard-000001.tar"] = 1
+    cache = cache_in(tmp_path)
+    assert Path(cache.local_path(url)).read_bytes() == (served.root / "tar/shard-000001.tar").read_bytes()
+    assert cache.stats()["retries"] == 1
+
+
+def test_retries_exhausted_make_a_bad_shard_within_the_skip_budget(served, tmp_path):
+    index = f"{served.url}/tar/_index.json"
+    served.fail["tar/shard-000001.tar"] = 10**6
+    src = TarShardSource(index, cache=cache_in(tmp_path, retries=1))
+    with pytest.raises(SampleError) as e:
+        src.read(10)
+    assert e.value.reason == "bad shard" and "shard-000001.tar" in e.value.key
+    gets = served.requests[("HEAD", "tar/shard-000001.tar")]
+    with pytest.raises(SampleError):
+        src.read(11)   # the failure is remembered: no new download for each sample
+    assert served.requests[("HEAD", "tar/shard-000001.tar")] == gets
+    loader = DataLoader(pipe(TarShardSource(index, cache=cache_in(tmp_path, retries=1)), max_skipped=10))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SkippedSampleWarning)
+        labels = [l for b in loader for l in b.labels.tolist()]
+    stats = loader.stats()
+    assert stats["skipped"] == {"bad shard": 10}
+    assert all("shard-000001.tar:" in k for k, _ in stats["skipped_keys"])
+    # every other record is delivered; the bad shard's rows are refilled from spares (repeats)
+    assert set(labels) == set(src.labels[:10].tolist() + src.labels[20:].tolist()) and len(labels) == N
+    over = DataLoader(pipe(TarShardSource(index, cache=cache_in(tmp_path, retries=1)), max_skipped=9))
+    with warnings.catch_warnings(), pytest.raises(SkipBudgetExceeded, match="bad shard"):
+        warnings.simplefilter("ignore", SkippedSampleWarning)
+        list(over)
+
+
+def test_unreachable_shard_while_indexing_is_named(served, tmp_path):
+    served.down.add("tar/shard-000002.tar")
+    with pytest.warns(UserWarning, match="bad shard"):
+        src = TarShardSource(shard_urls(served), cache=cache_in(tmp_path, retries=1))
+    assert len(src) == 20
+    assert src.rejected == [(shard_urls(served)[2], "bad shard")]
+
+
+def test_file_changed_between_epochs_is_detected(served, tmp_path):
+    src = TarShardSource(f"{served.url}/tar/_index.json", cache_dir=tmp_path / "c")
+    first = [src.read(i).payload for i in range(len(src))]
+    shard = served.root / "tar/shard-000000.tar"
+    shard.write_bytes(shard.read_bytes()[:-1024] + b"\0" * 2048)   # rewritten on the store
+    # the next epoch's workers (a new process: the unpickled source) check the store again
+    worker = pickle.loads(pickle.dumps(src))
+    with pytest.raises(RemoteChangedError, match="shard-000000.tar changed"):
+        worker.read(0)
+    assert worker.read(15).payload == first[15]   # an unchanged shard still reads
+    # without an expected identity the cache downloads the new file instead of serving the old
+    cache = ShardCache(tmp_path / "c")
+    assert Path(cache.local_path(shard_urls(served)[0])).read_bytes() == shard.read_bytes()
+    assert cache.stats()["misses"] == 1
+
+
+def test_file_changed_during_download_is_never_served(served, tmp_path):
+    url = shard_urls(served)[0]
+    name = "tar/shard-000000.tar"
+    shard = served.root / name
+    old = shard.read_bytes()
+    served.after_get[name] = lambda: shard.write_bytes(old[::-1])   # replaced while being read
+    cache = cache_in(tmp_path, chunk_bytes=len(old) // 3)
+    expect = cache.stat(url)
+    with pytest.raises(RemoteChangedError):
+        cache.local_path(url, expect)   # ETag before != after: retried, then the store holds another file
+    assert not list((tmp_path / "cache").glob("*.data*"))
+    assert Path(cache.local_path(url)).read_bytes() == old[::-1]
+
+
+def test_checksum_mismatch_is_never_served(served, tmp_path):
+    url = f"{served.url}/tar/_index.json"
+    served.corrupt["tar/shard-000000.tar"] = 10**6   # a flipped byte under a consistent ETag
+    src = TarShardSource(url, cache=cache_in(tmp_path, retries=1))
+    with pytest.raises(SampleError, match="SHA-256"):
+        src.read(0)
+    assert not list((tmp_path / "cache").glob("*.data*"))
+
+
+def test_budget_smaller_than_a_shard_is_a_clear_error(served, tmp_path):
+    url = shard_urls(served)[0]
+    cache = cache_in(tmp_path, budget=1000)
+    with pytest.raises(CacheFullError, match="budget of 1000 bytes"):
+        cache.local_path(url)
+    assert not list((tmp_path / "cache").glob("*.data*"))
+    src = TarShardSource(f"{served.url}/tar/_index.json", cache=cache_in(tmp_path, budget="1KiB"))
+    with pytest.raises(CacheFullError):
+        src.read(0)   # an error, not a skipped sample
+
+
+class FullDisk(ShardCache):
+    """A disk that fills after ``room`` bytes (ENOSPC injected into the download's writes)."""
+
+    room = 5000
+
+    def _open_tmp(self, path):
+        f = open(path, "wb")
+        room = self.room
+
+        class Writer:
+            def __getattr__(self, name):
+                return getattr(f, name)
+
+            def write(self, data):
+                nonlocal room
+                if len(data) > room:
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                room -= len(data)
+                return f.write(data)
+
+        return Writer()
+
+
+def test_full_disk_leaves_nothing_half_written(served, tmp_path):
+    cache = FullDisk(tmp_path / "cache", chunk_bytes=4096)
+    with pytest.raises(CacheFullError, match="full"):
+        cache.local_path(shard_urls(served)[0])
+    assert [p.suffix for p in (tmp_path / "cache").iterdir() if p.name != ".lock"] == [".lock"]   # a lock only
+    assert cache.stats()["retries"] == 0
+
+
+def test_lru_eviction_under_a_budget_keeps_pinned_files(served, tmp_path):
+    urls = shard_urls(served)
+    sizes = [(served.root / "tar" / u.rpartition("/")[2]).stat().st_size for u in urls]
+    cache = cache_in(tmp_path, budget=sizes[0] + sizes[1] + sizes[2] // 2)
+    cache.local_path(urls[0])
+    cache.local_path(urls[1])
+    cache.local_path(urls[0])   # used again: urls[1] is now the least recently used
+    cache.local_path(urls[2])
+    left = {json.loads(p.read_text())["url"] for p in (tmp_path / "cache").glob("*.json")}
+    assert left == {urls[0], urls[2]} and cache.stats()["evictions"] == 1
+    cache.pin(urls[0])
+    cache.local_path(urls[1])   # urls[0] is older but pinned: urls[2] goes
+    left = {json.loads(p.read_text())["url"] for p in (tmp_path / "cache").glob("*.json")}
+    assert left == {urls[0], urls[1]}
+    assert cache.stats()["cached_bytes"] <= cache.budget_bytes
+
+
+def test_fetch_async_downloads_concurrently(served, tmp_path):
+    cache = cache_in(tmp_path, max_downloads=2)
+    futures = [cache.fetch_async(u) for u in shard_urls(served)]
+    paths = [f.result(timeout=30) for f in futures]
+    assert [Path(p).read_bytes() for p in paths] == [(served.root / "tar" / p.name).read_bytes()
+                                                      for p in sorted((served.root / "tar").glob("*.tar"))]
+    assert cache.stats()["misses"] == 3 and cache.stats()["bytes_downloaded"] == sum(
+        (served.root / "tar" / p.name).stat().st_size for p in (served.root / "tar").glob("*.tar"))
+    cache.close()
+
+
+def test_two_processes_download_a_shard_once(served, tmp_path):
+    url = shard_urls(served)[0]
+    served.delay["tar/shard-000000.tar"] = 1.0   # both processes ask while the first download runs
+    code = ("import sys; from feedgpu.remote import ShardCache; "
+            "print(ShardCache(sys.argv[1]).local_path(sys.argv[2]))")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "cache"), url], env=env,
+                              stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=60)[0].strip() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert outs[0] == outs[1] and Path(outs[0]).read_bytes() == (served.root / "tar/shard-000000.tar").read_bytes()
+    assert served.gets("tar/shard-000000.tar") == 1
