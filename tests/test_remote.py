@@ -319,3 +319,19 @@ def test_two_processes_download_a_shard_once(served, tmp_path):
     assert [p.returncode for p in procs] == [0, 0]
     assert outs[0] == outs[1] and Path(outs[0]).read_bytes() == (served.root / "tar/shard-000000.tar").read_bytes()
     assert served.gets("tar/shard-000000.tar") == 1
+
+
+def test_yaml_source_section_reads_a_url(served, tmp_path):
+    from feedgpu import ConfigError
+
+    yaml_path = REPO / "feedgpu" / "pipelines" / "imagenet_val.yaml"
+    p = Pipeline.from_yaml(yaml_path, source={"format": "tar", "path": f"{served.url}/tar/_index.json",
+                                              "cache_dir": str(tmp_path / "y"), "cache_budget": "64MiB"})
+    assert len(p.source) == N and p.source._remote.cache.budget_bytes == 64 << 20
+    assert p.source._remote.cache.directory == str(tmp_path / "y")
+    with pytest.raises(ConfigError, match="cache_budget"):
+        Pipeline.from_yaml(yaml_path, source={"format": "tar", "path": f"{served.url}/tar/_index.json",
+                                              "cache_budget": "lots"}).source
+    with pytest.raises(ConfigError, match="not to a folder"):
+        Pipeline.from_yaml(yaml_path, source={"format": "folder", "path": str(tmp_path),
+                                              "cache_dir": str(tmp_path)}).source

@@ -58,7 +58,10 @@ def _parse_budget(value) -> int | None:
 
     if isinstance(value, bool):
         raise ConfigError(f"cache_budget: expected bytes or a size such as '200GiB', got {value!r}")
-    n = parse_size(value)
+    try:
+        n = parse_size(value)
+    except ConfigError as e:
+        raise ConfigError(f"cache_budget: {e}") from None
     if n is not None and n <= 0:
         raise ConfigError(f"cache_budget: must be positive, got {value!r}")
     return n

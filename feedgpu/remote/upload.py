@@ -16,10 +16,11 @@ from .urls import filesystem, join
 
 
 def upload_dir(local_dir, url: str, storage_options: dict | None = None, attempts: int = 3,
-               sleep=time.sleep) -> list[str]:
+               sleep=None) -> list[str]:
     """Upload the files of ``local_dir`` (not its subfolders) under the folder ``url``; returns
     the URLs written. Raises :class:`~feedgpu.errors.UploadError` naming the files that failed
     (the index file is not uploaded then)."""
+    sleep = sleep or time.sleep
     fs, base = filesystem(url, storage_options)
     names = sorted(n for n in os.listdir(local_dir) if os.path.isfile(os.path.join(local_dir, n)))
     last = [INDEX_FILE] if INDEX_FILE in names else []
