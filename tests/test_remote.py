@@ -335,3 +335,20 @@ def test_yaml_source_section_reads_a_url(served, tmp_path):
     with pytest.raises(ConfigError, match="not to a folder"):
         Pipeline.from_yaml(yaml_path, source={"format": "folder", "path": str(tmp_path),
                                               "cache_dir": str(tmp_path)}).source
+
+
+def test_listed_tar_shards_are_indexed_once_then_from_the_cache(data, served, tmp_path):
+    urls = shard_urls(served)
+    first = TarShardSource(urls, cache=cache_in(tmp_path))
+    assert [served.gets(f"tar/shard-00000{k}.tar") for k in range(3)] == [1, 1, 1]
+    for p in (tmp_path / "cache").glob("*.data"):   # evicted, or a new machine sharing nothing but the index
+        p.unlink()
+    again = TarShardSource(urls, cache=cache_in(tmp_path))
+    assert [served.gets(f"tar/shard-00000{k}.tar") for k in range(3)] == [1, 1, 1], "indexed without a download"
+    assert again.identity() == first.identity()
+    same_records(again, TarShardSource(data / "tar"))   # reads download again
+    # a changed shard is indexed again, not from the kept index
+    shard = served.root / "tar/shard-000002.tar"
+    shard.write_bytes(shard.read_bytes() + b"\0" * 10240)
+    changed = TarShardSource(urls, cache=cache_in(tmp_path))
+    assert served.gets("tar/shard-000002.tar") == 3 and changed.identity() != first.identity()

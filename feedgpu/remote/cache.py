@@ -206,6 +206,30 @@ class ShardCache:
             if self._pins[k] <= 0:
                 del self._pins[k]
 
+    def save_index(self, ident: Identity, kind: str, index: dict) -> None:
+        """Keep a small index derived from a file (a tar shard's member table) in the folder,
+        under its URL, size and ETag, so a later run indexes without downloading it (kept when
+        the file is evicted). Written to a temporary name, then renamed."""
+        path = self._path(ident.url, f"{kind}-index.json")
+        tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+        try:
+            with open(tmp, "w", encoding="utf-8", errors="surrogateescape") as f:
+                json.dump({"identity": ident.as_dict(), "index": index}, f, ensure_ascii=False)
+            os.replace(tmp, path)
+        except OSError:   # a cache that cannot keep it indexes again next time
+            _remove(tmp)
+
+    def load_index(self, ident: Identity, kind: str) -> dict | None:
+        """The index :meth:`save_index` kept for this identity (same URL, size, ETag), else None."""
+        try:
+            with open(self._path(ident.url, f"{kind}-index.json"), encoding="utf-8", errors="surrogateescape") as f:
+                doc = json.load(f)
+            d = doc["identity"]
+            saved = Identity(d["url"], int(d["size"]), d.get("etag", ""), d.get("mtime", ""))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return doc["index"] if saved.url == ident.url and saved.same(ident) else None
+
     def stats(self) -> dict:
         """This process's counters: ``bytes_downloaded``, ``hits`` (served from the folder),
         ``misses`` (downloaded), ``network_wait_s`` (seconds callers of :meth:`local_path` waited

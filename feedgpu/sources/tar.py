@@ -148,41 +148,22 @@ class TarShardSource(Source):
         for sid, path, local in self._locals():
             if local is None:
                 continue
-            if isinstance(local, dict):   # the index file's member table
-                n = len(local["members"])
-                keys.extend(local["members"])
-                shard_ids.extend([sid] * n)
-                offsets.extend(local["offsets"])
-                sizes.extend(local["sizes"])
-                labels.extend(local["labels"])
-                labeled = labeled or any(lab >= 0 for lab in local["labels"])
-                continue
-            groups: dict[str, dict] = {}
-            self._cut = False
-            last = None
-            with open(local, "rb") as raw:
-                for m in self._members(path, raw, local):
-                    key, field = split_member(m.name)
-                    if key is None:
-                        if m.name.lower().endswith(tuple("." + e for e in IMAGE_SUFFIXES)):
-                            self.reject(f"{path}:{m.name}", "no key", "its base name starts with a dot: "
-                                        "WebDataset readers skip it too")
-                        continue
-                    kind, qual = _kind(field)
-                    if kind is None:
-                        other_labels += field in _OTHER_LABEL_FIELDS
-                        continue
-                    g = last = groups.setdefault(key, {"image": {}, "label": {}, "first": m.name})
-                    g[kind].setdefault(qual, []).append(m)
-                    if kind == "label":
-                        labeled = True
-                for g in groups.values():
-                    for m, label in self._samples(path, raw, g, self._cut and g is last):
-                        keys.append(m.name)
-                        shard_ids.append(sid)
-                        offsets.append(m.offset)
-                        sizes.append(m.size)
-                        labels.append(label)
+            if isinstance(local, dict):   # the index file's member table, or one the shard cache kept
+                part = local
+                for key, reason, detail in part.get("rejected", ()):
+                    self.reject(key, reason, detail)
+            else:
+                part = self._index_shard(path, local)
+                if self._remote is not None:
+                    f = self._remote.files[sid]
+                    self._remote.cache.save_index(f.identity, "tar", part)
+            keys.extend(part["members"])
+            shard_ids.extend([sid] * len(part["members"]))
+            offsets.extend(part["offsets"])
+            sizes.extend(part["sizes"])
+            labels.extend(part["labels"])
+            labeled = labeled or part.get("labeled", any(lab >= 0 for lab in part["labels"]))
+            other_labels += part.get("other", 0)
         keep = []
         for i, label in enumerate(labels):
             if label != -2:
@@ -211,6 +192,41 @@ class TarShardSource(Source):
         self._fds: dict[int, int] = {}
         self._pid = os.getpid()
 
+    def _index_shard(self, path: str, local: str) -> dict:
+        """One shard's samples (``members``, ``offsets``, ``sizes``, ``labels``: -2 for none),
+        whether it has label members (``labeled``), its ``other`` label-like members and the
+        records it ``rejected`` (``[key, reason, detail]``, also added to :attr:`rejected`)."""
+        members, offsets, sizes, labels = [], [], [], []
+        labeled, other_labels, first = False, 0, len(self.rejected)
+        groups: dict[str, dict] = {}
+        self._cut = False
+        last = None
+        with open(local, "rb") as raw:
+            for m in self._members(path, raw, local):
+                key, field = split_member(m.name)
+                if key is None:
+                    if m.name.lower().endswith(tuple("." + e for e in IMAGE_SUFFIXES)):
+                        self.reject(f"{path}:{m.name}", "no key", "its base name starts with a dot: "
+                                    "WebDataset readers skip it too")
+                    continue
+                kind, qual = _kind(field)
+                if kind is None:
+                    other_labels += field in _OTHER_LABEL_FIELDS
+                    continue
+                g = last = groups.setdefault(key, {"image": {}, "label": {}, "first": m.name})
+                g[kind].setdefault(qual, []).append(m)
+                if kind == "label":
+                    labeled = True
+            for g in groups.values():
+                for m, label in self._samples(path, raw, g, self._cut and g is last):
+                    members.append(m.name)
+                    offsets.append(m.offset)
+                    sizes.append(m.size)
+                    labels.append(label)
+        rejected = [[k, r, self.rejected_details.get(k, "")] for k, r in self.rejected[first:]]
+        return {"members": members, "offsets": offsets, "sizes": sizes, "labels": labels,
+                "labeled": labeled, "other": other_labels, "rejected": rejected}
+
     def _locals(self):
         """``(shard id, name, local path | member table | None)`` per shard: a local shard is
         its own path; a remote one is downloaded (up to the cache's ``max_downloads`` ahead,
@@ -224,7 +240,8 @@ class TarShardSource(Source):
 
         def submit(j):
             f = files[j]
-            if f.samples is None and f.identity is not None and j not in ahead:
+            if f.samples is None and f.identity is not None and j not in ahead \
+                    and cache.load_index(f.identity, "tar") is None:
                 cache.pin(f.url)
                 ahead[j] = cache.fetch_async(f.url, f.identity, f.sha256)
 
@@ -238,6 +255,11 @@ class TarShardSource(Source):
                 continue
             if f.samples is not None:
                 yield sid, f.url, f.samples
+                continue
+            saved = cache.load_index(f.identity, "tar")   # indexed on an earlier run: no download
+            if saved is not None:
+                ahead.pop(sid, None)
+                yield sid, f.url, saved
                 continue
             try:
                 yield sid, f.url, ahead.pop(sid).result()
