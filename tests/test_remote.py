@@ -352,3 +352,14 @@ def test_listed_tar_shards_are_indexed_once_then_from_the_cache(data, served, tm
     shard.write_bytes(shard.read_bytes() + b"\0" * 10240)
     changed = TarShardSource(urls, cache=cache_in(tmp_path))
     assert served.gets("tar/shard-000002.tar") == 3 and changed.identity() != first.identity()
+
+
+def test_a_dataset_larger_than_the_budget_is_read_with_evictions(data, served, tmp_path, monkeypatch):
+    import feedgpu.sources.tar as tar
+
+    monkeypatch.setattr(tar, "MAX_OPEN_REMOTE", 1)   # each process keeps one shard open
+    sizes = [(served.root / "tar" / p.name).stat().st_size for p in sorted((served.root / "tar").glob("*.tar"))]
+    cache = cache_in(tmp_path, budget=max(sizes) * 2)
+    src = TarShardSource(shard_urls(served), cache=cache)   # indexing holds one shard pinned at a time
+    same_records(src, TarShardSource(data / "tar"))
+    assert cache.stats()["evictions"] >= 2 and cache.stats()["cached_bytes"] <= cache.budget_bytes

@@ -194,6 +194,10 @@ class ShardCache:
             pool = self._pool
         return pool.submit(self.local_path, url, expect, sha256)
 
+    def forget(self, url: str) -> None:
+        """Check the folder and the store again on the next :meth:`local_path` of ``url``."""
+        self._valid.pop(url, None)
+
     def pin(self, url: str) -> None:
         """Keep ``url``'s file from eviction by this process until :meth:`unpin`."""
         with self._lock:
@@ -339,34 +343,34 @@ class ShardCache:
             except FileNotFoundError:
                 pass
         tmp = f"{data}.part-{os.getpid()}-{threading.get_ident()}"
-        with self._dir_lock():
-            self._make_room(url, remote.size)
-            f = self._open_tmp(tmp)
         fs = self._filesystem(url)
         path = fs._strip_protocol(url)
         digest = hashlib.sha256() if sha256 else None
         md5 = hashlib.md5() if _MD5.fullmatch(remote.etag) and scheme(url) in ("s3", "gs", "gcs") else None
+        f = None
+        meta_tmp = f"{meta_path}.tmp-{os.getpid()}-{threading.get_ident()}"
         try:
-            try:
+            with self._dir_lock():
+                self._make_room(url, remote.size)
+                f = self._open_tmp(tmp)
                 f.truncate(remote.size)   # reserves the file's size in the budget's count
-                f.seek(0)
-                done = 0
-                while done < remote.size:
-                    block = fs.cat_file(path, start=done, end=min(remote.size, done + self.chunk_bytes))
-                    if not block:
-                        raise _Mismatch(f"the store sent {done} of {remote.size} bytes")
-                    if done + len(block) > remote.size:
-                        raise _Mismatch(f"the store sent more than {remote.size} bytes")
-                    f.write(block)
-                    done += len(block)
-                    self._count("bytes_downloaded", len(block))
-                    for h in (digest, md5):
-                        if h is not None:
-                            h.update(block)
-                f.flush()
-                os.fsync(f.fileno())
-            finally:
-                f.close()
+            f.seek(0)
+            done = 0
+            while done < remote.size:
+                block = fs.cat_file(path, start=done, end=min(remote.size, done + self.chunk_bytes))
+                if not block:
+                    raise _Mismatch(f"the store sent {done} of {remote.size} bytes")
+                if done + len(block) > remote.size:
+                    raise _Mismatch(f"the store sent more than {remote.size} bytes")
+                f.write(block)
+                done += len(block)
+                self._count("bytes_downloaded", len(block))
+                for h in (digest, md5):
+                    if h is not None:
+                        h.update(block)
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
             after = self._stat(url)
             if not after.same(remote):
                 raise _Mismatch(f"it changed during the download ({remote.describe()}, then {after.describe()})")
@@ -374,20 +378,19 @@ class ShardCache:
                 raise _Mismatch(f"SHA-256 {digest.hexdigest()} is not the index file's {sha256}")
             if md5 is not None and md5.hexdigest() != remote.etag:
                 raise _Mismatch(f"MD5 {md5.hexdigest()} is not its ETag {remote.etag}")
-            os.replace(tmp, data)
-            meta_tmp = f"{meta_path}.tmp-{os.getpid()}-{threading.get_ident()}"
             with open(meta_tmp, "w", encoding="utf-8") as m:
                 json.dump(remote.as_dict(), m)
+            os.replace(tmp, data)
             os.replace(meta_tmp, meta_path)
-        except OSError as e:
-            _remove(tmp)
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        except BaseException as e:
+            if f is not None:
+                f.close()
+            for p in (tmp, meta_tmp, data):
+                _remove(p)
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise CacheFullError(f"{url}: the disk holding the shard cache {self.directory} is full "
                                      f"({e.strerror}); nothing was left half-written. Free space or lower "
                                      "cache_budget") from None
-            raise
-        except BaseException:
-            _remove(tmp)
             raise
 
     def _entries(self):

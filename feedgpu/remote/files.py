@@ -113,6 +113,22 @@ class RemoteFiles:
         f = self.files[i]
         return self.cache.local_path(f.url, f.identity, f.sha256)
 
+    def open_local(self, i: int, opener):
+        """``opener(local path)`` of file ``i``, pinned in the cache (the caller unpins when it
+        lets go). A file another process evicted between the download and the open is fetched
+        again (twice at most, then :class:`~feedgpu.errors.DownloadError`)."""
+        url = self.files[i].url
+        for _ in range(3):
+            path = self.local(i)
+            self.cache.pin(url)
+            try:
+                return opener(path)
+            except FileNotFoundError:
+                self.cache.unpin(url)
+                self.cache.forget(url)
+        raise DownloadError(f"{url}: evicted from the shard cache by other processes three times before it "
+                            "could be opened; raise cache_budget", url, 3)
+
     def open(self, i: int):
         """File ``i`` as an fsspec file for ranged reads (Parquet footers and columns)."""
         f = self.files[i]

@@ -32,6 +32,7 @@ from .base import CLASS_NAMES_FILE, Record, Source, class_names, class_names_fro
 _NULL = np.iinfo(np.int64).min   # a null label while indexing
 _HUGE = _NULL + 1                 # a uint64 label that int64 cannot hold
 _CORRUPT = _NULL + 2              # a label in a row group whose label column cannot be read
+_MAX_OPEN_REMOTE = 8              # remote files a process keeps mapped (pinned in the shard cache)
 
 
 def _int64_labels(col: pa.ChunkedArray) -> np.ndarray:
@@ -242,11 +243,16 @@ class ParquetSource(Source):
                 self._cache, self._cached, self._files, self._pid = OrderedDict(), 0, {}, os.getpid()
                 self._live = None
             pf = self._files.get(fid)
-            if pf is None:
-                local = self.files[fid] if self._remote is None else self._remote.local(fid)
-                pf = self._files[fid] = pq.ParquetFile(local, memory_map=True)
-                if self._remote is not None:
-                    self._remote.cache.pin(self.files[fid])   # mapped here: not evicted by this process
+            if pf is None and self._remote is None:
+                pf = self._files[fid] = pq.ParquetFile(self.files[fid], memory_map=True)
+            elif pf is None:
+                while len(self._files) >= _MAX_OPEN_REMOTE:   # the oldest may be evicted again
+                    old = next(iter(self._files))
+                    del self._files[old]
+                    self._remote.cache.unpin(self.files[old])
+                pf = self._files[fid] = self._remote.open_local(fid, lambda p: pq.ParquetFile(p, memory_map=True))
+            elif self._remote is not None:
+                self._files[fid] = self._files.pop(fid)   # most recently used last
             k = self._slice_rows(pf, fid, rg)
             if k == 0:
                 return self._cached_part((fid, rg, -1), lambda: pf.read_row_group(rg, columns=[self.image_column])

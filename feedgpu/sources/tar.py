@@ -58,6 +58,9 @@ _OTHER_LABEL_FIELDS = ("json", "txt", "id", "class", "target")   # WebDataset fi
 _COMPRESSED = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00", b"\x28\xb5\x2f\xfd")
 _LABEL_BYTES = 64
 _MAX_LABEL = np.iinfo(np.int64).max   # labels are held as int64
+#: Remote shards a process keeps open (pinned in the shard cache) at once; the least recently
+#: read is closed first, so a dataset larger than the cache's budget can be read.
+MAX_OPEN_REMOTE = 8
 
 
 def split_member(name: str) -> tuple[str | None, str]:
@@ -237,6 +240,10 @@ class TarShardSource(Source):
             return
         files, cache = self._remote.files, self._remote.cache
         ahead: dict = {}
+        window = cache.max_downloads   # shards pinned ahead: within the budget
+        if cache.budget_bytes is not None:
+            biggest = max((f.identity.size for f in files if f.identity is not None), default=1)
+            window = max(1, min(window, cache.budget_bytes // max(1, biggest)))
 
         def submit(j):
             f = files[j]
@@ -246,7 +253,7 @@ class TarShardSource(Source):
                 ahead[j] = cache.fetch_async(f.url, f.identity, f.sha256)
 
         for sid, f in enumerate(files):
-            for j in range(sid, min(len(files), sid + cache.max_downloads)):
+            for j in range(sid, min(len(files), sid + window)):
                 submit(j)
             if f.identity is None:   # the store could not be reached for it
                 names = [f"{f.url}:{m}" for m in f.samples["members"]] if f.samples else [f.url]
@@ -401,12 +408,17 @@ class TarShardSource(Source):
             if self._remote is None:
                 fd = self._fds[sid] = os.open(self.shards[sid], os.O_RDONLY)
                 return fd
+            while len(self._fds) >= MAX_OPEN_REMOTE:   # the oldest open shard may be evicted again
+                old = next(iter(self._fds))
+                os.close(self._fds.pop(old))
+                self._remote.cache.unpin(self.shards[old])
             try:
-                local = self._remote.local(sid)
+                fd = self._remote.open_local(sid, lambda p: os.open(p, os.O_RDONLY))
             except DownloadError as e:
                 raise SampleError(self.key(index), "bad shard", str(e)) from None
-            self._remote.cache.pin(self.shards[sid])   # not evicted while open here
-            fd = self._fds[sid] = os.open(local, os.O_RDONLY)
+            self._fds[sid] = fd
+        elif self._remote is not None:
+            self._fds[sid] = self._fds.pop(sid)   # most recently used last
         return fd
 
     def key(self, index: int) -> str:
