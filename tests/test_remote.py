@@ -363,3 +363,21 @@ def test_a_dataset_larger_than_the_budget_is_read_with_evictions(data, served, t
     src = TarShardSource(shard_urls(served), cache=cache)   # indexing holds one shard pinned at a time
     same_records(src, TarShardSource(data / "tar"))
     assert cache.stats()["evictions"] >= 2 and cache.stats()["cached_bytes"] <= cache.budget_bytes
+
+
+def test_pixel_cache_works_on_top_of_remote_shards(served, tmp_path):
+    from feedgpu.stages import Resize
+
+    url = f"{served.url}/tar/_index.json"
+
+    def cached(shards_dir):
+        return Pipeline(TarShardSource(url, cache_dir=tmp_path / shards_dir), [Decode(), Resize(40), ResizeCenterCrop(32, 32)],
+                        batch_size=8, num_workers=0, shuffle=False, device="cpu", cache={"dir": str(tmp_path / "px")})
+
+    first = clone_all(DataLoader(cached("s1")))   # epoch 1: downloads, fills the pixel cache
+    gets = sum(served.gets(f"tar/shard-00000{k}.tar") for k in range(3))
+    assert gets == 3
+    # another machine's empty shard cache, the same pixel cache: its fingerprint holds URLs and ETags
+    again = clone_all(DataLoader(cached("s2")))
+    assert batches_equal(again, first)
+    assert sum(served.gets(f"tar/shard-00000{k}.tar") for k in range(3)) == gets, "no shard read again"
