@@ -17,7 +17,7 @@ import pytest
 from conftest import PHOTOS, REPO, batches_equal, clone_all
 from feedgpu import Batch, DataLoader, ParquetSource, Pipeline, SkipBudgetExceeded, SkippedSampleWarning, TarShardSource
 from feedgpu.convert import folder_to_parquet, folder_to_tar
-from feedgpu.errors import CacheFullError, DownloadError, RemoteChangedError, SampleError, SourceError
+from feedgpu.errors import CacheFullError, RemoteChangedError, SampleError, SourceError
 from feedgpu.remote import ShardCache
 from feedgpu.sample_data import build_imagenet_like
 from feedgpu.stages import Decode, ResizeCenterCrop

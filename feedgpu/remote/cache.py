@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import errno
-import fcntl
 import hashlib
 import json
 import os
@@ -40,13 +39,12 @@ import re
 import threading
 import time
 from collections import Counter
-from contextlib import contextmanager
 
 from ..errors import CacheFullError, ConfigError, DownloadError, RemoteChangedError, RemoteError
+from .folder import entries, locked, make_room, remove
 from .urls import Identity, filesystem, identity_from_info, scheme
 
 _MD5 = re.compile(r"[0-9a-f]{32}")
-_PART = re.compile(r"^(?P<key>[0-9a-f]{32})\.data\.part-(?P<pid>\d+)-\d+$")
 
 
 class _Mismatch(Exception):
@@ -221,7 +219,7 @@ class ShardCache:
                 json.dump({"identity": ident.as_dict(), "index": index}, f, ensure_ascii=False)
             os.replace(tmp, path)
         except OSError:   # a cache that cannot keep it indexes again next time
-            _remove(tmp)
+            remove(tmp)
 
     def load_index(self, ident: Identity, kind: str) -> dict | None:
         """The index :meth:`save_index` kept for this identity (same URL, size, ETag), else None."""
@@ -243,7 +241,7 @@ class ShardCache:
             out = {k: int(self._stats[k]) for k in ("bytes_downloaded", "hits", "misses", "retries",
                                                      "evictions", "failures")}
             out["network_wait_s"] = self._wait_s
-        out["cached_bytes"] = sum(size for *_, size in self._entries())
+        out["cached_bytes"] = sum(size for *_, size in entries(self.directory))
         return out
 
     def close(self) -> None:
@@ -277,23 +275,11 @@ class ShardCache:
         raise DownloadError(f"{url}: download failed after {self.retries + 1} attempt(s): "
                             f"{type(last).__name__}: {last}", url, self.retries + 1) from last
 
-    @contextmanager
     def _file_lock(self, url: str):
-        fd = os.open(self._path(url, "lock"), os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)   # releases the lock
+        return locked(self._path(url, "lock"))
 
-    @contextmanager
     def _dir_lock(self):
-        fd = os.open(os.path.join(self.directory, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)
+        return locked(os.path.join(self.directory, ".lock"))
 
     def _read_meta(self, url: str) -> Identity | None:
         try:
@@ -351,7 +337,9 @@ class ShardCache:
         meta_tmp = f"{meta_path}.tmp-{os.getpid()}-{threading.get_ident()}"
         try:
             with self._dir_lock():
-                self._make_room(url, remote.size)
+                with self._lock:
+                    pinned = set(self._pins)
+                self._count("evictions", make_room(self.directory, self.budget_bytes, url, remote.size, pinned))
                 f = self._open_tmp(tmp)
                 f.truncate(remote.size)   # reserves the file's size in the budget's count
             f.seek(0)
@@ -386,91 +374,9 @@ class ShardCache:
             if f is not None:
                 f.close()
             for p in (tmp, meta_tmp, data):
-                _remove(p)
+                remove(p)
             if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise CacheFullError(f"{url}: the disk holding the shard cache {self.directory} is full "
                                      f"({e.strerror}); nothing was left half-written. Free space or lower "
                                      "cache_budget") from None
             raise
-
-    def _entries(self):
-        """``[(last use, key, size)]`` of the folder's files, and of downloads in flight (last use
-        ``inf``); a partial file of a process that is gone is removed."""
-        out = []
-        try:
-            names = os.listdir(self.directory)
-        except OSError:
-            return out
-        for name in names:
-            p = os.path.join(self.directory, name)
-            m = _PART.match(name)
-            try:
-                if m:
-                    if not _alive(int(m.group("pid"))):
-                        _remove(p)
-                        continue
-                    out.append((float("inf"), m.group("key"), os.path.getsize(p)))
-                elif name.endswith(".data"):
-                    key = name[:-5]
-                    try:
-                        used = os.path.getmtime(os.path.join(self.directory, key + ".json"))
-                    except OSError:
-                        used = 0.0
-                    out.append((used, key, os.path.getsize(p)))
-            except OSError:
-                continue
-        return out
-
-    def _make_room(self, url: str, size: int) -> None:
-        """Under the folder lock: evict least recently used entries until ``size`` more bytes fit."""
-        if self.budget_bytes is None:
-            return
-        if size > self.budget_bytes:
-            raise CacheFullError(f"{url}: {size} bytes do not fit in the shard cache's budget of "
-                                 f"{self.budget_bytes} bytes ({self.directory}); raise cache_budget")
-        entries = sorted(self._entries())
-        total = sum(e[2] for e in entries)
-        with self._lock:
-            pinned = set(self._pins)
-        for used, key, nbytes in entries:
-            if total + size <= self.budget_bytes:
-                return
-            if used == float("inf") or key in pinned or not self._evict(key):
-                continue
-            total -= nbytes
-            self._count("evictions")
-        if total + size > self.budget_bytes:
-            raise CacheFullError(f"{url}: {size} bytes do not fit in the shard cache's budget of "
-                                 f"{self.budget_bytes} bytes ({self.directory}): {total} bytes are in use "
-                                 "(pinned or being downloaded); raise cache_budget")
-
-    def _evict(self, key: str) -> bool:
-        """Remove an entry unless another process holds its lock (downloading it)."""
-        fd = os.open(os.path.join(self.directory, key + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                return False
-            _remove(os.path.join(self.directory, key + ".json"))
-            _remove(os.path.join(self.directory, key + ".data"))
-            return True
-        finally:
-            os.close(fd)
-
-
-def _remove(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
