@@ -116,3 +116,19 @@ def test_convert_partial_upload_failure_exits_non_zero(s3, tmp_path, monkeypatch
     assert "shard-000001.tar: OSError: injected" in res.output and "incomplete" in res.output
     names = [p.rpartition("/")[2] for p in s3.filesystem().ls("data/broken")]
     assert "_index.json" not in names and "shard-000001.tar" not in names
+
+
+def test_s3_md5_etag_mismatch_is_never_served(s3, tmp_path, monkeypatch):
+    from feedgpu.remote.urls import Identity
+
+    real = ShardCache._stat
+
+    def wrong_etag(self, url):   # the store's ETag (an MD5) does not match the bytes it sends
+        ident = real(self, url)
+        return Identity(ident.url, ident.size, "0" * 32, ident.mtime)
+
+    monkeypatch.setattr(ShardCache, "_stat", wrong_etag)
+    cache = ShardCache(tmp_path / "c", storage_options=s3.storage_options, retries=1, sleep=lambda s: None)
+    with pytest.raises(DownloadError, match="MD5 .* is not its ETag"):
+        cache.local_path("s3://data/tar/shard-000000.tar")
+    assert not list((tmp_path / "c").glob("*.data*"))
