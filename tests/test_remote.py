@@ -381,3 +381,22 @@ def test_pixel_cache_works_on_top_of_remote_shards(served, tmp_path):
     again = clone_all(DataLoader(cached("s2")))
     assert batches_equal(again, first)
     assert sum(served.gets(f"tar/shard-00000{k}.tar") for k in range(3)) == gets, "no shard read again"
+
+
+def test_scan_and_convert_take_urls(data, served, tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from feedgpu.cli.main import main
+
+    monkeypatch.setenv("FEEDGPU_CACHE_DIR", str(tmp_path / "fc"))
+    res = CliRunner().invoke(main, ["scan", f"{served.url}/tar/_index.json", "--workers", "0"])
+    assert res.exit_code == 0 and f"scanned {N} samples" in res.output, res.output
+    res = CliRunner().invoke(main, ["scan", f"{served.url}/tar/*.tar", "--workers", "0"])
+    assert res.exit_code == 2 and "cannot list" in res.output
+    out = tmp_path / "up"
+    res = CliRunner().invoke(main, ["convert", str(data / "train"), f"file://{out}", "--to", "parquet",
+                                    "--per-file", "10"])
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in out.iterdir()) == ["_classes.txt", "_index.json", "part-000000.parquet",
+                                                    "part-000001.parquet", "part-000002.parquet"]
+    same_records(ParquetSource(f"file://{out}/_index.json", cache_dir=tmp_path / "c"), ParquetSource(data / "pq"))

@@ -248,7 +248,8 @@ def _convert_to_url(src, url, fmt, per_file, storage_options) -> None:
         except SystemExit as e:   # 1: records left out (listed), still uploaded
             code = e.code
         written = upload_dir(local, url, options)
-        click.echo(f"uploaded {len(written)} file(s) to {url}")
+        click.echo(f"uploaded {len(written)} file(s) to {url} (built and checked in a temporary folder, "
+                   "now removed)")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if code:

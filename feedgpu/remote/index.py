@@ -65,6 +65,23 @@ def write_index(folder, files, kind: str, source=None) -> str:
     return path
 
 
+def index_kind(url: str, storage_options: dict | None = None) -> str:
+    """``"tar"`` or ``"parquet"``: what the index file at ``url`` (or local path) describes.
+    Raises :class:`SourceError` when it cannot be read or is not a feedgpu index."""
+    from .urls import filesystem, is_url
+
+    where = url if is_url(url) else "file://" + os.path.abspath(url)
+    fs, path = filesystem(where, storage_options)
+    try:
+        doc = json.loads(fs.cat_file(path).decode("utf-8", "surrogateescape"))
+    except (OSError, ValueError) as e:
+        raise SourceError(f"{url}: cannot read the index file ({type(e).__name__}: {e})") from None
+    kind = doc.get("kind") if isinstance(doc, dict) and doc.get("format") == FORMAT else None
+    if kind not in ("tar", "parquet"):
+        raise SourceError(f"{url}: not a feedgpu index file of tar or parquet files")
+    return kind
+
+
 def parse_index(text: str, where: str, kind: str) -> list[dict]:
     """The ``files`` entries of an index file's text; raises :class:`SourceError` when it is not
     a feedgpu index or describes another kind of data."""
