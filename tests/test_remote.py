@@ -400,3 +400,13 @@ def test_scan_and_convert_take_urls(data, served, tmp_path, monkeypatch):
     assert sorted(p.name for p in out.iterdir()) == ["_classes.txt", "_index.json", "part-000000.parquet",
                                                     "part-000001.parquet", "part-000002.parquet"]
     same_records(ParquetSource(f"file://{out}/_index.json", cache_dir=tmp_path / "c"), ParquetSource(data / "pq"))
+
+
+def test_changed_shard_stops_the_next_epoch_with_a_typed_error(served, tmp_path):
+    src = TarShardSource(f"{served.url}/tar/_index.json", cache_dir=tmp_path / "c")
+    loader = DataLoader(pipe(src, num_workers=1, persistent_workers=False))
+    assert sum(len(b.labels) for b in loader) == N
+    shard = served.root / "tar/shard-000001.tar"
+    shard.write_bytes(shard.read_bytes() + b"\0" * 10240)   # rewritten on the store between epochs
+    with pytest.raises(RemoteChangedError, match="shard-000001.tar changed since the source was indexed"):
+        list(loader)   # the new epoch's worker checks the store when it opens the shard
