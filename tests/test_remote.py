@@ -410,3 +410,13 @@ def test_changed_shard_stops_the_next_epoch_with_a_typed_error(served, tmp_path)
     shard.write_bytes(shard.read_bytes() + b"\0" * 10240)   # rewritten on the store between epochs
     with pytest.raises(RemoteChangedError, match="shard-000001.tar changed since the source was indexed"):
         list(loader)   # the new epoch's worker checks the store when it opens the shard
+
+
+def test_a_source_fetches_its_shards_ahead(served, tmp_path):
+    src = TarShardSource(f"{served.url}/tar/_index.json", cache=cache_in(tmp_path))
+    assert TarShardSource(served.root / "tar").remote is None
+    futures = [src.remote.fetch_async(k) for k in range(3)]
+    assert all(Path(f.result(timeout=30)).is_file() for f in futures)
+    gets = served.gets("tar/shard-000002.tar")
+    src.read(len(src) - 1)   # served from the cache: no new download
+    assert served.gets("tar/shard-000002.tar") == gets == 1

@@ -113,6 +113,12 @@ class RemoteFiles:
         f = self.files[i]
         return self.cache.local_path(f.url, f.identity, f.sha256)
 
+    def fetch_async(self, i: int):
+        """Start downloading file ``i`` into the cache (checked against the identity it was
+        indexed on and its checksum): :meth:`ShardCache.fetch_async`'s future of the local path."""
+        f = self.files[i]
+        return self.cache.fetch_async(f.url, f.identity, f.sha256)
+
     def open_local(self, i: int, opener):
         """``opener(local path)`` of file ``i``, pinned in the cache (the caller unpins when it
         lets go). A file another process evicted between the download and the open is fetched

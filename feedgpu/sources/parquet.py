@@ -221,6 +221,12 @@ class ParquetSource(Source):
             return
         raise SourceError(f"parquet source: {path} is not a Parquet file ({error})") from None
 
+    @property
+    def remote(self):
+        """The :class:`~feedgpu.remote.files.RemoteFiles` of a source read from URLs (its
+        ``cache``, and ``fetch_async(i)`` to fetch file ``i`` ahead), else None."""
+        return self._remote
+
     def __getstate__(self) -> dict:
         """Pickled (to a Ray worker) without this process's open files, cached row groups and lock."""
         state = self.__dict__.copy()

@@ -390,6 +390,12 @@ class TarShardSource(Source):
                 for m in labs:
                     self.reject(f"{path}:{m.name}", "no image", "a label without its image")
 
+    @property
+    def remote(self):
+        """The :class:`~feedgpu.remote.files.RemoteFiles` of a source read from URLs (its
+        ``cache``, and ``fetch_async(i)`` to fetch shard ``i`` ahead), else None."""
+        return self._remote
+
     def __getstate__(self) -> dict:
         """Pickled (to a Ray worker) without this process's file descriptors."""
         state = self.__dict__.copy()
