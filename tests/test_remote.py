@@ -420,3 +420,10 @@ def test_a_source_fetches_its_shards_ahead(served, tmp_path):
     gets = served.gets("tar/shard-000002.tar")
     src.read(len(src) - 1)   # served from the cache: no new download
     assert served.gets("tar/shard-000002.tar") == gets == 1
+
+
+def test_a_url_named_twice_is_read_once_with_a_warning(served, tmp_path):
+    urls = shard_urls(served)
+    with pytest.warns(UserWarning, match="named more than once"):
+        src = TarShardSource(urls + urls[:1], cache=cache_in(tmp_path))
+    assert len(src) == N and src.shards == urls

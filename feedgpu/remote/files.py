@@ -9,6 +9,7 @@ size and ETag only, so a new machine with an empty cache resumes a saved state e
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 
 from ..errors import DownloadError, SourceError
@@ -68,13 +69,17 @@ class RemoteFiles:
         if self.index_url is not None:
             self._from_index(self.index_url, kind)
         else:
-            seen = set()
+            seen, repeats = set(), []
             for url, info in expand_urls(spec, suffix, self.storage_options):
                 if url in seen:
+                    repeats.append(url)
                     continue
                 seen.add(url)
                 ident = identity_from_info(url, info) if info and info.get("size") is not None else None
                 self.files.append(self._stated(RemoteFile(url, ident)))
+            if repeats:   # as for local paths: its records would otherwise come twice an epoch
+                warnings.warn(f"feedgpu: {len(repeats)} file(s) named more than once, read once: "
+                              + ", ".join(repeats[:5]) + (" ..." if len(repeats) > 5 else ""), stacklevel=4)
         if not self.files:
             raise SourceError(f"{kind} source: no files match {spec!r}")
 
