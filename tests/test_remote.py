@@ -17,7 +17,7 @@ import pytest
 from conftest import PHOTOS, REPO, batches_equal, clone_all
 from feedgpu import Batch, DataLoader, ParquetSource, Pipeline, SkipBudgetExceeded, SkippedSampleWarning, TarShardSource
 from feedgpu.convert import folder_to_parquet, folder_to_tar
-from feedgpu.errors import CacheFullError, RemoteChangedError, SampleError, SourceError
+from feedgpu.errors import CacheFullError, DownloadError, RemoteChangedError, SampleError, SourceError
 from feedgpu.remote import ShardCache
 from feedgpu.sample_data import build_imagenet_like
 from feedgpu.stages import Decode, ResizeCenterCrop
@@ -427,3 +427,13 @@ def test_a_url_named_twice_is_read_once_with_a_warning(served, tmp_path):
     with pytest.warns(UserWarning, match="named more than once"):
         src = TarShardSource(urls + urls[:1], cache=cache_in(tmp_path))
     assert len(src) == N and src.shards == urls
+
+
+def test_a_silent_server_is_a_failed_download_not_a_hang(served, tmp_path, monkeypatch):
+    import feedgpu.remote.urls as urls
+
+    monkeypatch.setattr(urls, "HTTP_READ_TIMEOUT_S", 0.3)
+    served.delay["tar/shard-000000.tar"] = 3.0   # sends its headers, then nothing for 3 s
+    cache = cache_in(tmp_path, retries=1)
+    with pytest.raises(DownloadError, match="after 2 attempt"):
+        cache.local_path(shard_urls(served)[0])

@@ -21,6 +21,10 @@ from ..errors import ConfigError, SourceError
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 #: Stores that cannot list a folder: a shard list or an index file is needed.
 UNLISTABLE = ("http", "https")
+#: HTTP(S) without a ``client_kwargs.timeout`` of the user's: seconds to connect, and seconds a
+#: response may stay silent, before the request fails (and is retried); no limit on the total.
+HTTP_CONNECT_TIMEOUT_S = 30.0
+HTTP_READ_TIMEOUT_S = 60.0
 
 
 def is_url(value) -> bool:
@@ -47,9 +51,15 @@ def filesystem(url: str, storage_options: dict | None = None):
         import fsspec.core
     except ImportError:   # pragma: no cover - fsspec is in the remote extra
         raise ConfigError(f"{url}: reading URLs needs fsspec: pip install 'feedgpu[remote]'") from None
+    options = dict(storage_options or {})
     try:
-        return fsspec.core.url_to_fs(url, **(storage_options or {}))
-    except ImportError as e:
+        if scheme(url) in UNLISTABLE and "timeout" not in options.get("client_kwargs", {}):
+            import aiohttp   # a server that stops sending is an error (retried), never a hang
+
+            options["client_kwargs"] = {**options.get("client_kwargs", {}), "timeout": aiohttp.ClientTimeout(
+                total=None, sock_connect=HTTP_CONNECT_TIMEOUT_S, sock_read=HTTP_READ_TIMEOUT_S)}
+        return fsspec.core.url_to_fs(url, **options)
+    except ImportError as e:   # pragma: no cover - depends on the installed extras
         raise ConfigError(f"{url}: the {scheme(url)}:// store needs a package that is not installed ({e}); "
                           "pip install 'feedgpu[remote]' (s3fs, aiohttp) or gcsfs for gs://") from None
 
