@@ -185,6 +185,11 @@ class Source:
     def key(self, index: int) -> str:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def fit_memory(self, cache_bytes: int) -> None:
+        """Size this source's per-process read cache to ``cache_bytes`` (called by the loader
+        from its memory budget before its workers start, see :mod:`feedgpu.exec.memory_budget`).
+        Sources without such a cache ignore it."""
+
     def local_file(self, index: int) -> tuple[str, int] | None:
         """``(path, label)`` when the sample is a whole local file another reader may open
         itself (the DALI engine's ``fn.io.file.read``), else None."""
