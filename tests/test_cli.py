@@ -134,5 +134,5 @@ def test_bench_writes_json_with_both_loaders(cli, folder_ds, tmp_path):
     assert "USS/worker MB" in res.stdout and "feedgpu's budget" in res.stdout
     for name in ("feedgpu", "torch"):
         s = doc["summary"][name]
-        assert s["uss_mb_per_worker"] > 0 and s["uss_growth_mb_per_worker"] is not None
+        assert s["uss_mb_per_worker"] > 0 and s["cow_growth_mb_per_worker"] is not None
     assert doc["summary"]["feedgpu"]["worker_memory_mb"] >= 64

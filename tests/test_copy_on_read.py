@@ -68,9 +68,11 @@ def test_a_list_of_python_objects_warns_a_numpy_array_does_not(monkeypatch):
 
 
 def test_the_watch_reads_three_times_and_warns_once():
-    """Injected readings: a worker at 10 MiB when the pool starts, 50 MiB half-way, 90 MiB at
-    the end of epoch 0 (threshold 64 MiB): one warning at the end, none at epoch 1."""
-    readings = {7: iter([10 * MIB, 50 * MIB, 90 * MIB])}
+    """Injected readings (USS, RSS): a worker at 10 MiB unique of 200 MiB resident when the pool
+    starts, 50 MiB half-way, 90 MiB at the end of epoch 0 with RSS unchanged (threshold 64 MiB):
+    one warning at the end, none at epoch 1. Memory the worker allocates (RSS grows as much as
+    USS) is not copy-on-read, and spawned workers are not watched."""
+    readings = {7: iter([(10 * MIB, 200 * MIB), (50 * MIB, 200 * MIB), (90 * MIB, 200 * MIB)])}
     calls = []
 
     def read(pid):
@@ -81,20 +83,31 @@ def test_the_watch_reads_three_times_and_warns_once():
         def __len__(self):
             return 1000
 
-    w = CopyOnReadWatch(D(), threshold_bytes=64 * MIB, read_uss=read)
+    w = CopyOnReadWatch(D(), threshold_bytes=64 * MIB, read_memory=read)
     w.start([7], epoch=0)
     with warnings.catch_warnings():
         warnings.simplefilter("error", CopyOnReadWarning)
         for b in range(6):                       # up to half-way (batch 5 of 0-9): 40 MiB, under 64
             w.on_batch(0, b, 0, 10, [7])
     assert w.growth == {7: 40 * MIB} and not w.warned
-    with pytest.warns(CopyOnReadWarning, match="80 MiB each .*83,886 bytes per sample"):
+    with pytest.warns(CopyOnReadWarning, match="copied up to 80 MiB each .*83,886 bytes per sample"):
         for b in range(6, 10):
             w.on_batch(0, b, 0, 10, [7])
     assert w.done and w.warned and len(calls) == 3
     w.start([7], epoch=1)
     w.on_batch(1, 9, 0, 10, [7])                 # later epochs are not read
     assert len(calls) == 3
+    # allocated, not copied: USS and RSS grow alike (a worker importing a library, say)
+    grows = iter([(10 * MIB, 200 * MIB), (180 * MIB, 372 * MIB), (180 * MIB, 372 * MIB)])
+    w = CopyOnReadWatch(D(), threshold_bytes=64 * MIB, read_memory=lambda pid: next(grows))
+    w.start([7], epoch=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CopyOnReadWarning)
+        for b in range(10):
+            w.on_batch(0, b, 0, 10, [7])
+    assert w.growth == {7: 0} and not w.warned
+    w = CopyOnReadWatch(D(), read_memory=read, forked=False)
+    assert w.done
 
 
 def test_big_containers_are_named():
@@ -110,13 +123,13 @@ def test_big_containers_are_named():
 def test_bench_names_copy_on_read_and_an_exceeded_budget():
     from feedgpu.cli.bench import memory_notes
 
-    summary = {"torch": {"label": "torch DataLoader", "uss_growth_mb_per_worker": 300.0, "uss_mb_per_worker": 340.0},
-               "feedgpu": {"label": "feedgpu", "uss_growth_mb_per_worker": 2.0, "uss_mb_per_worker": 60.0,
+    summary = {"torch": {"label": "torch DataLoader", "cow_growth_mb_per_worker": 300.0, "uss_mb_per_worker": 340.0},
+               "feedgpu": {"label": "feedgpu", "cow_growth_mb_per_worker": 2.0, "uss_mb_per_worker": 60.0,
                            "worker_memory_mb": 48.0}}
     notes = memory_notes(summary, growth_mb=64)
     assert len(notes) == 2
-    assert notes[0].startswith("torch DataLoader: a worker's USS grew by 300 MB") and "copy-on-read" in notes[0]
+    assert notes[0].startswith("torch DataLoader: a worker copied 300 MB") and "copy-on-read" in notes[0]
     assert notes[1].startswith("feedgpu: USS per worker 60 MB is over its memory budget of 48 MB")
     summary["feedgpu"]["worker_memory_mb"] = 64.0
-    summary["torch"]["uss_growth_mb_per_worker"] = 10.0
+    summary["torch"]["cow_growth_mb_per_worker"] = 10.0
     assert memory_notes(summary, growth_mb=64) == []

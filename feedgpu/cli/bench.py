@@ -350,7 +350,7 @@ def measure(subject: Subject, batches: int, warmup: int, on_batch: Callable[[], 
         "rss_peak_mb_main": round(main_peak / MB, 1),
         "uss_mb_per_worker": mid_mem.get("uss"), "pss_mb_per_worker": mid_mem.get("pss"),
         "uss_mb_main": mid_mem.get("main_uss"), "steal_percent": _steal(sys_start, sys_end),
-        "uss_growth_mb_per_worker": _growth(first_mem, end_mem),
+        "cow_growth_mb_per_worker": _growth(first_mem, end_mem),
         "others_cpu_percent": _others(sys_start, sys_end, cpu_end - cpu_start, wall),
         "output": {"shape": shape, "dtype": dtype}, **extra,
     }
@@ -380,9 +380,11 @@ def _quantile(xs: list[float], q: float) -> float:
 
 
 def _growth(first: dict, end: dict) -> list[float]:
-    """Per worker seen at both readings: USS at the end of the run minus at its first batch, MB."""
+    """Per worker seen at both readings, from its first batch to the end of the run: the growth
+    of its USS minus that of its RSS (pages it shared that became its own: copy-on-read; see
+    :mod:`feedgpu.exec.memory_watch`), MB, >= 0."""
     a, b = first.get("by_pid", {}), end.get("by_pid", {})
-    return [round(b[p] - a[p], 1) for p in a if p in b]
+    return [round(max(0.0, (b[p][0] - a[p][0]) - max(0.0, b[p][1] - a[p][1])), 1) for p in a if p in b]
 
 
 def _full_memory(me, pids: list[int]) -> dict:
@@ -395,7 +397,7 @@ def _full_memory(me, pids: list[int]) -> dict:
         except (psutil.Error, AttributeError):
             continue
         out["uss"].append(round(m.uss / MB, 1))
-        out["by_pid"][pid] = m.uss / MB
+        out["by_pid"][pid] = (m.uss / MB, m.rss / MB)
         if hasattr(m, "pss"):
             out["pss"].append(round(m.pss / MB, 1))
     try:
@@ -442,7 +444,7 @@ def summarize(runs: list[dict]) -> dict:
         uss = [u for r in rs for u in (r.get("uss_mb_per_worker") or [])]
         pss = [u for r in rs for u in (r.get("pss_mb_per_worker") or [])]
         rss = [u for r in rs for u in r["rss_peak_mb_per_worker"]]
-        grew = [u for r in rs for u in (r.get("uss_growth_mb_per_worker") or [])]
+        grew = [u for r in rs for u in (r.get("cow_growth_mb_per_worker") or [])]
         out[name] = {
             "label": rs[0]["label"], "workers": rs[0]["workers"], "threads": rs[0].get("threads"), "rounds": len(rs),
             "samples_per_s": med(r["samples_per_s"] for r in rs),
@@ -452,7 +454,7 @@ def summarize(runs: list[dict]) -> dict:
             "cpu_percent": med(r["cpu_percent"] for r in rs),
             "rss_peak_mb_per_worker": max(rss) if rss else None,
             "uss_mb_per_worker": med(uss) if uss else None,
-            "uss_growth_mb_per_worker": max(grew) if grew else None,
+            "cow_growth_mb_per_worker": max(grew) if grew else None,
             "worker_memory_mb": rs[0].get("worker_memory_mb"),
             "pss_mb_per_worker": med(pss) if pss else None,
             "rss_peak_mb_main": max(r["rss_peak_mb_main"] for r in rs),
@@ -463,19 +465,20 @@ def summarize(runs: list[dict]) -> dict:
 
 
 def memory_notes(summary: dict, growth_mb: float | None = None) -> list[str]:
-    """Lines on memory per worker: a loader whose workers' USS grew by more than ``growth_mb``
-    (default: the copy-on-read warning's threshold) between the run's first batch and its end
-    (Python objects copied into each worker as it reads them), and a feedgpu loader whose workers
+    """Lines on memory per worker: a loader whose workers copied more than ``growth_mb`` of the
+    memory they share with the main process (default: the copy-on-read warning's threshold)
+    between the run's first batch and its end (Python objects copied into each worker as it
+    reads them), and a feedgpu loader whose workers
     hold more than their memory budget."""
     from ..exec.memory_watch import THRESHOLD_BYTES
 
     limit = THRESHOLD_BYTES / MB if growth_mb is None else growth_mb
     out = []
     for s in summary.values():
-        grew, uss, budget = s.get("uss_growth_mb_per_worker"), s.get("uss_mb_per_worker"), s.get("worker_memory_mb")
+        grew, uss, budget = s.get("cow_growth_mb_per_worker"), s.get("uss_mb_per_worker"), s.get("worker_memory_mb")
         if grew is not None and grew > limit:
-            out.append(f"{s['label']}: a worker's USS grew by {grew:,.0f} MB during the run (more than "
-                       f"{limit:,.0f} MB): copy-on-read, likely: the dataset holds Python objects that each worker "
+            out.append(f"{s['label']}: a worker copied {grew:,.0f} MB of the memory it shared with the main process "
+                       f"during the run (more than {limit:,.0f} MB): copy-on-read, likely: the dataset holds Python objects that each worker "
                        "copies as it reads them; keep them in numpy arrays, a pyarrow table or a feedgpu source")
         if budget is not None and uss is not None and uss > budget:
             out.append(f"{s['label']}: USS per worker {uss:,.0f} MB is over its memory budget of {budget:,.0f} MB "

@@ -9,7 +9,7 @@ from __future__ import annotations
 from .assemble import Assembler
 from .memory_budget import apply_budget
 from .memory_watch import CopyOnReadWatch
-from .process_pool import ProcessPool, draw_base_seed
+from .process_pool import ProcessPool, draw_base_seed, resolve_context
 from .work import DatasetWork, PipelineWork
 
 
@@ -57,7 +57,8 @@ def make_work(loader):
     if hasattr(loader.dataset, "make_work"):  # a dataset that batches itself (feedgpu.tabular)
         return loader.dataset.make_work(loader.seed)
     if getattr(loader, "_memory_watch", None) is None:
-        loader._memory_watch = CopyOnReadWatch(loader.dataset)
+        forked = resolve_context(loader.multiprocessing_context).get_start_method() == "fork"
+        loader._memory_watch = CopyOnReadWatch(loader.dataset, forked=forked)
     return DatasetWork(loader.dataset, loader._collate, loader.seed)
 
 

@@ -8,10 +8,14 @@ loader does the same; pytorch/pytorch#13246 is the classic report). Numpy arrays
 tables and feedgpu's sources keep their data in buffers whose pages are only read: they stay
 shared.
 
-:class:`CopyOnReadWatch` measures it during the first epoch a loader's workers run: each
-worker's unique memory (USS, psutil's ``memory_full_info().uss``) when the pool starts, half-way
-through the epoch and at its end (three readings per worker). When a worker grew by more than
-``threshold_bytes`` (default :data:`THRESHOLD_BYTES`), it warns once
+:class:`CopyOnReadWatch` measures it during the first epoch a loader's forked workers run: each
+worker's unique memory (USS, psutil's ``memory_full_info().uss``) and resident memory (RSS) when
+the pool starts, half-way through the epoch and at its end (three readings per worker). A page
+copied on write moves from shared to unique: USS grows, RSS does not; memory the worker
+allocates grows both. So the copy-on-read growth is the USS growth minus the RSS growth, and
+workers started with ``spawn`` or ``forkserver`` (which share nothing) are not watched. When a
+worker's copy-on-read growth is over ``threshold_bytes`` (default :data:`THRESHOLD_BYTES`), it
+warns once
 (:class:`CopyOnReadWarning`), naming the growth, the dataset's large Python containers and the
 fix.
 """
@@ -23,7 +27,8 @@ from typing import Callable
 
 log = logging.getLogger("feedgpu.memory")
 
-#: growth of one worker's USS over its first epoch, in bytes, that warns (64 MiB)
+#: copy-on-read growth of one worker over its first epoch (USS growth minus RSS growth), in bytes,
+#: that warns (64 MiB)
 THRESHOLD_BYTES = 64 << 20
 #: a Python container attribute of the dataset with at least this many entries is named
 BIG_CONTAINER = 10_000
@@ -33,11 +38,13 @@ class CopyOnReadWarning(UserWarning):
     """A torch Dataset's workers grew as they read its Python objects (copy-on-read)."""
 
 
-def _uss(pid: int) -> int | None:
+def _memory(pid: int) -> tuple[int, int] | None:
+    """``(uss, rss)`` bytes of ``pid``, None when it cannot be read."""
     try:
         import psutil
 
-        return int(psutil.Process(pid).memory_full_info().uss)
+        m = psutil.Process(pid).memory_full_info()
+        return int(m.uss), int(m.rss)
     except Exception:  # noqa: BLE001 - a worker that exited, or no psutil: no reading
         return None
 
@@ -62,24 +69,26 @@ class CopyOnReadWatch:
     Args:
         dataset: the torch Dataset the workers read (named in the warning, its ``len()`` gives
             the growth per sample).
-        threshold_bytes: USS growth of one worker that warns (default :data:`THRESHOLD_BYTES`,
+        threshold_bytes: copy-on-read growth of one worker that warns (default :data:`THRESHOLD_BYTES`,
             read when the watch is made).
-        read_uss: ``pid -> bytes or None`` (default: psutil); tests pass their own.
+        read_memory: ``pid -> (uss, rss) bytes or None`` (default: psutil); tests pass their own.
+        forked: False for workers started with ``spawn`` or ``forkserver``: nothing is watched.
 
     Attributes:
-        growth: ``{pid: bytes}`` the last readings found, per worker.
+        growth: ``{pid: bytes}`` of copy-on-read growth (USS growth minus RSS growth, >= 0) the
+            last readings found, per worker.
         warned: True once it warned.
     """
 
     def __init__(self, dataset, threshold_bytes: int | None = None,
-                 read_uss: Callable[[int], int | None] | None = None):
+                 read_memory: Callable[[int], tuple[int, int] | None] | None = None, forked: bool = True):
         self.dataset = dataset
         self.threshold_bytes = THRESHOLD_BYTES if threshold_bytes is None else int(threshold_bytes)
-        self._read = read_uss or _uss
-        self._base: dict[int, int] = {}
+        self._read = read_memory or _memory
+        self._base: dict[int, tuple[int, int]] = {}
         self.growth: dict[int, int] = {}
         self.warned = False
-        self.done = False
+        self.done = not forked
         self._epoch: int | None = None
         self._marks: set[int] = set()
 
@@ -112,7 +121,7 @@ class CopyOnReadWatch:
             base = self._base.get(pid)
             now = self._read(pid) if base is not None else None
             if now is not None:
-                self.growth[pid] = now - base
+                self.growth[pid] = max(0, (now[0] - base[0]) - max(0, now[1] - base[1]))
         if not self.growth or self.warned:
             return
         worst = max(self.growth.values())
@@ -128,7 +137,8 @@ class CopyOnReadWatch:
         per = f" ({worst / n:,.0f} bytes per sample of the dataset)" if n else ""
         big = big_containers(self.dataset)
         held = (f"; it holds {', '.join(big)}" if big else "")
-        return (f"DataLoader workers grew by up to {worst / 2**20:,.0f} MiB each over their first epoch{per}, more "
+        return (f"DataLoader workers copied up to {worst / 2**20:,.0f} MiB each of the memory they share with the "
+                f"main process over their first epoch{per}, more "
                 f"than {self.threshold_bytes / 2**20:,.0f} MiB: copy-on-read, likely. {type(self.dataset).__name__}"
                 f"{held}: each worker writes the reference counts of the Python objects it reads, so the pages "
                 "they live on are copied into every worker (torch's DataLoader does the same). Keep the data in numpy "
