@@ -183,3 +183,43 @@ def test_parquet_worker_stays_under_a_small_budget(one_big_group):
     whole, labels = _worker_uss_after_epoch(ParquetSource(one_big_group, cache_bytes=512 * MIB), "48MiB")
     assert labels == [i % 8 for i in range(320)]
     assert whole > group, f"reading the group whole: {whole / MIB:.1f} MiB"
+
+
+# -- index memory per sample ---------------------------------------------------------------------------------
+def test_index_bytes_per_sample_at_a_million_entries(sources):
+    """The tar and Parquet index arrays of 1,000,000 synthetic entries (built directly, not read
+    from files), in the dtypes the sources choose: Parquet at most 16 bytes a row (uint16 file ids
+    and row groups, uint16 rows in a group, uint32 over 65,536 rows, int64 labels: 14 here); tar
+    18 bytes a sample
+    (uint16 shard ids, uint32 offsets and sizes in shards under 4 GiB, int64 labels) plus its keys
+    (the UTF-8 bytes and 4 bytes of offset each). Wider values fall back to wider dtypes."""
+    from feedgpu import TarShardSource
+    from feedgpu.sources.base import index_array
+
+    n = 1_000_000
+    rng = np.random.default_rng(0)
+    t = TarShardSource.__new__(TarShardSource)
+    keys = [f"s{i:07d}.jpg" for i in range(n)]
+    shard = np.arange(n) // 1000                                    # 1,000 shards of 1,000
+    sizes = rng.integers(20_000, 200_000, n)
+    offsets = np.zeros(n, np.int64)
+    for s in range(1000):                                           # members back to back, 512-aligned
+        sl = slice(s * 1000, (s + 1) * 1000)
+        offsets[sl] = np.cumsum(512 + (sizes[sl] + 511) // 512 * 512) - (sizes[sl] + 511) // 512 * 512
+    t._store(keys, shard, offsets, sizes, rng.integers(0, 1000, n))
+    per = sum(a.nbytes for a in (t.shard_ids, t.offsets, t.sizes, t.labels)) / n
+    assert per == 18 and t.labels.dtype == np.int64
+    assert t.members.blob.nbytes == sum(len(k) for k in keys) and t.members.offsets.nbytes == 4 * (n + 1)
+    assert t.members[123_456] == keys[123_456] and int(t.offsets[999]) == int(offsets[999])
+    # Parquet: a million rows in 20 files of 10 row groups of 5,000
+    i = np.arange(n)
+    ids = [index_array(a) for a in (i // 50_000, i // 5000 % 10, i % 5000)]
+    labels = rng.integers(0, 1000, n).astype(np.int64)
+    assert (sum(a.nbytes for a in ids) + labels.nbytes) / n == 14
+    assert index_array([0, 70_000]).dtype == np.uint32 and index_array([0, 2**33]).dtype == np.int64
+    assert index_array([]).dtype == np.uint16
+    # the sources use these dtypes
+    tar, parquet = sources["tar"], sources["parquet"]
+    assert {a.dtype for a in (tar.shard_ids, tar.offsets, tar.sizes)} <= {np.dtype(np.uint16), np.dtype(np.uint32)}
+    assert {a.dtype for a in (parquet.file_ids, parquet.row_groups, parquet.rows)} == {np.dtype(np.uint16)}
+    assert tar.members.offsets.dtype == np.uint32 and tar.labels.dtype == parquet.labels.dtype == np.int64

@@ -32,7 +32,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..errors import SourceError
-from .base import Record, Source, class_names, expand_paths
+from .base import Record, Source, class_names, expand_paths, index_array
 
 _NULL = np.iinfo(np.int64).min   # a null label while indexing
 _HUGE = _NULL + 1                 # a uint64 label that int64 cannot hold
@@ -164,8 +164,8 @@ class ParquetSource(Source):
             reason = "bad label" if _NULL < v < -1 else "missing label"
             self.reject(self.key(i), reason, "null label" if v == _NULL
                         else "label over 2**63 - 1 (labels are int64)" if v == _HUGE else f"label {v}")
-        keep = ~bad
-        self.file_ids, self.row_groups, self.rows = file_ids[keep], row_groups[keep], rows_[keep]
+        keep = ~bad   # ids in the narrowest dtype they fit (index_array): 16 bytes a row with the label
+        self.file_ids, self.row_groups, self.rows = (index_array(a[keep]) for a in (file_ids, row_groups, rows_))
         self.labels = labels_[keep]
         self._warn_rejected()
         if len(self.labels) == 0:

@@ -50,7 +50,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..errors import SourceError
-from .base import Record, Source, StringTable, class_names, expand_paths
+from .base import Record, Source, StringTable, class_names, expand_paths, index_array
 
 IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "tif", "tiff", "gif")
 LABEL_SUFFIXES = ("cls.txt", "cls", "label")
@@ -164,14 +164,21 @@ class TarShardSource(Source):
         if not keep:
             raise self._nothing_left(f"tar source: no samples left in {len(self.shards)} shard(s)"
                                       + (f" ({len(self.rejected)} left out while indexing)" if self.rejected else ""))
-        self.members = StringTable([keys[i] for i in keep])
-        self.shard_ids = np.asarray([shard_ids[i] for i in keep], dtype=np.int32)
-        self.offsets = np.asarray([offsets[i] for i in keep], dtype=np.int64)
-        self.sizes = np.asarray([sizes[i] for i in keep], dtype=np.int64)
-        self.labels = np.maximum(np.asarray([labels[i] for i in keep], dtype=np.int64), -1)
+        self._store([keys[i] for i in keep], [shard_ids[i] for i in keep], [offsets[i] for i in keep],
+                    [sizes[i] for i in keep], [labels[i] for i in keep])
         self.classes = class_names(self.shards[0], self.labels)
         self._fds: dict[int, int] = {}
         self._pid = os.getpid()
+
+    def _store(self, keys, shard_ids, offsets, sizes, labels) -> None:
+        """The index arrays, each in the narrowest dtype its values fit (:func:`index_array`:
+        uint16 shard ids under 65,536 shards, uint32 offsets and sizes in shards under 4 GiB),
+        int64 labels (-2, no label, becomes -1)."""
+        self.members = StringTable(keys)
+        self.shard_ids = index_array(shard_ids)
+        self.offsets = index_array(offsets)
+        self.sizes = index_array(sizes)
+        self.labels = np.maximum(np.asarray(labels, dtype=np.int64), -1)
 
     # -- indexing ----------------------------------------------------------------------------
     def _members(self, path: str, raw):
@@ -318,7 +325,7 @@ class TarShardSource(Source):
             st = os.stat(p)
             h.update(f"{os.path.abspath(p)}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
         self.members.digest(h)
-        h.update(self.offsets.tobytes())
+        h.update(self.offsets.astype(np.int64, copy=False).tobytes())   # as int64: fingerprints stay
 
     def __del__(self):
         for fd in getattr(self, "_fds", {}).values():
