@@ -92,7 +92,7 @@ class DataLoader(tud.DataLoader[T_co]):
         worker_memory: bytes each worker may hold (an int or ``"2GiB"``); default: the
             pipeline's, else a share of the available memory divided by the workers. Sizes the
             source's read cache, caps the prefetch depth and the balancer's pool
-            (:mod:`feedgpu.exec.memory_budget`).
+            (:mod:`feedgpu.exec.memory_budget`); not used for an ``IterableDataset``.
 
     Yields :class:`~feedgpu.exec.work.Batch` ``(images, labels)`` for pipelines, ``collate_fn``'s
     output for torch Datasets. Batches from pipelines on the CPU view shared memory without a

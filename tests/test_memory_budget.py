@@ -20,7 +20,7 @@ from feedgpu.exec.memory_budget import (DEFAULT_CACHE_MAX, MIN_WORKER_BYTES, Mem
 from feedgpu.stages import Decode, Normalize, ResizeCenterCrop
 
 from conftest import PHOTOS
-from test_autoscale import GIB, FakeClock, FakeProbe, drive, scaler
+from test_autoscale import GIB, FakeClock, drive, scaler
 
 pytestmark = pytest.mark.timeout(300)
 MIB = 1 << 20
@@ -81,7 +81,8 @@ def test_parse_and_default():
 def test_setting_on_the_pipeline_yaml_and_loader(parquet_ds, tmp_path):
     src = {"format": "parquet", "path": str(parquet_ds)}
     y = tmp_path / "p.yaml"
-    y.write_text("source: {format: parquet}\nloader: {worker_memory: 96MiB, num_workers: 0}\noutput: {dtype: uint8, layout: NHWC}\n"
+    y.write_text("source: {format: parquet}\nloader: {worker_memory: 96MiB, num_workers: 0}\n"
+                 "output: {dtype: uint8, layout: NHWC}\n"
                  "stages: [{op: decode}, {op: resize_center_crop, resize: 16, crop: 16}]\n")
     p = Pipeline.from_yaml(y, source=src)
     assert p.worker_memory == "96MiB"
