@@ -191,9 +191,9 @@ def test_index_bytes_per_sample_at_a_million_entries(sources):
     """The tar and Parquet index arrays of 1,000,000 synthetic entries (built directly, not read
     from files), in the dtypes the sources choose: Parquet at most 16 bytes a row (uint16 file ids
     and row groups, uint16 rows in a group, uint32 over 65,536 rows, int64 labels: 14 here); tar
-    18 bytes a sample
-    (uint16 shard ids, uint32 offsets and sizes in shards under 4 GiB, int64 labels) plus its keys
-    (the UTF-8 bytes and 4 bytes of offset each). Wider values fall back to wider dtypes."""
+    16 bytes a sample (uint32 offsets and sizes in shards under 4 GiB, int64 labels; the shard
+    from each shard's first sample, 8 bytes per shard) plus its keys (the UTF-8 bytes and 4 bytes
+    of offset each). Wider values fall back to wider dtypes."""
     from feedgpu import TarShardSource
     from feedgpu.sources.base import index_array
 
@@ -208,8 +208,11 @@ def test_index_bytes_per_sample_at_a_million_entries(sources):
         sl = slice(s * 1000, (s + 1) * 1000)
         offsets[sl] = np.cumsum(512 + (sizes[sl] + 511) // 512 * 512) - (sizes[sl] + 511) // 512 * 512
     t._store(keys, shard, offsets, sizes, rng.integers(0, 1000, n))
-    per = sum(a.nbytes for a in (t.shard_ids, t.offsets, t.sizes, t.labels)) / n
-    assert per == 18 and t.labels.dtype == np.int64
+    per = sum(a.nbytes for a in (t.offsets, t.sizes, t.labels)) / n
+    assert per == 16 and t.labels.dtype == np.int64
+    assert t._shard_ids is None and t._shard_starts.nbytes == 8 * 1001      # one int64 per shard
+    assert t.shard_ids.tolist() == shard.tolist()
+    assert [t._shard_of(k) for k in (0, 999, 1000, 123_456, n - 1)] == [0, 0, 1, 123, 999]
     assert t.members.blob.nbytes == sum(len(k) for k in keys) and t.members.offsets.nbytes == 4 * (n + 1)
     assert t.members[123_456] == keys[123_456] and int(t.offsets[999]) == int(offsets[999])
     # Parquet: a million rows in 20 files of 10 row groups of 5,000
@@ -221,6 +224,7 @@ def test_index_bytes_per_sample_at_a_million_entries(sources):
     assert index_array([]).dtype == np.uint16
     # the sources use these dtypes
     tar, parquet = sources["tar"], sources["parquet"]
-    assert {a.dtype for a in (tar.shard_ids, tar.offsets, tar.sizes)} <= {np.dtype(np.uint16), np.dtype(np.uint32)}
+    assert {a.dtype for a in (tar.offsets, tar.sizes)} <= {np.dtype(np.uint16), np.dtype(np.uint32)}
+    assert tar._shard_ids is None and len(tar.shard_ids) == len(tar)
     assert {a.dtype for a in (parquet.file_ids, parquet.row_groups, parquet.rows)} == {np.dtype(np.uint16)}
     assert tar.members.offsets.dtype == np.uint32 and tar.labels.dtype == parquet.labels.dtype == np.int64

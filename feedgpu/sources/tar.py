@@ -195,10 +195,17 @@ class TarShardSource(Source):
 
     def _store(self, keys, shard_ids, offsets, sizes, labels) -> None:
         """The index arrays, each in the narrowest dtype its values fit (:func:`index_array`:
-        uint16 shard ids under 65,536 shards, uint32 offsets and sizes in shards under 4 GiB),
-        int64 labels (-2, no label, becomes -1)."""
+        uint32 offsets and sizes in shards under 4 GiB), int64 labels (-2, no label, becomes -1).
+        Samples come shard after shard, so a sample's shard is found from each shard's first
+        sample (one int64 per shard) instead of an id per sample; ids out of that order are kept
+        as an array."""
         self.members = StringTable(keys)
-        self.shard_ids = index_array(shard_ids)
+        ids = index_array(shard_ids)
+        if ids.size == 0 or bool((ids[1:] >= ids[:-1]).all()):
+            self._shard_starts = np.searchsorted(ids, np.arange(int(ids.max(initial=0)) + 2)).astype(np.int64)
+            self._shard_ids = None
+        else:
+            self._shard_starts, self._shard_ids = None, ids
         self.offsets = index_array(offsets)
         self.sizes = index_array(sizes)
         self.labels = np.maximum(np.asarray(labels, dtype=np.int64), -1)
@@ -435,11 +442,23 @@ class TarShardSource(Source):
             self._fds[sid] = self._fds.pop(sid)   # most recently used last
         return fd
 
+    @property
+    def shard_ids(self) -> np.ndarray:
+        """Each sample's shard (made on request: the index holds each shard's first sample)."""
+        if self._shard_ids is not None:
+            return self._shard_ids
+        return np.repeat(index_array(np.arange(len(self._shard_starts) - 1)), np.diff(self._shard_starts))
+
+    def _shard_of(self, index: int) -> int:
+        if self._shard_ids is not None:
+            return int(self._shard_ids[index])
+        return int(np.searchsorted(self._shard_starts, index, side="right")) - 1
+
     def key(self, index: int) -> str:
-        return f"{self.shards[self.shard_ids[index]]}:{self.members[index]}"
+        return f"{self.shards[self._shard_of(index)]}:{self.members[index]}"
 
     def read(self, index: int) -> Record:
-        sid = int(self.shard_ids[index])
+        sid = self._shard_of(index)
         data = os.pread(self._fd(sid, index), int(self.sizes[index]), int(self.offsets[index]))
         return Record(data, int(self.labels[index]), self.key(index))
 
