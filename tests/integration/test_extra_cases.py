@@ -197,7 +197,7 @@ def test_webp_without_libwebp_is_skipped_as_unsupported_format(engine, no_leaked
 
 #: An arithmetic-coded JPEG (SOF9) of ``_photo(0)``, 4:4:4, written by libjpeg-turbo 2.1.5's
 #: ``cjpeg -arithmetic -quality 95 -sample 1x1`` (Debian's libjpeg-turbo-progs): Pillow cannot write one.
-ARITHMETIC = Path(__file__).parent / "data" / "arithmetic.jpg"
+ARITHMETIC = Path(__file__).resolve().parents[1] / "data" / "arithmetic.jpg"
 
 
 @pytest.mark.parametrize("fmt", ["folder", "tar", "parquet"])
@@ -221,7 +221,7 @@ def test_arithmetic_coded_jpeg_decodes_right(fmt, engine, tmp_path, no_leaked_wo
 
 #: A real 12-bit JPEG (SOF1, precision 12; 96 x 64 RGB of photo 00 times 16), written by imagecodecs
 #: 2026.3.6's ``jpeg8_encode(..., bitspersample=12)`` (libjpeg-turbo 3): Pillow cannot write one.
-TWELVE_BIT = Path(__file__).parent / "data" / "twelve_bit.jpg"
+TWELVE_BIT = Path(__file__).resolve().parents[1] / "data" / "twelve_bit.jpg"
 
 
 def test_twelve_bit_file_is_what_it_claims():
