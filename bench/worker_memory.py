@@ -230,7 +230,7 @@ def markdown(doc: dict) -> str:
             lines.append(f"| {tree} | {arg} | {cell(d, 'copied_mib')} | {cell(d, 'uss_mib')} | "
                          f"{', '.join(map(str, d['warned']))} |")
     lines += ["", "CopyOnReadWarning fires above 64 MiB copied per worker (feedgpu.exec.memory_watch.THRESHOLD_BYTES); "
-              "the 2 M ints here stay under it (tests/test_copy_on_read.py injects 32 MiB). The commit named above is "
+              "the 2 M ints here stay under it (tests/integration/test_copy_on_read.py injects 32 MiB). The commit named above is "
               "the checkout's HEAD when the script ran."]
     return "\n".join(lines) + "\n"
 
