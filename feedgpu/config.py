@@ -55,6 +55,19 @@ class LoaderCfg(_Strict):
     #: share of the epoch in [0, 1] (float), a count (int) or null: see feedgpu.skips
     max_skipped: Union[Annotated[int, Field(ge=0, strict=True)], Annotated[float, Field(ge=0, le=1, strict=True)], None] = 0.01
     timeout: Annotated[float, Field(ge=0)] = 0.0
+    #: bytes (or "2GiB") each worker may hold, or "auto": see feedgpu.exec.memory_budget
+    worker_memory: Union[Annotated[int, Field(ge=1 << 20, strict=True)], str] = "auto"
+
+    @field_validator("worker_memory")
+    @classmethod
+    def _worker_memory(cls, v):
+        from .exec.memory_budget import parse_worker_memory
+
+        try:
+            parse_worker_memory(v)
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
+        return v
 
 
 class OutputCfg(_Strict):

@@ -95,6 +95,9 @@ class EpochIterator:
         self.pool = None if self.inline else loader._acquire_pool()
         if self.pool is not None and loader._autoscaler is not None:
             loader._autoscaler.start(self.pool.pids())
+        watch = getattr(loader, "_memory_watch", None)   # a torch Dataset's copy-on-read growth
+        if self.pool is not None and watch is not None:
+            watch.start(self.pool.pids(), epoch)
         self.ahead: Ahead | None = None      # the next epoch's batches this iterator submits
         self._adopt(loader, order, epoch, start)
         loader._position = (epoch, start)
@@ -253,6 +256,9 @@ class EpochIterator:
         rows = _rows(batch)
         waited = time.perf_counter() - t0
         loader._stats.delivered(rows, waited)
+        watch = getattr(loader, "_memory_watch", None)
+        if watch is not None and not watch.done and not self.inline:
+            watch.on_batch(self.epoch, b, self.view.first, self.nb, self.pool.pids())
         if loader._autoscaler is not None and not self.inline:
             d = loader._autoscaler.on_batch(rows, waited, self.pool.pids(),
                                             remote_started=self.pool.remote_started)

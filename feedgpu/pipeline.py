@@ -7,6 +7,7 @@ from typing import Any
 from . import config as cfg
 from .errors import ConfigError
 from .exec.autoscale import fixed_workers
+from .exec.memory_budget import parse_worker_memory
 from .exec.plan import Plan, make_plan
 from .cache.settings import CacheSettings
 from .exec.engines import EngineSettings
@@ -47,6 +48,11 @@ class Pipeline:
         max_skipped: skip budget per epoch and rank: a share in ``[0, 1]`` of the epoch's samples
             (default ``0.01``), an int count, or ``None`` (no limit); see :mod:`feedgpu.skips`.
         timeout: seconds to wait for a batch before :class:`LoaderTimeout` (0: forever).
+        worker_memory: bytes each worker may hold (its own memory and its batches in flight),
+            an int or a size such as ``"2GiB"``; ``"auto"`` (default): a share of the memory
+            available divided by the workers. It sizes the source's read cache and caps the
+            prefetch depth and the balancer's pool (see :mod:`feedgpu.exec.memory_budget`).
+            Raises :class:`ConfigError` when it is not a size.
         device: where batches are delivered: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"auto"``.
         cache: cache the output of the leading deterministic stages (decode, resize ...) on local
             disk: ``None``/``False`` (off, default), ``True``, a directory, a mapping
@@ -66,7 +72,8 @@ class Pipeline:
                  drop_last: bool = False, num_workers: int | str = "auto", prefetch_factor: int = 2,
                  persistent_workers: bool = True, seed: int = 0,
                  on_error: str = "skip", timeout: float = 0.0, device: str = "auto", cache=None, engine=None,
-                 executor=None, name: str = "pipeline", definition: dict | None = None, max_skipped=DEFAULT_MAX_SKIPPED):
+                 executor=None, name: str = "pipeline", definition: dict | None = None, max_skipped=DEFAULT_MAX_SKIPPED,
+                 worker_memory="auto"):
         if on_error not in ON_ERROR:
             raise ConfigError(f"on_error {on_error!r} is not one of {list(ON_ERROR)}")
         if num_workers != "auto" and (isinstance(num_workers, bool) or not isinstance(num_workers, int)
@@ -81,6 +88,8 @@ class Pipeline:
         self.persistent_workers = bool(persistent_workers)
         self.seed, self.on_error, self.timeout = int(seed), on_error, float(timeout)
         self.max_skipped = check_max_skipped(max_skipped)
+        parse_worker_memory(worker_memory)   # a ConfigError now, not at the first batch
+        self.worker_memory = worker_memory
         self.device, self.name, self.definition = device, name, definition
         self.cache = CacheSettings.make(cache)
         self.engine = EngineSettings.make(engine)
@@ -124,7 +133,7 @@ class Pipeline:
                    drop_last=c.loader.drop_last, num_workers=c.loader.num_workers,
                    prefetch_factor=c.loader.prefetch_factor, persistent_workers=c.loader.persistent_workers,
                    seed=c.loader.seed, on_error=c.loader.on_error, max_skipped=c.loader.max_skipped,
-                   timeout=c.loader.timeout, device=c.output.device, cache=cache,
+                   timeout=c.loader.timeout, worker_memory=c.loader.worker_memory, device=c.output.device, cache=cache,
                    engine=c.engine.model_dump(), name=c.name,
                    executor=c.executor.model_dump(),
                    definition=c.model_dump())

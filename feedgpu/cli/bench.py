@@ -157,7 +157,9 @@ def feedgpu_subject(pipeline, workers: int, batch_size: int, device: str = "cpu"
     def extra() -> dict:
         st = loader.stats()
         n = max(1, st["samples"])
+        budget = getattr(loader, "_memory_budget", None)
         return {"stage_ms_per_sample": {k: round(v / n * 1e3, 4) for k, v in st["stage_s"].items()},
+                "worker_memory_mb": round(budget.worker_bytes / MB, 1) if budget is not None else None,
                 "skipped": st["skipped_total"], "engine": st["engine"],
                 **({"threads": st["engine"]["threads"]} if eng.name == "dali" else {})}
 
@@ -258,6 +260,8 @@ def measure(subject: Subject, batches: int, warmup: int, on_batch: Callable[[], 
     peaks: dict[int, int] = {}
     main_peak = 0
     mid_mem: dict = {}
+    first_mem: dict = {}
+    end_mem: dict = {}
     samples = 0
     first_s = None
     shape = dtype = None
@@ -307,12 +311,15 @@ def measure(subject: Subject, batches: int, warmup: int, on_batch: Callable[[], 
             main_peak = max(main_peak, me.memory_info().rss)
             if got == mid:
                 mid_mem = _full_memory(me, pids)
+            if got == 1:
+                first_mem = _full_memory(me, pids)
             del batch
             if on_batch is not None:
                 on_batch()
         t_end = time.perf_counter()
         cpu_end = cpu_seconds(children(), me)
         sys_end = psutil.cpu_times()
+        end_mem = _full_memory(me, subject.worker_pids())
         extra = subject.extra()
     finally:
         it = None
@@ -343,6 +350,7 @@ def measure(subject: Subject, batches: int, warmup: int, on_batch: Callable[[], 
         "rss_peak_mb_main": round(main_peak / MB, 1),
         "uss_mb_per_worker": mid_mem.get("uss"), "pss_mb_per_worker": mid_mem.get("pss"),
         "uss_mb_main": mid_mem.get("main_uss"), "steal_percent": _steal(sys_start, sys_end),
+        "cow_growth_mb_per_worker": _growth(first_mem, end_mem),
         "others_cpu_percent": _others(sys_start, sys_end, cpu_end - cpu_start, wall),
         "output": {"shape": shape, "dtype": dtype}, **extra,
     }
@@ -371,16 +379,25 @@ def _quantile(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
+def _growth(first: dict, end: dict) -> list[float]:
+    """Per worker seen at both readings, from its first batch to the end of the run: the growth
+    of its USS minus that of its RSS (pages it shared that became its own: copy-on-read; see
+    :mod:`feedgpu.exec.memory_watch`), MB, >= 0."""
+    a, b = first.get("by_pid", {}), end.get("by_pid", {})
+    return [round(max(0.0, (b[p][0] - a[p][0]) - max(0.0, b[p][1] - a[p][1])), 1) for p in a if p in b]
+
+
 def _full_memory(me, pids: list[int]) -> dict:
     import psutil
 
-    out: dict[str, Any] = {"uss": [], "pss": []}
+    out: dict[str, Any] = {"uss": [], "pss": [], "by_pid": {}}
     for pid in pids:
         try:
             m = psutil.Process(pid).memory_full_info()
         except (psutil.Error, AttributeError):
             continue
         out["uss"].append(round(m.uss / MB, 1))
+        out["by_pid"][pid] = (m.uss / MB, m.rss / MB)
         if hasattr(m, "pss"):
             out["pss"].append(round(m.pss / MB, 1))
     try:
@@ -427,6 +444,7 @@ def summarize(runs: list[dict]) -> dict:
         uss = [u for r in rs for u in (r.get("uss_mb_per_worker") or [])]
         pss = [u for r in rs for u in (r.get("pss_mb_per_worker") or [])]
         rss = [u for r in rs for u in r["rss_peak_mb_per_worker"]]
+        grew = [u for r in rs for u in (r.get("cow_growth_mb_per_worker") or [])]
         out[name] = {
             "label": rs[0]["label"], "workers": rs[0]["workers"], "threads": rs[0].get("threads"), "rounds": len(rs),
             "samples_per_s": med(r["samples_per_s"] for r in rs),
@@ -436,11 +454,35 @@ def summarize(runs: list[dict]) -> dict:
             "cpu_percent": med(r["cpu_percent"] for r in rs),
             "rss_peak_mb_per_worker": max(rss) if rss else None,
             "uss_mb_per_worker": med(uss) if uss else None,
+            "cow_growth_mb_per_worker": max(grew) if grew else None,
+            "worker_memory_mb": rs[0].get("worker_memory_mb"),
             "pss_mb_per_worker": med(pss) if pss else None,
             "rss_peak_mb_main": max(r["rss_peak_mb_main"] for r in rs),
             "others_cpu_percent": med(r.get("others_cpu_percent") or 0.0 for r in rs),
             "output": rs[0]["output"],
         }
+    return out
+
+
+def memory_notes(summary: dict, growth_mb: float | None = None) -> list[str]:
+    """Lines on memory per worker: a loader whose workers copied more than ``growth_mb`` of the
+    memory they share with the main process (default: the copy-on-read warning's threshold)
+    between the run's first batch and its end (Python objects copied into each worker as it
+    reads them), and a feedgpu loader whose workers
+    hold more than their memory budget."""
+    from ..exec.memory_watch import THRESHOLD_BYTES
+
+    limit = THRESHOLD_BYTES / MB if growth_mb is None else growth_mb
+    out = []
+    for s in summary.values():
+        grew, uss, budget = s.get("cow_growth_mb_per_worker"), s.get("uss_mb_per_worker"), s.get("worker_memory_mb")
+        if grew is not None and grew > limit:
+            out.append(f"{s['label']}: a worker copied {grew:,.0f} MB of the memory it shared with the main process "
+                       f"during the run (more than {limit:,.0f} MB): copy-on-read, likely: the dataset holds Python objects that each worker "
+                       "copies as it reads them; keep them in numpy arrays, a pyarrow table or a feedgpu source")
+        if budget is not None and uss is not None and uss > budget:
+            out.append(f"{s['label']}: USS per worker {uss:,.0f} MB is over its memory budget of {budget:,.0f} MB "
+                       "(worker_memory)")
     return out
 
 
@@ -676,8 +718,14 @@ def bench(pipeline_file, data, images, workers, batch_size, batches, rounds, war
                f"PIL: {machine['pil_label']}, torch {machine['torch']}")
     click.echo(f"settings: {workers} workers, batch {batch_size}, {batches} timed batches after {warmup} warm-up "
                f"per run, {rounds} rounds (medians), prefetch {p.prefetch_factor}, device {device}")
+    budgets = {s["worker_memory_mb"] for s in summary.values() if s.get("worker_memory_mb")}
+    if budgets:
+        click.echo(f"memory:   feedgpu's budget {', '.join(f'{b:,.0f}' for b in sorted(budgets))} MB per worker "
+                   f"(worker_memory; USS/worker below is what each worker holds alone)")
     click.echo("")
     click.echo(format_table(summary))
+    for line in memory_notes(summary):
+        click.echo(f"note: {line}")
     lines = [f"{summary[a]['label']} / {summary[b]['label']}: {v:.2f}x"
              for key, v in speedups.items() if v is not None for a, b in [key.split("_over_")]]
     if lines:

@@ -15,6 +15,17 @@ def _root(cache_dir: str | None) -> Path:
     return Path(cache_dir).expanduser() if cache_dir else default_cache_root()
 
 
+def _index_dir(index_dir: str | None) -> Path:
+    """Where folder sources save their indexes (:mod:`feedgpu.sources.folder_index`)."""
+    from ..sources.folder_index import default_index_dir
+
+    return Path(index_dir).expanduser() if index_dir else default_index_dir()
+
+
+_INDEX_DIR_HELP = ("Folder of the saved folder-source indexes (default: <feedgpu cache dir>/folder-index; "
+                   "--cache-dir does not move it).")
+
+
 def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
@@ -133,10 +144,14 @@ def verify_cmd(fingerprint, cache_dir, no_repair) -> None:
 
 @cache.command("info")
 @click.option("--cache-dir", type=click.Path(file_okay=False))
-@click.option("--json", "as_json", is_flag=True)
-def info_cmd(cache_dir, as_json) -> None:
-    """List cache entries: size, samples cached, quarantined, compression, last use."""
+@click.option("--index-dir", type=click.Path(file_okay=False), help=_INDEX_DIR_HELP)
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the entries as JSON (a list; the saved folder indexes are not in it).")
+def info_cmd(cache_dir, index_dir, as_json) -> None:
+    """List cache entries (size, samples cached, quarantined, compression, last use) and the
+    saved folder indexes (count, bytes)."""
     from ..cache import entries
+    from ..sources.folder_index import saved_indexes
 
     es = entries(_root(cache_dir))
     if as_json:
@@ -148,22 +163,33 @@ def info_cmd(cache_dir, as_json) -> None:
         used = time.strftime("%Y-%m-%d %H:%M", time.localtime(e["last_used"])) if e["last_used"] else "-"
         click.echo(f"  {e['fingerprint']}  {_human(e['bytes']):>10}  {e['rows']}/{e['samples']} rows  "
                    f"{e['quarantined']} quarantined  {e['compression']}  last used {used}")
+    idx = saved_indexes(_index_dir(index_dir))
+    click.echo(f"folder indexes {_index_dir(index_dir)}: {len(idx)} saved, "
+               f"{_human(sum(p.stat().st_size for p in idx))}")
 
 
 @cache.command("clear")
 @click.argument("fingerprint", required=False)
 @click.option("--cache-dir", type=click.Path(file_okay=False))
+@click.option("--index-dir", type=click.Path(file_okay=False), help=_INDEX_DIR_HELP)
 @click.option("--yes", is_flag=True, help="Do not ask.")
-def clear_cmd(fingerprint, cache_dir, yes) -> None:
-    """Delete one entry (by fingerprint) or all of them."""
+def clear_cmd(fingerprint, cache_dir, index_dir, yes) -> None:
+    """Delete one entry (by fingerprint), or all of them and the saved folder indexes (a folder
+    source opened later indexes its tree afresh)."""
     from ..cache import clear
+    from ..sources.folder_index import clear_saved
 
-    what = f"entry {fingerprint}" if fingerprint else f"every entry under {_root(cache_dir)}"
+    what = (f"entry {fingerprint}" if fingerprint else
+            f"every entry under {_root(cache_dir)} and the saved folder indexes in {_index_dir(index_dir)}")
     if not yes:
         click.confirm(f"delete {what}?", abort=True)
     n, busy = clear(_root(cache_dir), fingerprint)
-    click.echo(f"deleted {n} entr{'y' if n == 1 else 'ies'}"
-               + (f"; {busy} in use by a running loader, left alone" if busy else ""))
+    msg = (f"deleted {n} entr{'y' if n == 1 else 'ies'}"
+           + (f"; {busy} in use by a running loader, left alone" if busy else ""))
+    if not fingerprint:
+        k, size = clear_saved(_index_dir(index_dir))
+        msg += f"; deleted {k} saved folder index{'' if k == 1 else 'es'} ({_human(size)})"
+    click.echo(msg)
 
 
 @click.command()

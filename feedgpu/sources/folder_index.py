@@ -183,5 +183,29 @@ def discard(path: Path) -> None:
         pass
 
 
+def saved_indexes(folder: Path | None = None) -> list[Path]:
+    """The saved index files in ``folder`` (default :func:`default_index_dir`), with the
+    temporary files an interrupted save left, sorted by name."""
+    folder = default_index_dir() if folder is None else Path(folder)
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if p.suffix == ".idx" and p.is_file())
+
+
+def clear_saved(folder: Path | None = None) -> tuple[int, int]:
+    """Delete every saved index in ``folder`` (see :func:`saved_indexes`); returns ``(files,
+    bytes)`` deleted. A source opened from one keeps its arrays (they were read); the next
+    source opened on that root indexes afresh."""
+    n = size = 0
+    for p in saved_indexes(folder):
+        try:
+            b = p.stat().st_size
+            p.unlink()
+        except OSError:
+            continue
+        n, size = n + 1, size + b
+    return n, size
+
+
 def now_ns() -> int:
     return time.time_ns()

@@ -5,8 +5,9 @@ through a small per-process LRU cache, so a batch that touches a row group reads
 Shuffled access over a dataset much larger than the cache reads each row group often: write
 such datasets with small row groups (``feedgpu convert`` uses ~8 MiB).
 
-Memory: a row group whose image column is over ``max(1 MiB, cache_bytes / 4)`` (uncompressed, from
-the file's metadata) is read in slices of that size (``iter_batches``: later slices of one group
+Memory: ``cache_bytes`` is sized by the loader's per-worker memory budget unless given
+(:mod:`feedgpu.exec.memory_budget`). A row group whose image column is over
+``max(1 MiB, cache_bytes / 4)`` (uncompressed, from the file's metadata) is read in slices of that size (``iter_batches``: later slices of one group
 continue the same reader, an earlier one restarts it), so a process holds about ``cache_bytes``
 plus one slice and one Parquet page for a source, whatever the row-group size (a page is read
 whole: pyarrow writes up to 1024 values to a page unless told otherwise, so 1024 images of 2 MB
@@ -14,6 +15,10 @@ make one 2 GB page; ``feedgpu convert`` writes pages of ~1 MiB). Shuffled reads
 of such groups cost a re-read from the group's start per slice missed. A ``binary`` column of
 more than 2 GiB comes from Arrow as several chunks, read as they are (joining them would overflow
 ``binary``'s 32-bit offsets); ``large_binary`` columns are read the same way.
+Files are read through 1 MiB buffers, not memory-mapped and not pre-buffered: a mapped file's
+pages count in the reading process's unique memory for as long as they stay mapped, and a
+pre-buffered read holds a row group's whole column chunk, slices or not. After a slice is read or
+the cache evicts, Arrow's allocator is told to return the freed memory.
 """
 from __future__ import annotations
 
@@ -27,12 +32,13 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..errors import DownloadError, SampleError, SourceError
-from .base import CLASS_NAMES_FILE, Record, Source, class_names, class_names_from_text, expand_paths
+from .base import CLASS_NAMES_FILE, Record, Source, class_names, class_names_from_text, expand_paths, index_array
 
 _NULL = np.iinfo(np.int64).min   # a null label while indexing
 _HUGE = _NULL + 1                 # a uint64 label that int64 cannot hold
 _CORRUPT = _NULL + 2              # a label in a row group whose label column cannot be read
-_MAX_OPEN_REMOTE = 8              # remote files a process keeps mapped (pinned in the shard cache)
+_READ_BUFFER = 1 << 20            # bytes per read of a column chunk (see the module docstring)
+_MAX_OPEN_REMOTE = 8              # remote files a process keeps open (pinned in the shard cache)
 
 
 def _int64_labels(col: pa.ChunkedArray) -> np.ndarray:
@@ -71,7 +77,9 @@ class ParquetSource(Source):
         files: a directory (its ``*.parquet``), a glob, a path or a list of these.
         image_column: binary / large_binary column with encoded image bytes (default ``"image"``).
         label_column: integer column (default ``"label"``); ``None`` for unlabeled data (-1).
-        cache_bytes: bytes of decoded row groups kept per process (default 256 MiB).
+        cache_bytes: bytes of decoded row groups kept per process; default (None): sized by the
+            loader's memory budget (:meth:`fit_memory`), 256 MiB outside a loader. A value given
+            here is kept.
         cache_dir, cache_budget, storage_options, cache: for URLs, the node-local shard cache, as
             for :class:`~feedgpu.sources.tar.TarShardSource`.
 
@@ -79,7 +87,7 @@ class ParquetSource(Source):
     lists, a list, or the index file ``feedgpu convert`` writes): indexing reads each file's
     footer and label column by ranged reads, without downloading its images; a file is
     downloaded whole into the shard cache when its first image is read (one download per node,
-    then memory-mapped as a local file: a file is the unit the cache verifies, locks and evicts).
+    then read as a local file: a file is the unit the cache verifies, locks and evicts).
     A file that cannot be downloaded makes each of its rows a skipped sample of reason
     ``"bad shard"``; one the store cannot be reached for while indexing is left out as
     ``"bad shard"``; one changed since indexing raises :class:`~feedgpu.errors.RemoteChangedError`.
@@ -97,7 +105,7 @@ class ParquetSource(Source):
     format = "parquet"
 
     def __init__(self, files, image_column: str = "image", label_column: str | None = "label",
-                 cache_bytes: int = 256 << 20, *, cache_dir=None, cache_budget=None, storage_options=None,
+                 cache_bytes: int | None = None, *, cache_dir=None, cache_budget=None, storage_options=None,
                  cache=None):
         super().__init__()
         self._remote = None
@@ -116,7 +124,8 @@ class ParquetSource(Source):
             raise SourceError(f"parquet source: no files match {files!r}")
         self.image_column = image_column
         self.label_column = label_column
-        self.cache_bytes = cache_bytes
+        self._cache_given = cache_bytes is not None
+        self.cache_bytes = int(cache_bytes) if cache_bytes is not None else 256 << 20
         fids, rgs, rows, labels = [], [], [], []
         self._meta = []
         self._corrupt: dict = {}   # (file, row group) -> why its labels cannot be read
@@ -183,8 +192,8 @@ class ParquetSource(Source):
             reason = "bad label" if _NULL < v < -1 else "missing label"
             self.reject(self.key(i), reason, "null label" if v == _NULL
                         else "label over 2**63 - 1 (labels are int64)" if v == _HUGE else f"label {v}")
-        keep = ~bad
-        self.file_ids, self.row_groups, self.rows = file_ids[keep], row_groups[keep], rows_[keep]
+        keep = ~bad   # ids in the narrowest dtype they fit (index_array): 16 bytes a row with the label
+        self.file_ids, self.row_groups, self.rows = (index_array(a[keep]) for a in (file_ids, row_groups, rows_))
         self.labels = labels_[keep]
         self._warn_rejected()
         if len(self.labels) == 0:
@@ -199,6 +208,13 @@ class ParquetSource(Source):
         self._files: dict = {}
         self._pid = os.getpid()
         self._lock = threading.Lock()
+
+    def fit_memory(self, cache_bytes: int) -> None:
+        """The cache (and so the slice size, a quarter of it) from the loader's memory budget,
+        unless ``cache_bytes`` was given; takes effect in processes that have read nothing yet."""
+        if not self._cache_given and int(cache_bytes) != self.cache_bytes:
+            self.cache_bytes = max(1 << 20, int(cache_bytes))
+            self._slicing = {}
 
     def _file_meta(self, fid: int) -> tuple:
         """What the fingerprint holds of a file: path, size, mtime; for a URL: URL, size, ETag
@@ -250,13 +266,16 @@ class ParquetSource(Source):
                 self._live = None
             pf = self._files.get(fid)
             if pf is None and self._remote is None:
-                pf = self._files[fid] = pq.ParquetFile(self.files[fid], memory_map=True)
+                pf = self._files[fid] = pq.ParquetFile(self.files[fid], buffer_size=_READ_BUFFER,
+                                                                 pre_buffer=False)
             elif pf is None:
                 while len(self._files) >= _MAX_OPEN_REMOTE:   # the oldest may be evicted again
                     old = next(iter(self._files))
                     del self._files[old]
                     self._remote.cache.unpin(self.files[old])
-                pf = self._files[fid] = self._remote.open_local(fid, lambda p: pq.ParquetFile(p, memory_map=True))
+                pf = self._files[fid] = self._remote.open_local(fid, 
+                                                                 lambda p: pq.ParquetFile(p, buffer_size=_READ_BUFFER,
+                                                                                          pre_buffer=False))
             elif self._remote is not None:
                 self._files[fid] = self._files.pop(fid)   # most recently used last
             k = self._slice_rows(pf, fid, rg)
@@ -310,9 +329,12 @@ class ParquetSource(Source):
         col = _Chunks(read())
         self._cache[key] = col
         self._cached += col.nbytes
+        evicted = False
         while self._cached > self.cache_bytes and len(self._cache) > 1:
-            _, old = self._cache.popitem(last=False)
-            self._cached -= old.nbytes
+            self._cached -= self._cache.popitem(last=False)[1].nbytes
+            evicted = True
+        if evicted or key[2] >= 0:   # Arrow's allocator keeps freed memory unless told
+            pa.default_memory_pool().release_unused()
         return col
 
     def read(self, index: int) -> Record:

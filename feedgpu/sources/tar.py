@@ -50,7 +50,8 @@ from typing import NamedTuple
 import numpy as np
 
 from ..errors import DownloadError, SampleError, SourceError
-from .base import CLASS_NAMES_FILE, Record, Source, StringTable, class_names, class_names_from_text, expand_paths
+from .base import CLASS_NAMES_FILE, Record, Source, StringTable, class_names, class_names_from_text, expand_paths, \
+    index_array
 
 IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "tif", "tiff", "gif")
 LABEL_SUFFIXES = ("cls.txt", "cls", "label")
@@ -185,15 +186,29 @@ class TarShardSource(Source):
         if not keep:
             raise self._nothing_left(f"tar source: no samples left in {len(self.shards)} shard(s)"
                                       + (f" ({len(self.rejected)} left out while indexing)" if self.rejected else ""))
-        self.members = StringTable([keys[i] for i in keep])
-        self.shard_ids = np.asarray([shard_ids[i] for i in keep], dtype=np.int32)
-        self.offsets = np.asarray([offsets[i] for i in keep], dtype=np.int64)
-        self.sizes = np.asarray([sizes[i] for i in keep], dtype=np.int64)
-        self.labels = np.maximum(np.asarray([labels[i] for i in keep], dtype=np.int64), -1)
+        self._store([keys[i] for i in keep], [shard_ids[i] for i in keep], [offsets[i] for i in keep],
+                    [sizes[i] for i in keep], [labels[i] for i in keep])
         self.classes = (class_names(self.shards[0], self.labels) if self._remote is None else
                         class_names_from_text(self._remote.text_beside(CLASS_NAMES_FILE), self.labels))
         self._fds: dict[int, int] = {}
         self._pid = os.getpid()
+
+    def _store(self, keys, shard_ids, offsets, sizes, labels) -> None:
+        """The index arrays, each in the narrowest dtype its values fit (:func:`index_array`:
+        uint32 offsets and sizes in shards under 4 GiB), int64 labels (-2, no label, becomes -1).
+        Samples come shard after shard, so a sample's shard is found from each shard's first
+        sample (one int64 per shard) instead of an id per sample; ids out of that order are kept
+        as an array."""
+        self.members = StringTable(keys)
+        ids = index_array(shard_ids)
+        if ids.size == 0 or bool((ids[1:] >= ids[:-1]).all()):
+            self._shard_starts = np.searchsorted(ids, np.arange(int(ids.max(initial=0)) + 2)).astype(np.int64)
+            self._shard_ids = None
+        else:
+            self._shard_starts, self._shard_ids = None, ids
+        self.offsets = index_array(offsets)
+        self.sizes = index_array(sizes)
+        self.labels = np.maximum(np.asarray(labels, dtype=np.int64), -1)
 
     def _index_shard(self, path: str, local: str) -> dict:
         """One shard's samples (``members``, ``offsets``, ``sizes``, ``labels``: -2 for none),
@@ -427,11 +442,23 @@ class TarShardSource(Source):
             self._fds[sid] = self._fds.pop(sid)   # most recently used last
         return fd
 
+    @property
+    def shard_ids(self) -> np.ndarray:
+        """Each sample's shard (made on request: the index holds each shard's first sample)."""
+        if self._shard_ids is not None:
+            return self._shard_ids
+        return np.repeat(index_array(np.arange(len(self._shard_starts) - 1)), np.diff(self._shard_starts))
+
+    def _shard_of(self, index: int) -> int:
+        if self._shard_ids is not None:
+            return int(self._shard_ids[index])
+        return int(np.searchsorted(self._shard_starts, index, side="right")) - 1
+
     def key(self, index: int) -> str:
-        return f"{self.shards[self.shard_ids[index]]}:{self.members[index]}"
+        return f"{self.shards[self._shard_of(index)]}:{self.members[index]}"
 
     def read(self, index: int) -> Record:
-        sid = int(self.shard_ids[index])
+        sid = self._shard_of(index)
         data = os.pread(self._fd(sid, index), int(self.sizes[index]), int(self.offsets[index]))
         return Record(data, int(self.labels[index]), self.key(index))
 
@@ -442,7 +469,7 @@ class TarShardSource(Source):
             st = os.stat(p)
             h.update(f"{os.path.abspath(p)}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
         self.members.digest(h)
-        h.update(self.offsets.tobytes())
+        h.update(self.offsets.astype(np.int64, copy=False).tobytes())   # as int64: fingerprints stay
 
     def __del__(self):
         remote = getattr(self, "_remote", None)

@@ -130,3 +130,9 @@ def test_bench_writes_json_with_both_loaders(cli, folder_ds, tmp_path):
     assert doc["settings"]["timed_batches"] == 3 and doc["settings"]["batch_size"] == 8
     assert {r["loader"] for r in doc["runs"]} == {"feedgpu", "torch"}
     assert "feedgpu" in res.stdout and "torch" in res.stdout
+    # memory per worker next to throughput: USS, its growth over the run, feedgpu's budget
+    assert "USS/worker MB" in res.stdout and "feedgpu's budget" in res.stdout
+    for name in ("feedgpu", "torch"):
+        s = doc["summary"][name]
+        assert s["uss_mb_per_worker"] > 0 and s["cow_growth_mb_per_worker"] is not None
+    assert doc["summary"]["feedgpu"]["worker_memory_mb"] >= 64

@@ -286,3 +286,44 @@ def test_pipeline_files_can_turn_the_per_file_stat_off(tree, tmp_path, monkeypat
     assert len(listed) == len(default) + 1
     assert (str(tree / "b" / "e.jpg"), "empty") in default.rejected
     assert (str(tree / "b" / "e.jpg"), "empty") not in listed.rejected
+
+
+def test_cache_clear_and_info_cover_the_saved_indexes(tree, tmp_path, monkeypatch):
+    """``feedgpu cache info`` counts the saved folder indexes (files, bytes) under
+    ``$FEEDGPU_CACHE_DIR/folder-index``; ``cache clear`` asks, then deletes them with the cache
+    entries (``--yes``: without asking); clearing one entry by fingerprint leaves them."""
+    from click.testing import CliRunner
+
+    from feedgpu.cli.cache import _human
+    from feedgpu.cli.main import main
+
+    env = tmp_path / "env"
+    monkeypatch.setenv("FEEDGPU_CACHE_DIR", str(env))
+    idx = env / "folder-index"
+    assert folder_index.default_index_dir() == idx
+    open_(tree, None)
+    open_(tree, None, extensions=(".jpg",))           # other settings: a second file
+    files = sorted(idx.glob("*.idx"))
+    assert len(files) == 2 and open_(tree, None).from_saved_index
+    size = sum(f.stat().st_size for f in files)
+
+    def cli(*args, **kw):
+        return CliRunner().invoke(main, list(args), **kw)
+
+    res = cli("cache", "info")
+    assert res.exit_code == 0, res.output
+    assert f"folder indexes {idx}: 2 saved, {_human(size)}" in res.output and size > 0
+    res = cli("cache", "clear", "0" * 32, "--yes")   # one entry by fingerprint: indexes stay
+    assert res.exit_code == 0 and "folder index" not in res.output and len(list(idx.glob("*.idx"))) == 2
+    res = cli("cache", "clear", input="n\n")
+    assert res.exit_code == 1 and "saved folder indexes in" in res.output and len(list(idx.glob("*.idx"))) == 2
+    res = cli("cache", "clear", "--yes")
+    assert res.exit_code == 0 and "deleted 2 saved folder indexes" in res.output, res.output
+    assert list(idx.glob("*.idx")) == []
+    assert "folder indexes" in cli("cache", "info").output and ": 0 saved, 0 B" in cli("cache", "info").output
+    assert not open_(tree, None).from_saved_index        # indexed afresh (and saved again)
+    other = tmp_path / "elsewhere"
+    open_(tree, other)
+    res = cli("cache", "clear", "--yes", "--index-dir", str(other))
+    assert "deleted 1 saved folder index " in res.output and list(other.glob("*.idx")) == []
+    assert len(list(idx.glob("*.idx"))) == 1          # the default folder was not touched
