@@ -312,8 +312,17 @@ class DataLoader(tud.DataLoader[T_co]):
                 self._set_seed(seed)
         shuffle = bool(self.sampler.shuffle) if reads_as_sharding(self.sampler) else self.shuffle
         n = self._num_samples() if n is None else n
-        self._order = sharded(n, self._batch_size, shuffle, self.seed, rank, world, self.drop_last, self._order)
+        self._order = sharded(n, self._batch_size, shuffle, self.seed, rank, world, self.drop_last, self._order,
+                              *self._shard_settings())
         return self._order
+
+    def _shard_settings(self) -> tuple:
+        """``(shard_window, shard_of)`` of a pipeline with ``shuffle: shards`` (applied when the
+        loader shuffles; :mod:`feedgpu.shard_order`), else ``(None, None)``."""
+        p = self.pipeline
+        if p is None or p.shard_window is None:
+            return None, None
+        return p.shard_window, lambda: p.source.shard_of()
 
     def __len__(self) -> int:
         if self._iterable is not None:
