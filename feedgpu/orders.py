@@ -40,7 +40,7 @@ class OrderSampler:
         self._loader = weakref.ref(loader)
         self.seed, self.epoch, self.shuffle = loader.seed, 0, loader.shuffle
         self._batch_size = loader._batch_size
-        self._shards = loader._shard_settings()   # (shard_window, shard_of) or (None, None)
+        self._shards = shard_settings(loader.pipeline)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
@@ -194,6 +194,15 @@ class UserView:
 def order_len(order) -> int | None:
     """``len(order)``; None for a user's sampler without a length."""
     return order.known_len() if isinstance(order, UserOrder) else len(order)
+
+
+def shard_settings(pipeline) -> tuple:
+    """``(shard_window, shard_of)`` for a pipeline with ``shuffle: shards`` (applied when the
+    loader shuffles; :mod:`feedgpu.shard_order`; ``shard_of`` is called when first needed), else
+    ``(None, None)`` (a torch Dataset, or a plain shuffle)."""
+    if pipeline is None or getattr(pipeline, "shard_window", None) is None:
+        return None, None
+    return pipeline.shard_window, lambda: pipeline.source.shard_of()
 
 
 def sharded(n: int, batch_size: int, shuffle: bool, seed: int, rank: int, world_size: int,

@@ -69,6 +69,9 @@ class ShardAhead:
         max_held: shards held (fetched or in flight, not released) at most (int >= 1); None
             (default): the most shards the order has open at once plus ``max_in_flight``.
         timeout: seconds an :meth:`acquire` waits before :class:`ShardFetchError` (None: no limit).
+        on_wait: called with the seconds each blocked :meth:`acquire` waited (for the loader:
+            :meth:`Autoscaler.add_network_wait <feedgpu.exec.autoscale.Autoscaler.add_network_wait>`),
+            outside the read-ahead's lock; None (default): only :meth:`stats` counts them.
         clock: monotonic clock in seconds (tests inject one).
 
     Raises :class:`ConfigError` for bad budgets or an order that names a sample outside
@@ -77,7 +80,7 @@ class ShardAhead:
 
     def __init__(self, order, shard_of, fetcher: Fetcher, *, names: Sequence[str] | None = None,
                  max_in_flight: int = 4, max_held: int | None = None, timeout: float | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 on_wait: Callable[[float], None] | None = None, clock: Callable[[], float] = time.monotonic):
         for label, v in (("max_in_flight", max_in_flight), ("max_held", max_held)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ConfigError(f"ShardAhead: {label} must be an int >= 1, got {v!r}")
@@ -99,7 +102,7 @@ class ShardAhead:
 
             max_held = (max_open(order, shard_of) if len(order) else 1) + max_in_flight
         self.max_in_flight, self.max_held, self.timeout = max_in_flight, max_held, timeout
-        self.fetcher, self.names, self.clock = fetcher, names, clock
+        self.fetcher, self.names, self.clock, self.on_wait = fetcher, names, clock, on_wait
         self._state = np.full(shards, _WAITING, np.int8)
         self._result: dict[int, Any] = {}
         self._error: dict[int, str] = {}
@@ -117,6 +120,14 @@ class ShardAhead:
         self._thread = threading.Thread(target=_run, args=(weakref.ref(self),), name="feedgpu-shard-ahead",
                                         daemon=True)
         self._thread.start()
+
+    @classmethod
+    def for_view(cls, view, source, fetcher: Fetcher, **options) -> "ShardAhead":
+        """The read-ahead of one rank's epoch: ``view`` an :class:`~feedgpu.sampling.EpochShard`
+        (``order.view(epoch, start)``, so a resumed epoch fetches only what is left), ``source``
+        a :class:`~feedgpu.sources.base.Source` (its ``shard_of()`` and ``shard_names()``);
+        ``options`` as for the constructor."""
+        return cls(view.indices, source.shard_of(), fetcher, names=source.shard_names(), **options)
 
     # -- the reader's side ----------------------------------------------------------------------
     def name(self, shard: int) -> str:
@@ -146,6 +157,14 @@ class ShardAhead:
         self._drop(int(shard))
 
     def _acquire(self, s: int):
+        waited: list[float] = []
+        try:
+            return self._wait_for(s, waited)
+        finally:
+            if waited and self.on_wait is not None:
+                self.on_wait(waited[0])
+
+    def _wait_for(self, s: int, waited: list):
         with self._cond:
             if self._state[s] in (_WAITING, _RELEASED):
                 if self._state[s] == _RELEASED:
@@ -167,16 +186,18 @@ class ShardAhead:
             finally:
                 if t0 is not None:
                     self._waiting -= 1
-                    self._account(t0)
+                    waited.append(self._account(t0))
             if self._state[s] == _READY:
                 return self._result[s]
             if self._state[s] == _FAILED:
                 raise ShardFetchError(self.name(s), self._error[s])
             raise ShardFetchError(self.name(s), "the read-ahead was closed before it was fetched")
 
-    def _account(self, t0: float) -> None:
-        self._stats["network_wait_s"] += max(0.0, self.clock() - t0)
+    def _account(self, t0: float) -> float:
+        dt = max(0.0, self.clock() - t0)
+        self._stats["network_wait_s"] += dt
         self._stats["waits"] += 1
+        return dt
 
     def _drop(self, s: int) -> None:
         release = None

@@ -39,9 +39,13 @@ the order of ``shuffle: true``.
 The order depends on ``(seed, epoch, shard of each sample, window)`` only: not on the rank,
 world size or worker count. :class:`~feedgpu.sampling.ShardedOrder` shards it over ranks with
 its usual rules (rank ``r`` of ``W`` takes every ``W``-th position, the same padding or drop), so
-every rank reads from the same window of shards at the same time (on one node, one download per
-shard serves every rank), and a loader state (a global position) resumes exactly on any world
-size.
+every rank reads from the same window of shards at the same time, and a loader state (a global
+position) resumes exactly on any world size. On one node, one download per shard then serves
+every rank (a node-local shard cache); on several nodes, each node fetches every shard and reads
+its ranks' share of it: the network carries the dataset once per node and epoch (partitioning
+shards over nodes, as MosaicML Streaming does, would carry it once, at the price of an order that
+depends on the node count). The padding under ``drop_last=False`` repeats the head of the epoch
+order, so the last batch may reopen one of the epoch's first shards.
 
 Cost: one sort of ``n`` int64 (the key above, the sample index below; numpy's vectorised sort)
 and a few O(n) passes; ``bench/shard_order.py`` times it beside the plain permutation.

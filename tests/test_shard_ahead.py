@@ -6,6 +6,7 @@ import gc
 import random
 import threading
 import time
+import weakref
 from concurrent.futures import Future
 
 import numpy as np
@@ -139,7 +140,8 @@ def test_waiting_for_the_network_is_accounted_only_when_the_reader_blocks():
     order, shard_of = layout(shards=4, size=5, window=1)
     clock = FakeClock()
     f = FakeFetcher(gated=True)
-    ahead = ShardAhead(order, shard_of, f, max_in_flight=2, max_held=4, clock=clock)
+    waits = []
+    ahead = ShardAhead(order, shard_of, f, max_in_flight=2, max_held=4, clock=clock, on_wait=waits.append)
     try:
         until(lambda: len(f.calls) == 2)
         got = []
@@ -152,6 +154,7 @@ def test_waiting_for_the_network_is_accounted_only_when_the_reader_blocks():
         assert got == [f"/cache/{f.calls[0]}"]
         st = ahead.stats()
         assert st["network_wait_s"] == pytest.approx(5.0) and st["waits"] == 1
+        assert waits == [pytest.approx(5.0)], "on_wait hears of each blocked acquire"
         # a shard fetched before it is read costs the reader nothing
         f.finish(f.calls[1])
         until(lambda: ahead.stats()["fetched"] == 2)
@@ -159,6 +162,7 @@ def test_waiting_for_the_network_is_accounted_only_when_the_reader_blocks():
         second = int(np.flatnonzero(shard_of[order] == f.calls[1])[0])
         assert ahead.acquire(second) == f"/cache/{f.calls[1]}"
         assert ahead.stats()["network_wait_s"] == pytest.approx(5.0) and ahead.stats()["waits"] == 1
+        assert len(waits) == 1
     finally:
         ahead.close()
 
@@ -226,7 +230,7 @@ def test_close_wakes_a_waiting_reader_and_leaves_no_thread():
 def test_a_read_ahead_dropped_without_close_stops_its_thread():
     order, shard_of = layout(shards=3, size=4, window=1)
     ahead = ShardAhead(order, shard_of, FakeFetcher())
-    until(lambda: ahead.stats()["fetched"] == 3)
+    until(lambda ref=weakref.ref(ahead): ref().stats()["fetched"] == 3)
     del ahead
     gc.collect()
     until(lambda: not ahead_threads(), timeout=5)
@@ -270,3 +274,37 @@ def test_bad_budgets(kw):
     order, shard_of = layout(shards=2, size=2, window=1)
     with pytest.raises(ConfigError):
         ShardAhead(order, shard_of, FakeFetcher(), **kw)
+
+
+def test_a_loader_view_of_tar_shards_is_read_through_the_read_ahead(tar_ds):
+    """Real shards: a rank's resumed view of a shard-aware epoch; the fake cache hands back the
+    shard's own path, and every sample read through it has the source's bytes and label."""
+    import os
+
+    from feedgpu import DataLoader, Pipeline
+    from feedgpu.stages import Decode, ResizeCenterCrop
+
+    pipe = Pipeline({"format": "tar", "path": str(tar_ds)}, [Decode(), ResizeCenterCrop(40, 32)], batch_size=10,
+                    num_workers=0, device="cpu", shuffle="shards", shard_window=2)
+    src = pipe.source
+    order = DataLoader(pipe, rank=1, world_size=2)._sharded_order(collective=False)
+    view = order.view(epoch=1, start=40)              # 40 samples taken before a resume
+
+    class LocalCache(FakeFetcher):
+        def _complete(self, shard, fut):
+            with self.lock:
+                self.active -= 1
+            fut.set_result(shard)                     # a local shard is its own cache
+
+    f = LocalCache(delay=lambda s: 0.01)
+    with ShardAhead.for_view(view, src, f, max_in_flight=1) as ahead:
+        for pos, idx in enumerate(view.indices.tolist()):
+            path = ahead.acquire(pos)
+            with open(path, "rb") as fh:
+                data = os.pread(fh.fileno(), int(src.sizes[idx]), int(src.offsets[idx]))
+            rec = src.read(idx)
+            assert bytes(data) == bytes(rec.payload) and path == src.shards[src.shard_ids[idx]]
+            ahead.release(pos)
+        st = ahead.stats()
+    assert st["fetched"] == len(set(src.shard_ids[view.indices].tolist())) and st["held"] == 0
+    assert st["max_held"] <= 2 + 1

@@ -214,6 +214,20 @@ def test_shuffle_false_and_sampler_views(tar_ds):
     assert list(loader.sampler) == shard_order(pipe.source.shard_of(), 4, 1, 2).tolist()
 
 
+def test_the_sampler_keeps_the_shard_aware_order_once_the_loader_is_gone(tar_ds):
+    """accelerate's prepare() keeps loader.batch_sampler and drops the loader."""
+    import gc
+
+    pipe = _tar_pipe(tar_ds, shuffle="shards", shard_window=2)
+    loader = DataLoader(pipe)
+    sampler = loader.sampler
+    sampler.set_epoch(2)
+    del loader
+    gc.collect()
+    assert sampler._loader() is None
+    assert list(sampler) == shard_order(pipe.source.shard_of(), 4, 2, 2).tolist()
+
+
 def test_yaml_option(tar_ds):
     base = {"source": {"format": "tar", "path": str(tar_ds)}, "output": {"dtype": "uint8", "layout": "NHWC"},
             "stages": [{"op": "decode"}, {"op": "resize_center_crop", "resize": 40, "crop": 32}]}
