@@ -279,6 +279,7 @@ class ShardAhead:
                 self._state[s], self._error[s] = _FAILED, f"{type(e).__name__}: {e}"
             else:
                 self._state[s], self._result[s] = _READY, fut.result()
+            release = None
             if self._state[s] == _FAILED:
                 self._held -= 1
                 self._stats["failed"] += 1
@@ -286,7 +287,14 @@ class ShardAhead:
                     self._state[s] = _RELEASED
             else:
                 self._stats["fetched"] += 1
+                if self._refs[s] <= 0:   # every read of it was released before it landed
+                    self._state[s], self._held = _RELEASED, self._held - 1
+                    self._result.pop(s, None)
+                    self._stats["released"] += 1
+                    release = getattr(self.fetcher, "release", None)
             self._cond.notify_all()
+        if callable(release):
+            release(self._key(s))
 
     # -- lifetime and figures --------------------------------------------------------------------
     def stats(self) -> dict:

@@ -269,6 +269,19 @@ def test_a_held_budget_below_the_window_cannot_deadlock():
     assert f.peak == 1
 
 
+def test_a_shard_whose_reads_were_all_released_before_it_landed_is_released_when_it_lands():
+    order, shard_of = layout(shards=3, size=4, window=1)
+    f = FakeFetcher(gated=True)
+    with ShardAhead(order, shard_of, f, max_in_flight=1, max_held=1) as ahead:
+        until(lambda: len(f.calls) == 1)
+        first = f.calls[0]
+        for pos in np.flatnonzero(shard_of[order] == first).tolist():
+            ahead.release(pos)                # the reader skipped its samples
+        f.finish(first)
+        until(lambda: len(f.calls) == 2)      # its slot is free again: the next shard is fetched
+        assert f.released == [first] and ahead.stats()["held"] == 1
+
+
 @pytest.mark.parametrize("kw", [{"max_in_flight": 0}, {"max_held": 0}, {"max_in_flight": 1.5}])
 def test_bad_budgets(kw):
     order, shard_of = layout(shards=2, size=2, window=1)
