@@ -16,6 +16,12 @@ shards:
    ``h`` shards before and the ``w - 1 - h`` after it (clipped at the ends of the sequence);
 3. the epoch order is the samples sorted by key (ties, rare, in index order).
 
+It is the idea of MosaicML Streaming's ``py1e`` (each shard's samples placed at random in a
+range wider than the shard), with ranges that end on shard boundaries so that the bound below
+holds for any shard sizes. WebDataset's shard shuffle and sample buffer mix the same way but as
+a stream (no position to resume from); fixed blocks (Streaming's ``py1b``) open a whole block's
+shards at once.
+
 What it does to randomness:
 
 * At most ``w`` shards are open at any point, whatever their sizes: at a key inside the span of
