@@ -447,6 +447,9 @@ class DataLoader(tud.DataLoader[T_co]):
                  batches_seen=self._position[1])
         d["balancer"] = self._autoscaler.stats() if self._autoscaler is not None else None
         live = self._live() if self._live is not None else None
+        ahead = getattr(live, "shards", None)   # shard read-ahead (feedgpu.shard_ahead.attach)
+        d["read_ahead"] = ahead.stats() if ahead is not None and not live.closed else \
+            getattr(self, "_read_ahead_stats", None)
         d["skip_budget"] = live.budget.as_dict() if live is not None else None
         engine = self._work.stats() if self._work is not None else None
         d["engine"] = engine if engine is not None else {"name": self._engine.name}
