@@ -18,10 +18,10 @@ import warnings
 
 import numpy as np
 
+from . import shard_ahead
 from .errors import IteratorSuperseded, SkipBudgetExceeded
 from .exec.host_buffers import pin
 from .exec.process_pool import unpack_exception
-from . import shard_ahead
 from .sampling import ShardedOrder
 from .skips import SkipBudget, epoch_samples
 
