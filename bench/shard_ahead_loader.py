@@ -20,7 +20,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,9 +29,7 @@ from feedgpu.convert import folder_to_tar
 from feedgpu.sample_data import build_imagenet_like
 from feedgpu.shard_ahead import attach
 from feedgpu.stages import Decode, ResizeCenterCrop
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shard_ahead import Link  # noqa: E402
+from shard_ahead import Link   # bench/shard_ahead.py: the script's folder is on sys.path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PHOTOS = Path(__file__).resolve().parents[1] / "feedgpu" / "assets" / "photos"
