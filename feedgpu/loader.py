@@ -23,7 +23,7 @@ from .exec.engines import EngineSettings
 from .exec.process_pool import ProcessPool
 from .metrics import ExecutorTotals, LoaderStats
 from .orders import (OrderRandomSampler, OrderSampler, OrderSequentialSampler, UserOrder, order_len,
-                     reads_as_sharding, sharded)
+                     reads_as_sharding, shard_settings, sharded)
 from .loader_setup import _UNSET, init_iterable, resolve_settings
 from .pipeline import Pipeline
 from .sampling import ShardedOrder
@@ -319,7 +319,8 @@ class DataLoader(tud.DataLoader[T_co]):
                 self._set_seed(seed)
         shuffle = bool(self.sampler.shuffle) if reads_as_sharding(self.sampler) else self.shuffle
         n = self._num_samples() if n is None else n
-        self._order = sharded(n, self._batch_size, shuffle, self.seed, rank, world, self.drop_last, self._order)
+        self._order = sharded(n, self._batch_size, shuffle, self.seed, rank, world, self.drop_last, self._order,
+                              *shard_settings(self.pipeline))
         return self._order
 
     def __len__(self) -> int:
@@ -453,6 +454,9 @@ class DataLoader(tud.DataLoader[T_co]):
                  batches_seen=self._position[1])
         d["balancer"] = self._autoscaler.stats() if self._autoscaler is not None else None
         live = self._live() if self._live is not None else None
+        ahead = getattr(live, "shards", None)   # shard read-ahead (feedgpu.shard_ahead.attach)
+        d["read_ahead"] = ahead.stats() if ahead is not None and not live.closed else \
+            getattr(self, "_read_ahead_stats", None)
         d["skip_budget"] = live.budget.as_dict() if live is not None else None
         engine = self._work.stats() if self._work is not None else None
         d["engine"] = engine if engine is not None else {"name": self._engine.name}
