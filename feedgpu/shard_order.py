@@ -31,7 +31,7 @@ What it does to randomness:
 * Within the window, samples are mixed uniformly: a sample's place within its shard says
   nothing about its place in the epoch (every key of a shard is drawn from the same range).
 * Neighbouring samples are correlated: two consecutive samples come from the same shard with
-  probability about ``1 / w`` (``1 / S`` for a plain shuffle); ``tests/test_shard_order.py``
+  probability about ``1 / w`` (``1 / S`` for a plain shuffle); ``tests/unit/test_shard_order.py``
   measures it against a bound. At the start and end of the epoch the window is clipped to about
   ``w / 2`` shards (for about ``w / 2`` shards' worth of samples). ``w = 1`` reads one shard at a
   time, its samples in random order. Shards written in class order (a class per shard) give
