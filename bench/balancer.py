@@ -46,7 +46,7 @@ from cpu_loader import write_results  # noqa: E402
 import torch  # noqa: E402
 
 from feedgpu import DataLoader, Pipeline  # noqa: E402
-from feedgpu.cli.bench import machine_info  # noqa: E402
+from feedgpu.bench.machine import machine_info  # noqa: E402
 from feedgpu.exec.autoscale import cpu_cores  # noqa: E402
 from feedgpu.sample_data import default_sample  # noqa: E402
 

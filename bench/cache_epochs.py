@@ -13,7 +13,7 @@ process, alternating round after round (the compression order rotates per round)
 * ``read:<c>``: the next epoch, a new loader on that full cache -- "epoch 2" (every sample is read
   from the cache; the run checks that nothing was decoded).
 
-Each run is :func:`feedgpu.cli.bench.measure` (what ``feedgpu bench`` reports): samples/s from the
+Each run is :func:`feedgpu.bench.measure.measure` (what ``feedgpu bench`` reports): samples/s from the
 first batch to the last (``--warmup 1``: worker start-up and the first batch excluded), and here
 also samples/s over the whole epoch from ``iter(loader)`` until its workers have exited (start-up
 and the final cache flush included). Medians over rounds; ratios also per round.
@@ -61,12 +61,12 @@ def pipeline(data: str, dtype: str = "float32"):
 
 
 def subject(p, workers: int, batch_size: int, cache, name: str, persistent: bool = False, since=None):
-    """A :class:`feedgpu.cli.bench.Subject` for ``DataLoader(p, cache=cache)``. Non-persistent
+    """A :class:`feedgpu.bench.subjects.Subject` for ``DataLoader(p, cache=cache)``. Non-persistent
     workers exit, and write their last cache part, at the end of the epoch. ``since``: a dict
     that holds ``stage_s`` at the start of the measured epoch (seconds per stage are reported
     for that epoch only)."""
     from feedgpu import DataLoader
-    from feedgpu.cli.bench import Subject
+    from feedgpu.bench.subjects import Subject
     from feedgpu.imaging import pil_label
 
     loader = DataLoader(p, batch_size=batch_size, num_workers=workers, persistent_workers=persistent,
@@ -87,7 +87,7 @@ def one_run(p, a, nb: int, name: str, cache, prepare=None, steady: bool = False)
     ``--max-others`` % of a core meanwhile (``prepare()`` runs before every attempt). ``steady``:
     one loader with persistent workers runs an unmeasured epoch first, then the measured one
     (its workers have touched the batch buffers and opened the cache already)."""
-    from feedgpu.cli import bench as fb
+    from feedgpu.bench.measure import measure, progress_bar
 
     for attempt in range(1, a.retries + 2):
         if prepare is not None:
@@ -106,8 +106,8 @@ def one_run(p, a, nb: int, name: str, cache, prepare=None, steady: bool = False)
                 since.update(stage_s=dict(st["stage_s"]), samples=st["samples"])
 
         t0 = time.perf_counter()
-        with fb.progress_bar(skip + nb, name) as bar:
-            res = fb.measure(s, nb - a.warmup, skip + a.warmup, on_batch=lambda: on_batch(bar))
+        with progress_bar(skip + nb, name) as bar:
+            res = measure(s, nb - a.warmup, skip + a.warmup, on_batch=lambda: on_batch(bar))
         wall = time.perf_counter() - t0  # iter() ... last batch ... workers exited (cache flushed)
         n = res.pop("epoch_samples")
         res.update(loader=name, epoch_samples=n, epoch_wall_s=None if steady else round(wall, 3),
@@ -152,7 +152,8 @@ def main(argv=None) -> int:
 
     from feedgpu.cache import entries
     from feedgpu.cache.settings import parse_compression
-    from feedgpu.cli import bench as fb
+    from feedgpu.bench.machine import data_info, machine_info
+    from feedgpu.bench.measure import epoch_batches
     from feedgpu.sample_data import build_imagenet_like
 
     for c in comps:
@@ -163,12 +164,12 @@ def main(argv=None) -> int:
         build_imagenet_like(data, a.images, photos_dir=a.photos, progress=True)
     p = pipeline(str(data), a.dtype)
     n = len(p.source)
-    nb = fb.epoch_batches(p, a.batch_size)
+    nb = epoch_batches(p, a.batch_size)
     jpeg_bytes = int(p.source.sizes.sum()) if hasattr(p.source, "sizes") else None
     print("measuring the data set", file=sys.stderr)
-    data_meta = fb.data_info(p, str(data), sample=None)
+    data_meta = data_info(p, str(data), sample=None)
     data_meta["jpeg_bytes_total"] = jpeg_bytes
-    machine = fb.machine_info()
+    machine = machine_info()
     base_root = Path(a.cache_root) if a.cache_root else REPO / "bench" / "out"
     base_root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="cache-epochs-", dir=base_root))

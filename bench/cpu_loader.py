@@ -7,7 +7,7 @@ resized crop 224, horizontal flip, normalize to float32 NCHW), same worker count
 * ``feedgpu``: ``feedgpu.DataLoader`` on the pipeline, with the PIL build of this environment
   (Pillow-SIMD);
 * ``torch_pillow_simd``: ``torch.utils.data.DataLoader`` + torchvision-equivalent transforms
-  (``feedgpu.baseline``), same PIL build;
+  (``feedgpu.bench.torch_baseline``), same PIL build;
 * ``torch_pillow``: the same torch loader with stock Pillow, what users have: Pillow from PyPI
   installed once into ``bench/.pillow-stock`` and put first on ``PYTHONPATH``.
 
@@ -15,7 +15,7 @@ Each loader lives in its own process (a fresh interpreter, so none inherits anot
 PIL build); the parent asks them in turn for one measured run each, round after round, so drift
 in the machine's speed hits all loaders alike. One unrecorded round comes first (each process's
 first run pays one-time costs, such as first touch of fresh memory, that training pays once).
-The measurement itself is ``feedgpu.cli.bench.measure`` (what ``feedgpu bench`` reports). Before
+The measurement itself is ``feedgpu.bench.measure.measure`` (what ``feedgpu bench`` reports). Before
 the rounds, each PIL build's per-core rate without any loader is measured for reference.
 
 Writes ``bench/results/cpu_loader.json`` and ``bench/results/cpu_loader.md``.
@@ -40,7 +40,7 @@ STOCK_REQ = "pillow==12.*"
 PIPELINE = REPO / "pipelines" / "imagenet_train.yaml"
 RESULT_MARK = "@@result "
 
-# name -> (feedgpu.cli.bench loader kind, stock Pillow?)
+# name -> (feedgpu.bench.subjects loader kind, stock Pillow?)
 LOADERS = {
     "feedgpu": ("feedgpu", False),
     "torch_pillow_simd": ("torch", False),
@@ -74,7 +74,7 @@ def serve(base: dict) -> None:
     result line on stdout: ``{"mode": "run", "desc": ...}`` measures one run of this child's
     loader, ``{"mode": "single", "images": n}`` the per-core reference, ``{"mode": "exit"}``."""
     _check_pil(base["stock"])
-    from feedgpu.cli import bench as fb
+    from feedgpu.bench.measure import progress_bar, run_one
     from feedgpu.imaging import pil_label
 
     p = _pipeline(base["data"])
@@ -87,8 +87,8 @@ def serve(base: dict) -> None:
         if cmd["mode"] == "single":
             res = {"pil": pil_label(), **per_core(p, cmd["images"])}
         else:
-            with fb.progress_bar(base["warmup"] + base["batches"], cmd["desc"]) as bar:
-                res = fb.run_one(base["kind"], p, base["workers"], base["batch_size"], base["batches"],
+            with progress_bar(base["warmup"] + base["batches"], cmd["desc"]) as bar:
+                res = run_one(base["kind"], p, base["workers"], base["batch_size"], base["batches"],
                                  base["warmup"], "cpu", on_batch=lambda: bar.update(1))
             res["pil"] = pil_label()
         print(RESULT_MARK + json.dumps(res), flush=True)
@@ -99,7 +99,7 @@ def per_core(p, n: int) -> dict:
     measure) and of the whole torchvision-style transform (+ ToTensor + Normalize)."""
     import torch
 
-    from feedgpu.baseline import build_transforms
+    from feedgpu.bench.torch_baseline import build_transforms
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -235,7 +235,8 @@ def main(argv=None) -> int:
         serve(json.loads(a.serve))
         return 0
 
-    from feedgpu.cli import bench as fb
+    from feedgpu.bench.machine import data_info, machine_info
+    from feedgpu.bench.measure import default_batches, epoch_batches, ratio, run_rounds, summarize
     from feedgpu.sample_data import build_imagenet_like
 
     t0 = time.perf_counter()
@@ -244,11 +245,11 @@ def main(argv=None) -> int:
     if not a.data:
         build_imagenet_like(data, a.images, photos_dir=a.photos, progress=True)
     p = _pipeline(str(data))
-    nb = fb.epoch_batches(p, a.batch_size)
-    batches = a.batches or fb.default_batches(nb, a.warmup, a.workers)
+    nb = epoch_batches(p, a.batch_size)
+    batches = a.batches or default_batches(nb, a.warmup, a.workers)
     print("measuring the data set", file=sys.stderr)
-    data_meta = fb.data_info(p, str(data), sample=None)
-    machine = fb.machine_info()
+    data_meta = data_info(p, str(data), sample=None)
+    machine = machine_info()
     machine["pil_stock"] = f"Pillow {stock_version}"
     settings = {"pipeline": str(PIPELINE.relative_to(REPO)), "workers": a.workers, "batch_size": a.batch_size,
                 "batches_per_epoch": nb, "timed_batches": batches, "warmup": a.warmup, "rounds": a.rounds,
@@ -287,11 +288,11 @@ def main(argv=None) -> int:
         # one unrecorded round first: each process's first run pays one-time costs (first touch
         # of fresh memory, imports, file cache) that a training run pays once, not per epoch
         warm = [run(name, -1, None) for name in LOADERS]
-        runs = fb.run_rounds(list(LOADERS), a.rounds, run)
+        runs = run_rounds(list(LOADERS), a.rounds, run)
     finally:
         for c in children.values():
             c.close()
-    summary = fb.summarize(runs)
+    summary = summarize(runs)
     for name, s in summary.items():
         rs = [r for r in runs if r["loader"] == name]
         s["pil"] = rs[0]["pil"]
@@ -302,9 +303,9 @@ def main(argv=None) -> int:
             stages = rs[0]["stage_ms_per_sample"].keys()
             s["stage_ms_per_sample"] = {k: round(statistics.median(r["stage_ms_per_sample"][k] for r in rs), 3)
                                         for k in stages}
-    ratios = {"feedgpu_over_torch_pillow": fb.ratio(summary, "feedgpu", "torch_pillow"),
-              "feedgpu_over_torch_pillow_simd": fb.ratio(summary, "feedgpu", "torch_pillow_simd"),
-              "torch_pillow_simd_over_torch_pillow": fb.ratio(summary, "torch_pillow_simd", "torch_pillow")}
+    ratios = {"feedgpu_over_torch_pillow": ratio(summary, "feedgpu", "torch_pillow"),
+              "feedgpu_over_torch_pillow_simd": ratio(summary, "feedgpu", "torch_pillow_simd"),
+              "torch_pillow_simd_over_torch_pillow": ratio(summary, "torch_pillow_simd", "torch_pillow")}
     # the same ratio taken within each round (the loaders ran back to back), then the median
     per_round = {}
     for key, (x, y) in {"feedgpu_over_torch_pillow": ("feedgpu", "torch_pillow"),
@@ -361,7 +362,7 @@ def markdown(doc: dict) -> str:
         f"{d['mean_megapixels']:.3f} megapixels).",
         f"- Pipeline: `{s['pipeline']}` — decode → RandomResizedCrop(224, bilinear) → horizontal flip → "
         "normalize to float32 NCHW, output on the CPU. The torch loaders run the torchvision-equivalent "
-        "transforms of `feedgpu.baseline` (`Image.open().convert(\"RGB\")`, `RandomResizedCrop`, "
+        "transforms of `feedgpu.bench.torch_baseline` (`Image.open().convert(\"RGB\")`, `RandomResizedCrop`, "
         "`RandomHorizontalFlip`, `ToTensor`, `Normalize`, `default_collate`, `pin_memory=False`).",
         f"- Settings: {s['workers']} workers each, batch {s['batch_size']}, prefetch {s['prefetch_factor']}, "
         f"shuffle, drop_last ({s['batches_per_epoch']} batches per epoch); per run {s['warmup']} warm-up "

@@ -12,7 +12,7 @@ Each run is a fresh process (``--child``) that times, from its own start: the im
 (feedgpu: ``pipeline.source``, the :class:`FolderSource` walk or saved index; torch: ``sorted(glob(
 root/*/*))`` and a label per path, as a user writes it), and the first batch of
 ``pipelines/imagenet_train.yaml`` (batch 256, random resized crop 224, flip, normalize) with 2
-worker processes (feedgpu's ``DataLoader``; torch's over the same transforms, :mod:`feedgpu.baseline`),
+worker processes (feedgpu's ``DataLoader``; torch's over the same transforms, :mod:`feedgpu.bench.torch_baseline`),
 then the main process's RSS and the workers' USS (psutil), and for feedgpu the time of
 ``source.identity()`` (what a cache or a loader state costs on top; on a saved index it
 ``stat``-s every file). Order: feedgpu cold (empty index dir), torch, feedgpu warm (the index the
@@ -132,7 +132,7 @@ def child(kind: str, root: str, workers: int) -> dict:
         import torch.utils.data as tud
 
         from feedgpu import Pipeline
-        from feedgpu.baseline import build_transforms
+        from feedgpu.bench.torch_baseline import build_transforms
 
         out["import_s"] = _since_start() - t0
         rss0 = psutil.Process().memory_info().rss
@@ -201,7 +201,7 @@ def markdown(doc: dict) -> str:
              f"links of {s['unique']} ImageNet-like JPEGs (400-640 px, from shared/data/photos) under {s['root']}. "
              f"Pipeline: {s['pipeline']} (batch 256, random resized crop 224, flip, normalize, float32), "
              f"{s['workers']} worker processes; torch: `torch.utils.data.DataLoader` over `sorted(glob(root/*/*))` "
-             "with the same transforms (feedgpu.baseline, torchvision's code path written with Pillow).", "",
+             "with the same transforms (feedgpu.bench.torch_baseline, torchvision's code path written with Pillow).", "",
              "Times are from the process's start (interpreter start included). Cold: no saved index (a new, empty "
              "cache dir); warm: the index the cold run saved. The page cache could not be dropped (no root on the "
              "host), so every run finds the folders and inodes in memory; torch has no saved index, its two runs "

@@ -41,9 +41,9 @@ sys.path.insert(0, str(REPO / "bench"))
 from cpu_loader import wait_quiet, write_results  # noqa: E402
 
 from feedgpu import DataLoader, Pipeline  # noqa: E402
-from feedgpu.cli.bench import machine_info  # noqa: E402
+from feedgpu.bench.machine import machine_info  # noqa: E402
 from feedgpu.exec.autoscale import cpu_cores  # noqa: E402
-from feedgpu.idle import RateConsumer, run_loader  # noqa: E402
+from feedgpu.bench.idle import RateConsumer, run_loader  # noqa: E402
 from feedgpu.sample_data import default_sample  # noqa: E402
 
 PIPELINE = REPO / "pipelines" / "imagenet_train.yaml"

@@ -108,3 +108,14 @@ class TableDataError(FeedgpuError, ValueError):
     """Table values a feature pipeline refuses rather than turn into a wrong number: NaN left in a
     dense feature, a value outside a vocabulary with ``on_oov: raise``, a missing label with
     ``if_missing: raise``. The message names the column and how many rows are affected."""
+
+
+class BenchUsageError(ConfigError):
+    """``feedgpu bench``'s options do not fit the pipeline, the data or the machine (a stage the
+    torch baseline or DALI cannot run, an epoch shorter than the warm-up, no CUDA device for
+    ``--device cuda``...). The command line reports it as a usage error (exit code 2)."""
+
+
+class BenchRunError(FeedgpuError, RuntimeError):
+    """A loader under ``feedgpu bench`` stopped giving batches (an epoch without one). The command
+    line reports it as an error (exit code 1)."""

@@ -40,9 +40,9 @@ def scan(data, fmt, sets, workers, max_pixels, json_out, quarantine, to_cache, c
     arguments, a dataset that cannot be opened); errors are one line on stderr, never a traceback.
     """
     from ..scan import open_for_scan, quarantine_in_cache, scan_source
-    from .main import _parse_sets
+    from .options import parse_sets
 
-    overrides = _parse_sets(sets)
+    overrides = parse_sets(sets)
     try:
         source, decode, pipeline = open_for_scan(data, fmt, overrides, max_pixels)
     except OSError as e:   # feedgpu's own errors exit 2 in the command group
