@@ -11,10 +11,11 @@ from .metrics import SkippedSampleWarning
 from .pipeline import Pipeline
 from .sources import DatasetSource, FolderSource, ParquetSource, TarShardSource
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "Batch", "ConfigError", "DataLoader", "DatasetSource", "DecodeError", "FeedgpuError", "FolderSource",
-    "IteratorSuperseded", "LoaderTimeout", "ParquetSource", "Pipeline", "SampleError", "SkipBudgetExceeded", "SkippedSampleWarning",
-    "SharedMemoryError", "SourceError", "StageError", "StateError", "TarShardSource", "WorkerError", "pil_build",
+    "IteratorSuperseded", "LoaderTimeout", "ParquetSource", "Pipeline", "SampleError", "SharedMemoryError",
+    "SkipBudgetExceeded", "SkippedSampleWarning", "SourceError", "StageError", "StateError", "TarShardSource",
+    "WorkerError", "pil_build",
 ]
