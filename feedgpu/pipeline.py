@@ -88,7 +88,7 @@ class Pipeline:
         check_executor(self.executor, self.engine, self.cache)
         plan = make_plan(self.stages, "cpu")  # validate the stage list now, not at the first batch
         if self.engine.name == "dali":
-            from .exec.dali_engine import check_dali_plan
+            from .exec.dali_graph import check_dali_plan
 
             check_dali_plan(plan)  # e.g. a python stage: refused here, not at the first batch
 
@@ -168,7 +168,7 @@ class Pipeline:
                 where = f"cpu pool + Ray {self.executor.address or '(ray.init default)'} ({pil_label()})"
                 return make_plan(self.stages, dev, pool_where=where)
             return make_plan(self.stages, dev)
-        from .exec.dali_engine import check_dali_plan
+        from .exec.dali_graph import check_dali_plan
 
         dd = self.engine.dali_device(dev)
         threads = self.engine.threads or max(1, fixed_workers(self.num_workers))
