@@ -20,8 +20,8 @@ and the final cache flush included). Medians over rounds; ratios also per round.
 
 Writes ``bench/results/cache_epochs.json`` and ``bench/results/cache_epochs.md``.
 
-    .venv/bin/python bench/cache_epochs.py                     # 2,000 images, 5 rounds, ~3.5 min
-    .venv/bin/python bench/cache_epochs.py --rounds 3 --compression zstd:1
+    .venv/bin/python -m bench.cache_epochs                     # 2,000 images, 5 rounds, ~3.5 min
+    .venv/bin/python -m bench.cache_epochs --rounds 3 --compression zstd:1
 """
 from __future__ import annotations
 
@@ -33,14 +33,11 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.harness import REPO, wait_quiet, write_results
+
 PIPELINE = REPO / "pipelines" / "imagenet_train_cached.yaml"
 TARGET_READ = 4.0       # epoch 2 (cache) / epoch 1 (JPEG) samples/s
 TARGET_WRITE = 0.15     # extra time of the filling epoch over the uncached one
-
-sys.path.insert(0, str(REPO))  # this checkout's feedgpu, not the one the venv has installed
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_loader import wait_quiet, write_results  # noqa: E402  shared with the recorded CPU benchmark
 
 
 def pipeline(data: str, dtype: str = "float32"):
@@ -172,6 +169,7 @@ def main(argv=None) -> int:
     machine = machine_info()
     base_root = Path(a.cache_root) if a.cache_root else REPO / "bench" / "out"
     base_root.mkdir(parents=True, exist_ok=True)
+    base_root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="cache-epochs-", dir=base_root))
     settings = {"pipeline": str(PIPELINE.relative_to(REPO)), "stages": [s.name for s in p.stages], "dtype": a.dtype,
                 "cached_prefix": [s.name for s in p.stages[:p.plan("cpu").cache_prefix]],
@@ -289,7 +287,7 @@ def main(argv=None) -> int:
         pc["meets_write_target"] = pc["write_cost"] <= TARGET_WRITE
     total = time.perf_counter() - t_all
     doc = {"format": "feedgpu.bench.cache_epochs/1", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-           "command": "python bench/cache_epochs.py " + " ".join(sys.argv[1:] if argv is None else argv),
+           "command": "python -m bench.cache_epochs " + " ".join(sys.argv[1:] if argv is None else argv),
            "targets": {"read_speedup_min": TARGET_READ, "write_cost_max": TARGET_WRITE},
            "machine": machine, "data": data_meta, "settings": settings, "summary": summary,
            "per_compression": per_comp, "persistent_workers_check": persistent,
@@ -338,6 +336,7 @@ def fill_profile(p, comps: list[str], n_rows: int = 450, fast_levels=(-20, -5), 
     raw = sum(a.nbytes for a in arrays)
     k = len(arrays) / 1e3
     out = {"rows": len(arrays), "raw_mib": raw / 2**20, "pack_ms": t_pack / k, "pause_s": pause_s}
+    (REPO / "bench" / "out").mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="fill-profile-", dir=REPO / "bench" / "out"))
     rows = RowBuffer(BATCH_BYTES + (1 << 20))
     for a in arrays:  # touch the buffer's memory once
@@ -590,10 +589,8 @@ def markdown(doc: dict) -> str:
 
 
 def analysis(doc: dict) -> list[str]:
-    """Where epoch 2 and the filling epoch stand against the targets, from this run's numbers,
-    and what the default compression is and why."""
-    from feedgpu.cache.settings import CacheSettings
-
+    """Epoch 2 and the filling epoch, ms per sample, against the targets' budgets (figures; what
+    they mean for the default compression is written by hand under "Conclusions")."""
     su, t, pc = doc["summary"], doc["targets"], doc["per_compression"]
     comps = doc["settings"]["compressions"]
     base = su["no_cache"]["stage_ms_per_sample"]
@@ -623,55 +620,6 @@ def analysis(doc: dict) -> list[str]:
                     f"{pc[c]['write_cost'] * 100:+.0f} %.")
     lines += ["Filling, ms per sample:", ""] + rows + [""]
 
-    fp = doc.get("fill_profile") or {}
-    default = CacheSettings.__dataclass_fields__["compression"].default
-    zstd = [c for c in comps if c.startswith("zstd")]
-    if "none" in comps and zstd:
-        z = zstd[0]
-        enc = f"{fp[z]['encode_ms']:.2f} ms per row" if z in fp else "?"
-        fast = fp.get("zstd_fast_levels") or {}
-        fast_txt = "; ".join(f"level {lv} keeps {v['ratio']:.2f} of the bytes for {v['encode_ms']:.2f} ms per row"
-                             for lv, v in fast.items())
-        lines += ["## The default compression", "",
-                  f"Default in `CacheSettings` and the shipped cached pipeline: **`{default}`**. Measured here: `none` "
-                  f"gives epoch 2 / epoch 1 {pc['none']['read_speedup']:.2f}× at {pc['none']['write_cost'] * 100:+.0f} % "
-                  f"write cost and {pc['none']['cache_bytes_per_image'] / 1024:.0f} KB per image; `{z}` "
-                  f"{pc[z]['read_speedup']:.2f}× at {pc[z]['write_cost'] * 100:+.0f} % and "
-                  f"{pc[z]['cache_bytes_per_image'] / 1024:.0f} KB per image "
-                  f"({pc[z]['cache_bytes'] / pc['none']['cache_bytes']:.2f} of `none`'s bytes). Encoding with `{z}` "
-                  f"costs {enc} (the whole write budget is {budget_write:.2f} ms) and its decode is the largest part of "
-                  f"its epoch 2 ({su[f'read:{z}']['stage_ms_per_sample'].get('cache', 0):.2f} ms against "
-                  f"{su['read:none']['stage_ms_per_sample'].get('cache', 0):.2f} for `none`), so only `none` comes "
-                  "near the targets"
-                  + (f"; zstd's fast levels do not change that ({fast_txt})" if fast_txt else "") + ". "
-                  f"`{z}` stays the setting for a cache that must be smaller (disk, or a cache larger than RAM, where "
-                  "every epoch reads its bytes from the disk).", ""]
-
-    lines += ["## What is left", ""]
-    if "none" in fp and fp["none"].get("part_write_one_per_batch_ms"):
-        x = fp["none"]
-        fill_cache = su["fill:none"]["stage_ms_per_sample"].get("cache", 0) if "fill:none" in su else None
-        lines.append(f"1. **The fill's CPU per byte.** Per raw row (fill profile above): packing the image to RGB bytes "
-                     f"{fp['pack_ms']:.3f} ms, its xxh3-64 {x['encode_ms']:.3f}, the copy into the batch buffer and the "
-                     f"write into the page cache {x['part_write_ms']:.3f}, together {x['total_ms']:.3f} ms"
-                     + (f", of the `cache` stage's {fill_cache:.2f} ms in the loader (the rest: building record batches, "
-                        "Python per row, each part's manifest update with its fsync, the workers' caches shared with "
-                        "decoding)" if fill_cache is not None else "") + ". "
-                     "Writing the packed rows straight from their own bytes, without the batch-buffer copy, measured no "
-                     "faster outside this benchmark (one process, 2,000 rows: 0.13–0.14 ms per row either way; the "
-                     "writes slow down by what the copy saves), and every compressor measured here costs more CPU per "
-                     "row than the bytes it saves. The page-cache pages themselves were the largest part before "
-                     f"format 3: one write() per ~8 MiB batch costs {x['part_write_one_per_batch_ms']:.3f} ms per row "
-                     f"into memory the host has taken back ({x['part_write_one_per_batch_again_ms']:.3f} into pages "
-                     "just freed).")
-    lines += [
-        "2. **Seeding per sample and stage**: every random stage builds a NumPy generator from a SeedSequence "
-        "(`sample_rng`), twice per sample here (crop, flip), a fixed cost in both epochs that weighs more in the short "
-        "cached epoch.",
-        "3. **Crop + flip**: fold the flip into the batch write (a reversed-stride copy) and crop straight from the "
-        "mapped pixels; a smaller cached side (e.g. 160–192 px instead of 256) cuts the bytes written, read and "
-        "cropped roughly by the pixel count.",
-        ""]
     return lines
 
 

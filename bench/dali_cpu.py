@@ -35,8 +35,8 @@ core is run again (the disturbed runs stay in the JSON).
 
 Writes ``bench/results/dali_cpu.json`` and ``bench/results/dali_cpu.md``.
 
-    .venv/bin/python bench/dali_cpu.py                   # 2,000 images, 2 workers / threads, 7 rounds
-    .venv/bin/python bench/dali_cpu.py --rounds 3 --batches 8
+    .venv/bin/python -m bench.dali_cpu                   # 2,000 images, 2 workers / threads, 7 rounds
+    .venv/bin/python -m bench.dali_cpu --rounds 3 --batches 8
 """
 from __future__ import annotations
 
@@ -49,10 +49,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
-from cpu_loader import (RESULT_MARK, Child, _check_pil, ensure_stock_pillow, wait_quiet,  # noqa: E402
-                        write_results)  # (same folder)
+from bench.harness import REPO, Child, check_pil, ensure_stock_pillow, reply, spread, wait_quiet, write_results
 
 PIPELINE = REPO / "pipelines" / "imagenet_train.yaml"
 
@@ -180,13 +177,13 @@ def one_run(base: dict, p, on_batch) -> dict:
 def serve(base: dict) -> None:
     """Child process: answer one JSON command per stdin line with one result line on stdout:
     ``{"mode": "run", "desc": ...}`` or ``{"mode": "exit"}``."""
-    _check_pil(base["stock"])
+    check_pil(base["stock"])
     from feedgpu.bench.measure import progress_bar
     from feedgpu.imaging import pil_label
 
     p = _pipeline(base["data"])
     len(p.source)
-    print(RESULT_MARK + json.dumps({"ready": True, "pil": pil_label()}), flush=True)
+    reply({"ready": True, "pil": pil_label()})
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["mode"] == "exit":
@@ -205,7 +202,7 @@ def serve(base: dict) -> None:
         if len(snaps) == 2 and res.get("samples"):
             res["thread_cpu_ms_per_sample"] = {k: 1e3 * (snaps[1].get(k, 0.0) - snaps[0].get(k, 0.0)) / res["samples"]
                                                for k in snaps[1]}
-        print(RESULT_MARK + json.dumps(res), flush=True)
+        reply(res)
 
 
 def thread_cpu() -> dict:
@@ -245,7 +242,7 @@ def per_round(runs: list[dict], rounds: int, x: str, y: str) -> dict | None:
             vals.append(rx[0] / ry[0])
     if not vals:
         return None
-    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "values": [round(v, 3) for v in vals]}
+    return {**spread(vals), "values": [round(v, 3) for v in vals]}
 
 
 RATIOS = {  # key -> (numerator, denominator, target or None)
@@ -338,7 +335,7 @@ def main(argv=None) -> int:
     try:
         for name in names:
             kind, stock = LOADERS[name]
-            children[name] = Child(name, {**base, "kind": kind, "stock": stock}, script=__file__)
+            children[name] = Child(name, {**base, "kind": kind, "stock": stock}, "bench.dali_cpu")
 
         def run(name: str, r: int, on_batch) -> dict:
             desc = f"{name} warm-up round" if r < 0 else f"{name} round {r + 1}/{a.rounds}"
@@ -382,7 +379,7 @@ def main(argv=None) -> int:
                for k, (_, _, t) in RATIOS.items() if t is not None and k in ratios}
     total = time.perf_counter() - t0
     doc = {"format": "feedgpu.bench.dali_cpu/1", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-           "command": "python bench/dali_cpu.py " + " ".join(sys.argv[1:] if argv is None else argv),
+           "command": "python -m bench.dali_cpu " + " ".join(sys.argv[1:] if argv is None else argv),
            "targets": targets, "machine": machine, "data": data_meta, "settings": settings, "load": load,
            "summary": summary, "ratios": ratios, "ratios_per_round": ratios_per_round,
            "runs": runs, "warmup_runs_not_counted": warm,
@@ -399,7 +396,7 @@ def _f(v, spec: str) -> str:
 def _ratio_row(doc: dict, key: str, label: str) -> str:
     r, pr = doc["ratios"].get(key), doc["ratios_per_round"].get(key)
     t = doc["targets"].get(key)
-    target = "" if t is None else f"≥ {t['target']:.2f}× ({'met' if t['met'] else 'NOT met'})"
+    target = "" if t is None else f"≥ {t['target']:.2f}×"
     per = "–" if pr is None else f"{pr['median']:.2f}× ({pr['min']:.2f}–{pr['max']:.2f})"
     return f"| {label} | **{_f(r, '.2f')}×** | {per} | {target} |"
 
@@ -454,7 +451,7 @@ def markdown(doc: dict) -> str:
         "fed instead) → `fn.decoders.image_slice` (crop-on-decode: the crop window plus the resampling filter's "
         "reach) → `fn.resize` (the window, to 224) → `fn.crop_mirror_normalize(mirror=...)`, DALI's asynchronous "
         "dynamic executor with up to `prefetch_factor` (2) batches scheduled ahead; the batch is DALI's output "
-        "buffer itself (DLPack, no copy: this machine has no CUDA). The `window_decode off` variant decodes whole images (`fn.decoders.image`) and resizes the window "
+        "buffer itself (DLPack, no copy) where there is no CUDA. The `window_decode off` variant decodes whole images (`fn.decoders.image`) and resizes the window "
         "(ROI) instead; the `2nd epoch` variant is the default engine timed after one whole epoch.",
         "- Hand-written DALI: `fn.readers.file(random_shuffle=True)` → `fn.decoders.image` → "
         "`fn.random_resized_crop` (DALI draws the window; same ranges, linear, antialias) → "
@@ -497,7 +494,7 @@ def markdown(doc: dict) -> str:
             f"check + crop windows and flips{' + python_decode' if 'python_decode' in dst else ''}: {py_side:.3f} ms "
             "per sample) runs on one helper thread for batches ahead of the one DALI works on; `dali` is the runner "
             "thread's time from scheduling a batch to handing it out, which overlaps the next batches' "
-            "DALI work. These are wall times of threads sharing 2 cores with DALI's; the CPU time is below.",
+            "DALI work (wall times of threads that share the cores with DALI's; their CPU time is below).",
         ]
     tc = {k: x["thread_cpu_ms_per_sample"] for k, x in su.items() if x.get("thread_cpu_ms_per_sample")}
     if tc:
