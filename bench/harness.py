@@ -23,9 +23,10 @@ from typing import Callable, Iterable, Sequence
 
 from feedgpu.bench.machine import cpu_model, machine_info
 
-__all__ = ["CONCLUSIONS", "REPO", "RESULTS", "RESULT_MARK", "STOCK_DIR", "STOCK_REQ", "Child", "alternating",
-           "busy_seconds", "check_pil", "cpu_model", "ensure_stock_pillow", "git_commit", "machine", "md_table", "others_busy",
-           "pil_env", "ratio", "reply", "spread", "wait_quiet", "write_markdown", "write_results"]
+__all__ = ["CONCLUSIONS", "Child", "REPO", "RESULTS", "RESULT_MARK", "STOCK_DIR", "STOCK_REQ", "alternating",
+           "busy_seconds", "check_pil", "cpu_model", "ensure_stock_pillow", "git_commit", "machine",
+           "md_table", "others_busy", "pil_env", "ratio", "reply", "spread", "wait_quiet", "write_markdown",
+           "write_results"]
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"

@@ -41,7 +41,7 @@ class Pipeline:
             the throughput balancer sizes the pool while it runs (see :class:`~feedgpu.DataLoader`).
         prefetch_factor: batches in flight per worker (default 2).
         persistent_workers: keep worker processes between epochs (default True: a new worker
-            pays its page faults on the shared batch buffers again, ~0.3 ms per float32 sample).
+            pays its page faults on the shared batch buffers again, at every epoch).
         seed: base seed of shuffling and random stages (default 0).
         on_error: ``"skip"`` bad samples (counted, named, replaced) or ``"raise"`` them.
         max_skipped: skip budget per epoch and rank: a share in ``[0, 1]`` of the epoch's samples

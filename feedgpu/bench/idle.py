@@ -33,7 +33,7 @@ from ..metrics import cpu_seconds
 
 log = logging.getLogger(__name__)
 
-#: Idle share under which the GPU counts as fed (the issue's ResNet-18 target: 2 %).
+#: Idle share under which the GPU counts as fed (the project's target for ResNet-18).
 FED_IDLE = 0.02
 
 

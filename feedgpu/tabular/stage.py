@@ -12,7 +12,7 @@ from ..errors import ConfigError, TableDataError
 from .columns import StrColumn
 from .source import SchemaError
 
-__all__ = ["KNUTH", "TWO32", "Stage", "f32", "fit_values", "int_col", "mult_hash", "string_hash"]
+__all__ = ["KNUTH", "Stage", "TWO32", "f32", "fit_values", "int_col", "mult_hash", "string_hash"]
 
 #: Knuth's multiplicative hashing constant (TAOCP vol. 3, 6.4), 2^32 / golden ratio.
 KNUTH = 2654435761
