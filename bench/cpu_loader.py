@@ -32,7 +32,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench.harness import REPO, Child, check_pil, ensure_stock_pillow, reply, spread, wait_quiet, write_results
+from bench.harness import REPO, Child, check_pil, ensure_stock_pillow, spread, wait_quiet, write_results
+from bench.harness import serve as harness_serve
 
 PIPELINE = REPO / "pipelines" / "imagenet_train.yaml"
 
@@ -61,19 +62,16 @@ def serve(base: dict) -> None:
 
     p = _pipeline(base["data"])
     len(p.source)
-    reply({"ready": True, "pil": pil_label()})
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        if cmd["mode"] == "exit":
-            return
+
+    def answer(cmd: dict) -> dict:
         if cmd["mode"] == "single":
-            res = {"pil": pil_label(), **per_core(p, cmd["images"])}
-        else:
-            with progress_bar(base["warmup"] + base["batches"], cmd["desc"]) as bar:
-                res = run_one(base["kind"], p, base["workers"], base["batch_size"], base["batches"],
-                                 base["warmup"], "cpu", on_batch=lambda: bar.update(1))
-            res["pil"] = pil_label()
-        reply(res)
+            return {"pil": pil_label(), **per_core(p, cmd["images"])}
+        with progress_bar(base["warmup"] + base["batches"], cmd["desc"]) as bar:
+            res = run_one(base["kind"], p, base["workers"], base["batch_size"], base["batches"],
+                          base["warmup"], "cpu", on_batch=lambda: bar.update(1))
+        return {**res, "pil": pil_label()}
+
+    harness_serve({"ready": True, "pil": pil_label()}, answer)
 
 
 def per_core(p, n: int) -> dict:

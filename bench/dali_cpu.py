@@ -49,7 +49,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench.harness import REPO, Child, check_pil, ensure_stock_pillow, reply, spread, wait_quiet, write_results
+from bench.harness import REPO, Child, check_pil, ensure_stock_pillow, spread, wait_quiet, write_results
+from bench.harness import serve as harness_serve
 
 PIPELINE = REPO / "pipelines" / "imagenet_train.yaml"
 
@@ -183,11 +184,8 @@ def serve(base: dict) -> None:
 
     p = _pipeline(base["data"])
     len(p.source)
-    reply({"ready": True, "pil": pil_label()})
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        if cmd["mode"] == "exit":
-            return
+
+    def answer(cmd: dict) -> dict:
         warm, snaps, done = _warmup(base), [], [0]
 
         def on_batch():
@@ -202,7 +200,9 @@ def serve(base: dict) -> None:
         if len(snaps) == 2 and res.get("samples"):
             res["thread_cpu_ms_per_sample"] = {k: 1e3 * (snaps[1].get(k, 0.0) - snaps[0].get(k, 0.0)) / res["samples"]
                                                for k in snaps[1]}
-        reply(res)
+        return res
+
+    harness_serve({"ready": True, "pil": pil_label()}, answer)
 
 
 def thread_cpu() -> dict:

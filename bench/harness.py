@@ -25,7 +25,7 @@ from feedgpu.bench.machine import cpu_model, machine_info
 
 __all__ = ["CONCLUSIONS", "Child", "REPO", "RESULTS", "RESULT_MARK", "STOCK_DIR", "STOCK_REQ", "alternating",
            "busy_seconds", "check_pil", "cpu_model", "ensure_stock_pillow", "git_commit", "machine",
-           "md_table", "others_busy", "pil_env", "ratio", "reply", "spread", "wait_quiet", "write_markdown",
+           "md_table", "others_busy", "pil_env", "ratio", "reply", "serve", "spread", "wait_quiet", "write_markdown",
            "write_results"]
 
 REPO = Path(__file__).resolve().parents[1]
@@ -180,6 +180,17 @@ def ensure_stock_pillow() -> str:
 def reply(result: dict) -> None:
     """In a child: send one result line to the parent."""
     print(RESULT_MARK + json.dumps(result), flush=True)
+
+
+def serve(ready: dict, answer: Callable[[dict], dict]) -> None:
+    """In a child: :func:`reply` ``ready``, then answer each JSON command read from stdin with one
+    reply of ``answer(command)``, until ``{"mode": "exit"}`` or the end of stdin."""
+    reply(ready)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd.get("mode") == "exit":
+            return
+        reply(answer(cmd))
 
 
 class Child:
