@@ -247,3 +247,13 @@ def test_no_measured_figures_or_tracker_references_in_comments():
                     found.append(f"{p.relative_to(REPO)}:{line}: ...{text[max(0, m.start() - 40):m.end() + 20]}...")
     assert not found, ("measured figures or tracker references in comments and docstrings (cite the "
                        "bench/results/ file instead, STYLE.md):\n" + "\n".join(found))
+
+
+def test_the_library_core_does_not_import_the_bench():
+    """``feedgpu.bench`` is the benchmark's package: only the command line imports it."""
+    g = import_graph()
+    users = sorted(m for m, deps in g.items() if any(d == "feedgpu.bench" or d.startswith("feedgpu.bench.")
+                                                    for d in deps)
+                   and not (m == "feedgpu.bench" or m.startswith(("feedgpu.bench.", "feedgpu.cli."))))
+    assert not users, f"modules outside feedgpu/bench and feedgpu/cli import the bench: {users}"
+    assert "feedgpu.bench.runner" in g["feedgpu.cli.bench"], "the bench command runs feedgpu.bench"
