@@ -35,6 +35,12 @@ class SourceCfg(_Strict):
     #: folder only: stat each image file while indexing (False: list the folders only; zero-byte
     #: files are then counted as "empty" when read; see FolderSource)
     stat_files: bool = True
+    #: tar and parquet sources read from URLs (s3://, gs://, http(s)://, file://, or an index
+    #: file): the node-local shard cache's folder and disk budget ("200GiB"), and options passed
+    #: to the store's fsspec filesystem (credentials come the store's standard way, never here)
+    cache_dir: Union[str, None] = None
+    cache_budget: Union[Annotated[int, Field(gt=0, strict=True)], str, None] = None
+    storage_options: Union[dict, None] = None
 
 
 class LoaderCfg(_Strict):

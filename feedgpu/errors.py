@@ -110,6 +110,56 @@ class TableDataError(FeedgpuError, ValueError):
     ``if_missing: raise``. The message names the column and how many rows are affected."""
 
 
+class RemoteError(FeedgpuError):
+    """Base class of the errors about data read from a URL (:mod:`feedgpu.remote`). The message
+    names the URL."""
+
+
+class DownloadError(RemoteError):
+    """A remote file could not be downloaded after every retry (network errors, a truncated
+    response, a size or checksum that does not match). A source turns it into a skipped sample
+    of reason ``"bad shard"`` (counted in the skip budget) for every record of that file.
+
+    Attributes:
+        url: the file.
+        attempts: downloads tried.
+    """
+
+    def __init__(self, message: str, url: str = "", attempts: int = 0):
+        super().__init__(message)
+        self.url, self.attempts = url, attempts
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.url, self.attempts))
+
+
+class RemoteChangedError(RemoteError):
+    """A remote file's size or ETag (or modification time, where the store has no ETag) differs
+    from what the source was indexed on: its index (member offsets, row groups) no longer
+    describes it, so it is never read; open the source again."""
+
+
+class CacheFullError(RemoteError):
+    """The shard cache cannot hold a file: its budget is smaller than the file, the files in use
+    leave no room, or the disk is full (``ENOSPC``). Nothing half-written is left in the cache."""
+
+
+class UploadError(RemoteError):
+    """Some files of a converted dataset could not be uploaded to the URL. The index file is
+    uploaded last, so a dataset read through its index never names a missing shard.
+
+    Attributes:
+        uploaded: URLs written; failed: ``[(URL, error)]``.
+    """
+
+    def __init__(self, message: str, uploaded: list | None = None, failed: list | None = None):
+        super().__init__(message)
+        self.uploaded, self.failed = list(uploaded or []), list(failed or [])
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.uploaded, self.failed))
+
+
 class BenchUsageError(ConfigError):
     """``feedgpu bench``'s options do not fit the pipeline, the data or the machine (a stage the
     torch baseline or DALI cannot run, an epoch shorter than the warm-up, no CUDA device for

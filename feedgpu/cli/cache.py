@@ -168,20 +168,31 @@ def clear_cmd(fingerprint, cache_dir, yes) -> None:
 
 @click.command()
 @click.argument("src", type=click.Path(exists=True))
-@click.argument("out", type=click.Path(file_okay=False))
+@click.argument("out")
 @click.option("--to", "fmt", type=click.Choice(["parquet", "tar"]), default="parquet", show_default=True)
 @click.option("--per-file", type=int, default=1000, show_default=True, help="Samples per output file.")
-def convert(src, out, fmt, per_file) -> None:
+@click.option("--storage-options", default=None, metavar="YAML",
+              help="For a URL OUT: options of the store's fsspec filesystem, a YAML/JSON mapping "
+                   "(credentials come the store's standard way).")
+def convert(src, out, fmt, per_file, storage_options) -> None:
     """Turn an ImageFolder directory SRC (or tar shards) into Parquet files or tar shards in OUT.
 
     OUT must be new or empty; it appears only once everything is written and read back. Every
     record of SRC is written with its label, or listed as left out with the reason (records the
-    source cannot index, such as empty files).
+    source cannot index, such as empty files). OUT may be a folder URL (s3://bucket/train,
+    gs://..., file://...): the dataset is built and read back in a local temporary folder, then
+    uploaded (files, _classes.txt, then _index.json).
 
     Exit status: 0 when every record was converted, 1 when some were left out (listed), 2 on an
-    error (nothing is written then).
+    error (nothing is written then; for a URL, an upload that failed part-way names the files).
     """
     import sys
+
+    from ..remote.urls import is_url
+
+    if is_url(out):
+        _convert_to_url(src, out, fmt, per_file, storage_options)
+        return
 
     from ..convert import folder_to_parquet, folder_to_tar, shards_to_parquet
 
@@ -213,3 +224,33 @@ def convert(src, out, fmt, per_file) -> None:
             if len(keys) > 20:
                 click.echo(f"    ... and {len(keys) - 20} more")
         sys.exit(1)
+
+
+def _convert_to_url(src, url, fmt, per_file, storage_options) -> None:
+    """``feedgpu convert SRC URL``: build in a temporary folder with the same checks, upload."""
+    import shutil
+    import tempfile
+
+    import yaml
+
+    from ..errors import ConfigError
+    from ..remote.upload import upload_dir
+
+    options = yaml.safe_load(storage_options) if storage_options else None
+    if options is not None and not isinstance(options, dict):
+        raise ConfigError(f"--storage-options: expected a mapping, got {storage_options!r}")
+    tmp = tempfile.mkdtemp(prefix="feedgpu-convert-")
+    try:
+        local = Path(tmp) / "out"
+        code = 0
+        try:
+            convert.callback(src, str(local), fmt, per_file, None)
+        except SystemExit as e:   # 1: records left out (listed), still uploaded
+            code = e.code
+        written = upload_dir(local, url, options)
+        click.echo(f"uploaded {len(written)} file(s) to {url} (built and checked in a temporary folder, "
+                   "now removed)")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if code:
+        raise SystemExit(code)

@@ -89,13 +89,19 @@ def class_names(first_file, labels: np.ndarray) -> list[str]:
     """Class names for ``labels``: the :data:`CLASS_NAMES_FILE` beside ``first_file`` when it
     names every label, else the labels as strings (``[]`` without labels). Bytes that are not
     UTF-8 come back as surrogate escapes, as Python gives such folder names."""
-    n = int(labels.max()) + 1 if len(labels) and labels.max() >= 0 else 0
     path = os.path.join(os.path.dirname(os.path.abspath(first_file)), CLASS_NAMES_FILE)
     try:
         with open(path, encoding="utf-8", errors="surrogateescape", newline="") as f:
             text = f.read()
     except OSError:
         text = ""
+    return class_names_from_text(text, labels)
+
+
+def class_names_from_text(text: str, labels: np.ndarray) -> list[str]:
+    """Class names for ``labels`` from the text of a :data:`CLASS_NAMES_FILE` (``""``: none), as
+    :func:`class_names` reads it."""
+    n = int(labels.max()) + 1 if len(labels) and labels.max() >= 0 else 0
     # one name a line, "\n" only ("\r", "\x0b", "\u2028" ... may be in a name); %25, %0A and %0D
     # stand for "%", a newline and a carriage return (encode_class_name)
     names = [_NAME_ESCAPES.sub(lambda m: _NAME_CHARS[m.group()], line.removesuffix("\r"))

@@ -26,12 +26,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ..errors import SourceError
-from .base import Record, Source, class_names, expand_paths
+from ..errors import DownloadError, SampleError, SourceError
+from .base import CLASS_NAMES_FILE, Record, Source, class_names, class_names_from_text, expand_paths
 
 _NULL = np.iinfo(np.int64).min   # a null label while indexing
 _HUGE = _NULL + 1                 # a uint64 label that int64 cannot hold
 _CORRUPT = _NULL + 2              # a label in a row group whose label column cannot be read
+_MAX_OPEN_REMOTE = 8              # remote files a process keeps mapped (pinned in the shard cache)
 
 
 def _int64_labels(col: pa.ChunkedArray) -> np.ndarray:
@@ -71,6 +72,17 @@ class ParquetSource(Source):
         image_column: binary / large_binary column with encoded image bytes (default ``"image"``).
         label_column: integer column (default ``"label"``); ``None`` for unlabeled data (-1).
         cache_bytes: bytes of decoded row groups kept per process (default 256 MiB).
+        cache_dir, cache_budget, storage_options, cache: for URLs, the node-local shard cache, as
+            for :class:`~feedgpu.sources.tar.TarShardSource`.
+
+    URLs (``s3://``, ``gs://``, ``http(s)://``, ``file://``; a glob or folder where the store
+    lists, a list, or the index file ``feedgpu convert`` writes): indexing reads each file's
+    footer and label column by ranged reads, without downloading its images; a file is
+    downloaded whole into the shard cache when its first image is read (one download per node,
+    then memory-mapped as a local file: a file is the unit the cache verifies, locks and evicts).
+    A file that cannot be downloaded makes each of its rows a skipped sample of reason
+    ``"bad shard"``; one the store cannot be reached for while indexing is left out as
+    ``"bad shard"``; one changed since indexing raises :class:`~feedgpu.errors.RemoteChangedError`.
 
     Raises :class:`SourceError` when a file or column is missing or has the wrong type, a file
     is not Parquet, or no row is left; a file cut before its footer (it starts as Parquet, or is
@@ -85,9 +97,21 @@ class ParquetSource(Source):
     format = "parquet"
 
     def __init__(self, files, image_column: str = "image", label_column: str | None = "label",
-                 cache_bytes: int = 256 << 20):
+                 cache_bytes: int = 256 << 20, *, cache_dir=None, cache_budget=None, storage_options=None,
+                 cache=None):
         super().__init__()
-        self.files = expand_paths(files, ".parquet")
+        self._remote = None
+        from ..remote.index import is_index
+        from ..remote.urls import has_url
+
+        if has_url(files) or is_index(files):
+            from ..remote.files import RemoteFiles, make_cache
+
+            self._remote = RemoteFiles(files, ".parquet", "parquet",
+                                       make_cache(cache, cache_dir, cache_budget, storage_options))
+            self.files = self._remote.urls
+        else:
+            self.files = expand_paths(files, ".parquet")
         if not self.files:
             raise SourceError(f"parquet source: no files match {files!r}")
         self.image_column = image_column
@@ -98,14 +122,19 @@ class ParquetSource(Source):
         self._corrupt: dict = {}   # (file, row group) -> why its labels cannot be read
         self._rg_starts = []  # per file: first row (in the file) of each row group, for keys
         for fid, path in enumerate(self.files):
-            if not os.path.isfile(path):
+            remote = self._remote.files[fid] if self._remote is not None else None
+            if remote is None and not os.path.isfile(path):
                 raise SourceError(f"parquet source: {path} is not a file")
+            if remote is not None and remote.identity is None:   # the store could not be reached for it
+                self.reject(path, "bad shard", remote.error)
+                self._meta.append((path, -1, ""))
+                self._rg_starts.append(np.zeros(1, np.int64))
+                continue
             try:
-                pf = pq.ParquetFile(path)
+                pf = pq.ParquetFile(path if remote is None else self._remote.open(fid))   # URL: ranged reads
             except (pa.ArrowException, OSError) as e:
-                self._unreadable(path, e)   # a cut file: rejected; not Parquet at all: SourceError
-                st = os.stat(path)
-                self._meta.append((os.path.abspath(path), st.st_size, st.st_mtime_ns))
+                self._unreadable(path, e, fid)   # a cut file: rejected; not Parquet at all: SourceError
+                self._meta.append(self._file_meta(fid))
                 self._rg_starts.append(np.zeros(1, np.int64))
                 continue
             schema = pf.schema_arrow
@@ -119,8 +148,7 @@ class ParquetSource(Source):
                     else pa.types.is_integer(t)
                 if not ok:
                     raise SourceError(f"parquet source: column {col!r} in {path} is {t}, expected {want}")
-            st = os.stat(path)
-            self._meta.append((os.path.abspath(path), st.st_size, st.st_mtime_ns))
+            self._meta.append(self._file_meta(fid))
             self._rg_starts.append(np.cumsum([0] + [pf.metadata.row_group(rg).num_rows
                                                     for rg in range(pf.num_row_groups)], dtype=np.int64))
             for rg in range(pf.num_row_groups):
@@ -162,7 +190,8 @@ class ParquetSource(Source):
         if len(self.labels) == 0:
             raise self._nothing_left(f"parquet source: no rows left in {len(self.files)} file(s)"
                                       + (f" ({len(self.rejected)} left out while indexing)" if self.rejected else ""))
-        self.classes = class_names(self.files[0], self.labels)
+        self.classes = (class_names(self.files[0], self.labels) if self._remote is None else
+                        class_names_from_text(self._remote.text_beside(CLASS_NAMES_FILE), self.labels))
         self._cache: OrderedDict = OrderedDict()   # (file, row group, slice or -1) -> _Chunks
         self._cached = 0
         self._slicing: dict = {}                    # (file, row group) -> rows per slice (0: whole)
@@ -171,17 +200,32 @@ class ParquetSource(Source):
         self._pid = os.getpid()
         self._lock = threading.Lock()
 
-    def _unreadable(self, path: str, error: Exception) -> None:
+    def _file_meta(self, fid: int) -> tuple:
+        """What the fingerprint holds of a file: path, size, mtime; for a URL: URL, size, ETag
+        (or the store's modification time), never a local path."""
+        if self._remote is not None:
+            ident = self._remote.files[fid].identity
+            return (ident.url, ident.size, ident.etag or ident.mtime)
+        st = os.stat(self.files[fid])
+        return (os.path.abspath(self.files[fid]), st.st_size, st.st_mtime_ns)
+
+    def _unreadable(self, path: str, error: Exception, fid: int) -> None:
         """A file pyarrow cannot open: one that starts as Parquet (``PAR1``) or is empty was cut
         before its footer, where Parquet keeps its index, so all its rows are lost: rejected as
         ``"truncated file"``, named. Anything else raises :class:`SourceError`."""
-        with open(path, "rb") as f:
+        with (open(path, "rb") if self._remote is None else self._remote.open(fid)) as f:
             head = f.read(4)
         if head in (b"PAR1", b""):
             self.reject(path, "truncated file", f"{error}; its rows are lost (Parquet's index is at the "
                         "end of the file)")
             return
         raise SourceError(f"parquet source: {path} is not a Parquet file ({error})") from None
+
+    @property
+    def remote(self):
+        """The :class:`~feedgpu.remote.files.RemoteFiles` of a source read from URLs (its
+        ``cache``, and ``fetch_async(i)`` to fetch file ``i`` ahead), else None."""
+        return self._remote
 
     def __getstate__(self) -> dict:
         """Pickled (to a Ray worker) without this process's open files, cached row groups and lock."""
@@ -205,8 +249,16 @@ class ParquetSource(Source):
                 self._cache, self._cached, self._files, self._pid = OrderedDict(), 0, {}, os.getpid()
                 self._live = None
             pf = self._files.get(fid)
-            if pf is None:
+            if pf is None and self._remote is None:
                 pf = self._files[fid] = pq.ParquetFile(self.files[fid], memory_map=True)
+            elif pf is None:
+                while len(self._files) >= _MAX_OPEN_REMOTE:   # the oldest may be evicted again
+                    old = next(iter(self._files))
+                    del self._files[old]
+                    self._remote.cache.unpin(self.files[old])
+                pf = self._files[fid] = self._remote.open_local(fid, lambda p: pq.ParquetFile(p, memory_map=True))
+            elif self._remote is not None:
+                self._files[fid] = self._files.pop(fid)   # most recently used last
             k = self._slice_rows(pf, fid, rg)
             if k == 0:
                 return self._cached_part((fid, rg, -1), lambda: pf.read_row_group(rg, columns=[self.image_column])
@@ -265,7 +317,10 @@ class ParquetSource(Source):
 
     def read(self, index: int) -> Record:
         fid, rg, r = int(self.file_ids[index]), int(self.row_groups[index]), int(self.rows[index])
-        part, at = self._rows_of(fid, rg, r)
+        try:
+            part, at = self._rows_of(fid, rg, r)
+        except DownloadError as e:
+            raise SampleError(self.key(index), "bad shard", str(e)) from None
         value = part[at]
         data = memoryview(value.as_buffer()) if value.is_valid else b""
         return Record(data, int(self.labels[index]), self.key(index))

@@ -277,7 +277,7 @@ def test_list_only_walk_finds_empty_files_when_they_are_read(tree, tmp_path):
 
 def test_pipeline_files_can_turn_the_per_file_stat_off(tree, tmp_path, monkeypatch):
     monkeypatch.setenv("FEEDGPU_CACHE_DIR", str(tmp_path / "cache"))
-    yaml = Path(__file__).resolve().parents[1] / "feedgpu" / "pipelines" / "imagenet_train.yaml"
+    yaml = Path(__file__).resolve().parents[2] / "feedgpu" / "pipelines" / "imagenet_train.yaml"
     (tree / "b" / "e.jpg").write_bytes(b"")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

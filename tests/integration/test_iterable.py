@@ -29,7 +29,7 @@ import feedgpu
 from feedgpu.errors import ConfigError, LoaderTimeout, StateError, WorkerError
 from feedgpu.exec.iterable import IterableRunner
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PHOTOS = REPO.parent / "shared" / "data" / "photos"
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")

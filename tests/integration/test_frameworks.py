@@ -4,7 +4,7 @@ the script again) and accelerate 1.15 under torchrun (``accelerator.prepare``).
 
 Every scenario runs twice with the same script: with ``torch.utils.data.DataLoader`` (the
 reference; it must pass, which proves the harness) and with ``feedgpu.DataLoader`` (the
-drop-in claim). The scripts (``tests/frameworks/``) record per rank the sample indices of every
+drop-in claim). The scripts (``tests/integration/frameworks/``) record per rank the sample indices of every
 batch the training step got; the tests here check the records:
 
 * the ranks' samples of each epoch are disjoint and cover the dataset once, apart from the
@@ -41,7 +41,7 @@ from conftest import PHOTOS, REPO
 # the dev extra: missing, the module fails to collect (not a skip); the frameworks run only in the scripts
 _missing = [m for m in ("lightning", "accelerate") if importlib.util.find_spec(m) is None]
 if _missing:
-    raise ImportError(f"tests/test_frameworks.py needs {_missing} (pip install -e '.[dev]', scripts/setup.sh does)")
+    raise ImportError(f"tests/integration/test_frameworks.py needs {_missing} (pip install -e '.[dev]', scripts/setup.sh does)")
 
 FW = Path(__file__).resolve().parent / "frameworks"
 sys.path.insert(0, str(FW))

@@ -149,7 +149,7 @@ def _same(a, b):
 
 def _same_samples(a, b):
     """Same samples in the same batches (the indices; a torch Dataset's RNG draws follow torch's
-    worker seeding, see tests/test_torch_parity_workers.py)."""
+    worker seeding, see tests/integration/test_torch_parity_workers.py)."""
     return len(a) == len(b) and all(torch.equal(x1[:, 0], x2[:, 0]) and torch.equal(y1, y2)
                                     for (x1, y1), (x2, y2) in zip(a, b))
 
@@ -251,7 +251,7 @@ def test_state_from_another_loader_is_rejected(src, sources):
         DataLoader(train(src, num_workers=0), batch_size=8).load_state_dict(state)
     with pytest.raises(StateError, match="another dataset"):
         DataLoader(train(sources["tar"], num_workers=0)).load_state_dict(state)
-    # another world size is no mismatch: states hold the global position (tests/test_torch_parity.py)
+    # another world size is no mismatch: states hold the global position (tests/integration/test_torch_parity.py)
     DataLoader(train(src, num_workers=0), rank=1, world_size=2).load_state_dict(state)
     with pytest.raises(StateError):
         DataLoader(train(src, num_workers=0)).load_state_dict({"epoch": 1})
@@ -515,7 +515,7 @@ def test_a_state_follows_the_records_not_their_bytes(tmp_path):
     makes it another dataset."""
     import shutil
 
-    photos = sorted((Path(__file__).resolve().parents[2] / "shared" / "data" / "photos").glob("*.jpg"))[:6]
+    photos = sorted((Path(__file__).resolve().parents[3] / "shared" / "data" / "photos").glob("*.jpg"))[:6]
     for i, p in enumerate(photos):
         (tmp_path / f"c{i % 2}").mkdir(exist_ok=True)
         shutil.copy(p, tmp_path / f"c{i % 2}" / f"{i}.jpg")

@@ -15,7 +15,7 @@ from feedgpu.stages.jpeg_header import read_jpeg_header
 # Pillow warns about the broken EXIF and MPO blocks made here
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:PIL.*")
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+SHARED = Path(__file__).resolve().parents[3] / "shared"
 CASES = sorted((SHARED / "cases" / "images").glob("*"))
 PHOTOS = sorted((SHARED / "data" / "photos").glob("*"))
 

@@ -241,7 +241,7 @@ def test_a_value_matching_no_branch_of_a_union_gets_one_plain_message(value, det
 
 def test_executor_key(tmp_path, train_data, folder_ds):
     """``executor: ray`` or a mapping; errors name the key; explain says where the stages run.
-    (Running on Ray: tests/test_ray_executor.py.)"""
+    (Running on Ray: tests/integration/test_ray_executor.py.)"""
     p = Pipeline.from_yaml(TRAIN, source={"path": str(folder_ds)}, executor="ray")
     assert (p.executor.name, p.executor.address, p.executor.max_remote_workers) == ("ray", None, 4)
     assert "cpu pool + Ray (ray.init default)" in p.explain("cpu")

@@ -2,7 +2,7 @@
 
 The loader's front (attributes, samplers, len, errors, continuation after an exception) and
 its global-position state across world sizes. Worker-side parity (contexts, seeds,
-get_worker_info, dead workers) is in tests/test_torch_parity_workers.py.
+get_worker_info, dead workers) is in tests/integration/test_torch_parity_workers.py.
 """
 from __future__ import annotations
 

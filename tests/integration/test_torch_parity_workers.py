@@ -142,7 +142,7 @@ def test_start_methods_deliver_what_torch_delivers(ctx, no_leaked_workers):
 
 GLOBAL_METHOD_SCRIPT = textwrap.dedent("""
     import multiprocessing as mp, os, sys
-    sys.path[:0] = [{repo!r}, {tests!r}]
+    sys.path[:0] = [{repo!r}, {tests!r}, {conftest!r}]
     import torch.utils.data as tud
     from feedgpu import DataLoader
     from test_torch_parity_workers import MARK, Probe
@@ -162,7 +162,7 @@ def test_the_default_context_follows_set_start_method_as_torchs(tmp_path):
     """multiprocessing_context=None: torch uses multiprocessing's default context, so a start
     method the program set applies to both (feedgpu forks only when none was set)."""
     script = tmp_path / "global_method.py"
-    script.write_text(GLOBAL_METHOD_SCRIPT.format(repo=str(REPO), tests=str(REPO / "tests")))
+    script.write_text(GLOBAL_METHOD_SCRIPT.format(repo=str(REPO), tests=str(REPO / "tests" / "integration"), conftest=str(REPO / "tests")))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split("\n")[:2] == ["torch.utils.data.dataloader [False]", "feedgpu.loader [False]"]

@@ -1,13 +1,12 @@
 """Kinds of input next to the shared hard cases, made here from ``shared/data/photos``: animated
 GIF and WebP (first frame), WebP lossy and lossless, progressive JPEG, names that disagree with
 the content, and odd or non-UTF-8 names, in every source format, on the Python and DALI CPU
-engines. Arithmetic-coded and 12-bit JPEGs cannot be written with Pillow (see the skips)."""
+engines. Arithmetic-coded and 12-bit JPEGs cannot be written with Pillow: both are small files
+shipped in ``tests/data`` (how each was made is written beside its test)."""
 from __future__ import annotations
 
 import io
 import os
-import shutil
-import subprocess
 import tarfile
 import warnings
 from pathlib import Path
@@ -196,24 +195,72 @@ def test_webp_without_libwebp_is_skipped_as_unsupported_format(engine, no_leaked
     loader.shutdown()
 
 
-def test_arithmetic_coded_jpeg():
-    cjpeg = shutil.which("cjpeg")
-    if cjpeg is None:
-        pytest.skip("no cjpeg here: Pillow cannot write arithmetic-coded JPEG (libjpeg-turbo decodes it "
-                    "when built with arithmetic support; not testable without a sample file)")
-    ppm = _save(_photo(0), "PPM")
-    data = subprocess.run([cjpeg, "-arithmetic", "-quality", "95"], input=ppm, capture_output=True,
-                          check=True).stdout
-    try:
-        got = np.asarray(Decode().apply(data))
-    except Exception as e:  # noqa: BLE001
-        from feedgpu import DecodeError
-
-        assert isinstance(e, DecodeError), e  # if unsupported: a typed skip, never a crash
-        return
-    _check("arithmetic.jpg", got, np.asarray(_photo(0)), "close", tol=3.0)
+#: An arithmetic-coded JPEG (SOF9) of ``_photo(0)``, 4:4:4, written by libjpeg-turbo 2.1.5's
+#: ``cjpeg -arithmetic -quality 95 -sample 1x1`` (Debian's libjpeg-turbo-progs): Pillow cannot write one.
+ARITHMETIC = Path(__file__).resolve().parents[1] / "data" / "arithmetic.jpg"
 
 
-def test_twelve_bit_jpeg():
-    pytest.skip("Pillow reads and writes 8-bit JPEG only and no 12-bit sample is shipped; a 12-bit "
-                "file would fail to decode and be skipped with a DecodeError (reason 'corrupt')")
+@pytest.mark.parametrize("fmt", ["folder", "tar", "parquet"])
+@pytest.mark.parametrize("engine", ["python", "dali-cpu"])
+def test_arithmetic_coded_jpeg_decodes_right(fmt, engine, tmp_path, no_leaked_workers):
+    """libjpeg-turbo (Pillow-SIMD's and DALI's) decodes arithmetic coding: the photo's pixels
+    on both engines, in every source format, no skip."""
+    if engine == "dali-cpu":
+        pytest.importorskip("nvidia.dali")
+    data = ARITHMETIC.read_bytes()
+    assert b"\xff\xc9" in data                        # the arithmetic-coded frame header
+    files = {"arith.jpg": (data, np.asarray(_photo(0)), "close"),
+             **{f"good{k}.jpg": (_save(_photo(k), "JPEG", quality=95), np.asarray(_photo(k)), "close")
+                for k in (1, 2)}}
+    root = _write(tmp_path / fmt, fmt, files)
+    src = open_source(fmt, root)
+    images = _run(src, "python" if engine == "python" else {"name": "dali", "device": "cpu"})
+    for i, name in enumerate(_names(fmt, root, src)):
+        _check(f"{fmt}/{engine}/{name}", images[i], files[name][1], "close", tol=3.0)
+
+
+#: A real 12-bit JPEG (SOF1, precision 12; 96 x 64 RGB of photo 00 times 16), written by imagecodecs
+#: 2026.3.6's ``jpeg8_encode(..., bitspersample=12)`` (libjpeg-turbo 3): Pillow cannot write one.
+TWELVE_BIT = Path(__file__).resolve().parents[1] / "data" / "twelve_bit.jpg"
+
+
+def test_twelve_bit_file_is_what_it_claims():
+    from feedgpu.stages.jpeg_header import jpeg_precision
+
+    data = TWELVE_BIT.read_bytes()
+    sof = data.index(b"\xff\xc1")                     # extended sequential frame header
+    assert data[sof + 4] == 12 and jpeg_precision(data) == 12
+    assert jpeg_precision(_save(_photo(0), "JPEG")) == 8 and jpeg_precision(b"GIF89a") is None
+
+
+@pytest.mark.parametrize("fmt", ["folder", "tar", "parquet"])
+@pytest.mark.parametrize("engine", ["python", "dali-cpu"])
+def test_twelve_bit_jpeg_is_a_named_unsupported_format_skip(fmt, engine, tmp_path, no_leaked_workers):
+    """Pillow (and so the Python engine) decodes 8-bit JPEGs only: a 12-bit one is skipped as
+    ``unsupported format`` naming the file and its precision, on both engines and in every
+    source format; the other samples arrive with their own pixels."""
+    if engine == "dali-cpu":
+        pytest.importorskip("nvidia.dali")
+    good = {f"good{k}.jpg": (_save(_photo(k), "JPEG", quality=95), np.asarray(_photo(k)), "close") for k in range(4)}
+    files = {**good, "deep.jpg": (TWELVE_BIT.read_bytes(), None, "")}
+    root = _write(tmp_path / fmt, fmt, files)
+    src = open_source(fmt, root)
+    names = _names(fmt, root, src)
+    p = Pipeline(src, [Decode(), STAGE], batch_size=5, shuffle=False, num_workers=2, device="cpu",
+                 engine="python" if engine == "python" else {"name": "dali", "device": "cpu"}, max_skipped=1)
+    loader = DataLoader(p, timeout=60)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", SkippedSampleWarning)
+        batches = [(b.images.clone(), b.labels.clone()) for b in loader]
+    stats = loader.stats()
+    loader.shutdown()
+    assert stats["skipped"] == {"unsupported format": 1}
+    message = [str(w.message) for w in caught if issubclass(w.category, SkippedSampleWarning)]
+    bad = names.index("deep.jpg")
+    assert message == [f"feedgpu skipped {src.key(bad)}: unsupported format (12-bit JPEG: Pillow decodes "
+                       "8-bit JPEGs only)"]
+    images = torch.cat([b[0] for b in batches]).numpy()
+    assert images.shape == (5, H, W, 3)   # the bad row is refilled from a spare (counted above)
+    for i, name in enumerate(names):
+        if i != bad:
+            _check(f"{fmt}/{engine}/{name}", images[i], good[name][1], "close", tol=3.0)
