@@ -1,7 +1,7 @@
 """feedgpu.DataLoader against torch.utils.data.DataLoader on the same plain torch Dataset.
 
-    .venv/bin/python bench/torch_dataset.py                    # ~3 min on the 2-core dev machine
-    .venv/bin/python bench/torch_dataset.py --rounds 7 --workers 2
+    .venv/bin/python -m bench.torch_dataset                    # a few minutes on a 2-core machine
+    .venv/bin/python -m bench.torch_dataset --rounds 7 --workers 2
 
 Two map-style Datasets, each given to both loaders with the same arguments (``batch_size``,
 ``shuffle=True``, ``num_workers``, ``persistent_workers``):
@@ -19,10 +19,8 @@ rounds, and the ratio of medians and per round. Results: ``bench/results/torch_d
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -32,9 +30,8 @@ import torch.utils.data as tud
 from PIL import Image
 
 import feedgpu
+from bench.harness import RESULTS, machine, md_table, write_results
 from feedgpu.sample_data import default_sample
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 class JpegFolder(tud.Dataset):
@@ -95,7 +92,9 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--images", type=int, default=1000)
     ap.add_argument("--tiny", type=int, default=100_000)
+    ap.add_argument("--out", default=str(RESULTS), help="where torch_dataset.json/.md go")
     args = ap.parse_args()
+    t0 = time.perf_counter()
     datasets = {"jpeg": JpegFolder(default_sample(args.images, progress=False)), "tiny": Tiny(args.tiny)}
     loaders = {"torch": tud.DataLoader, "feedgpu": feedgpu.DataLoader}
     rates = {d: {k: [] for k in loaders} for d in datasets}
@@ -111,20 +110,25 @@ def main() -> None:
         summary[d] = {"samples_per_s": v, "median": {k: statistics.median(x) for k, x in v.items()},
                       "ratio_of_medians": statistics.median(v["feedgpu"]) / statistics.median(v["torch"]),
                       "ratio_per_round": per_round}
-    doc = {"machine": {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
-                       "platform": platform.platform()},
-           "settings": vars(args), "results": summary}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "torch_dataset.json").write_text(json.dumps(doc, indent=1))
-    lines = ["# feedgpu.DataLoader vs torch.utils.data.DataLoader, same plain torch Dataset", "",
-             f"Machine: {doc['machine']}. Settings: {doc['settings']}. Written by `bench/torch_dataset.py`.", "",
-             "| dataset | torch (median samples/s) | feedgpu | ratio of medians | per round |",
-             "| --- | ---: | ---: | ---: | --- |"]
-    for d, s in summary.items():
-        lines.append(f"| {d} | {s['median']['torch']:,.0f} | {s['median']['feedgpu']:,.0f} | "
-                     f"{s['ratio_of_medians']:.2f}x | {min(s['ratio_per_round']):.2f}-{max(s['ratio_per_round']):.2f}x |")
-    (RESULTS / "torch_dataset.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    doc = {"format": "feedgpu.bench.torch_dataset/1", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+           "command": "python -m bench.torch_dataset " + " ".join(sys.argv[1:]), "machine": machine(),
+           "settings": {k: v for k, v in vars(args).items() if k != "out"}, "results": summary,
+           "total_seconds": round(time.perf_counter() - t0, 1)}
+    write_results(args.out, "torch_dataset", doc, markdown)
+
+
+def markdown(doc: dict) -> str:
+    m = doc["machine"]
+    rows = [(d, f"{s['median']['torch']:,.0f}", f"{s['median']['feedgpu']:,.0f}", f"{s['ratio_of_medians']:.2f}x",
+             f"{min(s['ratio_per_round']):.2f}-{max(s['ratio_per_round']):.2f}x") for d, s in doc["results"].items()]
+    return "\n".join([
+        "# feedgpu.DataLoader vs torch.utils.data.DataLoader, same plain torch Dataset", "",
+        f"Recorded {doc.get('created', '?')} with `{doc.get('command', 'python bench/torch_dataset.py').strip()}` "
+        f"({doc.get('total_seconds', 0):.0f} s). Machine: {m.get('cpus_usable', m.get('cpus'))} CPUs "
+        f"({m.get('cpu_model', '?')}), {m.get('ram_gb', '?')} GB, {m['platform']}, Python {m['python']}, torch "
+        f"{m['torch']}, load average {m.get('load_average')}. Settings: {doc['settings']}.", "",
+        *md_table(("dataset", "torch (median samples/s)", "feedgpu", "ratio of medians", "per round"), rows,
+                  "lrrrl")]) + "\n"
 
 
 if __name__ == "__main__":

@@ -176,3 +176,14 @@ class UploadError(RemoteError):
 
     def __reduce__(self):
         return (type(self), (self.args[0], self.uploaded, self.failed))
+
+
+class BenchUsageError(ConfigError):
+    """``feedgpu bench``'s options do not fit the pipeline, the data or the machine (a stage the
+    torch baseline or DALI cannot run, an epoch shorter than the warm-up, no CUDA device for
+    ``--device cuda``...). The command line reports it as a usage error (exit code 2)."""
+
+
+class BenchRunError(FeedgpuError, RuntimeError):
+    """A loader under ``feedgpu bench`` stopped giving batches (an epoch without one). The command
+    line reports it as an error (exit code 1)."""

@@ -46,7 +46,7 @@ class Pipeline:
             the throughput balancer sizes the pool while it runs (see :class:`~feedgpu.DataLoader`).
         prefetch_factor: batches in flight per worker (default 2).
         persistent_workers: keep worker processes between epochs (default True: a new worker
-            pays its page faults on the shared batch buffers again, ~0.3 ms per float32 sample).
+            pays its page faults on the shared batch buffers again, at every epoch).
         seed: base seed of shuffling and random stages (default 0).
         on_error: ``"skip"`` bad samples (counted, named, replaced) or ``"raise"`` them.
         max_skipped: skip budget per epoch and rank: a share in ``[0, 1]`` of the epoch's samples
@@ -107,7 +107,7 @@ class Pipeline:
         check_executor(self.executor, self.engine, self.cache)
         plan = make_plan(self.stages, "cpu")  # validate the stage list now, not at the first batch
         if self.engine.name == "dali":
-            from .exec.dali_engine import check_dali_plan
+            from .exec.dali_graph import check_dali_plan
 
             check_dali_plan(plan)  # e.g. a python stage: refused here, not at the first batch
 
@@ -187,7 +187,7 @@ class Pipeline:
                 where = f"cpu pool + Ray {self.executor.address or '(ray.init default)'} ({pil_label()})"
                 return make_plan(self.stages, dev, pool_where=where)
             return make_plan(self.stages, dev)
-        from .exec.dali_engine import check_dali_plan
+        from .exec.dali_graph import check_dali_plan
 
         dd = self.engine.dali_device(dev)
         threads = self.engine.threads or max(1, fixed_workers(self.num_workers))

@@ -55,9 +55,9 @@ def build_cmd(pipeline_file, data, cache_dir, compression, workers, sets) -> Non
     from ..exec.process_pool import ProcessPool, unpack_exception
     from ..exec.autoscale import fixed_workers
     from ..pipeline import Pipeline
-    from .main import _parse_sets
+    from .options import parse_sets
 
-    overrides = _parse_sets(sets)
+    overrides = parse_sets(sets)
     if data:
         overrides["source.path"] = data
     p = Pipeline.from_yaml(pipeline_file, **overrides)

@@ -44,12 +44,12 @@ def scan(data, fmt, sets, workers, max_pixels, json_out, quarantine, to_cache, c
 
     from ..remote.urls import is_url
     from ..scan import open_for_scan, quarantine_in_cache, scan_source
-    from .main import _parse_sets
+    from .options import parse_sets
 
     if not is_url(data) and not os.path.exists(data):
         raise click.BadParameter(f"Path {data!r} does not exist.", param_hint="'DATA'")
 
-    overrides = _parse_sets(sets)
+    overrides = parse_sets(sets)
     try:
         source, decode, pipeline = open_for_scan(data, fmt, overrides, max_pixels)
     except OSError as e:   # feedgpu's own errors exit 2 in the command group

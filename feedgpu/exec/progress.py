@@ -3,7 +3,7 @@
 The pool makes a :class:`Board` (one shared-memory file, mapped before the workers start: forked
 workers inherit it, spawned ones get its descriptor, see :mod:`feedgpu.exec.shm`) and
 each worker writes, before every stage, the stage's name, the sample's index and the time into
-its own slot (:func:`at`, ~1 us). When no batch comes within ``timeout``, the main process reads
+its own slot (:func:`at`, a few array writes). When no batch comes within ``timeout``, the main process reads
 the slots and names the stuck stage and sample in the :class:`~feedgpu.errors.LoaderTimeout`,
 without asking the (stuck) worker anything.
 """

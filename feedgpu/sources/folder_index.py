@@ -96,7 +96,7 @@ def save(path: Path, meta: dict, arrays: dict, walk_start_ns: int) -> bool:
     and whatever the source needs back (classes, rejects); ``arrays`` the :data:`_ARRAYS`."""
     if any(d[3] >= walk_start_ns - RACY_NS for d in meta["dirs"]):
         return False
-    from .. import __version__
+    from .._version import __version__
 
     header = dict(meta, format=INDEX_FORMAT, feedgpu=__version__,
                   arrays=[[name, len(arrays[name])] for name, _ in _ARRAYS])
@@ -130,7 +130,7 @@ def load(path: Path, root: str, key: str) -> tuple[dict, dict] | None:
     """``(meta, arrays)`` from a saved index that is whole, of this feedgpu version, for this
     key, and whose folders and watched entries are unchanged; else None (a warning when the file
     is corrupt or of another version; none when it is missing or merely stale)."""
-    from .. import __version__
+    from .._version import __version__
 
     try:
         with open(path, "rb") as f:

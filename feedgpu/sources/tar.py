@@ -5,8 +5,7 @@ samples are then read with ``os.pread`` straight from the shard, so nothing is e
 member names with absolute paths or ``..`` are only keys, never file-system paths. Symbolic and
 hard link members are left out while indexing (reason ``"link member, not followed"``), so a
 link never makes feedgpu read another member or a file outside the shard; FIFO and device
-entries likewise (``"not a regular file"``). Member names that are
-not UTF-8 are kept byte-exact (surrogate escapes) in keys.
+entries likewise (``"not a regular file"``). Non-UTF-8 member names stay byte-exact in keys.
 
 The key rule. Members are grouped as WebDataset groups them (``webdataset.tariterators.
 base_plus_ext``): the group key is the member name up to the first dot of its base name, the
@@ -445,20 +444,19 @@ class TarShardSource(Source):
     @property
     def shard_ids(self) -> np.ndarray:
         """Each sample's shard (made on request: the index holds each shard's first sample)."""
-        if self._shard_ids is not None:
-            return self._shard_ids
-        return np.repeat(index_array(np.arange(len(self._shard_starts) - 1)), np.diff(self._shard_starts))
+        starts = self._shard_starts
+        return self._shard_ids if self._shard_ids is not None else np.repeat(
+            index_array(np.arange(len(starts) - 1)), np.diff(starts))
 
     def _shard_of(self, index: int) -> int:
-        if self._shard_ids is not None:
-            return int(self._shard_ids[index])
-        return int(np.searchsorted(self._shard_starts, index, side="right")) - 1
+        ids = self._shard_ids
+        return int(ids[index]) if ids is not None else int(np.searchsorted(self._shard_starts, index, side="right")) - 1
 
     def key(self, index: int) -> str:
         return f"{self.shards[self._shard_of(index)]}:{self.members[index]}"
 
     def shard_of(self) -> np.ndarray:
-        """The shard of each sample: its index in :attr:`shards` (int32, the index's own array)."""
+        """The shard of each sample: its index in :attr:`shards` (int32, as :attr:`shard_ids`)."""
         return self.shard_ids
 
     def shard_names(self) -> list[str]:

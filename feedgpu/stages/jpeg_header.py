@@ -1,5 +1,6 @@
 """A JPEG header reader for the common case: size, components and EXIF orientation from the
-markers before the first scan, without building a PIL image (~11 us instead of ~45 us a file).
+markers before the first scan, without building a PIL image (a fraction of what opening the file
+with PIL costs).
 
 It answers only for baseline/progressive 8-bit JPEGs with 1 or 3 components whose orientation
 is in an EXIF APP1 block it can read; for anything else (MPO files, an XMP block without an EXIF

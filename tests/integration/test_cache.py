@@ -271,7 +271,7 @@ def test_fingerprint_follows_stage_and_feedgpu_versions(src, monkeypatch):
         version = 2
 
     assert fp(src, [Decode(), Resize2(SIZE)]) != base
-    monkeypatch.setattr(feedgpu, "__version__", "99.0")
+    monkeypatch.setattr(feedgpu._version, "__version__", "99.0")   # the version source
     assert fp(src, prefix()) != base
 
 

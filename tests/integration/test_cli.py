@@ -117,7 +117,7 @@ def test_console_script_runs(folder_ds):
 
 @pytest.mark.timeout(240)
 def test_bench_writes_json_with_both_loaders(cli, folder_ds, tmp_path):
-    pytest.importorskip("feedgpu.cli.bench")
+    pytest.importorskip("feedgpu.bench.measure")
     out = tmp_path / "out.json"
     res = run(cli, "bench", "--data", folder_ds, "--batches", 3, "--rounds", 1, "--workers", 1, "--batch-size", 8,
               "--warmup", 1, "--json", out)

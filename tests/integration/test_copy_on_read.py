@@ -121,7 +121,7 @@ def test_big_containers_are_named():
 
 
 def test_bench_names_copy_on_read_and_an_exceeded_budget():
-    from feedgpu.cli.bench import memory_notes
+    from feedgpu.bench.report import memory_notes
 
     summary = {"torch": {"label": "torch DataLoader", "cow_growth_mb_per_worker": 300.0, "uss_mb_per_worker": 340.0},
                "feedgpu": {"label": "feedgpu", "cow_growth_mb_per_worker": 2.0, "uss_mb_per_worker": 60.0,

@@ -11,8 +11,8 @@ import torch
 from click.testing import CliRunner
 
 from feedgpu import ConfigError, DataLoader, Pipeline
-from feedgpu.idle import ModelConsumer, RateConsumer, analyze, load_model, plot, recommend, time_model
-from feedgpu.models import resnet18, resnet50
+from feedgpu.bench.idle import ModelConsumer, RateConsumer, analyze, load_model, plot, recommend, time_model
+from feedgpu.bench.models import resnet18, resnet50
 from feedgpu.stages import Decode, RandomResizedCrop
 
 pytestmark = pytest.mark.timeout(180)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from test_autoscale import FakeClock, FakeProbe, scaler
-from feedgpu.cli.idle_report import _print
 from feedgpu.errors import ConfigError
 from feedgpu.exec.balancer import Measurement, diagnose
-from feedgpu.idle import recommend
+from feedgpu.bench.idle import recommend
+from feedgpu.bench.report import idle_lines
 
 
 def window(wait: float, network: float = 0.0, cores: float = 1.0) -> Measurement:
@@ -69,11 +69,10 @@ def _report(network: float) -> dict:
             "balancer": {"timeline": [], "decisions": []}, "placement": None, "recommendation": "r"}
 
 
-def test_bench_reports_the_network_wait_only_when_there_is_one(capsys):
-    _print(_report(0.35))
-    assert "network:       the loader waited for shard downloads 35.0 % of the time" in capsys.readouterr().out
-    _print(_report(0.0))
-    assert "network" not in capsys.readouterr().out
+def test_bench_reports_the_network_wait_only_when_there_is_one():
+    assert ("network:       the loader waited for shard downloads 35.0 % of the time (waiting for the network)"
+            in idle_lines(_report(0.35)))
+    assert not [line for line in idle_lines(_report(0.0)) if "network" in line]
 
 
 def test_the_recommendation_names_the_network():

@@ -228,7 +228,7 @@ def test_an_index_of_another_feedgpu_version_is_ignored_with_a_warning(tree, tmp
     import feedgpu
 
     idx = tmp_path / "idx"
-    monkeypatch.setattr(feedgpu, "__version__", "0.0.1-other")
+    monkeypatch.setattr(feedgpu._version, "__version__", "0.0.1-other")   # the version source
     open_(tree, idx)
     monkeypatch.undo()
     with pytest.warns(UserWarning, match=r"written by feedgpu '0.0.1-other'.*this is " + feedgpu.__version__):

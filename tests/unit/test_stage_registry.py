@@ -19,7 +19,7 @@ from PIL import Image, ImageFilter
 
 from conftest import PHOTOS, REPO
 from feedgpu import ConfigError, DataLoader, Pipeline
-from feedgpu.baseline import build_transforms
+from feedgpu.bench.torch_baseline import build_transforms
 from feedgpu.sample_data import build_imagenet_like
 from feedgpu.stages import registry
 from feedgpu.stages.params import describe_stage, param_model

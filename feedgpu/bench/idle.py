@@ -16,7 +16,7 @@ preprocessing, and :func:`recommend` turns them into a sentence.
 
 Consumers: :class:`RateConsumer` (a stand-in for a GPU that takes ``rate`` samples/s, for
 machines without one), :class:`ModelConsumer` (a training step of a ``torch.nn.Module``: the
-built-in :mod:`feedgpu.models` or a user's ``module:callable``).
+built-in :mod:`feedgpu.bench.models` or a user's ``module:callable``).
 """
 from __future__ import annotations
 
@@ -27,13 +27,13 @@ import statistics
 import time
 from typing import Any, Callable
 
-from .errors import ConfigError
-from .exec.balancer import diagnose
-from .metrics import cpu_seconds
+from ..errors import ConfigError
+from ..exec.balancer import diagnose
+from ..metrics import cpu_seconds
 
-log = logging.getLogger("feedgpu.idle")
+log = logging.getLogger(__name__)
 
-#: Idle share under which the GPU counts as fed (the issue's ResNet-18 target: 2 %).
+#: Idle share under which the GPU counts as fed (the project's target for ResNet-18).
 FED_IDLE = 0.02
 
 
@@ -214,8 +214,8 @@ def placement(make_loader: Callable[..., Any], alone: dict, duration_s: float, d
     workers). ``alone``: the configured loader measured alone, with its ``engine`` label and
     ``workers`` (:func:`engine_label`), so a pipeline configured for DALI is not reported as the
     Python engine. A Python loader that sizes its pool itself runs ``warmup_s`` untimed first."""
-    from .exec.autoscale import cpu_cores
-    from .exec.balancer import EngineRate, choose_placement
+    from ..exec.autoscale import cpu_cores
+    from ..exec.balancer import EngineRate, choose_placement
 
     mine = alone.get("engine", "python")
     options = [EngineRate(mine, alone["samples_per_s"], alone["cpu_cores"], max(1, alone["workers"]))]
@@ -293,8 +293,8 @@ def recommend(idle: float, diag: dict | None, costs: dict, on_gpu: bool) -> str:
 def _fixed_diagnosis(both: dict, model: dict, workers: int) -> dict:
     """Without a balancer: :func:`diagnose` of phase 3 as one window (CPU of the main process
     and the workers against all cores)."""
-    from .exec.autoscale import cpu_cores
-    from .exec.balancer import Measurement
+    from ..exec.autoscale import cpu_cores
+    from ..exec.balancer import Measurement
 
     m = Measurement(t=0.0, workers=max(1, workers), delivered_rate=both["samples_per_s"],
                     demand_rate=model["samples_per_s"], wait_fraction=min(1.0, both["wait_s"] / both["wall_s"]),

@@ -25,10 +25,10 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils.data as tud
 
-from .errors import ConfigError
-from .pipeline import Pipeline
-from .stages.base import BatchStage
-from .torch_ref import (CenterCrop, LoadImage, Normalize, PilCallable, RandomHorizontalFlip, RandomResizedCrop,
+from ..errors import ConfigError
+from ..pipeline import Pipeline
+from ..stages.base import BatchStage
+from ..torch_ref import (CenterCrop, LoadImage, Normalize, PilCallable, RandomHorizontalFlip, RandomResizedCrop,
                         Resize, ToTensor, ToUint8HWC, torchvision_rrc_params)
 
 __all__ = ["CenterCrop", "Compose", "LoadImage", "Normalize", "PilCallable", "RandomHorizontalFlip",
