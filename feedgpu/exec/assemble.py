@@ -88,7 +88,8 @@ class Assembler:
     Args:
         source: where records come from.
         plan: stages and specs (see :func:`~feedgpu.exec.plan.make_plan`).
-        seed: base seed; random stages draw from ``stage_random(stage, seed, epoch, index, position)``.
+        seed: base seed; random stages draw from ``stage_random(stage, seed, epoch, index, draw key)``
+            (the key: ``plan.draw_ids``).
         on_error: ``"skip"`` (replace bad samples with spares) or ``"raise"``.
     """
 
@@ -144,7 +145,7 @@ class Assembler:
         secs["read" if start == 0 else "cache"] += t1 - t0
         for pos in range(start, len(self.stages)):
             st = self.stages[pos]
-            rng = stage_random(st, self.seed, epoch, idx, pos)
+            rng = stage_random(st, self.seed, epoch, idx, self.plan.draw_ids[pos])
             progress.at(getattr(st, "label", st.name), idx)
             try:
                 x = st.apply(x, rng)

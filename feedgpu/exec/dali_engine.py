@@ -7,7 +7,7 @@ feedgpu keeps the order, the randomness and the error handling; DALI does the pi
   per rank and exact mid-epoch resume), so both engines see the same batches.
 * Random parameters (crop window, flip) are computed in Python for the whole batch from the same
   per-sample draws as on the Python engine (``sample_uniforms(seed, epoch, index, stage
-  position)``, :mod:`feedgpu.stages.draws`), and fed per sample: both engines crop and flip
+  draw key)``, :mod:`feedgpu.stages.draws`), and fed per sample: both engines crop and flip
   identically; only the resampling arithmetic differs.
 * Each header is read in Python first (:meth:`Decode.probe`): empty, unidentifiable or oversized
   files never reach DALI (they are skipped or raised as on the Python engine). Files whose
@@ -115,7 +115,7 @@ class DaliWork(WorkBase):
         self._zero_copy = _zero_copy_output(device)
         self._side: SideStream | None = None   # the GPU's copy stream, made at the first GPU batch
         self._prep_side = BatchPreparer(source, self.decode, self.ops, self.seed, on_error, self.window,
-                                        self.counters)
+                                        self.counters, plan.draw_ids)
         self._start_threads()
         self._ahead: dict = {}   # (epoch, seq) -> (indices, Future of the finished batch)
 

@@ -33,11 +33,13 @@ class BatchPreparer:
         on_error: ``"skip"`` or ``"raise"``, as for :class:`~feedgpu.exec.assemble.Assembler`.
         window: crop-on-decode: upright JPEGs go to the window group.
         counters: where the decoded / fed counts per group are added (the engine's stats).
+        draw_ids: the draw key of decode and of each op (``Plan.draw_ids``).
     """
 
     def __init__(self, source, decode: Decode, ops: list, seed: int, on_error: str, window: bool,
-                 counters: Counter):
+                 counters: Counter, draw_ids: tuple[int, ...]):
         self.source, self.decode, self.ops, self.seed, self.on_error = source, decode, ops, int(seed), on_error
+        self.draw_ids = draw_ids
         self.window, self.counters = window, counters
         self.headers = Headers(len(source))
         # local files (a folder source) are read by DALI's C++ threads, except where the header
@@ -100,7 +102,7 @@ class BatchPreparer:
         with a row per sample; for the rows of ``window`` (crop-on-decode) the decode window too."""
         params = {}
         for i, st in enumerate(self.ops, start=1):
-            u = None if st.deterministic else sample_uniforms(self.seed, epoch, indices, i, st.draws)
+            u = None if st.deterministic else sample_uniforms(self.seed, epoch, indices, self.draw_ids[i], st.draws)
             args, out = st.dali_params(sizes, u)
             if i == 1 and window.any():
                 args = decode_windows(args, sizes, out, window, params)

@@ -7,6 +7,7 @@ from ..errors import ConfigError
 from ..imaging import pil_label
 from ..spec import BYTES, ImageSpec
 from ..stages.base import BatchStage, SampleStage, Stage
+from ..stages.draws import stage_draw_ids
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class Plan:
     out_spec: ImageSpec      # per-sample spec the training loop receives
     device: str
     cache_prefix: int = 0    # leading deterministic sample stages whose output may be cached
+    draw_ids: tuple[int, ...] = ()   # each sample stage's draw key (stages.draws.stage_draw_ids)
 
     def describe(self, batch_size: int, cached: bool = False) -> list[tuple[str, str, str, str]]:
         rows = [("source", "cpu pool (read)", "-", BYTES.describe())]
@@ -78,4 +80,4 @@ def make_plan(stages: list[Stage], device: str, pool_where: str | None = None,
     while prefix < len(sample) and sample[prefix].deterministic:
         prefix += 1
     return Plan(tuple(steps), tuple(sample), batch, on_device, pool_spec if on_device else spec, spec, device,
-                prefix)
+                prefix, stage_draw_ids(sample))

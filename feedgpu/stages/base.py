@@ -16,8 +16,10 @@ reports (the ``python`` stage names its callable); the default is ``name``.
 * :class:`SampleStage` runs on one sample: ``apply(x, rng)`` where ``x`` is a PIL image (RGB)
   after decode, and ``rng`` is ``None`` for deterministic stages. A random stage that declares
   ``draws = k`` (the built-in ones) gets ``k`` uniform draws in ``[0, 1)`` keyed by ``(seed,
-  epoch, sample index, stage position)`` (:func:`~feedgpu.stages.draws.sample_uniforms`, computed
-  for whole batches by the DALI engine); other random stages (custom ones) get a
+  epoch, sample index, stage)`` (:func:`~feedgpu.stages.draws.sample_uniforms`, computed for
+  whole batches by the DALI engine; the stage by its draw key,
+  :func:`~feedgpu.stages.draws.stage_draw_ids`, so adding a stage of another kind does not change
+  its draws); other random stages (custom ones) get a
   ``numpy.random.Generator`` seeded from the same key (:func:`sample_rng`). Either way the output
   does not depend on which worker runs it.
 * :class:`BatchStage` turns the fixed-size uint8 HWC images into the batch's final dtype and

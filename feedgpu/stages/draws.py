@@ -1,5 +1,6 @@
 """Counter-based random numbers for the built-in random stages: a pure function of
-``(seed, epoch, sample index, stage position, draw number)``, computed for a whole batch at once.
+``(seed, epoch, sample index, stage, draw number)``, the stage keyed by its kind and
+rank among stages of that kind (:func:`stage_draw_ids`), not its position,, computed for a whole batch at once.
 
 The Python engine (one sample at a time) and the DALI engine (one batch at a time) call the same
 function, so both crop and flip every sample identically, whatever the worker count, the order
@@ -8,7 +9,7 @@ would have drawn.
 
 Each value is the SplitMix64 output function (Steele, Lea & Flood, "Fast splittable pseudorandom
 number generators", OOPSLA 2014; constants from Vigna's ``splitmix64.c``) applied to a key that
-chains the seed, the epoch, the stage position and the sample index through the same function,
+chains the seed, the epoch, the stage's draw key (:func:`stage_draw_ids`) and the sample index through the same function,
 plus the draw number times the golden-ratio increment. The top 53 bits give a float64 uniform in
 ``[0, 1)``. Keying the generator per sample costs a few integer operations per sample, where a
 NumPy ``Generator`` seeded through ``SeedSequence`` (``sample_rng``, which custom stages still
@@ -17,6 +18,7 @@ get) costs far more than the draws it then makes.
 from __future__ import annotations
 
 import functools
+import hashlib
 import operator
 
 import numpy as np
@@ -45,6 +47,22 @@ def _mix(z: np.ndarray) -> np.ndarray:
     return z
 
 
+def stage_draw_ids(stages) -> tuple[int, ...]:
+    """Each stage's draw key, the ``stage_pos`` its draws are keyed by: a hash (BLAKE2b, 63 bits)
+    of the stage's label (its ``name``, or the ``label`` it sets) and how many stages of that
+    label come before it. Inserting, removing or moving a stage of another kind leaves every
+    other stage's draws as they were; only a second stage of one kind in front of the first
+    changes that kind's draws."""
+    seen: dict = {}
+    out = []
+    for st in stages:
+        label = str(getattr(st, "label", st.name))
+        k = seen[label] = seen.get(label, -1) + 1
+        digest = hashlib.blake2b(f"{label}#{k}".encode("utf-8", "surrogateescape"), digest_size=8).digest()
+        out.append(int.from_bytes(digest, "little") >> 1)
+    return tuple(out)
+
+
 @functools.lru_cache(maxsize=64)
 def _key(seed: int, epoch: int, stage_pos: int) -> int:
     return _mix_int(_mix_int(_mix_int(seed + _GAMMA) ^ (epoch & _MASK)) ^ (stage_pos & _MASK))
@@ -58,7 +76,8 @@ def sample_uniforms(seed: int, epoch: int, indices, stage_pos: int, k: int) -> n
         seed: base seed (any int; taken mod 2**64, as :func:`~feedgpu.stages.base.sample_rng`).
         epoch: epoch number (>= 0).
         indices: sample indices in the source (ints, any shape flattened to ``n``).
-        stage_pos: the stage's position in the pipeline.
+        stage_pos: the stage's draw key (:func:`stage_draw_ids`; a stage's position in older
+            versions).
         k: draws per sample (>= 0).
     """
     key = _key(int(seed), int(epoch), int(stage_pos))

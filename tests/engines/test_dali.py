@@ -42,7 +42,7 @@ from feedgpu.errors import DecodeError  # noqa: E402
 from feedgpu.exec.autoscale import fixed_workers  # noqa: E402
 from feedgpu.stages import (Decode, HorizontalFlip, Normalize, PythonStage, RandomResizedCrop,  # noqa: E402
                             Resize, ResizeCenterCrop)
-from feedgpu.stages.draws import sample_uniforms  # noqa: E402
+from feedgpu.stages.draws import sample_uniforms, stage_draw_ids  # noqa: E402
 
 pytestmark = [pytest.mark.dali, pytest.mark.timeout(120)]
 
@@ -162,7 +162,8 @@ def test_train_pipeline_same_crops_and_flips_as_the_python_engine(indexed):
     (pi, pl), (di, dl), (ni, _) = cat(py), cat(da), cat(noflip)
     assert torch.equal(pl, dl) and pl.tolist() == list(range(len(indexed)))
     assert_close(pi, di, TRAIN_TOL, "train")
-    flips = (sample_uniforms(seed, 0, np.arange(len(indexed)), 2, 1)[:, 0] < 0.5).tolist()
+    flip_key = stage_draw_ids(train_stages())[2]
+    flips = (sample_uniforms(seed, 0, np.arange(len(indexed)), flip_key, 1)[:, 0] < 0.5).tolist()
     assert 0.25 < np.mean(flips) < 0.75
     for i, f in enumerate(flips):
         want = torch.flip(ni[i], dims=[1]) if f else ni[i]

@@ -24,6 +24,7 @@ from feedgpu import DataLoader, DecodeError, Pipeline, SampleError, SkippedSampl
 from feedgpu.sources import open_source
 from feedgpu.stages import Decode, HorizontalFlip, RandomResizedCrop, ResizeCenterCrop
 from feedgpu.stages.base import stage_random
+from feedgpu.stages.draws import stage_draw_ids
 from feedgpu.stages.decode import IMAGENET_MEAN_PIXEL
 
 pytestmark = pytest.mark.timeout(120)
@@ -96,8 +97,9 @@ def _reference_row(payload, idx: int, seed: int) -> np.ndarray:
     """What the pipeline's stages give for sample ``idx`` of epoch 0, done here in-process."""
     img = Decode().apply(payload)
     crop, flip = RandomResizedCrop(224), HorizontalFlip()
-    img = crop.apply(img, stage_random(crop, seed, 0, idx, 1))
-    img = flip.apply(img, stage_random(flip, seed, 0, idx, 2))
+    keys = stage_draw_ids([Decode(), crop, flip])
+    img = crop.apply(img, stage_random(crop, seed, 0, idx, keys[1]))
+    img = flip.apply(img, stage_random(flip, seed, 0, idx, keys[2]))
     return np.asarray(img)
 
 

@@ -5,9 +5,9 @@ import math
 import numpy as np
 import pytest
 
-from feedgpu.stages import HorizontalFlip, RandomResizedCrop
+from feedgpu.stages import Decode, HorizontalFlip, RandomResizedCrop, Resize
 from feedgpu.stages.base import sample_rng, stage_random
-from feedgpu.stages.draws import Draws, as_uniforms, sample_uniforms
+from feedgpu.stages.draws import Draws, as_uniforms, sample_uniforms, stage_draw_ids
 from feedgpu.stages.geometry import RRC_DRAWS, random_resized_crop_params
 
 SCALE, RATIO = (0.08, 1.0), (3 / 4, 4 / 3)
@@ -149,3 +149,36 @@ def test_a_subclass_can_ask_for_a_generator_again():
     rng = stage_random(MyFlip(), 1, 0, 5, 2)
     assert isinstance(rng, np.random.Generator)
     assert isinstance(stage_random(HorizontalFlip(), 1, 0, 5, 2), Draws)
+
+
+def test_draw_keys_follow_the_stage_kind_not_its_position():
+    crop, flip = RandomResizedCrop(32), HorizontalFlip()
+    base = stage_draw_ids([Decode(), crop, flip])
+    # a stage of another kind in front, or between: the others keep their keys
+    moved = stage_draw_ids([Decode(), Resize(64), crop, flip])
+    assert (moved[0], moved[2], moved[3]) == base
+    assert stage_draw_ids([Decode(), flip, crop]) == (base[0], base[2], base[1])
+    # two stages of one kind draw apart (the second is keyed "#1")
+    twice = stage_draw_ids([Decode(), flip, crop, flip])
+    assert twice[1] == base[2] and twice[3] != twice[1] and len(set(twice)) == 4
+    assert all(0 <= k < 2**63 for k in twice)
+    # pinned: the key of a stage is a stable function of its label (a change here changes every draw)
+    assert base[2] == int.from_bytes(__import__("hashlib").blake2b(b"horizontal_flip#0", digest_size=8).digest(),
+                                     "little") >> 1
+
+
+def test_a_stage_inserted_before_a_random_one_leaves_its_crops_unchanged(folder_ds):
+    import torch
+
+    from feedgpu import DataLoader, Pipeline
+    from feedgpu.stages import PythonStage
+
+    def run(stages):
+        p = Pipeline({"format": "folder", "path": str(folder_ds)}, stages, batch_size=40, seed=3, device="cpu",
+                     num_workers=0, shuffle=False)
+        return torch.cat([b.images.clone() for b in DataLoader(p)])
+
+    same = PythonStage(lambda img: img)
+    a = run([Decode(), RandomResizedCrop(32), HorizontalFlip()])
+    b = run([Decode(), same, RandomResizedCrop(32), HorizontalFlip()])
+    assert torch.equal(a, b)

@@ -277,7 +277,7 @@ def _vflip_definition(folder, p, engine="python"):
 
 
 def test_vertical_flip_is_usable_from_yaml_and_flips_by_its_draws(small_folder):
-    from feedgpu.stages.draws import sample_uniforms
+    from feedgpu.stages.draws import sample_uniforms, stage_draw_ids
 
     plain, labels = _epoch(Pipeline.from_config(_definition(small_folder)))
     always, _ = _epoch(Pipeline.from_config(_vflip_definition(small_folder, 1.0)))
@@ -285,8 +285,9 @@ def test_vertical_flip_is_usable_from_yaml_and_flips_by_its_draws(small_folder):
     half, half_labels = _epoch(Pipeline.from_config(_vflip_definition(small_folder, 0.5)))
     assert torch.equal(always, torch.flip(plain, dims=[1])) and torch.equal(never, plain)
     assert torch.equal(labels, half_labels)
-    # sample i (shuffle off: the i-th row) flips when its draw for stage 2 is below p
-    want = sample_uniforms(1, 0, np.arange(len(plain)), 2, 1)[:, 0] < 0.5
+    # sample i (shuffle off: the i-th row) flips when its draw for the stage is below p
+    key = stage_draw_ids(Pipeline.from_config(_vflip_definition(small_folder, 0.5)).stages)[2]
+    want = sample_uniforms(1, 0, np.arange(len(plain)), key, 1)[:, 0] < 0.5
     got = np.array([torch.equal(half[i], always[i]) and not torch.equal(half[i], plain[i])
                     for i in range(len(plain))])
     assert 0 < want.sum() < len(want) and np.array_equal(got, want)
