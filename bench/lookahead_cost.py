@@ -21,7 +21,6 @@ import os
 import statistics
 import time
 import warnings
-from pathlib import Path
 
 import torch.utils.data as tud
 

@@ -7,7 +7,8 @@ in worker processes (and with ``executor: ray`` on remote workers too).
 from __future__ import annotations
 
 from .assemble import Assembler
-from .process_pool import ProcessPool, draw_base_seed
+from .pool_start import draw_base_seed
+from .process_pool import ProcessPool
 from .work import DatasetWork, PipelineWork
 
 

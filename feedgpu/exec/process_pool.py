@@ -50,12 +50,8 @@ a new connection.
 """
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
-import multiprocessing as mp
 import multiprocessing.connection as mpc
-import multiprocessing.context as mpcontext
 import multiprocessing.util as mputil
 import os
 import pickle
@@ -65,6 +61,7 @@ from typing import Any, Callable
 
 from ..errors import LoaderTimeout, WorkerError
 from .fd_channel import Channel
+from .pool_start import frozen_gc, resolve_context
 from .pool_worker import FLUSH, _Load, _pack_exception, _worker_main  # noqa: F401  (_pack_exception: ray)
 from .progress import MAX_WORKERS, Board
 
@@ -72,42 +69,6 @@ log = logging.getLogger("feedgpu.pool")
 POLL_S = 0.1
 MAX_SEED = 2**63 - 1               # worker seeds stay int64 (collatable, torch.manual_seed accepts them)
 EXIT_PRIORITY = 20                 # multiprocessing finalizers: before queues (10) and daemon termination
-
-
-def resolve_context(value) -> mpcontext.BaseContext:
-    """The multiprocessing context for ``DataLoader(multiprocessing_context=value)``.
-
-    ``None``: the start method set with ``multiprocessing.set_start_method`` if one was set
-    (torch's default context), else ``fork`` where the platform has it (feedgpu's choice: workers
-    inherit the source index and batch buffers instead of unpickling them). A string: that start
-    method (``"fork"``, ``"spawn"``, ``"forkserver"``). A context object (``multiprocessing`` or
-    ``torch.multiprocessing``): itself.
-
-    Raises ``ValueError`` for an unknown start method and ``TypeError`` for anything else, with
-    torch's wording."""
-    if value is None:
-        method = mp.get_start_method(allow_none=True)
-        if method is None:
-            method = "fork" if "fork" in mp.get_all_start_methods() else mp.get_start_method()
-        return mp.get_context(method)
-    if isinstance(value, str):
-        valid = mp.get_all_start_methods()
-        if value not in valid:
-            raise ValueError("multiprocessing_context option should specify a valid start method in "
-                             f"{valid!r}, but got multiprocessing_context={value!r}")
-        return mp.get_context(value)
-    if isinstance(value, mpcontext.BaseContext):
-        return value
-    raise TypeError("multiprocessing_context option should be a valid context object or a string specifying "
-                    f"the start method, but got multiprocessing_context={value}")
-
-
-def draw_base_seed(generator=None) -> int:
-    """The workers' base seed, drawn as torch's DataLoader draws it when its workers start: one
-    int64 from ``generator``, or from torch's global RNG when ``generator`` is None."""
-    import torch
-
-    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
 
 
 def seconds_text(t) -> str:
@@ -509,21 +470,3 @@ class ProcessPool:
         if self._finalizer.still_active():
             self._finalizer.cancel()
             self._state.close(self.grace_s if grace_s is None else grace_s)
-
-
-@contextlib.contextmanager
-def frozen_gc(method: str):
-    """Around a fork: the objects of the parent go to the garbage collector's permanent
-    generation, so a forked child never collects (and never finalizes) what it inherited.
-    Unreachable objects of the parent, such as a dropped Ray actor handle whose finalizer talks
-    to Ray's threads that the child does not have, would otherwise be finalized in the child
-    and can hang it. The parent's collector is restored at once. No effect for spawn and
-    forkserver (their children start empty)."""
-    if method != "fork":
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
