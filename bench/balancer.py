@@ -22,10 +22,10 @@ until the mean of three consecutive balancer windows came within ``TIE`` of the 
 count's median rate, and its experiments in words.
 
 Writes ``bench/results/balancer.json`` and ``bench/results/balancer.md`` (figures only; any
-conclusion is written by hand in the notes there).
+conclusions are written by hand there, under "Conclusions", which a rerun keeps).
 
-    .venv/bin/python bench/balancer.py                                  # the recorded run
-    .venv/bin/python bench/balancer.py --seconds 12 --rounds 1 --consumer cnn-1t --consumer sleep-300
+    .venv/bin/python -m bench.balancer                                  # the recorded run
+    .venv/bin/python -m bench.balancer --seconds 12 --rounds 1 --consumer cnn-1t --consumer sleep-300
 """
 from __future__ import annotations
 
@@ -35,18 +35,14 @@ import statistics
 import sys
 import time
 import warnings
-from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
-from cpu_loader import write_results  # noqa: E402
+from bench.harness import REPO, machine, write_results  # noqa: E402
 
 import torch  # noqa: E402
 
 from feedgpu import DataLoader, Pipeline  # noqa: E402
-from feedgpu.cli.bench import machine_info  # noqa: E402
 from feedgpu.exec.autoscale import cpu_cores  # noqa: E402
 from feedgpu.sample_data import default_sample  # noqa: E402
 
@@ -236,7 +232,7 @@ def main(argv=None) -> int:
             "auto_vs_top": med["auto"] / top, "auto_final": [x["final"] for x in runs["auto"]],
             "auto_reached_s": reach})
     out = {"format": "feedgpu.bench.balancer/2", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-           "machine": machine_info(), "note": a.note,
+           "machine": machine(), "note": a.note,
            "settings": {"pipeline": str(PIPELINE.relative_to(REPO)), "data": data, "images": a.images,
                         "crop": a.crop, "batch_size": a.batch_size, "seconds": a.seconds, "rounds": a.rounds,
                         "busy_rate": a.busy_rate, "fixed_counts": counts, "tie": TIE},

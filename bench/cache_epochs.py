@@ -13,15 +13,15 @@ process, alternating round after round (the compression order rotates per round)
 * ``read:<c>``: the next epoch, a new loader on that full cache -- "epoch 2" (every sample is read
   from the cache; the run checks that nothing was decoded).
 
-Each run is :func:`feedgpu.cli.bench.measure` (what ``feedgpu bench`` reports): samples/s from the
+Each run is :func:`feedgpu.bench.measure.measure` (what ``feedgpu bench`` reports): samples/s from the
 first batch to the last (``--warmup 1``: worker start-up and the first batch excluded), and here
 also samples/s over the whole epoch from ``iter(loader)`` until its workers have exited (start-up
 and the final cache flush included). Medians over rounds; ratios also per round.
 
 Writes ``bench/results/cache_epochs.json`` and ``bench/results/cache_epochs.md``.
 
-    .venv/bin/python bench/cache_epochs.py                     # 2,000 images, 5 rounds, ~3.5 min
-    .venv/bin/python bench/cache_epochs.py --rounds 3 --compression zstd:1
+    .venv/bin/python -m bench.cache_epochs                     # 2,000 images, 5 rounds, ~3.5 min
+    .venv/bin/python -m bench.cache_epochs --rounds 3 --compression zstd:1
 """
 from __future__ import annotations
 
@@ -33,14 +33,11 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.harness import REPO, wait_quiet, write_results
+
 PIPELINE = REPO / "pipelines" / "imagenet_train_cached.yaml"
 TARGET_READ = 4.0       # epoch 2 (cache) / epoch 1 (JPEG) samples/s
 TARGET_WRITE = 0.15     # extra time of the filling epoch over the uncached one
-
-sys.path.insert(0, str(REPO))  # this checkout's feedgpu, not the one the venv has installed
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_loader import wait_quiet, write_results  # noqa: E402  shared with the recorded CPU benchmark
 
 
 def pipeline(data: str, dtype: str = "float32"):
@@ -61,12 +58,12 @@ def pipeline(data: str, dtype: str = "float32"):
 
 
 def subject(p, workers: int, batch_size: int, cache, name: str, persistent: bool = False, since=None):
-    """A :class:`feedgpu.cli.bench.Subject` for ``DataLoader(p, cache=cache)``. Non-persistent
+    """A :class:`feedgpu.bench.subjects.Subject` for ``DataLoader(p, cache=cache)``. Non-persistent
     workers exit, and write their last cache part, at the end of the epoch. ``since``: a dict
     that holds ``stage_s`` at the start of the measured epoch (seconds per stage are reported
     for that epoch only)."""
     from feedgpu import DataLoader
-    from feedgpu.cli.bench import Subject
+    from feedgpu.bench.subjects import Subject
     from feedgpu.imaging import pil_label
 
     loader = DataLoader(p, batch_size=batch_size, num_workers=workers, persistent_workers=persistent,
@@ -87,7 +84,7 @@ def one_run(p, a, nb: int, name: str, cache, prepare=None, steady: bool = False)
     ``--max-others`` % of a core meanwhile (``prepare()`` runs before every attempt). ``steady``:
     one loader with persistent workers runs an unmeasured epoch first, then the measured one
     (its workers have touched the batch buffers and opened the cache already)."""
-    from feedgpu.cli import bench as fb
+    from feedgpu.bench.measure import measure, progress_bar
 
     for attempt in range(1, a.retries + 2):
         if prepare is not None:
@@ -106,8 +103,8 @@ def one_run(p, a, nb: int, name: str, cache, prepare=None, steady: bool = False)
                 since.update(stage_s=dict(st["stage_s"]), samples=st["samples"])
 
         t0 = time.perf_counter()
-        with fb.progress_bar(skip + nb, name) as bar:
-            res = fb.measure(s, nb - a.warmup, skip + a.warmup, on_batch=lambda: on_batch(bar))
+        with progress_bar(skip + nb, name) as bar:
+            res = measure(s, nb - a.warmup, skip + a.warmup, on_batch=lambda: on_batch(bar))
         wall = time.perf_counter() - t0  # iter() ... last batch ... workers exited (cache flushed)
         n = res.pop("epoch_samples")
         res.update(loader=name, epoch_samples=n, epoch_wall_s=None if steady else round(wall, 3),
@@ -152,7 +149,8 @@ def main(argv=None) -> int:
 
     from feedgpu.cache import entries
     from feedgpu.cache.settings import parse_compression
-    from feedgpu.cli import bench as fb
+    from feedgpu.bench.machine import data_info, machine_info
+    from feedgpu.bench.measure import epoch_batches
     from feedgpu.sample_data import build_imagenet_like
 
     for c in comps:
@@ -163,13 +161,14 @@ def main(argv=None) -> int:
         build_imagenet_like(data, a.images, photos_dir=a.photos, progress=True)
     p = pipeline(str(data), a.dtype)
     n = len(p.source)
-    nb = fb.epoch_batches(p, a.batch_size)
+    nb = epoch_batches(p, a.batch_size)
     jpeg_bytes = int(p.source.sizes.sum()) if hasattr(p.source, "sizes") else None
     print("measuring the data set", file=sys.stderr)
-    data_meta = fb.data_info(p, str(data), sample=None)
+    data_meta = data_info(p, str(data), sample=None)
     data_meta["jpeg_bytes_total"] = jpeg_bytes
-    machine = fb.machine_info()
+    machine = machine_info()
     base_root = Path(a.cache_root) if a.cache_root else REPO / "bench" / "out"
+    base_root.mkdir(parents=True, exist_ok=True)
     base_root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="cache-epochs-", dir=base_root))
     settings = {"pipeline": str(PIPELINE.relative_to(REPO)), "stages": [s.name for s in p.stages], "dtype": a.dtype,
@@ -288,7 +287,7 @@ def main(argv=None) -> int:
         pc["meets_write_target"] = pc["write_cost"] <= TARGET_WRITE
     total = time.perf_counter() - t_all
     doc = {"format": "feedgpu.bench.cache_epochs/1", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-           "command": "python bench/cache_epochs.py " + " ".join(sys.argv[1:] if argv is None else argv),
+           "command": "python -m bench.cache_epochs " + " ".join(sys.argv[1:] if argv is None else argv),
            "targets": {"read_speedup_min": TARGET_READ, "write_cost_max": TARGET_WRITE},
            "machine": machine, "data": data_meta, "settings": settings, "summary": summary,
            "per_compression": per_comp, "persistent_workers_check": persistent,
@@ -337,6 +336,7 @@ def fill_profile(p, comps: list[str], n_rows: int = 450, fast_levels=(-20, -5), 
     raw = sum(a.nbytes for a in arrays)
     k = len(arrays) / 1e3
     out = {"rows": len(arrays), "raw_mib": raw / 2**20, "pack_ms": t_pack / k, "pause_s": pause_s}
+    (REPO / "bench" / "out").mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="fill-profile-", dir=REPO / "bench" / "out"))
     rows = RowBuffer(BATCH_BYTES + (1 << 20))
     for a in arrays:  # touch the buffer's memory once
@@ -589,10 +589,8 @@ def markdown(doc: dict) -> str:
 
 
 def analysis(doc: dict) -> list[str]:
-    """Where epoch 2 and the filling epoch stand against the targets, from this run's numbers,
-    and what the default compression is and why."""
-    from feedgpu.cache.settings import CacheSettings
-
+    """Epoch 2 and the filling epoch, ms per sample, against the targets' budgets (figures; what
+    they mean for the default compression is written by hand under "Conclusions")."""
     su, t, pc = doc["summary"], doc["targets"], doc["per_compression"]
     comps = doc["settings"]["compressions"]
     base = su["no_cache"]["stage_ms_per_sample"]
@@ -622,55 +620,6 @@ def analysis(doc: dict) -> list[str]:
                     f"{pc[c]['write_cost'] * 100:+.0f} %.")
     lines += ["Filling, ms per sample:", ""] + rows + [""]
 
-    fp = doc.get("fill_profile") or {}
-    default = CacheSettings.__dataclass_fields__["compression"].default
-    zstd = [c for c in comps if c.startswith("zstd")]
-    if "none" in comps and zstd:
-        z = zstd[0]
-        enc = f"{fp[z]['encode_ms']:.2f} ms per row" if z in fp else "?"
-        fast = fp.get("zstd_fast_levels") or {}
-        fast_txt = "; ".join(f"level {lv} keeps {v['ratio']:.2f} of the bytes for {v['encode_ms']:.2f} ms per row"
-                             for lv, v in fast.items())
-        lines += ["## The default compression", "",
-                  f"Default in `CacheSettings` and the shipped cached pipeline: **`{default}`**. Measured here: `none` "
-                  f"gives epoch 2 / epoch 1 {pc['none']['read_speedup']:.2f}× at {pc['none']['write_cost'] * 100:+.0f} % "
-                  f"write cost and {pc['none']['cache_bytes_per_image'] / 1024:.0f} KB per image; `{z}` "
-                  f"{pc[z]['read_speedup']:.2f}× at {pc[z]['write_cost'] * 100:+.0f} % and "
-                  f"{pc[z]['cache_bytes_per_image'] / 1024:.0f} KB per image "
-                  f"({pc[z]['cache_bytes'] / pc['none']['cache_bytes']:.2f} of `none`'s bytes). Encoding with `{z}` "
-                  f"costs {enc} (the whole write budget is {budget_write:.2f} ms) and its decode is the largest part of "
-                  f"its epoch 2 ({su[f'read:{z}']['stage_ms_per_sample'].get('cache', 0):.2f} ms against "
-                  f"{su['read:none']['stage_ms_per_sample'].get('cache', 0):.2f} for `none`), so only `none` comes "
-                  "near the targets"
-                  + (f"; zstd's fast levels do not change that ({fast_txt})" if fast_txt else "") + ". "
-                  f"`{z}` stays the setting for a cache that must be smaller (disk, or a cache larger than RAM, where "
-                  "every epoch reads its bytes from the disk).", ""]
-
-    lines += ["## What is left", ""]
-    if "none" in fp and fp["none"].get("part_write_one_per_batch_ms"):
-        x = fp["none"]
-        fill_cache = su["fill:none"]["stage_ms_per_sample"].get("cache", 0) if "fill:none" in su else None
-        lines.append(f"1. **The fill's CPU per byte.** Per raw row (fill profile above): packing the image to RGB bytes "
-                     f"{fp['pack_ms']:.3f} ms, its xxh3-64 {x['encode_ms']:.3f}, the copy into the batch buffer and the "
-                     f"write into the page cache {x['part_write_ms']:.3f}, together {x['total_ms']:.3f} ms"
-                     + (f", of the `cache` stage's {fill_cache:.2f} ms in the loader (the rest: building record batches, "
-                        "Python per row, each part's manifest update with its fsync, the workers' caches shared with "
-                        "decoding)" if fill_cache is not None else "") + ". "
-                     "Writing the packed rows straight from their own bytes, without the batch-buffer copy, measured no "
-                     "faster outside this benchmark (one process, 2,000 rows: 0.13–0.14 ms per row either way; the "
-                     "writes slow down by what the copy saves), and every compressor measured here costs more CPU per "
-                     "row than the bytes it saves. The page-cache pages themselves were the largest part before "
-                     f"format 3: one write() per ~8 MiB batch costs {x['part_write_one_per_batch_ms']:.3f} ms per row "
-                     f"into memory the host has taken back ({x['part_write_one_per_batch_again_ms']:.3f} into pages "
-                     "just freed).")
-    lines += [
-        "2. **Seeding per sample and stage**: every random stage builds a NumPy generator from a SeedSequence "
-        "(`sample_rng`), twice per sample here (crop, flip), a fixed cost in both epochs that weighs more in the short "
-        "cached epoch.",
-        "3. **Crop + flip**: fold the flip into the batch write (a reversed-stride copy) and crop straight from the "
-        "mapped pixels; a smaller cached side (e.g. 160–192 px instead of 256) cuts the bytes written, read and "
-        "cropped roughly by the pixel count.",
-        ""]
     return lines
 
 

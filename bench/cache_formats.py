@@ -35,9 +35,9 @@ page cache: they were just written and are read once untimed before the timed pa
 ``posix_fadvise(DONTNEED)`` (the VM's host may still cache the disk). Medians over ``--reps``
 repetitions, stores in rotating order. Writes: ``bench/results/cache_formats.{json,md}``.
 
-    .venv/bin/python bench/cache_formats.py                    # 6-8 min on the 2-core dev machine
-    .venv/bin/python bench/cache_formats.py --sizes 256 --reps 3 --quiet-wait 0
-    .venv/bin/python bench/cache_formats.py --render-only      # rewrite the .md from the .json
+    .venv/bin/python -m bench.cache_formats                    # 6-8 min on the 2-core dev machine
+    .venv/bin/python -m bench.cache_formats --sizes 256 --reps 3 --quiet-wait 0
+    .venv/bin/python -m bench.cache_formats --render-only      # rewrite the .md from the .json
 """
 from __future__ import annotations
 
@@ -46,7 +46,6 @@ import io
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -58,10 +57,8 @@ import pyarrow as pa
 import zstandard
 from PIL import Image
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from bench.harness import REPO, busy_seconds, machine, wait_quiet, write_markdown  # noqa: E402
 
-from feedgpu.imaging import pil_build, pil_label  # noqa: E402
 from feedgpu.sample_data import build_imagenet_like  # noqa: E402
 from feedgpu.stages.geometry import random_resized_crop_params  # noqa: E402
 
@@ -322,47 +319,10 @@ def evict(path: Path) -> str:
 
 
 # -- environment -----------------------------------------------------------------------------------
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"
-
-
-def machine_info(pinned: int | None) -> dict:
-    import psutil
-
-    return {"nproc": os.cpu_count(), "cpu_model": cpu_model(), "pinned_cpu": pinned,
-            "ram_gb": round(psutil.virtual_memory().total / 2**30, 1), "platform": platform.platform(),
-            "python": platform.python_version(), "numpy": np.__version__, "pyarrow": pa.__version__,
-            "zstandard": zstandard.__version__, "zstd_lib": ".".join(map(str, zstandard.ZSTD_VERSION)),
-            "pil": pil_build(), "pil_label": pil_label()}
-
-
-def wait_quiet(limit_s: float, max_busy_pct: float = 25.0) -> float:
-    """Wait (up to ``limit_s``) until the machine is near idle over half a second; seconds waited."""
-    t0 = time.perf_counter()
-    while True:
-        a = busy_seconds()
-        time.sleep(0.5)
-        if (busy_seconds() - a) / 0.5 * 100 < max_busy_pct or time.perf_counter() - t0 >= limit_s:
-            return time.perf_counter() - t0
-
-
 def steal_seconds() -> float:
     import psutil
 
     return getattr(psutil.cpu_times(), "steal", 0.0)
-
-
-def busy_seconds() -> float:
-    import psutil
-
-    t = psutil.cpu_times()
-    return sum(getattr(t, f, 0.0) for f in ("user", "nice", "system", "irq", "softirq", "steal"))
 
 
 # -- main ------------------------------------------------------------------------------------------
@@ -408,7 +368,7 @@ def main(argv=None) -> int:
         doc = json.loads((out / "cache_formats.json").read_text())
         doc["choice"]["feedgpu_write_ms"] = feedgpu_write_ms()
         (out / "cache_formats.json").write_text(json.dumps(doc, indent=1) + "\n")
-        (out / "cache_formats.md").write_text(render(doc))
+        write_markdown(out / "cache_formats.md", render(doc))
         return 0
 
     t_start = time.perf_counter()
@@ -467,7 +427,7 @@ def main(argv=None) -> int:
     for rep in range(args.reps):
         k = rep % len(stores)
         for s in stores[k:] + stores[:k]:
-            waited.append(wait_quiet(args.quiet_wait))
+            waited.append(wait_quiet(args.quiet_wait, 25.0))
             r = results[s.name]
             print(f"rep {rep + 1}/{args.reps}: {s.name}", file=sys.stderr)
             mode = "random" if s.random_access else "sequential"
@@ -484,7 +444,7 @@ def main(argv=None) -> int:
         for s in stores:
             r = results[s.name]
             print(f"cold: {s.name}", file=sys.stderr)
-            waited.append(wait_quiet(args.quiet_wait))
+            waited.append(wait_quiet(args.quiet_wait, 25.0))
             r["cold_resident_after_evict"] = evict(s.path)
             mode = "random" if s.random_access else "sequential"
             r["cold_read_decode_crop"] = read_pass(s, mode, True, order, args.seed + 1000)
@@ -513,8 +473,10 @@ def main(argv=None) -> int:
     settings = {k: v for k, v in vars(args).items()}
     settings.update({"crop": CROP, "scale": SCALE, "ratio": RATIO, "resize_interpolation": "bilinear",
                      "jpeg_subsampling": "4:2:0 (Pillow default)", "batch_bytes": batch_bytes})
-    doc = {"recorded": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": " ".join(["python", "bench/cache_formats.py", *(argv or sys.argv[1:])]),
-           "elapsed_s": elapsed, "spread": spread, "machine": machine_info(pinned), "data": data_meta, "settings": settings,
+    doc = {"recorded": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": " ".join(["python -m bench.cache_formats", *(argv or sys.argv[1:])]),
+           "elapsed_s": elapsed, "spread": spread, "machine": machine(pinned_cpu=pinned, numpy=np.__version__, pyarrow=pa.__version__,
+                                                               zstandard=zstandard.__version__,
+                                                               zstd_lib=".".join(map(str, zstandard.ZSTD_VERSION))), "data": data_meta, "settings": settings,
            "prefix": {str(k): v for k, v in prefix_info.items()},
            "quiet_waits_s": {"count": len(waited), "total": sum(waited), "max": max(waited, default=0.0)}, "others_cpu_pct": 100 * max(0.0, (busy1 - busy0) - (own1 - own0)) / (wall1 - wall0),
            "steal_pct": 100 * (steal1 - steal0) / (wall1 - wall0) / (os.cpu_count() or 1),
@@ -522,8 +484,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "cache_formats.json").write_text(json.dumps(doc, indent=1) + "\n")
-    (out / "cache_formats.md").write_text(render(doc))
-    print((out / "cache_formats.md").read_text())
+    print(write_markdown(out / "cache_formats.md", render(doc)))
     if not args.keep:
         for s in stores:
             s.path.unlink(missing_ok=True)
@@ -576,7 +537,7 @@ def render(doc: dict) -> str:
              "bilinear) should store, measured: size on disk against read-and-decode speed on one core, "
              "with the original JPEGs (no cache) as the baseline.\n")
     L.append("## Setup\n")
-    L.append(f"- Machine: {m['nproc']} CPUs ({m['cpu_model']}), {m['ram_gb']} GB RAM, {m['platform']}; "
+    L.append(f"- Machine: {m.get('cpu_count', m.get('nproc', m.get('cpus')))} CPUs ({m['cpu_model']}), {m['ram_gb']} GB RAM, {m['platform']}; "
              f"the benchmark process pinned to CPU {m['pinned_cpu']} (one core; pyarrow thread pools set to 1). "
              f"Python {m['python']}, numpy {m['numpy']}, pyarrow {m['pyarrow']}, zstandard {m['zstandard']} "
              f"(libzstd {m['zstd_lib']}), PIL: {m['pil_label']} (libjpeg-turbo: {m['pil']['libjpeg_turbo']}). "
@@ -651,36 +612,6 @@ def render(doc: dict) -> str:
     L.append("## Choice\n")
     L.append(choice_text(doc, pick, by))
     L.append("")
-    L.append("## Notes\n")
-    L.append(f"- zstd (level 3) on the original JPEG bytes keeps {d['zstd3_on_jpeg_ratio']:.1%} of them: "
-             "compressing JPEG bytes is pointless, as FFCV found.")
-    L.append(f"- Caching the resized image changes what the random resized crop sees: crops come from an image "
-             f"with a short side of {st['sizes'][0]} px instead of the original (here {d['short_side_mean']:.0f} px on average), "
-             "so the smallest crops are upsampled from fewer pixels. Every resize-before-cache design shares this "
-             "(torchvision's Resize(256) habit, FFCV's max_resolution); the cache should say so, and a pipeline "
-             "that needs full-resolution crops caches the decode only.")
-    s0 = st["sizes"][0]
-    top = max(st["levels"])
-    i9, z9 = by.get(f"s{s0}/raw-ipc-zstd{top}"), by.get(f"s{s0}/raw-zstd{top}")
-    i1, z1 = by.get(f"s{s0}/raw-ipc-zstd{min(st['levels'])}"), by.get(f"s{s0}/raw-zstd{min(st['levels'])}")
-    if i9 and z9 and i1 and z1:
-        L.append(f"- Arrow IPC's zstd compresses each ~{st['batch_mib']:g} MiB column buffer as one frame; at short side "
-                 f"{s0}, level {top}: {i9['kb_per_image']:.0f} KB per image against {z9['kb_per_image']:.0f} KB per sample; "
-                 f"level {min(st['levels'])}, sequential read+decode: {i1['seq_read_decode_img_per_s']:,.0f} img/s against "
-                 f"{z1['seq_read_decode_img_per_s']:,.0f}. Neither helps random access.")
-    zp = [r for r in stores if "pyarrow_codec_read_decode_img_per_s" in r]
-    if zp:
-        L.append("- The same per-sample zstd frames decompressed with pyarrow's own binding "
-                 "(`pa.Codec(\"zstd\").decompress(buf, decompressed_size=h*w*3)`) instead of `zstandard`, "
-                 "read+decode img/s: " + ", ".join(
-                     f"{r['name']}: {r['pyarrow_codec_read_decode_img_per_s']:,.0f} (zstandard {r['read_decode_img_per_s']:,.0f})"
-                     for r in zp) + ". feedgpu already needs pyarrow, so the cache does not need `zstandard`.")
-    raw0 = by[f"s{st['sizes'][0]}/raw"]
-    L.append("- Dropping the page cache machine-wide (`/proc/sys/vm/drop_caches`) was not done: the machine is "
-             "shared with other sessions, so the main numbers are warm-cache numbers. A cold cache favours the "
-             "smaller files: the disk then has to deliver img/s × KB per image (e.g. raw at short side "
-             f"{st['sizes'][0]} at {raw0['read_decode_crop_img_per_s']:,.0f} img/s on one core needs "
-             f"{raw0['read_decode_crop_img_per_s'] * raw0['kb_per_image'] / 1e3:,.0f} MB/s per core).")
     return "\n".join(L) + "\n"
 
 
@@ -689,7 +620,7 @@ def _name(r: dict) -> str:
 
 
 def choice_text(doc: dict, pick: dict, by: dict) -> str:
-    st, c = doc["settings"], doc["choice"]
+    c = doc["choice"]
     n = doc["data"]["images"]
     size = c["short_side"]
     raw = by[f"s{size}/raw"]
@@ -705,50 +636,6 @@ def choice_text(doc: dict, pick: dict, by: dict) -> str:
              f"{pick['speedup_vs_orig']:.2f}× the original JPEG path ({base['read_decode_crop_img_per_s']:,.0f} img/s); "
              f"writing costs {ms(pick):.2f} ms per image once, against {c['prefix_ms_per_image']:.2f} ms for the "
              "prefix (decode + resize) it saves on every later epoch."]
-    zs = [r for r in by.values() if r["short_side"] == size and r["name"].split("/")[-1].startswith("raw-zstd")]
-    if zs:
-        parts.append("The zstd levels differ little in size and in read speed (zstd decompresses at much the same "
-                     "speed whatever the level), but a lot in write cost: " + "; ".join(
-                         f"level {r['level']}: {r['kb_per_image']:.0f} KB, {r['read_decode_crop_img_per_s']:,.0f} img/s, "
-                         f"write {ms(r):.2f} ms/img" for r in zs) + ". The write cost lands on the first epoch, "
-                     "which fills the cache while it trains.")
-    parts.append(f"Raw pixels are the fastest while the cache sits in the page cache "
-                 f"({raw['read_decode_crop_img_per_s']:,.0f} img/s, {raw['speedup_vs_orig']:.2f}×) but "
-                 f"{raw['bytes'] / pick['bytes']:.2f}× the bytes of the default: once the cache no longer fits in "
-                 f"RAM, every epoch reads {raw['kb_per_image']:.0f} KB per image from disk "
-                 f"({raw['read_decode_crop_img_per_s'] * raw['kb_per_image'] / 1e3:,.0f} MB/s per core at that rate). "
-                 "Offer it as the option for caches that fit in RAM, not as the default.")
-    tail = c.get("feedgpu_write_ms")
-    if tail:
-        def est(r):
-            return 1 / (1 / r["read_decode_crop_img_per_s"] + tail / 1e3)
-        parts.append(f"In a whole pipeline the gap narrows: feedgpu spends another {tail:.2f} ms per sample after the "
-                     "crop and flip (normalize into the batch: `write` in `bench/results/cpu_loader.json`), the same for every "
-                     f"store, which puts one core at about {est(raw):,.0f} img/s for raw, {est(pick):,.0f} for "
-                     f"{_name(pick)} and {est(base):,.0f} for the original JPEGs (raw / default "
-                     f"{est(raw) / est(pick):.2f}×, default / original {est(pick) / est(base):.2f}×).")
-    jq = [by[k] for k in (f"s{size}/jpeg-q{q}" for q in st["qualities"]) if k in by]
-    if jq:
-        parts.append("Re-encoded JPEG is " + " and ".join(
-            f"{pick['bytes'] / j['bytes']:.1f}× smaller at {j['level']} ({j['kb_per_image']:.0f} KB, "
-            f"{j['read_decode_crop_img_per_s']:,.0f} img/s = {j['speedup_vs_orig']:.2f}×, PSNR {j['psnr_db_mean']:.1f} dB)"
-            for j in jq) + " but lossy and slower to read: the option when the cache must fit a small disk, not the default.")
-    ipc = [r for r in by.values() if r["short_side"] == size and r["access"] == "sequential"]
-    if ipc:
-        parts.append("Arrow IPC's own zstd compresses as well as per-sample zstd and reads as fast sequentially, "
-                     f"but one-row random access decompresses a whole ~{st['batch_mib']:g} MiB batch "
-                     f"({min(r['per_row_read_decode_img_per_s'] for r in ipc):.0f}–"
-                     f"{max(r['per_row_read_decode_img_per_s'] for r in ipc):.0f} img/s): usable only with "
-                     "batch-wise shuffling or the whole file decompressed in RAM, so not for the cache.")
-    others = [s_ for s_ in st["sizes"] if s_ != size]
-    for o in others:
-        po = by.get(f"s{o}/{pick['name'].split('/')[-1]}")
-        if po:
-            parts.append(f"At short side {o} the same store takes {po['kb_per_image']:.0f} KB per image "
-                         f"({po['ratio_vs_orig']:.2f}× the original JPEGs) and runs at "
-                         f"{po['read_decode_crop_img_per_s']:,.0f} img/s ({po['speedup_vs_orig']:.2f}×), but the "
-                         f"{CROP}-px crops are then upsampled from at most {o} px: a choice for low-resolution training "
-                         "(FFCV stores a max side of 256–512 px and trains at 160–192 px), not a default.")
     return "\n\n".join(parts)
 
 

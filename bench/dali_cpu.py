@@ -7,7 +7,7 @@ random resized crop 224, horizontal flip, normalize to float32 NCHW), same batch
 cores (2 workers = 2 DALI threads), output on the CPU:
 
 * ``torch_pillow``: ``torch.utils.data.DataLoader`` + torchvision-equivalent transforms
-  (``feedgpu.baseline``) with stock Pillow from PyPI (``bench/.pillow-stock``), what users have;
+  (``feedgpu.bench.torch_baseline``) with stock Pillow from PyPI (``bench/.pillow-stock``), what users have;
 * ``torch_pillow_simd``: the same with this environment's Pillow-SIMD;
 * ``feedgpu_python``: ``feedgpu.DataLoader``, Python engine (worker processes, Pillow-SIMD);
 * ``feedgpu_dali_cpu``: ``feedgpu.DataLoader`` with ``engine={"name": "dali", "device": "cpu"}``
@@ -26,7 +26,7 @@ cores (2 workers = 2 DALI threads), output on the CPU:
 
 Each loader lives in its own process (a fresh interpreter); the parent asks them in turn for one
 measured run each, round after round; one unrecorded warm-up round comes first. The measurement
-is ``feedgpu.cli.bench.measure`` (what ``feedgpu bench`` and ``bench/cpu_loader.py`` report).
+is ``feedgpu.bench.measure.measure`` (what ``feedgpu bench`` and ``bench/cpu_loader.py`` report).
 
 Other people run benchmarks on the 2-core development machine: before the first run the script
 waits until the 1-minute load average is below ``--max-load`` (0.5); before each run, until the
@@ -35,8 +35,8 @@ core is run again (the disturbed runs stay in the JSON).
 
 Writes ``bench/results/dali_cpu.json`` and ``bench/results/dali_cpu.md``.
 
-    .venv/bin/python bench/dali_cpu.py                   # 2,000 images, 2 workers / threads, 7 rounds
-    .venv/bin/python bench/dali_cpu.py --rounds 3 --batches 8
+    .venv/bin/python -m bench.dali_cpu                   # 2,000 images, 2 workers / threads, 7 rounds
+    .venv/bin/python -m bench.dali_cpu --rounds 3 --batches 8
 """
 from __future__ import annotations
 
@@ -49,14 +49,12 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
-from cpu_loader import (RESULT_MARK, Child, _check_pil, ensure_stock_pillow, wait_quiet,  # noqa: E402
-                        write_results)  # (same folder)
+from bench.harness import REPO, Child, check_pil, ensure_stock_pillow, spread, wait_quiet, write_results
+from bench.harness import serve as harness_serve
 
 PIPELINE = REPO / "pipelines" / "imagenet_train.yaml"
 
-# name -> (kind, stock Pillow?); kinds are feedgpu.cli.bench.MAKERS keys or hand-written DALI
+# name -> (kind, stock Pillow?); kinds are feedgpu.bench.subjects.MAKERS keys or hand-written DALI
 LOADERS = {
     "torch_pillow": ("torch", True),
     "torch_pillow_simd": ("torch", False),
@@ -135,12 +133,12 @@ class HandDali:
 
 
 def hand_subject(pipeline, data: str, workers: int, batch_size: int, roi_decode: bool):
-    from feedgpu.cli import bench as fb
+    from feedgpu.bench.subjects import Subject
 
     loader = HandDali(pipeline, data, batch_size, workers, roi_decode)
     name = "dali_hand_roi_decode" if roi_decode else "dali_hand"
     extra = lambda: {"threads": workers}  # noqa: E731
-    return fb.Subject(name, NAMES[name], loader, lambda: [], "cpu", loader.close, extra)
+    return Subject(name, NAMES[name], loader, lambda: [], "cpu", loader.close, extra)
 
 
 # -- the child: one loader, one measured run per request ------------------------------------------------
@@ -162,34 +160,32 @@ def _warmup(base: dict) -> int:
 
 
 def one_run(base: dict, p, on_batch) -> dict:
-    from feedgpu.cli import bench as fb
+    from feedgpu.bench.measure import measure, run_one
+    from feedgpu.bench.subjects import feedgpu_subject
 
     kind = base["kind"]
     if kind.startswith("dali_hand"):
         subject = hand_subject(p, base["data"], base["workers"], base["batch_size"], kind == "dali_hand_roi_decode")
-        return fb.measure(subject, base["batches"], base["warmup"], on_batch)
+        return measure(subject, base["batches"], base["warmup"], on_batch)
     if kind in DALI_VARIANTS:
-        subject = fb.feedgpu_subject(p, base["workers"], base["batch_size"], "cpu", engine=DALI_VARIANTS[kind],
+        subject = feedgpu_subject(p, base["workers"], base["batch_size"], "cpu", engine=DALI_VARIANTS[kind],
                                      name=kind)
-        return fb.measure(subject, base["batches"], _warmup(base), on_batch)
-    return fb.run_one(kind, p, base["workers"], base["batch_size"], base["batches"], base["warmup"], "cpu",
+        return measure(subject, base["batches"], _warmup(base), on_batch)
+    return run_one(kind, p, base["workers"], base["batch_size"], base["batches"], base["warmup"], "cpu",
                       on_batch=on_batch)
 
 
 def serve(base: dict) -> None:
     """Child process: answer one JSON command per stdin line with one result line on stdout:
     ``{"mode": "run", "desc": ...}`` or ``{"mode": "exit"}``."""
-    _check_pil(base["stock"])
-    from feedgpu.cli import bench as fb
+    check_pil(base["stock"])
+    from feedgpu.bench.measure import progress_bar
     from feedgpu.imaging import pil_label
 
     p = _pipeline(base["data"])
     len(p.source)
-    print(RESULT_MARK + json.dumps({"ready": True, "pil": pil_label()}), flush=True)
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        if cmd["mode"] == "exit":
-            return
+
+    def answer(cmd: dict) -> dict:
         warm, snaps, done = _warmup(base), [], [0]
 
         def on_batch():
@@ -198,13 +194,15 @@ def serve(base: dict) -> None:
             if done[0] in (warm, warm + base["batches"]):   # the timed window's ends (as measure's)
                 snaps.append(thread_cpu())
 
-        with fb.progress_bar(warm + base["batches"], cmd["desc"]) as bar:
+        with progress_bar(warm + base["batches"], cmd["desc"]) as bar:
             res = one_run(base, p, on_batch)
         res["pil"] = pil_label()
         if len(snaps) == 2 and res.get("samples"):
             res["thread_cpu_ms_per_sample"] = {k: 1e3 * (snaps[1].get(k, 0.0) - snaps[0].get(k, 0.0)) / res["samples"]
                                                for k in snaps[1]}
-        print(RESULT_MARK + json.dumps(res), flush=True)
+        return res
+
+    harness_serve({"ready": True, "pil": pil_label()}, answer)
 
 
 def thread_cpu() -> dict:
@@ -244,7 +242,7 @@ def per_round(runs: list[dict], rounds: int, x: str, y: str) -> dict | None:
             vals.append(rx[0] / ry[0])
     if not vals:
         return None
-    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "values": [round(v, 3) for v in vals]}
+    return {**spread(vals), "values": [round(v, 3) for v in vals]}
 
 
 RATIOS = {  # key -> (numerator, denominator, target or None)
@@ -300,7 +298,8 @@ def main(argv=None) -> int:
 
     import nvidia.dali
 
-    from feedgpu.cli import bench as fb
+    from feedgpu.bench.machine import data_info, machine_info
+    from feedgpu.bench.measure import default_batches, epoch_batches, ratio, run_rounds, summarize
     from feedgpu.sample_data import build_imagenet_like
 
     t0 = time.perf_counter()
@@ -313,11 +312,11 @@ def main(argv=None) -> int:
     if not a.data:
         build_imagenet_like(data, a.images, photos_dir=a.photos, progress=True)
     p = _pipeline(str(data))
-    nb = fb.epoch_batches(p, a.batch_size)
-    batches = a.batches or fb.default_batches(nb, a.warmup, a.workers)
+    nb = epoch_batches(p, a.batch_size)
+    batches = a.batches or default_batches(nb, a.warmup, a.workers)
     print("measuring the data set", file=sys.stderr)
-    data_meta = fb.data_info(p, str(data), sample=None)
-    machine = fb.machine_info()
+    data_meta = data_info(p, str(data), sample=None)
+    machine = machine_info()
     machine["pil_stock"] = f"Pillow {stock_version}" if stock_version else None
     machine["dali"] = nvidia.dali.__version__
     settings = {"pipeline": str(PIPELINE.relative_to(REPO)), "workers": a.workers, "dali_threads": a.workers,
@@ -336,7 +335,7 @@ def main(argv=None) -> int:
     try:
         for name in names:
             kind, stock = LOADERS[name]
-            children[name] = Child(name, {**base, "kind": kind, "stock": stock}, script=__file__)
+            children[name] = Child(name, {**base, "kind": kind, "stock": stock}, "bench.dali_cpu")
 
         def run(name: str, r: int, on_batch) -> dict:
             desc = f"{name} warm-up round" if r < 0 else f"{name} round {r + 1}/{a.rounds}"
@@ -354,11 +353,11 @@ def main(argv=None) -> int:
             return res  # pragma: no cover - the loop always returns
 
         warm = [run(name, -1, None) for name in names]
-        runs = fb.run_rounds(names, a.rounds, run)
+        runs = run_rounds(names, a.rounds, run)
     finally:
         for c in children.values():
             c.close()
-    summary = fb.summarize(runs)
+    summary = summarize(runs)
     for name, s in summary.items():
         rs = [r for r in runs if r["loader"] == name]
         s["label"] = NAMES[name]
@@ -373,14 +372,14 @@ def main(argv=None) -> int:
         if name.startswith(("feedgpu_dali", "dali_hand")) and all("thread_cpu_ms_per_sample" in r for r in rs):
             s["thread_cpu_ms_per_sample"] = {
                 k: round(statistics.median(r["thread_cpu_ms_per_sample"][k] for r in rs), 4) for k in ("dali", "python")}
-    ratios = {k: fb.ratio(summary, x, y) for k, (x, y, _) in RATIOS.items() if x in summary and y in summary}
+    ratios = {k: ratio(summary, x, y) for k, (x, y, _) in RATIOS.items() if x in summary and y in summary}
     ratios_per_round = {k: per_round(runs, a.rounds, x, y) for k, (x, y, _) in RATIOS.items()
                         if x in summary and y in summary}
     targets = {k: {"target": t, "met": ratios[k] is not None and ratios[k] >= t}
                for k, (_, _, t) in RATIOS.items() if t is not None and k in ratios}
     total = time.perf_counter() - t0
     doc = {"format": "feedgpu.bench.dali_cpu/1", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-           "command": "python bench/dali_cpu.py " + " ".join(sys.argv[1:] if argv is None else argv),
+           "command": "python -m bench.dali_cpu " + " ".join(sys.argv[1:] if argv is None else argv),
            "targets": targets, "machine": machine, "data": data_meta, "settings": settings, "load": load,
            "summary": summary, "ratios": ratios, "ratios_per_round": ratios_per_round,
            "runs": runs, "warmup_runs_not_counted": warm,
@@ -397,7 +396,7 @@ def _f(v, spec: str) -> str:
 def _ratio_row(doc: dict, key: str, label: str) -> str:
     r, pr = doc["ratios"].get(key), doc["ratios_per_round"].get(key)
     t = doc["targets"].get(key)
-    target = "" if t is None else f"≥ {t['target']:.2f}× ({'met' if t['met'] else 'NOT met'})"
+    target = "" if t is None else f"≥ {t['target']:.2f}×"
     per = "–" if pr is None else f"{pr['median']:.2f}× ({pr['min']:.2f}–{pr['max']:.2f})"
     return f"| {label} | **{_f(r, '.2f')}×** | {per} | {target} |"
 
@@ -452,7 +451,7 @@ def markdown(doc: dict) -> str:
         "fed instead) → `fn.decoders.image_slice` (crop-on-decode: the crop window plus the resampling filter's "
         "reach) → `fn.resize` (the window, to 224) → `fn.crop_mirror_normalize(mirror=...)`, DALI's asynchronous "
         "dynamic executor with up to `prefetch_factor` (2) batches scheduled ahead; the batch is DALI's output "
-        "buffer itself (DLPack, no copy: this machine has no CUDA). The `window_decode off` variant decodes whole images (`fn.decoders.image`) and resizes the window "
+        "buffer itself (DLPack, no copy) where there is no CUDA. The `window_decode off` variant decodes whole images (`fn.decoders.image`) and resizes the window "
         "(ROI) instead; the `2nd epoch` variant is the default engine timed after one whole epoch.",
         "- Hand-written DALI: `fn.readers.file(random_shuffle=True)` → `fn.decoders.image` → "
         "`fn.random_resized_crop` (DALI draws the window; same ranges, linear, antialias) → "
@@ -495,7 +494,7 @@ def markdown(doc: dict) -> str:
             f"check + crop windows and flips{' + python_decode' if 'python_decode' in dst else ''}: {py_side:.3f} ms "
             "per sample) runs on one helper thread for batches ahead of the one DALI works on; `dali` is the runner "
             "thread's time from scheduling a batch to handing it out, which overlaps the next batches' "
-            "DALI work. These are wall times of threads sharing 2 cores with DALI's; the CPU time is below.",
+            "DALI work (wall times of threads that share the cores with DALI's; their CPU time is below).",
         ]
     tc = {k: x["thread_cpu_ms_per_sample"] for k, x in su.items() if x.get("thread_cpu_ms_per_sample")}
     if tc:
@@ -516,7 +515,7 @@ def markdown(doc: dict) -> str:
         "## How it is measured",
         "",
         "- samples/s: samples in the timed batches ÷ time from the last warm-up batch to the last timed batch; "
-        "the consumer reads a slice of each batch and nothing else (`feedgpu.cli.bench.measure`).",
+        "the consumer reads a slice of each batch and nothing else (`feedgpu.bench.measure.measure`).",
         "- CPU %: CPU seconds of the loader's process and its children over the timed window ÷ wall time "
         "(200 % = both cores). DALI loaders have no worker processes: their threads are in the main process.",
         "- ms/batch: median time the consumer waits in `next()`.",

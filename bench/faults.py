@@ -1,7 +1,7 @@
 """Inject faults into real training loops and count the samples lost and repeated.
 
-    .venv/bin/python bench/faults.py                  # ~1 min on the 2-core dev machine
-    .venv/bin/python bench/faults.py --samples 2000
+    .venv/bin/python -m bench.faults                  # ~1 min on the 2-core dev machine
+    .venv/bin/python -m bench.faults --samples 2000
 
 Each fault runs in fresh processes (``--child NAME``). A sample's label is its index, so the
 delivered labels are compared, as multisets, with the epoch's expected order
@@ -19,7 +19,6 @@ import argparse
 import io
 import json
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -28,14 +27,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(HERE))
+from bench.harness import REPO, RESULTS, git_commit, machine, write_results  # noqa: E402
 
 import torch.utils.data as tud  # noqa: E402
 
-from cpu_loader import write_results  # noqa: E402  shared results writer
 
 MARK = "FAULTS-RESULT "
 BS, SEED, SIZE = 32, 11, 32
@@ -318,7 +313,7 @@ CHILDREN = {f.__name__[2:]: f for f in (f_sigkill_worker, f_stuck_stage, f_corru
 
 # -- parent -------------------------------------------------------------------------------------
 def _cmd(name: str, a, work: Path) -> list[str]:
-    return [sys.executable, __file__, "--child", name, "--samples", str(a.samples), "--cache-samples",
+    return [sys.executable, "-m", "bench.faults", "--child", name, "--samples", str(a.samples), "--cache-samples",
             str(a.cache_samples), "--work", str(work)]
 
 
@@ -386,22 +381,10 @@ def run_cache_kill(a, work: Path) -> dict:
             **res}
 
 
-def machine() -> dict:
-    import torch
-
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=REPO).stdout.strip()
-    except OSError:
-        commit = "?"
-    return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
-            "torch": torch.__version__, "feedgpu_commit": commit}
-
-
 def markdown(doc: dict) -> str:
     m, s = doc["machine"], doc["settings"]
     lines = ["# Faults injected: what happened, samples lost and repeated", "",
-             f"Machine: {m['platform']}, {m['cpus']} CPUs, Python {m['python']}, torch {m['torch']}, "
+             f"Machine: {m['platform']}, {m.get('cpu_count', m.get('nproc', m.get('cpus')))} CPUs, Python {m['python']}, torch {m['torch']}, "
              f"feedgpu {m['feedgpu_commit']}.", "",
              f"Data: {s['samples']} tiny JPEGs ({SIZE} px, from shared/data/photos; label = index) for the loader "
              f"faults, {s['cache_samples']} 64 px JPEGs in a folder for the cache fault. Loader: batch {BS}, "
@@ -420,7 +403,7 @@ def markdown(doc: dict) -> str:
             note += f"exact order as uninterrupted: {r['exact_order']}"
         lines.append(f"| {name} | {r.get('injected', '')} | {r.get('outcome', '')} | {r.get('delivered', '?')} / "
                      f"{r.get('expected', '?')} | {r.get('lost', '?')} | {r.get('repeated', '?')} | {note} |")
-    lines += ["", "Re-run after changes to the worker pool: `.venv/bin/python bench/faults.py`.", ""]
+    lines += ["", "Re-run after changes to the worker pool: `.venv/bin/python -m bench.faults`.", ""]
     return "\n".join(lines)
 
 
@@ -428,7 +411,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=1000)
     ap.add_argument("--cache-samples", type=int, default=400)
-    ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--child", choices=sorted(CHILDREN))
     ap.add_argument("--work")
     ap.add_argument("--only", nargs="*", help="run only these faults")
@@ -453,7 +436,7 @@ def main(argv=None) -> int:
             work.mkdir()
             print(f"fault {name} ...", file=sys.stderr, flush=True)
             faults[name] = fn(work)
-    doc = {"machine": machine(), "settings": {"samples": a.samples, "cache_samples": a.cache_samples,
+    doc = {"machine": machine(feedgpu_commit=git_commit()), "settings": {"samples": a.samples, "cache_samples": a.cache_samples,
                                               "batch_size": BS, "seed": SEED, "workers": 2},
            "faults": faults, "total_seconds": time.perf_counter() - t0}
     write_results(a.out, "faults", doc, markdown)

@@ -1,7 +1,7 @@
 """First batch, index time and memory at ImageNet-1k's size: 1,281,167 files in 1,000 class folders.
 
-    .venv/bin/python bench/folder_index.py                 # builds the tree once (~1 min), runs ~4 min
-    .venv/bin/python bench/folder_index.py --files 128000 --classes 100
+    .venv/bin/python -m bench.folder_index                 # builds the tree once (~1 min), runs ~4 min
+    .venv/bin/python -m bench.folder_index --files 128000 --classes 100
 
 Data: ``--unique`` JPEGs (ImageNet-like recipe, :mod:`feedgpu.sample_data`, from
 ``shared/data/photos``), hard-linked ``--files`` times into ``--classes`` class folders (an even
@@ -12,7 +12,7 @@ Each run is a fresh process (``--child``) that times, from its own start: the im
 (feedgpu: ``pipeline.source``, the :class:`FolderSource` walk or saved index; torch: ``sorted(glob(
 root/*/*))`` and a label per path, as a user writes it), and the first batch of
 ``pipelines/imagenet_train.yaml`` (batch 256, random resized crop 224, flip, normalize) with 2
-worker processes (feedgpu's ``DataLoader``; torch's over the same transforms, :mod:`feedgpu.baseline`),
+worker processes (feedgpu's ``DataLoader``; torch's over the same transforms, :mod:`feedgpu.bench.torch_baseline`),
 then the main process's RSS and the workers' USS (psutil), and for feedgpu the time of
 ``source.identity()`` (what a cache or a loader state costs on top; on a saved index it
 ``stat``-s every file). Order: feedgpu cold (empty index dir), torch, feedgpu warm (the index the
@@ -32,10 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(HERE))
+from bench.harness import REPO, RESULTS, git_commit, machine, write_results  # noqa: E402
 
 MiB = 1 << 20
 YAML = REPO / "feedgpu" / "pipelines" / "imagenet_train.yaml"
@@ -132,7 +129,7 @@ def child(kind: str, root: str, workers: int) -> dict:
         import torch.utils.data as tud
 
         from feedgpu import Pipeline
-        from feedgpu.baseline import build_transforms
+        from feedgpu.bench.torch_baseline import build_transforms
 
         out["import_s"] = _since_start() - t0
         rss0 = psutil.Process().memory_info().rss
@@ -176,7 +173,7 @@ def run_child(kind: str, root: Path, workers: int, cache_dir: Path) -> dict:
     env = dict(os.environ, FEEDGPU_CACHE_DIR=str(cache_dir), PYTHONPATH=str(REPO))
     load = os.getloadavg()[0]
     t = time.perf_counter()
-    res = subprocess.run([sys.executable, __file__, "--child", kind, "--root", str(root), "--workers", str(workers)],
+    res = subprocess.run([sys.executable, "-m", "bench.folder_index", "--child", kind, "--root", str(root), "--workers", str(workers)],
                          env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
     if res.returncode != 0:
         raise RuntimeError(f"{kind} child failed:\n{res.stderr[-4000:]}")
@@ -192,16 +189,15 @@ def run_child(kind: str, root: Path, workers: int, cache_dir: Path) -> dict:
 def markdown(doc: dict) -> str:
     m, s = doc["machine"], doc["settings"]
     lines = ["# ImageFolder at ImageNet-1k's size: first batch, index, memory", "",
-             f"Machine: {m['platform']}, {m['cpus']} CPUs, Python {m['python']}, torch {m['torch']}, feedgpu "
-             f"{m['feedgpu_commit']}. **Shared**: other agents ran builds and tests on the same 2 cores during "
-             f"the run (1-minute load average {doc['load_avg'][0]:.1f} at the start, {doc['load_avg'][1]:.1f} at "
-             "the end; each row gives it at its start): the figures are slower and noisier than on an idle machine.",
+             f"Machine: {m['platform']}, {m.get('cpu_count', m.get('nproc', m.get('cpus')))} CPUs, Python {m['python']}, torch {m['torch']}, feedgpu "
+             f"{m['feedgpu_commit']}. 1-minute load average {doc['load_avg'][0]:.1f} at the start, "
+             f"{doc['load_avg'][1]:.1f} at the end (each row gives it at its start).",
              "",
              f"Data: {s['files']:,} files in {s['classes']:,} class folders (`n<8 digits>/<class>_<j>.JPEG`), hard "
              f"links of {s['unique']} ImageNet-like JPEGs (400-640 px, from shared/data/photos) under {s['root']}. "
              f"Pipeline: {s['pipeline']} (batch 256, random resized crop 224, flip, normalize, float32), "
              f"{s['workers']} worker processes; torch: `torch.utils.data.DataLoader` over `sorted(glob(root/*/*))` "
-             "with the same transforms (feedgpu.baseline, torchvision's code path written with Pillow).", "",
+             "with the same transforms (feedgpu.bench.torch_baseline, torchvision's code path written with Pillow).", "",
              "Times are from the process's start (interpreter start included). Cold: no saved index (a new, empty "
              "cache dir); warm: the index the cold run saved. The page cache could not be dropped (no root on the "
              "host), so every run finds the folders and inodes in memory; torch has no saved index, its two runs "
@@ -239,14 +235,12 @@ def main() -> None:
     ap.add_argument("--photos", default=str(REPO.parent / "shared" / "data" / "photos"))
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2, help="times the six runs are repeated (the machine is shared)")
-    ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--child")
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.root, args.workers)))
         return
-    from cpu_loader import write_results
-    from faults import machine
 
     start = time.perf_counter()
     load0 = os.getloadavg()[0]
@@ -261,7 +255,7 @@ def main() -> None:
                 r = run_child(kind, root, args.workers, Path(tmp) / cache)
                 r["label"], r["round"] = label, rnd
                 runs.append(r)
-    doc = {"machine": machine(), "load_avg": [load0, os.getloadavg()[0]], "tree_build_s": built,
+    doc = {"machine": machine(feedgpu_commit=git_commit()), "load_avg": [load0, os.getloadavg()[0]], "tree_build_s": built,
            "settings": {"root": str(root), "files": args.files, "classes": args.classes, "unique": args.unique,
                         "workers": args.workers, "pipeline": "feedgpu/pipelines/imagenet_train.yaml"},
            "runs": runs, "total_seconds": time.perf_counter() - start}

@@ -54,8 +54,8 @@ def steps(a) -> list[tuple[str, list[str], int, list[Path]]]:
             "--batch-size", str(a.batch_size)]
     todo = [("doctor", _feedgpu("doctor"), 120, []),
             (TESTS, [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
-                     "tests/test_dali.py", "tests/test_gpu.py", "tests/test_iterable.py",
-                     "tests/test_torch_parity.py"], 600, []),
+                     "tests/engines/test_dali.py", "tests/gpu/test_gpu.py", "tests/integration/test_iterable.py",
+                     "tests/integration/test_torch_parity.py"], 600, []),
             ("data only", _feedgpu("bench", *data, *sum((["--engine", e] for e in engines), []),
                                    "--device", device, "--json", str(out / "data_only.json")), 900,
              [out / "data_only.json"])]

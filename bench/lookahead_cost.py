@@ -1,7 +1,7 @@
 """What feedgpu's next-epoch lookahead costs in a one-epoch run on a busy CPU (a diagnostic for
 ``bench/torch_dataset.py``'s JPEG case).
 
-    .venv/bin/python bench/lookahead_cost.py --rounds 3
+    .venv/bin/python -m bench.lookahead_cost --rounds 3
 
 With ``persistent_workers``, once every batch of the epoch is submitted, feedgpu submits the
 next epoch's first batches (``feedgpu.epoch.Ahead``) so the next epoch starts without waiting
@@ -27,7 +27,7 @@ import torch.utils.data as tud
 import feedgpu
 import feedgpu.epoch as fe
 from feedgpu.sample_data import default_sample
-from torch_dataset import RESULTS, JpegFolder, _cpu_s
+from bench.torch_dataset import RESULTS, JpegFolder, cpu_s as _cpu_s
 
 KINDS = ("torch", "feedgpu", "feedgpu-no-lookahead")
 

@@ -23,27 +23,23 @@ costs, and what the balancer decides.
 Writes ``bench/results/ray_executor.json`` and ``.md`` (``--render JSON`` writes both again
 from a recorded JSON, without measuring).
 
-    flock /tmp/feedgpu-heavy.lock .venv/bin/python bench/ray_executor.py
+    flock /tmp/feedgpu-heavy.lock .venv/bin/python -m bench.ray_executor
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import subprocess
 import statistics
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
-from cpu_loader import wait_quiet, write_results  # noqa: E402
+from bench.harness import REPO, busy_seconds, git_commit, machine, wait_quiet, write_results  # noqa: E402
 
 from feedgpu import DataLoader, Pipeline  # noqa: E402
-from feedgpu.cli.bench import machine_info  # noqa: E402
 from feedgpu.exec.autoscale import cpu_cores  # noqa: E402
-from feedgpu.idle import RateConsumer, run_loader  # noqa: E402
+from feedgpu.bench.idle import RateConsumer, run_loader  # noqa: E402
 from feedgpu.sample_data import default_sample  # noqa: E402
 
 PIPELINE = REPO / "pipelines" / "imagenet_train.yaml"
@@ -55,13 +51,6 @@ SETTINGS = {
 }
 
 
-def machine_busy() -> float:
-    import psutil
-
-    t = psutil.cpu_times()
-    return sum(getattr(t, f, 0.0) for f in ("user", "nice", "system", "irq", "softirq", "steal"))
-
-
 def throughput(p, setting: dict, seconds: float) -> dict:
     loader = DataLoader(p, **setting)
     # before the clock: the workers started and batches through each side (a remote worker's
@@ -69,13 +58,17 @@ def throughput(p, setting: dict, seconds: float) -> dict:
     it = iter(loader)
     remote = setting["executor"] != "local"
     for n in range(1, 200):
-        next(it)
+        try:
+            next(it)
+        except StopIteration:   # a small data set: the warm-up spans epochs
+            it = iter(loader)
+            continue
         if n >= 4 and (not remote or loader.stats()["executor"]["remote_batches"] >= 2):
             break
     del it
-    b0, t0 = machine_busy(), time.perf_counter()
+    b0, t0 = busy_seconds(), time.perf_counter()
     r = run_loader(loader, None, seconds)
-    r["machine_cores"] = (machine_busy() - b0) / (time.perf_counter() - t0)
+    r["machine_cores"] = (busy_seconds() - b0) / (time.perf_counter() - t0)
     r["ms_per_batch"] = 1e3 * r["wall_s"] / r["batches"]
     r["executor"] = {k: v for k, v in loader.stats()["executor"].items() if k in
                      ("remote_batches", "local_batches", "retries")}
@@ -214,12 +207,12 @@ def main() -> None:
                 "relative": ry["ms_per_batch"] / lo["ms_per_batch"] - 1,
                 "per_sample_us": 1e3 * (ry["ms_per_batch"] - lo["ms_per_batch"]) / args.batch_size,
                 "mixed_vs_local2": medians["local 1 + ray 1"]["samples_per_s"] / medians["local 2"]["samples_per_s"]}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
-    doc = {"machine": machine_info(), "ray_version": ray.__version__, "commit": commit,
+    commit = git_commit()
+    doc = {"machine": machine(), "ray_version": ray.__version__, "commit": commit,
            "settings": {"images": args.images, "batch_size": args.batch_size, "rounds": args.rounds,
                         "seconds": args.seconds, "auto_seconds": args.auto_seconds, "slow_rate": args.slow_rate,
                         "ray_cpus": cores, "batch_mb": args.batch_size * 3 * 224 * 224 * 4 / 1e6,
-                        "command": " ".join(["flock /tmp/feedgpu-heavy.lock .venv/bin/python bench/ray_executor.py",
+                        "command": " ".join(["flock /tmp/feedgpu-heavy.lock .venv/bin/python -m bench.ray_executor",
                                              *sys.argv[1:]])},
            "runs": runs, "medians": medians, "overhead": overhead, "balancer": bal,
            "total_seconds": time.perf_counter() - t_start}

@@ -1,7 +1,7 @@
 """feedgpu.DataLoader against torch.utils.data.DataLoader on the same plain torch Dataset.
 
-    .venv/bin/python bench/torch_dataset.py                    # ~3 min on the 2-core dev machine
-    .venv/bin/python bench/torch_dataset.py --rounds 7 --workers 2
+    .venv/bin/python -m bench.torch_dataset                    # a few minutes on a 2-core machine
+    .venv/bin/python -m bench.torch_dataset --rounds 7 --workers 2
 
 Two map-style Datasets, each given to both loaders with the same arguments (``batch_size``,
 ``shuffle=True``, ``num_workers``, ``persistent_workers``):
@@ -12,21 +12,21 @@ Two map-style Datasets, each given to both loaders with the same arguments (``ba
 * ``tiny``: items of a 16-float tensor and an int, where the loader's own per-batch cost
   (sampling, transport, collation) is all there is.
 
-Each round runs both loaders in one process, torch first in odd rounds and feedgpu first in even
-ones, each timing ``--epochs`` epochs after one warm-up batch; the result is samples/s, the
-median over rounds, and the ratio of medians and per round. Beside the wall-clock rate, each run
-records the CPU time it used per batch in the main process (``time.process_time``: all its
-threads) and in its worker processes (``/proc/<pid>/stat``, user + system), which a machine
-shared with other work disturbs less than the rate. The load average is recorded at the start
-and the end. Results: ``bench/results/torch_dataset.{json,md}``.
+Rounds alternate the two loaders (torch first, then feedgpu, per round, in one process), each
+timing ``--epochs`` epochs after one warm-up batch; the result is samples/s, the median over
+rounds, and the ratio of medians and per round. The loaders alternate which runs first (the
+order rotates each round). Beside the rate, each run records the CPU time it used per batch in
+the main process (``time.process_time``: all its threads) and in its worker processes
+(``/proc/<pid>/stat``, user + system), which a machine shared with other work disturbs less than
+the rate; the load average is recorded at the start and the end.
+Results: ``bench/results/torch_dataset.{json,md}``.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -36,9 +36,8 @@ import torch.utils.data as tud
 from PIL import Image
 
 import feedgpu
+from bench.harness import RESULTS, alternating, machine, md_table, write_results
 from feedgpu.sample_data import default_sample
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 class JpegFolder(tud.Dataset):
@@ -75,7 +74,7 @@ class Tiny(tud.Dataset):
         return torch.full((16,), float(i)), i
 
 
-def _cpu_s(pid: int) -> float:
+def cpu_s(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -93,7 +92,7 @@ def run(make, ds, args) -> dict:
         pids = loader.worker_pids()
     else:
         pids = [w.pid for w in it._workers]   # torch's iterator keeps its worker processes there
-    w0, m0 = sum(map(_cpu_s, pids)), time.process_time()
+    w0, m0 = sum(map(cpu_s, pids)), time.process_time()
     n, batches, t0 = 0, 0, time.perf_counter()
     for _, labels in it:
         n += len(labels)
@@ -104,7 +103,7 @@ def run(make, ds, args) -> dict:
             batches += 1
     wall = time.perf_counter() - t0
     main_ms = 1e3 * (time.process_time() - m0) / batches
-    workers_ms = 1e3 * (sum(map(_cpu_s, pids)) - w0) / batches
+    workers_ms = 1e3 * (sum(map(cpu_s, pids)) - w0) / batches
     del it, loader
     return {"rate": n / wall, "main_ms": main_ms, "workers_ms": workers_ms}
 
@@ -117,56 +116,70 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--images", type=int, default=1000)
     ap.add_argument("--tiny", type=int, default=100_000)
-    ap.add_argument("--note", default="", help="said with the machine in the results (e.g. who else used it)")
+    ap.add_argument("--out", default=str(RESULTS), help="where torch_dataset.json/.md go")
+    ap.add_argument("--note", default="", help="said with the machine (e.g. who else used it)")
     args = ap.parse_args()
+    t0 = time.perf_counter()
+    load_start = [round(x, 2) for x in os.getloadavg()]
     datasets = {"jpeg": JpegFolder(default_sample(args.images, progress=False)), "tiny": Tiny(args.tiny)}
     loaders = {"torch": tud.DataLoader, "feedgpu": feedgpu.DataLoader}
     runs = {d: {k: [] for k in loaders} for d in datasets}
-    load_start = os.getloadavg()
-    for r in range(args.rounds):
-        names = list(loaders) if r % 2 == 0 else list(loaders)[::-1]
+    order = alternating(list(loaders), args.rounds, rotate=True)
+    for r in range(1, args.rounds + 1):
+        names = [name for rr, name in order if rr == r]
         for d, ds in datasets.items():
             for name in names:
                 runs[d][name].append(run(loaders[name], ds, args))
-            print(f"round {r + 1}/{args.rounds} {d}: " +
+            print(f"round {r}/{args.rounds} {d} ({' first, '.join(names)} second): " +
                   ", ".join(f"{k} {v[-1]['rate']:,.0f}/s" for k, v in runs[d].items()), flush=True)
-    load_end = os.getloadavg()
     summary = {}
     for d, v in runs.items():
         rates = {k: [x["rate"] for x in xs] for k, xs in v.items()}
         per_round = [f / t for f, t in zip(rates["feedgpu"], rates["torch"])]
+        cpu = {k: {part: [x[part] for x in xs] for part in ("main_ms", "workers_ms")} for k, xs in v.items()}
         summary[d] = {"samples_per_s": rates, "median": {k: statistics.median(x) for k, x in rates.items()},
                       "ratio_of_medians": statistics.median(rates["feedgpu"]) / statistics.median(rates["torch"]),
-                      "ratio_per_round": per_round,
-                      "cpu_ms_per_batch": {k: {part: [x[part] for x in xs] for part in ("main_ms", "workers_ms")}
-                                           for k, xs in v.items()},
-                      "median_cpu_ms_per_batch": {k: {part: statistics.median(x[part] for x in xs)
-                                                      for part in ("main_ms", "workers_ms")} for k, xs in v.items()}}
-    doc = {"machine": {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
-                       "platform": platform.platform(), "load_average_start": load_start,
-                       "load_average_end": load_end, "note": args.note},
-           "settings": {k: v for k, v in vars(args).items() if k != "note"}, "results": summary}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "torch_dataset.json").write_text(json.dumps(doc, indent=1))
-    lines = ["# feedgpu.DataLoader vs torch.utils.data.DataLoader, same plain torch Dataset", "",
-             f"Machine: {doc['machine']}. Settings: {doc['settings']}. Written by `bench/torch_dataset.py`.", "",
-             "| dataset | torch (median samples/s) | feedgpu | ratio of medians | per round |",
-             "| --- | ---: | ---: | ---: | --- |"]
-    for d, s in summary.items():
-        lines.append(f"| {d} | {s['median']['torch']:,.0f} | {s['median']['feedgpu']:,.0f} | "
-                     f"{s['ratio_of_medians']:.2f}x | {min(s['ratio_per_round']):.2f}-{max(s['ratio_per_round']):.2f}x |")
-    lines += ["", "CPU time per batch (median over rounds, ms; main process incl. its threads / worker processes "
-              "summed; range over rounds):", "",
-              "| dataset | torch main | feedgpu main | torch workers | feedgpu workers |", "| --- | ---: | ---: | ---: | ---: |"]
-    for d, s in summary.items():
-        c, m = s["cpu_ms_per_batch"], s["median_cpu_ms_per_batch"]
+                      "ratio_per_round": per_round, "cpu_ms_per_batch": cpu,
+                      "median_cpu_ms_per_batch": {k: {part: statistics.median(x) for part, x in c.items()}
+                                                  for k, c in cpu.items()}}
+    doc = {"format": "feedgpu.bench.torch_dataset/2", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+           "command": "python -m bench.torch_dataset " + " ".join(sys.argv[1:]),
+           "machine": machine(load_average_start=load_start, note=args.note),
+           "settings": {k: v for k, v in vars(args).items() if k not in ("out", "note")}, "results": summary,
+           "total_seconds": round(time.perf_counter() - t0, 1)}
+    write_results(args.out, "torch_dataset", doc, markdown)
 
-        def cell(k, part):
+
+def markdown(doc: dict) -> str:
+    m = doc["machine"]
+    rows = [(d, f"{s['median']['torch']:,.0f}", f"{s['median']['feedgpu']:,.0f}", f"{s['ratio_of_medians']:.2f}x",
+             f"{min(s['ratio_per_round']):.2f}-{max(s['ratio_per_round']):.2f}x") for d, s in doc["results"].items()]
+    return "\n".join([
+        "# feedgpu.DataLoader vs torch.utils.data.DataLoader, same plain torch Dataset", "",
+        f"Recorded {doc.get('created', '?')} with `{doc.get('command', 'python bench/torch_dataset.py').strip()}` "
+        f"({doc.get('total_seconds', 0):.0f} s). Machine: {m.get('cpus_usable', m.get('cpus'))} CPUs "
+        f"({m.get('cpu_model', '?')}), {m.get('ram_gb', '?')} GB, {m['platform']}, Python {m['python']}, torch "
+        f"{m['torch']}, load average {m.get('load_average_start', '?')} at the start, {m.get('load_average')} at "
+        f"the end. {m.get('note', '')} Settings: {doc['settings']}.", "",
+        *md_table(("dataset", "torch (median samples/s)", "feedgpu", "ratio of medians", "per round"), rows,
+                  "lrrrl"), *cpu_table(doc)]) + "\n"
+
+
+def cpu_table(doc: dict) -> list[str]:
+    """CPU ms per batch, median (range over rounds), by dataset and loader (absent before format 2)."""
+    rows = []
+    for d, s in doc["results"].items():
+        c, m = s.get("cpu_ms_per_batch"), s.get("median_cpu_ms_per_batch")
+        if c is None:
+            return []
+
+        def cell(k, part, c=c, m=m):
             return f"{m[k][part]:.2f} ({min(c[k][part]):.2f}-{max(c[k][part]):.2f})"
-        lines.append(f"| {d} | {cell('torch', 'main_ms')} | {cell('feedgpu', 'main_ms')} | "
-                     f"{cell('torch', 'workers_ms')} | {cell('feedgpu', 'workers_ms')} |")
-    (RESULTS / "torch_dataset.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        rows.append((d, cell("torch", "main_ms"), cell("feedgpu", "main_ms"), cell("torch", "workers_ms"),
+                     cell("feedgpu", "workers_ms")))
+    return ["", "CPU time per batch, ms: median (range over rounds); main process with its threads, worker "
+            "processes summed.", "",
+            *md_table(("dataset", "torch main", "feedgpu main", "torch workers", "feedgpu workers"), rows)]
 
 
 if __name__ == "__main__":

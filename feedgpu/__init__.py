@@ -2,8 +2,12 @@
 
 ``import feedgpu`` needs neither a GPU nor NVIDIA DALI; nothing here touches CUDA.
 """
-from .errors import (ConfigError, DecodeError, FeedgpuError, IteratorSuperseded, LoaderTimeout, SampleError,
-                     SkipBudgetExceeded, SharedMemoryError, SourceError, StageError, StateError, WorkerError)
+from ._version import __version__
+from .errors import (CacheFullError, ConfigError, DecodeError, DownloadError, FeedgpuError, IteratorSuperseded,
+                     LoaderTimeout, RemoteChangedError, RemoteError, SampleError, ShardFetchError, SharedMemoryError,
+                     SkipBudgetExceeded, SourceError, StageError, StateError, UploadError, WorkerError)
+from .exec.memory_budget import MemoryBudgetWarning
+from .exec.memory_watch import CopyOnReadWarning
 from .exec.work import Batch
 from .imaging import pil_build
 from .loader import DataLoader
@@ -11,10 +15,11 @@ from .metrics import SkippedSampleWarning
 from .pipeline import Pipeline
 from .sources import DatasetSource, FolderSource, ParquetSource, TarShardSource
 
-__version__ = "0.1.0"
-
 __all__ = [
-    "Batch", "ConfigError", "DataLoader", "DatasetSource", "DecodeError", "FeedgpuError", "FolderSource",
-    "IteratorSuperseded", "LoaderTimeout", "ParquetSource", "Pipeline", "SampleError", "SkipBudgetExceeded", "SkippedSampleWarning",
-    "SharedMemoryError", "SourceError", "StageError", "StateError", "TarShardSource", "WorkerError", "pil_build",
+    "Batch", "CacheFullError", "ConfigError", "CopyOnReadWarning", "DataLoader", "DatasetSource",
+    "DecodeError", "DownloadError", "FeedgpuError", "FolderSource", "IteratorSuperseded",
+    "LoaderTimeout", "MemoryBudgetWarning", "ParquetSource", "Pipeline", "RemoteChangedError",
+    "RemoteError", "SampleError", "ShardFetchError", "SharedMemoryError", "SkipBudgetExceeded",
+    "SkippedSampleWarning", "SourceError", "StageError", "StateError", "TarShardSource",
+    "UploadError", "WorkerError", "pil_build",
 ]

@@ -35,11 +35,19 @@ class SourceCfg(_Strict):
     #: folder only: stat each image file while indexing (False: list the folders only; zero-byte
     #: files are then counted as "empty" when read; see FolderSource)
     stat_files: bool = True
+    #: tar and parquet sources read from URLs (s3://, gs://, http(s)://, file://, or an index
+    #: file): the node-local shard cache's folder and disk budget ("200GiB"), and options passed
+    #: to the store's fsspec filesystem (credentials come the store's standard way, never here)
+    cache_dir: Union[str, None] = None
+    cache_budget: Union[Annotated[int, Field(gt=0, strict=True)], str, None] = None
+    storage_options: Union[dict, None] = None
 
 
 class LoaderCfg(_Strict):
     batch_size: Annotated[int, Field(gt=0)] = 256
-    shuffle: bool = True
+    #: true, false or "shards" (about shard_window shards open at a time: feedgpu.shard_order)
+    shuffle: Union[bool, Literal["shards"]] = True
+    shard_window: Annotated[int, Field(ge=1, strict=True)] = 8
     drop_last: bool = False
     num_workers: Union[Literal["auto"], Annotated[int, Field(ge=0)]] = "auto"
     prefetch_factor: Annotated[int, Field(gt=0)] = 2
@@ -49,6 +57,19 @@ class LoaderCfg(_Strict):
     #: share of the epoch in [0, 1] (float), a count (int) or null: see feedgpu.skips
     max_skipped: Union[Annotated[int, Field(ge=0, strict=True)], Annotated[float, Field(ge=0, le=1, strict=True)], None] = 0.01
     timeout: Annotated[float, Field(ge=0)] = 0.0
+    #: bytes (or "2GiB") each worker may hold, or "auto": see feedgpu.exec.memory_budget
+    worker_memory: Union[Annotated[int, Field(ge=1 << 20, strict=True)], str] = "auto"
+
+    @field_validator("worker_memory")
+    @classmethod
+    def _worker_memory(cls, v):
+        from .exec.memory_budget import parse_worker_memory
+
+        try:
+            parse_worker_memory(v)
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
+        return v
 
 
 class OutputCfg(_Strict):

@@ -6,7 +6,9 @@ its label, or in the returned :class:`Converted` report's ``left_out`` (what the
 while indexing, with the reason). Output is written to a temporary folder beside ``out_dir``,
 read back (sample count, labels and, for tar, sizes checked against the source), and renamed to
 ``out_dir`` only then: a failed conversion leaves nothing behind. ``out_dir`` must not exist or
-be empty.
+be empty. Beside the files: ``_classes.txt`` (class names) and ``_index.json`` (the files with
+their sizes and SHA-256, and for tar the member table: :mod:`feedgpu.remote.index`), which
+names the dataset by one path or URL where the store cannot list (HTTP).
 
 Sample keys (:func:`sample_keys`): a file's path relative to the dataset, without its
 extension, with ``%`` and ``.`` in its base name written ``%25`` and ``%2E``, so a key never holds
@@ -32,6 +34,7 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from .errors import ConfigError, SourceError
+from .remote.index import write_index
 from .sources.base import CLASS_NAMES_FILE, Source, encode_class_name
 from .sources.folder import FolderSource
 from .sources.tar import TarShardSource
@@ -195,6 +198,7 @@ def folder_to_tar(folder, out_dir, samples_per_shard: int = 1000, progress: bool
         if not (got.sizes == src.sizes).all():
             raise SourceError("convert: the tar shards read back with other sizes than the source's files; "
                               "nothing was written")
+        write_index(stage.dir, shards, "tar", got)
         return Converted(stage.commit(shards), len(got), src.rejected)
 
 
@@ -234,6 +238,7 @@ def source_to_parquet(src: Source, out_dir, keys, rows_per_file: int = 1000, row
 
         got = _open_quiet(ParquetSource, [str(f) for f in files])
         _verify(got, src, "the Parquet files")
+        write_index(stage.dir, files, "parquet")
         return Converted(stage.commit(files), len(got), src.rejected)
 
 

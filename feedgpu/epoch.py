@@ -18,6 +18,7 @@ import warnings
 
 import numpy as np
 
+from . import shard_ahead
 from .errors import IteratorSuperseded, SkipBudgetExceeded
 from .exec.host_buffers import pin
 from .exec.process_pool import unpack_exception
@@ -67,6 +68,8 @@ class EpochIterator:
     def __init__(self, loader, order, epoch: int, start: int, deferred_commit: bool = False):
         self.loader, self.epoch, self.order = loader, epoch, order
         self.view = order.view(epoch, start)
+        self.shards = shard_ahead.for_epoch(loader, self.view)   # shards fetched ahead (None: not attached)
+        self._unfetched: set[str] = set()
         first = self.next_b = self.view.first   # batches are numbered as in the whole epoch
         # With device prefetch, a batch counts as seen when the prefetcher hands it to the
         # training loop (it calls commit()), not when it leaves the CPU pool.
@@ -95,6 +98,9 @@ class EpochIterator:
         self.pool = None if self.inline else loader._acquire_pool()
         if self.pool is not None and loader._autoscaler is not None:
             loader._autoscaler.start(self.pool.pids())
+        watch = getattr(loader, "_memory_watch", None)   # a torch Dataset's copy-on-read growth
+        if self.pool is not None and watch is not None:
+            watch.start(self.pool.pids(), epoch)
         self.ahead: Ahead | None = None      # the next epoch's batches this iterator submits
         self._adopt(loader, order, epoch, start)
         loader._position = (epoch, start)
@@ -120,7 +126,7 @@ class EpochIterator:
         loader = self.loader
         # not with a cache: its rows become readable at the epoch-end flush, which must come first
         return (loader.persistent_workers and isinstance(self.order, ShardedOrder) and self.pool is not None
-                and loader._cache_settings is None)
+                and loader._cache_settings is None and self.shards is None)
 
     def _take(self) -> np.ndarray | None:
         """The next batch's indices from the order; None where an open-ended epoch ends."""
@@ -160,7 +166,17 @@ class EpochIterator:
         view = self.view if epoch is None or epoch == self.epoch else self.order.view(epoch)
         return view.spares(b, max(4, size))
 
+    def _fetch(self, b: int) -> None:
+        if self.shards is not None:
+            shard_ahead.fetch_batch(self.shards, self.view, b, self._unfetched)
+
+    def _fetched(self, b: int) -> None:
+        if self.shards is not None:
+            shard_ahead.release_batch(self.shards, self.view, b)
+
     def _submit(self, tag: int, seq: int, epoch: int, indices: np.ndarray, pending: dict) -> None:
+        if tag == self.tag:
+            self._fetch(seq)
         task = self.work.task(tag, seq, epoch, indices, self._spares(seq, len(indices), epoch))
         self.pool.submit(task)
         pending[seq] = task
@@ -169,6 +185,9 @@ class EpochIterator:
         limit = self.loader._inflight_limit()
         while (self.submitted < self.nb and len(self.pending) + len(self.ready) < limit
                and self.work.can_submit()):
+            if (self.shards is not None and self.submitted > self.next_b
+                    and not shard_ahead.batch_ready(self.shards, self.view, self.submitted)):
+                break   # a later batch waits for its shards; only the next one blocks on the network
             indices = self._take()
             if indices is None:
                 self._ended(self.submitted)
@@ -209,11 +228,13 @@ class EpochIterator:
         try:
             if self.inline:
                 indices = self._indices(b)
+                self._fetch(b)
                 if self.work.runs_ahead:  # DALI: start this and the next batches, in order
                     for k in range(b, min(self.nb, b + 1 + self.loader._prefetch)):
                         ks = self._indices(k)
                         if ks is None:
                             break
+                        self._fetch(k)
                         self.work.prefetch(k, self.epoch, ks, self._spares(k, len(ks)))
                     batch, report = self.work.run_inline(b, self.epoch, indices, self._spares(b, len(indices)))
                 else:
@@ -230,6 +251,7 @@ class EpochIterator:
             self.close()
             self.loader._release_pool(force=True)  # after an error, even persistent workers restart
             raise
+        self._fetched(b)
         if cause is not None:
             self._skip_failed(b)
             # raised outside the handler (no context) and without `self` in this frame, which the
@@ -253,6 +275,9 @@ class EpochIterator:
         rows = _rows(batch)
         waited = time.perf_counter() - t0
         loader._stats.delivered(rows, waited)
+        watch = getattr(loader, "_memory_watch", None)
+        if watch is not None and not watch.done and not self.inline:
+            watch.on_batch(self.epoch, b, self.view.first, self.nb, self.pool.pids())
         if loader._autoscaler is not None and not self.inline:
             d = loader._autoscaler.on_batch(rows, waited, self.pool.pids(),
                                             remote_started=self.pool.remote_started)
@@ -313,6 +338,8 @@ class EpochIterator:
 
     def _wait(self, b: int):
         while b not in self.ready:
+            if self.shards is not None and self.submitted <= b:   # held back for its shards
+                self._fill()
             tag, seq, wid, ok, payload = self.pool.get(self.loader.timeout or None)
             if tag is None:  # worker_init_fn failed
                 raise unpack_exception(payload, "in worker_init_fn")
@@ -338,6 +365,9 @@ class EpochIterator:
         if self.closed:
             return
         self.closed = True
+        if self.shards is not None:
+            self.loader._read_ahead_stats = self.shards.stats()
+            self.shards.close()
         keep_pool = self.loader.persistent_workers
         for seq, task in self.pending.items():
             if keep_pool:  # its result still comes and is dropped on arrival

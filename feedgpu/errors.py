@@ -24,6 +24,24 @@ class SourceError(FeedgpuError):
     """A data source cannot be opened or indexed (missing path, no samples, unreadable shard)."""
 
 
+class ShardFetchError(SourceError):
+    """A shard could not be fetched (its download failed, timed out, or the read-ahead was
+    closed while a reader waited for it).
+
+    Attributes:
+        shard: the shard's name (a path or URL, or its id when it has no name).
+        reason: what went wrong, in words (the fetcher's error as text).
+    """
+
+    def __init__(self, shard: str, reason: str):
+        self.shard = shard
+        self.reason = reason
+        super().__init__(f"shard {shard}: {reason}")
+
+    def __reduce__(self):
+        return (type(self), (self.shard, self.reason))
+
+
 class SampleError(FeedgpuError):
     """One sample cannot be read or decoded.
 
@@ -108,3 +126,64 @@ class TableDataError(FeedgpuError, ValueError):
     """Table values a feature pipeline refuses rather than turn into a wrong number: NaN left in a
     dense feature, a value outside a vocabulary with ``on_oov: raise``, a missing label with
     ``if_missing: raise``. The message names the column and how many rows are affected."""
+
+
+class RemoteError(FeedgpuError):
+    """Base class of the errors about data read from a URL (:mod:`feedgpu.remote`). The message
+    names the URL."""
+
+
+class DownloadError(RemoteError):
+    """A remote file could not be downloaded after every retry (network errors, a truncated
+    response, a size or checksum that does not match). A source turns it into a skipped sample
+    of reason ``"bad shard"`` (counted in the skip budget) for every record of that file.
+
+    Attributes:
+        url: the file.
+        attempts: downloads tried.
+    """
+
+    def __init__(self, message: str, url: str = "", attempts: int = 0):
+        super().__init__(message)
+        self.url, self.attempts = url, attempts
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.url, self.attempts))
+
+
+class RemoteChangedError(RemoteError):
+    """A remote file's size or ETag (or modification time, where the store has no ETag) differs
+    from what the source was indexed on: its index (member offsets, row groups) no longer
+    describes it, so it is never read; open the source again."""
+
+
+class CacheFullError(RemoteError):
+    """The shard cache cannot hold a file: its budget is smaller than the file, the files in use
+    leave no room, or the disk is full (``ENOSPC``). Nothing half-written is left in the cache."""
+
+
+class UploadError(RemoteError):
+    """Some files of a converted dataset could not be uploaded to the URL. The index file is
+    uploaded last, so a dataset read through its index never names a missing shard.
+
+    Attributes:
+        uploaded: URLs written; failed: ``[(URL, error)]``.
+    """
+
+    def __init__(self, message: str, uploaded: list | None = None, failed: list | None = None):
+        super().__init__(message)
+        self.uploaded, self.failed = list(uploaded or []), list(failed or [])
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.uploaded, self.failed))
+
+
+class BenchUsageError(ConfigError):
+    """``feedgpu bench``'s options do not fit the pipeline, the data or the machine (a stage the
+    torch baseline or DALI cannot run, an epoch shorter than the warm-up, no CUDA device for
+    ``--device cuda``...). The command line reports it as a usage error (exit code 2)."""
+
+
+class BenchRunError(FeedgpuError, RuntimeError):
+    """A loader under ``feedgpu bench`` stopped giving batches (an epoch without one). The command
+    line reports it as an error (exit code 1)."""

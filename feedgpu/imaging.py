@@ -1,8 +1,9 @@
 """Which PIL build is active: Pillow-SIMD or stock Pillow, and whether it was built with AVX2.
 
 Pillow-SIMD and Pillow both install the ``PIL`` package; installing anything that requires
-``pillow`` silently replaces Pillow-SIMD, losing its 5x faster resize. feedgpu reports the
-active build in ``feedgpu doctor``, ``explain`` and bench output.
+``pillow`` silently replaces Pillow-SIMD, losing its faster resize (``bench/results/cpu_loader.md``
+compares the builds). feedgpu reports the active build in ``feedgpu doctor``, ``explain`` and
+bench output.
 """
 from __future__ import annotations
 

@@ -17,12 +17,13 @@ from .cache.settings import CacheSettings
 from .epoch import Ahead, EpochIterator, close_live
 from .errors import ConfigError
 from .exec.autoscale import Autoscaler, cpu_cores, default_config
+from .exec.memory_budget import parse_worker_memory
 from .exec.build import make_pool, make_work
 from .exec.engines import EngineSettings
 from .exec.process_pool import ProcessPool
 from .metrics import ExecutorTotals, LoaderStats
 from .orders import (OrderRandomSampler, OrderSampler, OrderSequentialSampler, UserOrder, order_len,
-                     reads_as_sharding, sharded)
+                     reads_as_sharding, shard_settings, sharded)
 from .loader_setup import _UNSET, init_iterable, resolve_settings
 from .pipeline import Pipeline
 from .sampling import ShardedOrder
@@ -88,6 +89,10 @@ class DataLoader(tud.DataLoader[T_co]):
             ``"auto"`` gives DALI one thread per core but one (fixed while it runs).
         stats_callback: called after each balancer window as ``stats_callback(event)`` with the
             window's measurement and decision (dicts), to send them to your own logger.
+        worker_memory: bytes each worker may hold (an int or ``"2GiB"``); default: the
+            pipeline's, else a share of the available memory divided by the workers. Sizes the
+            source's read cache, caps the prefetch depth and the balancer's pool
+            (:mod:`feedgpu.exec.memory_budget`); not used for an ``IterableDataset``.
 
     Yields :class:`~feedgpu.exec.work.Batch` ``(images, labels)`` for pipelines, ``collate_fn``'s
     output for torch Datasets. Batches from pipelines on the CPU view shared memory without a
@@ -116,7 +121,7 @@ class DataLoader(tud.DataLoader[T_co]):
                  pin_memory_device: str = "", in_order: bool = True, seed: int | None = None,
                  rank: int | None = None, world_size: int | None = None, device: str | None = None,
                  on_error: str | None = None, cache=None, engine=None, max_skipped=_UNSET, executor=None,
-                 stats_callback: Callable[[dict], None] | None = None):
+                 stats_callback: Callable[[dict], None] | None = None, worker_memory=None):
         self._iterable = None
         if isinstance(dataset, tud.IterableDataset):  # run as torch runs it (feedgpu.exec.iterable)
             init_iterable(self, dataset, locals())
@@ -185,6 +190,8 @@ class DataLoader(tud.DataLoader[T_co]):
         # the given values of feedgpu's own keywords (frameworks re-create the loader from them)
         self.rank, self.world_size, self.device, self.on_error = rank, world_size, device, on_error
         self.cache, self.engine, self.executor, self.stats_callback = cache, engine, executor, stats_callback
+        parse_worker_memory(worker_memory)   # a ConfigError here, not at the first batch
+        self.worker_memory = worker_memory
         self.max_skipped = None if max_skipped is _UNSET else max_skipped
         resolve_settings(self, dataset, p, collate_fn, device, on_error, cache, engine, max_skipped, executor, unbatched)
         if self._executor.remote and persistent_default and p is not None:
@@ -312,7 +319,8 @@ class DataLoader(tud.DataLoader[T_co]):
                 self._set_seed(seed)
         shuffle = bool(self.sampler.shuffle) if reads_as_sharding(self.sampler) else self.shuffle
         n = self._num_samples() if n is None else n
-        self._order = sharded(n, self._batch_size, shuffle, self.seed, rank, world, self.drop_last, self._order)
+        self._order = sharded(n, self._batch_size, shuffle, self.seed, rank, world, self.drop_last, self._order,
+                              *shard_settings(self.pipeline))
         return self._order
 
     def __len__(self) -> int:
@@ -446,6 +454,9 @@ class DataLoader(tud.DataLoader[T_co]):
                  batches_seen=self._position[1])
         d["balancer"] = self._autoscaler.stats() if self._autoscaler is not None else None
         live = self._live() if self._live is not None else None
+        ahead = getattr(live, "shards", None)   # shard read-ahead (feedgpu.shard_ahead.attach)
+        d["read_ahead"] = ahead.stats() if ahead is not None and not live.closed else \
+            getattr(self, "_read_ahead_stats", None)
         d["skip_budget"] = live.budget.as_dict() if live is not None else None
         engine = self._work.stats() if self._work is not None else None
         d["engine"] = engine if engine is not None else {"name": self._engine.name}

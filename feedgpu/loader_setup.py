@@ -74,7 +74,7 @@ def resolve_settings(self, dataset, p, collate_fn, device, on_error, cache, engi
             p = self.pipeline = copy.copy(p)
             p.engine = EngineSettings.make(engine)
             if p.engine.name == "dali":
-                from .exec.dali_engine import check_dali_plan
+                from .exec.dali_graph import check_dali_plan
                 from .exec.plan import make_plan
 
                 check_dali_plan(make_plan(p.stages, "cpu"))

@@ -7,6 +7,7 @@ from typing import Any
 from . import config as cfg
 from .errors import ConfigError
 from .exec.autoscale import fixed_workers
+from .exec.memory_budget import parse_worker_memory
 from .exec.plan import Plan, make_plan
 from .cache.settings import CacheSettings
 from .exec.engines import EngineSettings
@@ -35,18 +36,27 @@ class Pipeline:
             ``{"format": "folder"|"tar"|"parquet", "path": ..., ...}`` opened on first use.
         stages: stage objects in order, starting with :class:`~feedgpu.stages.Decode`.
         batch_size: samples per batch (default 256).
-        shuffle: reshuffle every epoch (default True).
+        shuffle: reshuffle every epoch (default True); ``"shards"``: reshuffle with about
+            ``shard_window`` shards open at a time (:mod:`feedgpu.shard_order`; for shards
+            fetched from the network), then :attr:`shuffle` is True.
+        shard_window: shards open at a time with ``shuffle="shards"`` (int >= 1, default 8;
+            ignored otherwise); :attr:`shard_window` is None without ``shuffle="shards"``.
         drop_last: drop each epoch's incomplete tail (default False; see :mod:`feedgpu.sampling`).
         num_workers: worker processes, 0 to run in the main process, or ``"auto"`` (default):
             the throughput balancer sizes the pool while it runs (see :class:`~feedgpu.DataLoader`).
         prefetch_factor: batches in flight per worker (default 2).
         persistent_workers: keep worker processes between epochs (default True: a new worker
-            pays its page faults on the shared batch buffers again, ~0.3 ms per float32 sample).
+            pays its page faults on the shared batch buffers again, at every epoch).
         seed: base seed of shuffling and random stages (default 0).
         on_error: ``"skip"`` bad samples (counted, named, replaced) or ``"raise"`` them.
         max_skipped: skip budget per epoch and rank: a share in ``[0, 1]`` of the epoch's samples
             (default ``0.01``), an int count, or ``None`` (no limit); see :mod:`feedgpu.skips`.
         timeout: seconds to wait for a batch before :class:`LoaderTimeout` (0: forever).
+        worker_memory: bytes each worker may hold (its own memory and its batches in flight),
+            an int or a size such as ``"2GiB"``; ``"auto"`` (default): a share of the memory
+            available divided by the workers. It sizes the source's read cache and caps the
+            prefetch depth and the balancer's pool (see :mod:`feedgpu.exec.memory_budget`).
+            Raises :class:`ConfigError` when it is not a size.
         device: where batches are delivered: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"auto"``.
         cache: cache the output of the leading deterministic stages (decode, resize ...) on local
             disk: ``None``/``False`` (off, default), ``True``, a directory, a mapping
@@ -62,11 +72,12 @@ class Pipeline:
     Raises :class:`ConfigError` for invalid settings.
     """
 
-    def __init__(self, source: Any, stages: list[Stage], *, batch_size: int = 256, shuffle: bool = True,
-                 drop_last: bool = False, num_workers: int | str = "auto", prefetch_factor: int = 2,
-                 persistent_workers: bool = True, seed: int = 0,
+    def __init__(self, source: Any, stages: list[Stage], *, batch_size: int = 256, shuffle: bool | str = True,
+                 shard_window: int = 8, drop_last: bool = False, num_workers: int | str = "auto",
+                 prefetch_factor: int = 2, persistent_workers: bool = True, seed: int = 0,
                  on_error: str = "skip", timeout: float = 0.0, device: str = "auto", cache=None, engine=None,
-                 executor=None, name: str = "pipeline", definition: dict | None = None, max_skipped=DEFAULT_MAX_SKIPPED):
+                 executor=None, name: str = "pipeline", definition: dict | None = None, max_skipped=DEFAULT_MAX_SKIPPED,
+                 worker_memory="auto"):
         if on_error not in ON_ERROR:
             raise ConfigError(f"on_error {on_error!r} is not one of {list(ON_ERROR)}")
         if num_workers != "auto" and (isinstance(num_workers, bool) or not isinstance(num_workers, int)
@@ -74,13 +85,21 @@ class Pipeline:
             raise ConfigError(f"num_workers must be an int >= 0 or 'auto', got {num_workers!r}")
         if batch_size < 1 or prefetch_factor < 1:
             raise ConfigError("batch_size and prefetch_factor must be >= 1")
+        if isinstance(shuffle, str) and shuffle != "shards":
+            raise ConfigError(f"shuffle must be True, False or 'shards', got {shuffle!r}")
+        if shuffle == "shards" and (isinstance(shard_window, bool) or not isinstance(shard_window, int)
+                                    or shard_window < 1):
+            raise ConfigError(f"shard_window must be an int >= 1, got {shard_window!r}")
         self._source = source
         self.stages = list(stages)
         self.batch_size, self.shuffle, self.drop_last = int(batch_size), bool(shuffle), bool(drop_last)
+        self.shard_window = int(shard_window) if shuffle == "shards" else None
         self.num_workers, self.prefetch_factor = num_workers, int(prefetch_factor)
         self.persistent_workers = bool(persistent_workers)
         self.seed, self.on_error, self.timeout = int(seed), on_error, float(timeout)
         self.max_skipped = check_max_skipped(max_skipped)
+        parse_worker_memory(worker_memory)   # a ConfigError now, not at the first batch
+        self.worker_memory = worker_memory
         self.device, self.name, self.definition = device, name, definition
         self.cache = CacheSettings.make(cache)
         self.engine = EngineSettings.make(engine)
@@ -88,7 +107,7 @@ class Pipeline:
         check_executor(self.executor, self.engine, self.cache)
         plan = make_plan(self.stages, "cpu")  # validate the stage list now, not at the first batch
         if self.engine.name == "dali":
-            from .exec.dali_engine import check_dali_plan
+            from .exec.dali_graph import check_dali_plan
 
             check_dali_plan(plan)  # e.g. a python stage: refused here, not at the first batch
 
@@ -121,10 +140,10 @@ class Pipeline:
         src = c.source.model_dump()
         cache = c.cache.model_dump() if c.cache.enabled else None
         return cls(src, stages, batch_size=c.loader.batch_size, shuffle=c.loader.shuffle,
-                   drop_last=c.loader.drop_last, num_workers=c.loader.num_workers,
+                   shard_window=c.loader.shard_window, drop_last=c.loader.drop_last, num_workers=c.loader.num_workers,
                    prefetch_factor=c.loader.prefetch_factor, persistent_workers=c.loader.persistent_workers,
                    seed=c.loader.seed, on_error=c.loader.on_error, max_skipped=c.loader.max_skipped,
-                   timeout=c.loader.timeout, device=c.output.device, cache=cache,
+                   timeout=c.loader.timeout, worker_memory=c.loader.worker_memory, device=c.output.device, cache=cache,
                    engine=c.engine.model_dump(), name=c.name,
                    executor=c.executor.model_dump(),
                    definition=c.model_dump())
@@ -168,7 +187,7 @@ class Pipeline:
                 where = f"cpu pool + Ray {self.executor.address or '(ray.init default)'} ({pil_label()})"
                 return make_plan(self.stages, dev, pool_where=where)
             return make_plan(self.stages, dev)
-        from .exec.dali_engine import check_dali_plan
+        from .exec.dali_graph import check_dali_plan
 
         dd = self.engine.dali_device(dev)
         threads = self.engine.threads or max(1, fixed_workers(self.num_workers))
@@ -198,8 +217,9 @@ class Pipeline:
         o = plan.out_spec
         lines.append(f"batch: images {o.dtype} {'N' + o.layout} [{self.batch_size}, "
                      f"{', '.join(str(d) for d in o.shape)}] + labels int64 [{self.batch_size}] on {dev}")
+        shuffle = f"shards (window {self.shard_window})" if self.shard_window else self.shuffle
         lines.append(f"loader: {self.num_workers} workers, prefetch {self.prefetch_factor} per worker, "
-                     f"shuffle={self.shuffle}, drop_last={self.drop_last}, seed={self.seed}, on_error={self.on_error}, "
+                     f"shuffle={shuffle}, drop_last={self.drop_last}, seed={self.seed}, on_error={self.on_error}, "
                      f"max_skipped={self.max_skipped}")
         if self.cache is not None:
             lines.append(f"cache: {self.cache.dir} ({self.cache.compression}"

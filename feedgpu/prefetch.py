@@ -1,15 +1,18 @@
 """Device prefetch: copy batches to the GPU ahead of the training loop.
 
-Each batch is copied into a pinned host buffer (reused, one per batch in flight), sent to the
-device with ``non_blocking=True`` on a side CUDA stream ``depth`` batches ahead, and the
-pipeline's batch stage (normalize) runs there, so uint8 NHWC crosses PCIe instead of float32.
-The training loop's stream waits on an event recorded after the copy; ``record_stream`` keeps
-the caching allocator from reusing the memory too early. Only built when CUDA is available.
+Each batch is copied into a pinned host buffer (reused, one per batch in flight:
+:class:`~feedgpu.exec.host_buffers.HostBuffers`, back once the copy out of it has completed),
+sent to the device with ``non_blocking=True`` on a side CUDA stream ``depth`` batches ahead, and
+the pipeline's batch stage (normalize) runs there, so uint8 NHWC crosses PCIe instead of float32.
+The training loop's stream waits on an event recorded after the copy
+(:mod:`feedgpu.exec.handoff`, shared with the DALI engine). Only built when CUDA is available.
 """
 from __future__ import annotations
 
 from collections import deque
 
+from .exec.handoff import SideStream, hand_over
+from .exec.host_buffers import HostBuffers
 from .exec.work import Batch
 
 
@@ -31,22 +34,32 @@ class CudaPrefetcher:
         self.device = torch.device(device)
         self.batch_stage = batch_stage
         self.depth = max(1, depth)
-        self.stream = torch.cuda.Stream(device=self.device)
+        self.side = SideStream(self.device)
         self.queue: deque = deque()
-        self.pinned: deque = deque()   # free (images, labels, event) pinned buffers
+        self.pinned: tuple[HostBuffers, HostBuffers] | None = None   # images', labels' (from the first batch)
         self.done = False
         for _ in range(self.depth):
             self._launch()
 
     def _buffers(self, batch: Batch):
+        """Pinned ``(images, labels)`` for ``batch``, from the recycled buffers (sized by the first
+        batch: a later batch of other shape or dtype, or with more rows, gets fresh ones):
+        ``(images tensor, labels tensor, the arrays to give back or None)``."""
         torch = self.torch
-        while self.pinned:
-            imgs, labels, ev = self.pinned.popleft()
-            if imgs.shape == batch.images.shape and imgs.dtype == batch.images.dtype:
-                ev.synchronize()  # its previous copy has finished
-                return imgs, labels
-        return (torch.empty(batch.images.shape, dtype=batch.images.dtype, pin_memory=True),
-                torch.empty(batch.labels.shape, dtype=batch.labels.dtype, pin_memory=True))
+        imgs, labels = batch.images, batch.labels
+        if self.pinned is None:
+            self.pinned = (HostBuffers(imgs.shape[0], imgs.shape[1:], str(imgs.dtype).replace("torch.", ""),
+                                       pinned=True, count=self.depth),
+                           HostBuffers(labels.shape[0], labels.shape[1:], str(labels.dtype).replace("torch.", ""),
+                                       pinned=True, count=self.depth))
+        fits = all(b.shape[0] >= t.shape[0] and b.shape[1:] == tuple(t.shape[1:]) and str(t.dtype) == f"torch.{b.dtype}"
+                   for b, t in zip(self.pinned, (imgs, labels)))
+        if not fits:
+            return (torch.empty(imgs.shape, dtype=imgs.dtype, pin_memory=True),
+                    torch.empty(labels.shape, dtype=labels.dtype, pin_memory=True), None)
+        arrays = (self.pinned[0].take(), self.pinned[1].take())
+        rows = imgs.shape[0]
+        return torch.from_numpy(arrays[0][:rows]), torch.from_numpy(arrays[1][:rows]), arrays
 
     def _launch(self) -> None:
         if self.done:
@@ -56,19 +69,20 @@ class CudaPrefetcher:
         except StopIteration:
             self.done = True
             return
-        torch = self.torch
-        imgs, labels = self._buffers(cpu)
+        imgs, labels, arrays = self._buffers(cpu)
         imgs.copy_(cpu.images)
         labels.copy_(cpu.labels)
         del cpu  # the shared-memory slot goes back to the workers
-        with torch.cuda.stream(self.stream):
+        with self.side.use():
             d_imgs = imgs.to(self.device, non_blocking=True)
             d_labels = labels.to(self.device, non_blocking=True)
+            copied = self.side.record()
             if self.batch_stage is not None:
                 d_imgs = self.batch_stage.apply_batch(d_imgs)
-            ev = torch.cuda.Event()
-            ev.record(self.stream)
-        self.pinned.append((imgs, labels, ev))
+            ev = self.side.record()
+        if arrays is not None:   # reused once the copy out of them has completed
+            for buffers, arr in zip(self.pinned, arrays):
+                buffers.give_back_after(arr, copied)
         self.queue.append((d_imgs, d_labels, ev))
 
     def __iter__(self):
@@ -78,10 +92,7 @@ class CudaPrefetcher:
         if not self.queue:
             raise StopIteration
         d_imgs, d_labels, ev = self.queue.popleft()
-        cur = self.torch.cuda.current_stream(self.device)
-        cur.wait_event(ev)
-        d_imgs.record_stream(cur)
-        d_labels.record_stream(cur)
+        hand_over(ev, d_imgs, d_labels)
         if hasattr(self.it, "commit"):
             self.it.commit()  # counts for state_dict() only now that the training loop has it
         self._launch()

@@ -98,7 +98,18 @@ def guess_format(path: str | os.PathLike) -> str:
     when it holds sub-folders (ImageFolder) or image files (a flat folder: every image is read,
     unlabeled), else ``tar`` or ``parquet`` when it holds such files. So one ``.tar`` among the
     images or class folders of a download does not turn a scan into a scan of that file only.
-    Raises :class:`ConfigError` when ``path`` does not exist."""
+    A URL, or an index file (``_index.json``), is ``tar`` / ``parquet`` by its suffix or by the
+    index's kind. Raises :class:`ConfigError` when ``path`` does not exist."""
+    from .remote.index import index_kind, is_index
+    from .remote.urls import is_url
+
+    if is_index(path):
+        return index_kind(os.fspath(path))
+    if is_url(path):
+        for fmt in ("tar", "parquet"):
+            if os.fspath(path).rstrip("/").endswith("." + fmt):
+                return fmt
+        raise ConfigError(f"{path}: give --format tar or parquet for this URL (or its _index.json)")
     p = Path(path)
     if p.is_file():
         if p.suffix == ".tar":

@@ -1,7 +1,7 @@
 """torchvision's transforms for PIL images, written with Pillow and torch (torchvision is not a
 dependency): what a stage's :meth:`~feedgpu.stages.base.Stage.torch_baseline` returns, so
 ``feedgpu bench`` can compare a pipeline with the stock ``torch.utils.data`` way of doing its
-work (:mod:`feedgpu.baseline`).
+work (:mod:`feedgpu.bench.torch_baseline`).
 
 Each follows torchvision's code path for PIL images (``torchvision/transforms/transforms.py``
 and ``functional.py``), so it costs what torchvision costs. Random draws come from torch's

@@ -33,6 +33,25 @@ def pytest_configure(config):
         raise pytest.UsageError(f"tests need the shared data beside the repository: {PHOTOS} and {CASES}")
 
 
+#: The tiers (folders of ``tests/``), each also a marker (``pytest tests -m engines``).
+TIERS = ("unit", "integration", "engines", "gpu")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark each test with the tier its folder names; a test outside the tier folders is an error
+    (it would run in no tier's selection)."""
+    stray = []
+    for item in items:
+        tier = Path(str(item.fspath)).resolve().relative_to(REPO / "tests").parts[0]
+        if tier not in TIERS:
+            stray.append(item.nodeid)
+            continue
+        item.add_marker(getattr(pytest.mark, tier))
+    if stray:
+        raise pytest.UsageError("tests outside the tier folders (tests/unit, integration, engines, gpu): "
+                                + ", ".join(stray[:5]))
+
+
 def case_files() -> list[str]:
     """Every file in ``shared/cases/images`` (new files are picked up automatically)."""
     return sorted(p.name for p in CASES.iterdir() if p.is_file())

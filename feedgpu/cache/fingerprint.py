@@ -41,7 +41,7 @@ def stage_key(stage: Stage) -> dict:
 
 def fingerprint(source_identity: str, stages: list[Stage]) -> str:
     """Raises :class:`NotFingerprintable` for stages whose code cannot be keyed."""
-    from .. import __version__
+    from .._version import __version__
 
     payload = {"format": CACHE_FORMAT, "feedgpu": __version__, "source": source_identity,
                "stages": [stage_key(s) for s in stages]}

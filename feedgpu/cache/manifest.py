@@ -69,7 +69,7 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 
 def new_manifest(fingerprint: str, compression: str, n: int, meta: dict) -> dict:
-    from .. import __version__
+    from .._version import __version__
 
     now = time.time()
     return {"format": CACHE_FORMAT, "feedgpu_version": __version__, "fingerprint": fingerprint,

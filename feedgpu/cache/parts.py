@@ -33,7 +33,7 @@ import zstandard
 from .checks import META_COLUMNS, CorruptPart, CorruptRow, checksum, content_checksum, meta_checksum
 from .sink import WRITE_CHUNK, ChunkedFile
 
-__all__ = ["CODECS", "SCHEMA", "CorruptPart", "CorruptRow", "Part", "PartWriter", "RowBuffer", "RowEncoder",
+__all__ = ["CODECS", "CorruptPart", "CorruptRow", "Part", "PartWriter", "RowBuffer", "RowEncoder", "SCHEMA",
            "checksum", "content_checksum", "meta_checksum"]
 
 SCHEMA = pa.schema([("index", pa.int64()), ("key", pa.string()), ("label", pa.int64()),
@@ -108,7 +108,7 @@ class RowBuffer:
     def record_batch(self) -> pa.RecordBatch:
         """The rows as a record batch whose ``data`` column is a view of the buffer: valid until
         the next :meth:`add` or :meth:`clear`. Built from buffers: ``pa.array`` on lists or numpy
-        arrays imports pandas (~0.25 s in each worker that has not yet)."""
+        arrays imports pandas (a noticeable start-up cost in each worker that has not yet)."""
         n = len(self.index)
         keys = [k.encode() for k in self.key]
         key_offsets = np.zeros(n + 1, np.int32)

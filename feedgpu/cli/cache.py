@@ -15,6 +15,17 @@ def _root(cache_dir: str | None) -> Path:
     return Path(cache_dir).expanduser() if cache_dir else default_cache_root()
 
 
+def _index_dir(index_dir: str | None) -> Path:
+    """Where folder sources save their indexes (:mod:`feedgpu.sources.folder_index`)."""
+    from ..sources.folder_index import default_index_dir
+
+    return Path(index_dir).expanduser() if index_dir else default_index_dir()
+
+
+_INDEX_DIR_HELP = ("Folder of the saved folder-source indexes (default: <feedgpu cache dir>/folder-index; "
+                   "--cache-dir does not move it).")
+
+
 def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
@@ -44,9 +55,9 @@ def build_cmd(pipeline_file, data, cache_dir, compression, workers, sets) -> Non
     from ..exec.process_pool import ProcessPool, unpack_exception
     from ..exec.autoscale import fixed_workers
     from ..pipeline import Pipeline
-    from .main import _parse_sets
+    from .options import parse_sets
 
-    overrides = _parse_sets(sets)
+    overrides = parse_sets(sets)
     if data:
         overrides["source.path"] = data
     p = Pipeline.from_yaml(pipeline_file, **overrides)
@@ -133,10 +144,14 @@ def verify_cmd(fingerprint, cache_dir, no_repair) -> None:
 
 @cache.command("info")
 @click.option("--cache-dir", type=click.Path(file_okay=False))
-@click.option("--json", "as_json", is_flag=True)
-def info_cmd(cache_dir, as_json) -> None:
-    """List cache entries: size, samples cached, quarantined, compression, last use."""
+@click.option("--index-dir", type=click.Path(file_okay=False), help=_INDEX_DIR_HELP)
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the entries as JSON (a list; the saved folder indexes are not in it).")
+def info_cmd(cache_dir, index_dir, as_json) -> None:
+    """List cache entries (size, samples cached, quarantined, compression, last use) and the
+    saved folder indexes (count, bytes)."""
     from ..cache import entries
+    from ..sources.folder_index import saved_indexes
 
     es = entries(_root(cache_dir))
     if as_json:
@@ -148,40 +163,62 @@ def info_cmd(cache_dir, as_json) -> None:
         used = time.strftime("%Y-%m-%d %H:%M", time.localtime(e["last_used"])) if e["last_used"] else "-"
         click.echo(f"  {e['fingerprint']}  {_human(e['bytes']):>10}  {e['rows']}/{e['samples']} rows  "
                    f"{e['quarantined']} quarantined  {e['compression']}  last used {used}")
+    idx = saved_indexes(_index_dir(index_dir))
+    click.echo(f"folder indexes {_index_dir(index_dir)}: {len(idx)} saved, "
+               f"{_human(sum(p.stat().st_size for p in idx))}")
 
 
 @cache.command("clear")
 @click.argument("fingerprint", required=False)
 @click.option("--cache-dir", type=click.Path(file_okay=False))
+@click.option("--index-dir", type=click.Path(file_okay=False), help=_INDEX_DIR_HELP)
 @click.option("--yes", is_flag=True, help="Do not ask.")
-def clear_cmd(fingerprint, cache_dir, yes) -> None:
-    """Delete one entry (by fingerprint) or all of them."""
+def clear_cmd(fingerprint, cache_dir, index_dir, yes) -> None:
+    """Delete one entry (by fingerprint), or all of them and the saved folder indexes (a folder
+    source opened later indexes its tree afresh)."""
     from ..cache import clear
+    from ..sources.folder_index import clear_saved
 
-    what = f"entry {fingerprint}" if fingerprint else f"every entry under {_root(cache_dir)}"
+    what = (f"entry {fingerprint}" if fingerprint else
+            f"every entry under {_root(cache_dir)} and the saved folder indexes in {_index_dir(index_dir)}")
     if not yes:
         click.confirm(f"delete {what}?", abort=True)
     n, busy = clear(_root(cache_dir), fingerprint)
-    click.echo(f"deleted {n} entr{'y' if n == 1 else 'ies'}"
-               + (f"; {busy} in use by a running loader, left alone" if busy else ""))
+    msg = (f"deleted {n} entr{'y' if n == 1 else 'ies'}"
+           + (f"; {busy} in use by a running loader, left alone" if busy else ""))
+    if not fingerprint:
+        k, size = clear_saved(_index_dir(index_dir))
+        msg += f"; deleted {k} saved folder index{'' if k == 1 else 'es'} ({_human(size)})"
+    click.echo(msg)
 
 
 @click.command()
 @click.argument("src", type=click.Path(exists=True))
-@click.argument("out", type=click.Path(file_okay=False))
+@click.argument("out")
 @click.option("--to", "fmt", type=click.Choice(["parquet", "tar"]), default="parquet", show_default=True)
 @click.option("--per-file", type=int, default=1000, show_default=True, help="Samples per output file.")
-def convert(src, out, fmt, per_file) -> None:
+@click.option("--storage-options", default=None, metavar="YAML",
+              help="For a URL OUT: options of the store's fsspec filesystem, a YAML/JSON mapping "
+                   "(credentials come the store's standard way).")
+def convert(src, out, fmt, per_file, storage_options) -> None:
     """Turn an ImageFolder directory SRC (or tar shards) into Parquet files or tar shards in OUT.
 
     OUT must be new or empty; it appears only once everything is written and read back. Every
     record of SRC is written with its label, or listed as left out with the reason (records the
-    source cannot index, such as empty files).
+    source cannot index, such as empty files). OUT may be a folder URL (s3://bucket/train,
+    gs://..., file://...): the dataset is built and read back in a local temporary folder, then
+    uploaded (files, _classes.txt, then _index.json).
 
     Exit status: 0 when every record was converted, 1 when some were left out (listed), 2 on an
-    error (nothing is written then).
+    error (nothing is written then; for a URL, an upload that failed part-way names the files).
     """
     import sys
+
+    from ..remote.urls import is_url
+
+    if is_url(out):
+        _convert_to_url(src, out, fmt, per_file, storage_options)
+        return
 
     from ..convert import folder_to_parquet, folder_to_tar, shards_to_parquet
 
@@ -213,3 +250,33 @@ def convert(src, out, fmt, per_file) -> None:
             if len(keys) > 20:
                 click.echo(f"    ... and {len(keys) - 20} more")
         sys.exit(1)
+
+
+def _convert_to_url(src, url, fmt, per_file, storage_options) -> None:
+    """``feedgpu convert SRC URL``: build in a temporary folder with the same checks, upload."""
+    import shutil
+    import tempfile
+
+    import yaml
+
+    from ..errors import ConfigError
+    from ..remote.upload import upload_dir
+
+    options = yaml.safe_load(storage_options) if storage_options else None
+    if options is not None and not isinstance(options, dict):
+        raise ConfigError(f"--storage-options: expected a mapping, got {storage_options!r}")
+    tmp = tempfile.mkdtemp(prefix="feedgpu-convert-")
+    try:
+        local = Path(tmp) / "out"
+        code = 0
+        try:
+            convert.callback(src, str(local), fmt, per_file, None)
+        except SystemExit as e:   # 1: records left out (listed), still uploaded
+            code = e.code
+        written = upload_dir(local, url, options)
+        click.echo(f"uploaded {len(written)} file(s) to {url} (built and checked in a temporary folder, "
+                   "now removed)")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if code:
+        raise SystemExit(code)

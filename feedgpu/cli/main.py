@@ -7,6 +7,7 @@ import sys
 import click
 
 from ..errors import FeedgpuError
+from .options import parse_sets
 
 
 class _Group(click.Group):
@@ -26,21 +27,6 @@ def main() -> None:
     """feedgpu: feed GPUs from PyTorch without CPU data stalls."""
 
 
-def _parse_sets(sets: tuple[str, ...]) -> dict:
-    import yaml
-
-    out = {}
-    for s in sets:
-        key, eq, value = s.partition("=")
-        if not eq:
-            raise click.BadParameter(f"{s!r}: expected KEY=VALUE (e.g. loader.batch_size=64)", param_hint="--set")
-        try:
-            out[key.strip()] = yaml.safe_load(value)
-        except yaml.YAMLError as e:
-            raise click.BadParameter(f"{s!r}: the value is not plain YAML data ({e})", param_hint="--set") from None
-    return out
-
-
 @main.group()
 def pipeline() -> None:
     """Check and describe pipeline files."""
@@ -56,11 +42,11 @@ def validate_cmd(file: str, sets: tuple[str, ...]) -> None:
     if _is_table(file):
         from ..tabular import TablePipeline
 
-        t = TablePipeline.from_yaml(file, **_parse_sets(sets))
+        t = TablePipeline.from_yaml(file, **parse_sets(sets))
         click.echo(f"{file}: ok (table: {len(t.stages)} stages, {len(t.dense_names())} dense features, "
                    f"{len(t.cardinalities())} categorical, engine {t.engine})")
         return
-    p = Pipeline.from_yaml(file, **_parse_sets(sets))
+    p = Pipeline.from_yaml(file, **parse_sets(sets))
     click.echo(f"{file}: ok ({p.name}: {len(p.stages)} stages, batch {p.batch_size}, "
                f"{p.num_workers} workers, output {p.output_dtype} on {p.device})")
 
@@ -74,7 +60,7 @@ def explain_cmd(file: str, data: str | None, device: str | None, sets: tuple[str
     """Show FILE's stages, where each runs, and the output shape and dtype."""
     from ..pipeline import Pipeline
 
-    overrides = _parse_sets(sets)
+    overrides = parse_sets(sets)
     if data:
         overrides["source.path"] = data
     if _is_table(file):  # a table pipeline: fitted (or its fit file loaded) to show cardinalities

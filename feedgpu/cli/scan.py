@@ -8,7 +8,7 @@ import click
 
 
 @click.command("scan")
-@click.argument("data", type=click.Path(exists=True))
+@click.argument("data")
 @click.option("--format", "fmt", type=click.Choice(["folder", "tar", "parquet"]), default=None,
               help="Source format (default: from DATA: .tar shards, .parquet files, else a folder).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
@@ -32,17 +32,24 @@ def scan(data, fmt, sets, workers, max_pixels, json_out, quarantine, to_cache, c
     """Read and decode every sample of DATA and report the bad ones by reason.
 
     DATA is a folder (ImageFolder layout), a directory of .tar shards or .parquet files, one such
-    file, or a pipeline YAML file (its source and decode stage are used). Each bad sample is
+    file, a URL of such files or their _index.json (s3://, gs://, http(s)://: read through the
+    shard cache in the user cache directory), or a pipeline YAML file (its source and decode stage are used). Each bad sample is
     named as the loader names it: a path, shard.tar:member, or file.parquet#row.
 
     Exit status: 0 when every sample decodes, 1 when bad samples were found (records the source
     left out while indexing count: missing labels, truncated shards ...), 2 on an error (bad
     arguments, a dataset that cannot be opened); errors are one line on stderr, never a traceback.
     """
-    from ..scan import open_for_scan, quarantine_in_cache, scan_source
-    from .main import _parse_sets
+    import os
 
-    overrides = _parse_sets(sets)
+    from ..remote.urls import is_url
+    from ..scan import open_for_scan, quarantine_in_cache, scan_source
+    from .options import parse_sets
+
+    if not is_url(data) and not os.path.exists(data):
+        raise click.BadParameter(f"Path {data!r} does not exist.", param_hint="'DATA'")
+
+    overrides = parse_sets(sets)
     try:
         source, decode, pipeline = open_for_scan(data, fmt, overrides, max_pixels)
     except OSError as e:   # feedgpu's own errors exit 2 in the command group

@@ -11,7 +11,8 @@ autoscaler builds a :class:`~feedgpu.exec.balancer.Measurement` from what it saw
   on the cores this process may run on (reported, and used by the diagnosis; the policy does
   not limit the pool by it: it measures whether a worker more trains faster);
 * the workers' unique memory (USS) plus the loader's batch buffers, and the RAM budget: what the
-  loader holds plus half of the memory still available (a hard limit);
+  loader holds plus half of the memory still available, and at most the workers' memory budget
+  (:attr:`Autoscaler.memory_budget`, see :mod:`feedgpu.exec.memory_budget`; a hard limit);
 * free GPU memory when the loader delivers to a CUDA device,
 
 asks the pure :class:`~feedgpu.exec.balancer.Policy` for a decision and returns it; the loader
@@ -154,13 +155,17 @@ class Autoscaler:
         memory_available: ``() -> bytes`` of memory still available (default: psutil's
             ``virtual_memory().available``); None from it means no RAM budget. Tests pass
             their own, so that nothing reads the machine's load.
+        memory_budget: bytes the workers and the batch buffers may hold together (the
+            per-worker budget times the largest pool, set by the loader from ``worker_memory``;
+            None: only the available memory limits the pool).
     """
 
     def __init__(self, workers: int | None = None, prefetch: int = 2, config: PolicyConfig | None = None,
                  window_s: float = WINDOW_S, min_batches: int = MIN_BATCHES, buffer_bytes: int = 0,
                  device: str = "cpu", callback: Callable[[dict], None] | None = None,
                  clock: Callable[[], float] = time.perf_counter, probe=None, cores: int | None = None,
-                 max_remote: int = 0, remote: int = 0, memory_available: Callable[[], int | None] | None = None):
+                 max_remote: int = 0, remote: int = 0, memory_available: Callable[[], int | None] | None = None,
+                 memory_budget: int | None = None):
         self.cores = cores or cpu_cores()
         self.policy = Policy(config or default_config(self.cores))
         self.max_remote = max_remote
@@ -174,6 +179,7 @@ class Autoscaler:
         self.clock = clock
         self._probe = probe
         self._memory_available = memory_available or _memory_available
+        self.memory_budget = memory_budget
         self.timeline: deque[dict] = deque(maxlen=100_000)
         self.measurements: deque[Measurement] = deque(maxlen=1000)
         self._reset_window(None)
@@ -181,10 +187,11 @@ class Autoscaler:
         self._memory_every = 5      # USS reads smaps: every 5th window is enough to see a trend
         self._windows = 0
         self._uss = 0
+        self._uss_workers, self._uss_reads = None, 0   # the pool size of the last USS readings
         self._remote_started: int | None = None
 
     def _reset_window(self, now: float | None) -> None:
-        self._t0, self._rows, self._batches, self._wait = now, 0, 0, 0.0
+        self._t0, self._rows, self._batches, self._wait, self._network = now, 0, 0, 0.0, 0.0
 
     @property
     def last_measurement(self) -> Measurement | None:
@@ -203,6 +210,11 @@ class Autoscaler:
         self._probe.sample(pids, memory=False)
         self._skip = 1  # the first window holds the pool's start-up: not judged
         self._reset_window(self.clock())
+
+    def add_network_wait(self, seconds: float) -> None:
+        """The loader waited ``seconds`` for shard downloads (:mod:`feedgpu.shard_ahead`): counted
+        in the window's ``network_wait_fraction``, "waiting for the network"."""
+        self._network += max(0.0, float(seconds))
 
     def on_batch(self, rows: int, waited_s: float, pids: list[int], remote_started: int | None = None) -> Decision | None:
         """A batch of ``rows`` samples was handed out after the consumer waited ``waited_s``
@@ -233,6 +245,8 @@ class Autoscaler:
                  "wait_fraction": m.wait_fraction, "cpu_cores_used": m.cpu_cores_used,
                  "cpu_budget": m.cpu_budget, "rss_bytes": m.rss_bytes, "decision": d.kind,
                  "next_workers": d.workers}
+        if m.network_wait_fraction:
+            point["network_wait_fraction"] = m.network_wait_fraction
         if self.remote_policy is not None:
             point.update(remote_workers=m.remote_workers, next_remote_workers=d.remote_workers, reason=d.reason)
         if d.experiment is not None:
@@ -250,21 +264,30 @@ class Autoscaler:
 
     def _measure(self, now: float, wall: float, pids: list[int]) -> Measurement:
         self._windows += 1
-        memory = self._windows % self._memory_every == 1
+        # USS every 5th window, and in the two windows after the pool changed size (a reading
+        # taken at another size would give the policy the wrong memory per worker)
+        resized = self._uss_workers != self.workers
+        if resized:
+            self._uss_workers, self._uss_reads = self.workers, 0
+        memory = self._windows % self._memory_every == 1 or self._uss_reads < 2
         worker_cpu, main_cpu, uss, others = self._probe.sample(pids, memory)
         if memory:
             self._uss = uss
+            self._uss_reads += 1
         busy = max(wall - self._wait, 0.0)
         demand = self._rows / busy if busy > 1e-6 else float("inf")
         rss = self._uss + self.buffer_bytes
         free = self._memory_available()
         ram_budget = None if free is None else int(rss + 0.5 * free)
+        if self.memory_budget is not None:
+            ram_budget = self.memory_budget if ram_budget is None else min(ram_budget, int(self.memory_budget))
         return Measurement(
             t=now, workers=self.workers, delivered_rate=self._rows / wall, demand_rate=demand,
             wait_fraction=min(1.0, self._wait / wall), cpu_cores_used=max(0.0, worker_cpu / wall),
             cpu_budget=max(1.0, self.cores - (main_cpu + others) / wall), rss_bytes=int(rss) if self._uss else 0,
             ram_budget_bytes=ram_budget, gpu_mem_free_bytes=self._gpu_free(), prefetch=self.prefetch,
-            remote_workers=self.remote, remote_started=self._remote_started)
+            remote_workers=self.remote, remote_started=self._remote_started,
+            network_wait_fraction=min(1.0, self._network / wall) if wall > 0 else 0.0)
 
     def _gpu_free(self) -> int | None:
         if not self.device.startswith("cuda"):
@@ -283,6 +306,8 @@ class Autoscaler:
         d = d or (self.policy.history[-1] if self.policy.history else None)
         s = (f"the training loop took {m.delivered_rate:,.0f} samples/s with {m.workers} workers / prefetch "
              f"{m.prefetch} and waited for batches {100 * m.wait_fraction:.1f} % of its step time")
+        if m.network_wait_fraction:
+            s += f"; the loader waited for the network {100 * m.network_wait_fraction:.1f} % of the window"
         if d is not None:
             s += f"; next: {d.kind} ({d.workers} workers / prefetch {d.prefetch}): {d.reason}"
         return s
@@ -295,7 +320,8 @@ class Autoscaler:
         (:meth:`report`)."""
         d = self.policy.stats()
         d.update(workers=self.workers, prefetch=self.prefetch, windows=self._windows,
-                 cores=self.cores, window_s=self.window_s, remote_workers=self.remote)
+                 cores=self.cores, window_s=self.window_s, remote_workers=self.remote,
+                 memory_budget=self.memory_budget)
         ms = self.measurements
         d["waiting_share"] = ms[-1].wait_fraction if ms else None
         d["waiting_share_mean"] = sum(x.wait_fraction for x in ms) / len(ms) if ms else None

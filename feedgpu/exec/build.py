@@ -7,13 +7,23 @@ in worker processes (and with ``executor: ray`` on remote workers too).
 from __future__ import annotations
 
 from .assemble import Assembler
-from .pool_start import draw_base_seed
+from .memory_budget import apply_budget
+from .memory_watch import CopyOnReadWatch
+from .pool_start import draw_base_seed, resolve_context
 from .process_pool import ProcessPool
 from .work import DatasetWork, PipelineWork
 
 
 def make_work(loader):
-    """The work object of ``loader``'s current settings (buffers sized for its largest pool)."""
+    """The work object of ``loader``'s current settings (buffers sized for its largest pool, the
+    prefetch depth and the source's read cache sized by its memory budget, see
+    :mod:`feedgpu.exec.memory_budget`)."""
+    p, device, engine = loader.pipeline, loader._device, loader._engine
+    if p is not None and engine.name != "dali":
+        spec = p.plan(device).pool_spec
+        apply_budget(loader, spec.shape, spec.dtype)
+    else:
+        apply_budget(loader)
     prefetch = loader._prefetch
     inflight = loader.num_workers * prefetch
     most = inflight
@@ -23,7 +33,6 @@ def make_work(loader):
         most = max(inflight, (c.max_workers + auto.max_remote) * c.max_prefetch)
     elif loader._executor.remote:
         inflight = most = (loader.num_workers + loader._remote_start) * prefetch
-    p, device, engine = loader.pipeline, loader._device, loader._engine
     if p is not None and engine.name == "dali":
         from .dali_engine import DaliWork
 
@@ -48,6 +57,9 @@ def make_work(loader):
         return work
     if hasattr(loader.dataset, "make_work"):  # a dataset that batches itself (feedgpu.tabular)
         return loader.dataset.make_work(loader.seed)
+    if getattr(loader, "_memory_watch", None) is None:
+        forked = resolve_context(loader.multiprocessing_context).get_start_method() == "fork"
+        loader._memory_watch = CopyOnReadWatch(loader.dataset, forked=forked)
     return DatasetWork(loader.dataset, loader._collate, loader.seed)
 
 

@@ -21,8 +21,8 @@ feedgpu keeps the order, the randomness and the error handling; DALI does the pi
   the loader's ``prefetch_factor`` batches ahead, and the training step runs meanwhile.
 * Local files (a folder source) are read in Python only for the first header check; later
   epochs stat() each file and, when its length, inode and status-change time are those checked,
-  give DALI its path (``fn.io.file.read``, C++ threads): the Python side then costs ~15 us a sample
-  (one thread: ~65,000 samples/s), so it does not cap the GPU path.
+  give DALI its path (``fn.io.file.read``, C++ threads): the Python side then costs a stat() and
+  the per-sample arguments, so it does not cap the GPU path.
 * Two graph rewrites that keep the output (``bench/results/dali_cpu.md`` measures each):
   crop-on-decode — when the first stage after decode resizes a window (random resized crop,
   resize + center crop), upright JPEGs are decoded only over that window plus the resampling
@@ -35,13 +35,15 @@ feedgpu keeps the order, the randomness and the error handling; DALI does the pi
   the dynamic executor); with CUDA they are copied with DALI's ``feed_ndarray`` into reused,
   pinned host buffers (:class:`~feedgpu.exec.host_buffers.HostBuffers`) that return when the
   training loop drops the batch. GPU batches are copied on a side stream, and the training
-  loop's stream waits on it before it uses the batch.
+  loop's stream waits on it before it uses the batch (:mod:`feedgpu.exec.handoff`, shared with
+  the Python engine's device prefetch).
+
+The module holds the running engine; the graphs are built by :mod:`feedgpu.exec.dali_graph`,
+the Python side of each batch is :mod:`feedgpu.exec.dali_prepare`.
 """
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import os
 import threading
 import time
 from collections import Counter, deque
@@ -49,44 +51,18 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from ..errors import ConfigError, SampleError
-from ..stages.draws import sample_uniforms
-from ..stages.decode import UNKNOWN_KEY, Decode
-from .assemble import Assembler, BatchReport, Spares
+from ..errors import ConfigError
+from ..stages.decode import Decode
+from .assemble import Assembler, BatchReport
 from .contract import WorkBase
+from .dali_graph import DEFAULT_HW_DECODER_LOAD, build_graph, check_dali_plan, dali_available
+from .dali_prepare import BatchPreparer
+from .handoff import SideStream, hand_over
 from .host_buffers import HostBuffers
 from .plan import Plan
 from .work import Batch
 
-#: Sample groups of a batch, each run by its own DALI graph: JPEGs decoded over a window only,
-#: JPEGs decoded whole (EXIF-rotated ones, or no window stage), pixels decoded by Pillow.
-WINDOW, WHOLE, PIXELS = "window", "whole", "pixels"
-
-#: Share of JPEG decoding sent to the hardware decoder on the GPU. 0.75 was the fastest setting
-#: at 8 threads in shared/docs/anchors.md (30,851 img/s; 0.9: 29,579; defaults: 24,860 on H200).
-DEFAULT_HW_DECODER_LOAD = 0.75
-
-
-def dali_available() -> bool:
-    try:
-        return importlib.util.find_spec("nvidia.dali") is not None
-    except ModuleNotFoundError:
-        return False
-
-
-def check_dali_plan(plan: Plan) -> None:
-    """Raises :class:`ConfigError` naming the stages DALI cannot run."""
-    stages = list(plan.sample_stages) + ([plan.batch_stage] if plan.batch_stage is not None else [])
-    missing = [f"{s.name} ({getattr(s, 'label', s.name)})" for s in stages if not s.has_dali]
-    if missing:
-        raise ConfigError("engine 'dali' cannot run these stages: " + ", ".join(missing) +
-                          "; custom Python stages run on the Python pool: use engine: python")
-    if not isinstance(plan.sample_stages[0], Decode):
-        raise ConfigError("engine 'dali': the first stage must be decode")
-    undrawn = [s.name for s in plan.sample_stages[1:] if not s.deterministic and not s.draws]
-    if undrawn:   # DALI arguments are computed per batch from uniform draws (stages.draws)
-        raise ConfigError("engine 'dali': random stages must declare their uniform draws per sample "
-                          f"(the stage attribute 'draws'): {', '.join(undrawn)}")
+__all__ = ["DEFAULT_HW_DECODER_LOAD", "DaliWork", "check_dali_plan", "dali_available"]
 
 
 class DaliWork(WorkBase):
@@ -137,11 +113,9 @@ class DaliWork(WorkBase):
         self._host = None if device == "gpu" else HostBuffers(
             batch_size, self.out_shape, self.out_dtype, pinned=_cuda_available(), count=self.ahead + 2)
         self._zero_copy = _zero_copy_output(device)
-        self._stream = None
-        self._headers = _Headers(len(source))
-        # local files (a folder source) are read by DALI's C++ threads, except where the header
-        # check needs their bytes (first epoch) or Pillow decodes them
-        self._local = source.local_file(0) is not None if len(source) else False
+        self._side: SideStream | None = None   # the GPU's copy stream, made at the first GPU batch
+        self._prep_side = BatchPreparer(source, self.decode, self.ops, self.seed, on_error, self.window,
+                                        self.counters)
         self._start_threads()
         self._ahead: dict = {}   # (epoch, seq) -> (indices, Future of the finished batch)
 
@@ -198,147 +172,24 @@ class DaliWork(WorkBase):
     # -- DALI graphs ---------------------------------------------------------------------------
     def _pipe(self, group: str):
         pipe = self._pipes.get(group)
-        if pipe is not None:
-            return pipe
-        from nvidia.dali import fn, pipeline_def, types
-
-        dev = self.device
-        hw = {"hw_decoder_load": self.hw_decoder_load}
-        last = len(self.ops)
-
-        # DALI's dynamic executor (the default since DALI 2.0), asynchronous: schedule_run()
-        # returns at once, several scheduled iterations queue up and run while an earlier one's
-        # outputs are copied out; prefetch_queue_depth=1, as feedgpu feeds exactly the batches
-        # it wants (with 2, the first schedule_run would run two fed batches at once).
-        @pipeline_def(batch_size=self.batch_size, num_threads=self.threads,
-                      device_id=self.device_id if dev == "gpu" else None,
-                      exec_async=True, exec_pipelined=True, exec_dynamic=True, prefetch_queue_depth=1)
-        def graph():
-            x = fn.external_source(name="x", dtype=types.UINT8, layout=None if group != PIXELS else "HWC")
-            if self._local and group != PIXELS:
-                x = fn.io.file.read(x)   # x: the files' paths
-            if group == WINDOW:
-                x = self.decode.dali_window(x, fn.external_source(name="dec_start", dtype=types.INT32),
-                                            fn.external_source(name="dec_end", dtype=types.INT32), hw, dev)
-            elif group == WHOLE:
-                x = self.decode.dali(x, hw, dev)
-            elif dev == "gpu":
-                x = x.gpu()
-            folded = {}
-            for i, (st, names) in enumerate(zip(self.ops, self.param_names), start=1):
-                args = {n: fn.external_source(name=f"s{i}_{n}") for n in names}
-                if i == last and self.fold:
-                    folded = {dst: args[src] for src, dst in self.fold.items()}
-                    continue
-                x = st.dali(x, args, dev)
-            if self.batch_stage is not None:
-                x = self.batch_stage.dali(x, folded, dev)
-            return x
-
-        pipe = graph()
-        pipe.build()
-        self._pipes[group] = pipe
+        if pipe is None:
+            pipe = self._pipes[group] = build_graph(
+                group, batch_size=self.batch_size, threads=self.threads, device=self.device,
+                device_id=self.device_id, hw_decoder_load=self.hw_decoder_load, local=self._prep_side.local,
+                decode=self.decode, ops=self.ops, param_names=self.param_names, fold=self.fold,
+                batch_stage=self.batch_stage)
         return pipe
 
     # -- one batch -------------------------------------------------------------------------------
-    def _prepare(self, idx: int, secs: dict):
-        """Read and probe (or Python-decode) one sample: ``(group, item, width, height, label, idx)``.
-        ``item`` is the encoded file, or for a local file its path (DALI reads it), or pixels."""
-        t0 = time.perf_counter()
-        local = self.source.local_file(idx) if self._local else None
-        stamp = None   # a local file's (size, version): its header is kept for that version
-        if local is not None:
-            try:
-                st = os.stat(local[0])
-                stamp = (st.st_size, _file_version(st))
-            except OSError:
-                pass    # read() below names the error
-            else:       # a header known from an earlier epoch: DALI reads the file
-                w, h, kind = self._headers.get(idx, *stamp)
-                if kind in (_Headers.UPRIGHT, _Headers.ROTATED):
-                    secs["probe"] += time.perf_counter() - t0
-                    return self._jpeg_group(kind), _encoded_path(local[0]), w, h, local[1], idx
-        try:
-            rec = self.source.read(idx)
-        except OSError as e:
-            raise SampleError(self.source.key(idx), "unreadable", str(e)) from None
-        t1 = time.perf_counter()
-        secs["read"] += t1 - t0
-        try:
-            payload = rec.payload
-            group = PIXELS
-            if isinstance(payload, (bytes, bytearray, memoryview)):
-                # other sources: 0; a local file that changed between stat() and read: -1, not kept
-                version = 0 if local is None else (stamp[1] if stamp and stamp[0] == len(payload) else -1)
-                w, h, kind = self._headers.get(idx, len(payload), version)
-                if kind == _Headers.UNKNOWN:
-                    w, h, dali_ok, upright = self.decode.header(payload)
-                    kind = self._headers.put(idx, len(payload), version, w, h, dali_ok, upright)
-                if kind != _Headers.PILLOW:
-                    group = self._jpeg_group(kind)
-            if group == PIXELS:
-                item = np.ascontiguousarray(np.asarray(self.decode.apply(payload, None)))
-                h, w = item.shape[:2]
-                self.counters["python_decoded"] += 1
-            else:
-                item = _encoded_path(local[0]) if local is not None else np.frombuffer(payload, np.uint8)
-        except SampleError as e:
-            raise type(e)(rec.key if e.key == UNKNOWN_KEY else e.key, e.reason, e.detail) from None
-        secs["probe" if group != PIXELS else "python_decode"] += time.perf_counter() - t1
-        return group, item, w, h, rec.label, idx
-
-    def _jpeg_group(self, kind: int) -> str:
-        """The DALI graph of a JPEG DALI decodes: upright ones over their window (crop-on-decode)."""
-        return WINDOW if (kind == _Headers.UPRIGHT and self.window) else WHOLE
-
-    def _params(self, epoch: int, indices: np.ndarray, sizes: np.ndarray, window: np.ndarray) -> dict:
-        """Every stage's DALI arguments for the batch's samples (``indices``: the samples kept,
-        spares included; ``sizes``: int64 ``(n, 2)`` width, height after decode), each an array
-        with a row per sample; for the rows of ``window`` (crop-on-decode) the decode window too."""
-        params = {}
-        for i, st in enumerate(self.ops, start=1):
-            u = None if st.deterministic else sample_uniforms(self.seed, epoch, indices, i, st.draws)
-            args, out = st.dali_params(sizes, u)
-            if i == 1 and window.any():
-                args = _decode_windows(args, sizes, out, window, params)
-            for n, v in args.items():
-                params[f"s{i}_{n}"] = v
-            sizes = out
-        return params
-
     def prefetch(self, seq: int, epoch: int, indices: np.ndarray, spares: np.ndarray) -> None:
         """Start batch ``seq``: its Python side on the helper thread, then DALI, while the
         training loop works on earlier batches. Batches start in the order of the calls; a batch
         already started is left as it is."""
         if (epoch, seq) not in self._ahead:
-            job = _InFlight(self._prep.submit(self._prepare_batch, epoch, indices, spares), len(indices))
+            job = _InFlight(self._prep.submit(self._prep_side.batch, epoch, indices, spares), len(indices))
             with self._lock:
                 self._queue.append(job)
             self._ahead[(epoch, seq)] = (indices, self._runner.submit(self._compute, job))
-
-    def _prepare_batch(self, epoch: int, indices: np.ndarray, spares: np.ndarray):
-        rep = BatchReport(stage_seconds=Counter())
-        supply = Spares(spares, self.on_error, rep.skipped, len(indices))
-        secs = rep.stage_seconds
-        rows = [supply.run(lambda i: self._prepare(i, secs), idx) for idx in indices.tolist()]
-        t0 = time.perf_counter()
-        kinds, items, ws, hs, labels, used = zip(*rows)
-        kinds = np.array(kinds)
-        sizes = np.stack([np.array(ws, np.int64), np.array(hs, np.int64)], axis=1)
-        params = self._params(epoch, np.array(used, np.int64), sizes, kinds == WINDOW)
-        groups = {}   # group -> (positions, items, {argument: array with a row per position})
-        for g in (WINDOW, WHOLE, PIXELS):
-            pos = np.flatnonzero(kinds == g)
-            self.counters[f"{g}_decoded" if g != PIXELS else "pixels_fed"] += len(pos)
-            if g != WINDOW:   # only the crop-on-decode rows have a decode window
-                pos_params = {n: v[pos] for n, v in params.items() if not n.startswith("dec_")}
-            else:
-                pos_params = {n: v if n.startswith("dec_") else v[pos] for n, v in params.items()}
-            at = pos.tolist()
-            groups[g] = (at, [items[j] for j in at], pos_params)
-        secs["params"] += time.perf_counter() - t0
-        rep.rows = len(indices)
-        return groups, np.array(labels, np.int64), rep
 
     def _compute(self, job: "_InFlight"):
         """On the runner thread: ``(images or None, labels, report, DALI's exception or None,
@@ -417,9 +268,7 @@ class DaliWork(WorkBase):
         if error is not None:
             return self._fallback(seq, epoch, indices, spares, error, rep)
         if event is not None:  # the training loop's stream waits for the copy on the side stream
-            stream = torch.cuda.current_stream(images.device)
-            stream.wait_event(event)
-            images.record_stream(stream)
+            hand_over(event, images)
         self.counters["batches"] += 1
         return Batch(images, torch.from_numpy(labels)), rep
 
@@ -455,10 +304,10 @@ class DaliWork(WorkBase):
         dtype = getattr(torch, self.out_dtype)
         stream = None
         if self.device == "gpu":
-            if self._stream is None:
-                self._stream = torch.cuda.Stream(f"cuda:{self.device_id}")
-            stream = self._stream
-            with torch.cuda.stream(stream):
+            if self._side is None:
+                self._side = SideStream(f"cuda:{self.device_id}")
+            stream = self._side.stream
+            with self._side.use():
                 out = torch.empty((n, *self.out_shape), dtype=dtype, device=f"cuda:{self.device_id}")
             buf = None
         elif self._zero_copy and len(job.fed) == 1 and len(groups[job.fed[0]][0]) == n:
@@ -475,48 +324,16 @@ class DaliWork(WorkBase):
                 dst = out if whole else torch.empty((len(pos), *self.out_shape), dtype=dtype, device=out.device)
                 feed_ndarray(tl, dst, cuda_stream=stream)
                 if not whole:
-                    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    with self._side.use() if stream is not None else contextlib.nullcontext():
                         out[torch.as_tensor(pos, device=out.device)] = dst
         except BaseException:
             if buf is not None:
                 self._host.give_back(buf)
             raise
         if stream is not None:
-            event = torch.cuda.Event()
-            event.record(stream)
-            return out, event
+            return out, self._side.record()
         del out
         return self._host.hand_out(buf, n), None
-
-
-class _Headers:
-    """What :meth:`Decode.header` found per sample, kept for later epochs (17 bytes a sample):
-    the size after EXIF orientation and how the file is decoded. Keyed by index and checked
-    against the file's length and, for local files, its version (:func:`_file_version`; 0 for
-    other sources), so a replaced or rewritten file is probed again. Files the header check rejects are
-    not kept: they are skipped (or raise) every epoch."""
-
-    UNKNOWN, UPRIGHT, ROTATED, PILLOW = 0, 1, 2, 3
-
-    def __init__(self, n: int):
-        self.size = np.zeros((n, 2), np.int32)
-        self.kind = np.zeros(n, np.int8)
-        self.nbytes = np.zeros(n, np.int64)
-        self.version = np.zeros(n, np.int64)
-
-    def get(self, idx: int, nbytes: int, version: int = 0) -> tuple[int, int, int]:
-        if (idx >= len(self.kind) or self.nbytes[idx] != nbytes or self.version[idx] != version
-                or version < 0):
-            return 0, 0, self.UNKNOWN
-        w, h = self.size[idx]
-        return int(w), int(h), int(self.kind[idx])
-
-    def put(self, idx: int, nbytes: int, version: int, w: int, h: int, dali_ok: bool, upright: bool) -> int:
-        kind = (self.UPRIGHT if upright else self.ROTATED) if dali_ok else self.PILLOW
-        if idx < len(self.kind) and version >= 0:
-            self.size[idx] = (w, h)
-            self.kind[idx], self.nbytes[idx], self.version[idx] = kind, nbytes, version
-        return kind
 
 
 class _InFlight:
@@ -529,45 +346,6 @@ class _InFlight:
         self.prepared, self.n = prepared, n
         self.fed: list[str] = []
         self.error: Exception | None = None
-
-
-def _decode_windows(args: dict, sizes: np.ndarray, out: np.ndarray, rows: np.ndarray, params: dict) -> dict:
-    """For crop-on-decode: the window of each stored image of ``rows`` (a boolean mask) to
-    decode — the stage's resize window (float32 ``(n, 2)`` ``(y, x)`` ``roi_start``/``roi_end``)
-    widened by the resampling filter's reach, so the resize sees the same pixels as on the whole
-    image, and clamped to it — into ``params`` (int32 ``(rows, 2)`` ``dec_start``/``dec_end``, one
-    row per True of ``rows``); returns the stage's windows with those rows shifted into the
-    decoded ones.
-
-    An antialiased linear or cubic filter reaches ``scale`` (or 2 ``scale``) source pixels from
-    an output pixel's centre when shrinking by ``scale``, at least 1 (2) when enlarging; the margin
-    is 2 ``scale`` + 2, enough for both (DALI resampling, dali/kernels/imgproc/resample)."""
-    w, h = sizes[rows, 0], sizes[rows, 1]
-    ow, oh = np.maximum(out[rows, 0], 1), np.maximum(out[rows, 1], 1)
-    start, end = args["roi_start"][rows].astype(np.float64), args["roi_end"][rows].astype(np.float64)
-    lo, hi = np.minimum(start, end), np.maximum(start, end)
-    scale = np.maximum(np.maximum((hi[:, 0] - lo[:, 0]) / oh, (hi[:, 1] - lo[:, 1]) / ow), 1.0)
-    m = (2.0 * scale + 2.0)[:, None]
-    top_left = np.maximum(0, np.floor(lo - m)).astype(np.int32)
-    bottom_right = np.minimum(np.stack([h, w], axis=1), np.ceil(hi + m)).astype(np.int32)
-    params["dec_start"], params["dec_end"] = top_left, bottom_right
-    shift = np.zeros_like(args["roi_start"])
-    shift[rows] = top_left
-    return {**args, "roi_start": args["roi_start"] - shift, "roi_end": args["roi_end"] - shift}
-
-
-def _file_version(st: os.stat_result) -> int:
-    """A local file's version for the kept headers: its inode and status-change time (ns) folded
-    into a non-negative int64. Not the modification time, which tools set back (``cp -p``,
-    ``rsync -a``, ``exiftool -P`` after rewriting an orientation tag, ``os.utime``): the
-    status-change time moves with every write, ``utime`` or rename and cannot be set, and the
-    inode tells apart a file renamed over the checked one."""
-    return hash((st.st_ino, st.st_ctime_ns)) & 0x7FFFFFFFFFFFFFFF
-
-
-def _encoded_path(path: str) -> np.ndarray:
-    """A path as ``fn.io.file.read`` takes it: its UTF-8 bytes as a uint8 array."""
-    return np.frombuffer(path.encode("utf-8", "surrogateescape"), np.uint8)
 
 
 def _zero_copy_output(device: str) -> bool:

@@ -1,15 +1,19 @@
-"""Reusable host buffers for batches an engine copies out of another library (DALI).
+"""Reusable host buffers for batches: those an engine copies out of another library (DALI), and
+the pinned staging buffers of the copy to the GPU (:class:`~feedgpu.prefetch.CudaPrefetcher`).
 
-A fresh ``torch.empty`` of a float32 224 px batch of 256 is 154 MB that the kernel maps and
-zeroes page by page on the first write: copying DALI's output into it cost 0.348 ms per sample
-here, against ~0.1 ms into a buffer already written once (``bench/results/dali_cpu.md``,
-variants ``prep_thread`` and ``prep_thread_reused``: 581 and 730 samples/s).
+A fresh ``torch.empty`` of a batch is memory the kernel maps and zeroes page by page on the
+first write, which makes the first copy into it several times slower than a copy into a buffer
+written once (``bench/results/dali_cpu.md``, variants ``prep_thread`` and ``prep_thread_reused``).
 
-The buffers are handed to the training loop without a copy and come back when the last tensor
-viewing them is garbage-collected (the scheme of :class:`~feedgpu.exec.shm.BatchSlots`:
-``torch.from_numpy`` keeps the numpy array it wraps alive for as long as any tensor shares its
-storage, and a ``weakref.finalize`` on that array returns the buffer). A batch the consumer
-keeps is therefore never overwritten; when all buffers are held a fresh one is allocated.
+A buffer comes back in one of two ways:
+
+* handed to the training loop without a copy (:meth:`HostBuffers.hand_out`), it returns when the
+  last tensor viewing it is garbage-collected (the scheme of :class:`~feedgpu.exec.shm.BatchSlots`:
+  ``torch.from_numpy`` keeps the numpy array it wraps alive for as long as any tensor shares its
+  storage, and a ``weakref.finalize`` on that array returns the buffer). A batch the consumer
+  keeps is therefore never overwritten; when all buffers are held a fresh one is allocated;
+* copied from on a CUDA stream (:meth:`HostBuffers.give_back_after`), it returns once the event
+  recorded after the copy has completed.
 """
 from __future__ import annotations
 
@@ -39,6 +43,7 @@ class HostBuffers:
         self._made = 0
         self._kept: list[np.ndarray] = []   # the buffers kept for reuse (at most ``count``)
         self._lock = threading.Lock()
+        self._pending: list[tuple[np.ndarray, object]] = []   # (buffer, CUDA event of its last copy)
         self.fresh = 0      # batches that found every kept buffer held
 
     def _allocate(self) -> np.ndarray:
@@ -50,10 +55,23 @@ class HostBuffers:
         return arr
 
     def take(self) -> np.ndarray:
-        """A whole buffer: a free one, a new kept one, or (all held) a fresh untracked one."""
+        """A whole buffer: a free one (one whose copy has completed counts), a new kept one, the
+        oldest one still being copied from once its copy completes, or (all held) a fresh
+        untracked one."""
         with self._lock:
+            still = []
+            for arr, event in self._pending:
+                if event.query():
+                    self._free.append(arr)
+                else:
+                    still.append((arr, event))
+            self._pending = still
             if self._free:
                 return self._free.pop()
+            if self._pending and self._made >= self.count:
+                arr, event = self._pending.pop(0)
+                event.synchronize()
+                return arr
             keep = self._made < self.count
             if keep:
                 self._made += 1
@@ -73,6 +91,13 @@ class HostBuffers:
         if self._is_kept(arr):
             with self._lock:
                 self._free.append(arr)
+
+    def give_back_after(self, arr: np.ndarray, event) -> None:
+        """Return a buffer once ``event`` (a ``torch.cuda.Event`` recorded after the last copy
+        out of it) has completed; :meth:`take` checks with ``event.query()``."""
+        if self._is_kept(arr):
+            with self._lock:
+                self._pending.append((arr, event))
 
     def hand_out(self, arr: np.ndarray, rows: int):
         """A torch tensor over ``arr[:rows]``; ``arr`` returns to the free list when that tensor

@@ -3,7 +3,7 @@
 The pool makes a :class:`Board` (one shared-memory file, mapped before the workers start: forked
 workers inherit it, spawned ones get its descriptor, see :mod:`feedgpu.exec.shm`) and
 each worker writes, before every stage, the stage's name, the sample's index and the time into
-its own slot (:func:`at`, one ``pack_into``), and before each task how many tasks it has taken
+its own slot (:func:`at`, a few array writes), and before each task how many tasks it has taken
 from its queue (:func:`took`: a worker that dies is blamed for that task without a message
 per task). When no batch comes within ``timeout``, the main process reads
 the slots and names the stuck stage and sample in the :class:`~feedgpu.errors.LoaderTimeout`,

@@ -51,7 +51,7 @@ class RemoteConfig:
         base_windows: windows at the current setting averaged for the rate a step is compared
             with, at most (3).
         start_windows: windows a new remote worker may take to start before it is given back
-            (20; ours: an actor's process starts in 1-3 s on a busy 2-core machine, windows are
+            (20; ours: an actor's process takes seconds to start on a busy machine, windows are
             >= 1 s).
         recheck_windows: windows after which an add found not worth it is tried again (60).
         drift_threshold: demand falling by more than this re-opens a release (0.15).

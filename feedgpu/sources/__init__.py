@@ -8,9 +8,26 @@ from .tar import TarShardSource
 __all__ = ["DatasetSource", "FolderSource", "ParquetSource", "Record", "Source", "TarShardSource", "open_source"]
 
 
+#: Options of the tar and Parquet sources for URLs (the shard cache and the store's options).
+REMOTE_OPTIONS = ("cache_dir", "cache_budget", "storage_options")
+
+
 def open_source(format: str, path=None, **options) -> Source:
-    """Open a source by format name: ``folder``, ``tar`` or ``parquet``."""
+    """Open a source by format name: ``folder``, ``tar`` or ``parquet``.
+
+    For ``tar`` and ``parquet``, ``path`` may be URLs (``s3://``, ``gs://``, ``http(s)://``,
+    ``file://``) or an index file, read through the node-local shard cache: ``cache_dir``
+    (default ``<user cache dir>/feedgpu/shards``), ``cache_budget`` (bytes or ``"200GiB"``,
+    default no limit) and ``storage_options`` (passed to the store's fsspec filesystem;
+    credentials come the store's standard way). Raises :class:`~feedgpu.errors.ConfigError`
+    when these are given to a folder source."""
     if format == "folder":
+        given = [k for k in REMOTE_OPTIONS if options.pop(k, None) is not None]
+        if given:
+            from ..errors import ConfigError
+
+            raise ConfigError(f"source: {', '.join(given)} apply to tar and parquet sources read from URLs, "
+                              "not to a folder")
         return FolderSource(path, **options)
     if format == "tar":
         return TarShardSource(path, **options)

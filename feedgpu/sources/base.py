@@ -89,13 +89,19 @@ def class_names(first_file, labels: np.ndarray) -> list[str]:
     """Class names for ``labels``: the :data:`CLASS_NAMES_FILE` beside ``first_file`` when it
     names every label, else the labels as strings (``[]`` without labels). Bytes that are not
     UTF-8 come back as surrogate escapes, as Python gives such folder names."""
-    n = int(labels.max()) + 1 if len(labels) and labels.max() >= 0 else 0
     path = os.path.join(os.path.dirname(os.path.abspath(first_file)), CLASS_NAMES_FILE)
     try:
         with open(path, encoding="utf-8", errors="surrogateescape", newline="") as f:
             text = f.read()
     except OSError:
         text = ""
+    return class_names_from_text(text, labels)
+
+
+def class_names_from_text(text: str, labels: np.ndarray) -> list[str]:
+    """Class names for ``labels`` from the text of a :data:`CLASS_NAMES_FILE` (``""``: none), as
+    :func:`class_names` reads it."""
+    n = int(labels.max()) + 1 if len(labels) and labels.max() >= 0 else 0
     # one name a line, "\n" only ("\r", "\x0b", "\u2028" ... may be in a name); %25, %0A and %0D
     # stand for "%", a newline and a carriage return (encode_class_name)
     names = [_NAME_ESCAPES.sub(lambda m: _NAME_CHARS[m.group()], line.removesuffix("\r"))
@@ -103,28 +109,47 @@ def class_names(first_file, labels: np.ndarray) -> list[str]:
     return names if n and len(names) >= n else [str(c) for c in range(n)]
 
 
+def index_dtype(largest: int) -> np.dtype:
+    """The narrowest of uint16, uint32 and int64 that holds every value in ``[0, largest]``:
+    the dtype of an index array of ids, offsets or sizes (memory per sample)."""
+    largest = int(largest)
+    if largest < 1 << 16:
+        return np.dtype(np.uint16)
+    if largest < 1 << 32:
+        return np.dtype(np.uint32)
+    return np.dtype(np.int64)
+
+
+def index_array(values) -> np.ndarray:
+    """``values`` (non-negative ints) as an array of :func:`index_dtype` of their maximum."""
+    a = np.asarray(values, dtype=np.int64)
+    return a.astype(index_dtype(a.max() if a.size else 0))
+
+
 class StringTable:
-    """Many strings in two arrays: one UTF-8 byte blob and int64 offsets (no per-item objects)."""
+    """Many strings in two arrays: one UTF-8 byte blob and offsets into it (no per-item objects).
+    The offsets are uint32 while the blob is under 4 GiB (:func:`index_dtype`), else int64."""
 
     def __init__(self, items: Sequence[str]):
         encoded = [s.encode("utf-8", "surrogateescape") for s in items]
-        self.offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+        offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
         if encoded:
-            np.cumsum([len(b) for b in encoded], out=self.offsets[1:])
+            np.cumsum([len(b) for b in encoded], out=offsets[1:])
+        self.offsets = offsets.astype(np.uint32 if offsets[-1] < 1 << 32 else np.int64)
         self.blob = np.frombuffer(b"".join(encoded), dtype=np.uint8) if encoded else np.zeros(0, np.uint8)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
     def __getitem__(self, i: int) -> str:
-        a, b = self.offsets[i], self.offsets[i + 1]
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         return self.blob[a:b].tobytes().decode("utf-8", "surrogateescape")
 
     def take(self, keep: np.ndarray) -> "StringTable":
         return StringTable([self[int(i)] for i in keep])
 
     def digest(self, h) -> None:
-        h.update(self.offsets.tobytes())
+        h.update(self.offsets.astype(np.int64, copy=False).tobytes())   # as int64: fingerprints stay
         h.update(self.blob.tobytes())
 
 
@@ -185,10 +210,31 @@ class Source:
     def key(self, index: int) -> str:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def fit_memory(self, cache_bytes: int) -> None:
+        """Size this source's per-process read cache to ``cache_bytes`` (called by the loader
+        from its memory budget before its workers start, see :mod:`feedgpu.exec.memory_budget`).
+        Sources without such a cache ignore it."""
+
     def local_file(self, index: int) -> tuple[str, int] | None:
         """``(path, label)`` when the sample is a whole local file another reader may open
         itself (the DALI engine's ``fn.io.file.read``), else None."""
         return None
+
+    def shard_of(self) -> np.ndarray:
+        """The shard of each sample (int32 array, one entry per sample, ids in
+        ``[0, len(shard_names()))``): the unit a shard-aware shuffle keeps together and a shard
+        cache fetches (:mod:`feedgpu.shard_order`). One shard (all zeros) unless the source has
+        files of many samples (tar shards, Parquet files)."""
+        return np.zeros(len(self), np.int32)
+
+    def shard_names(self) -> list[str]:
+        """One name per shard (a path or URL for sources of files), index = shard id."""
+        return [f"{self.format} source"]
+
+    def shard_sizes(self) -> np.ndarray:
+        """Samples in each shard (int64, one entry per shard of :meth:`shard_names`; 0 for a
+        shard whose records were all left out while indexing)."""
+        return np.bincount(self.shard_of(), minlength=len(self.shard_names())).astype(np.int64)
 
     def identity(self) -> str:
         """A stable hex digest of what the source holds (for state and cache fingerprints)."""

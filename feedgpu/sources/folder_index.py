@@ -96,7 +96,7 @@ def save(path: Path, meta: dict, arrays: dict, walk_start_ns: int) -> bool:
     and whatever the source needs back (classes, rejects); ``arrays`` the :data:`_ARRAYS`."""
     if any(d[3] >= walk_start_ns - RACY_NS for d in meta["dirs"]):
         return False
-    from .. import __version__
+    from .._version import __version__
 
     header = dict(meta, format=INDEX_FORMAT, feedgpu=__version__,
                   arrays=[[name, len(arrays[name])] for name, _ in _ARRAYS])
@@ -130,7 +130,7 @@ def load(path: Path, root: str, key: str) -> tuple[dict, dict] | None:
     """``(meta, arrays)`` from a saved index that is whole, of this feedgpu version, for this
     key, and whose folders and watched entries are unchanged; else None (a warning when the file
     is corrupt or of another version; none when it is missing or merely stale)."""
-    from .. import __version__
+    from .._version import __version__
 
     try:
         with open(path, "rb") as f:
@@ -181,6 +181,30 @@ def discard(path: Path) -> None:
         os.unlink(path)
     except OSError:
         pass
+
+
+def saved_indexes(folder: Path | None = None) -> list[Path]:
+    """The saved index files in ``folder`` (default :func:`default_index_dir`), with the
+    temporary files an interrupted save left, sorted by name."""
+    folder = default_index_dir() if folder is None else Path(folder)
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if p.suffix == ".idx" and p.is_file())
+
+
+def clear_saved(folder: Path | None = None) -> tuple[int, int]:
+    """Delete every saved index in ``folder`` (see :func:`saved_indexes`); returns ``(files,
+    bytes)`` deleted. A source opened from one keeps its arrays (they were read); the next
+    source opened on that root indexes afresh."""
+    n = size = 0
+    for p in saved_indexes(folder):
+        try:
+            b = p.stat().st_size
+            p.unlink()
+        except OSError:
+            continue
+        n, size = n + 1, size + b
+    return n, size
 
 
 def now_ns() -> int:

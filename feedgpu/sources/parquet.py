@@ -5,8 +5,9 @@ through a small per-process LRU cache, so a batch that touches a row group reads
 Shuffled access over a dataset much larger than the cache reads each row group often: write
 such datasets with small row groups (``feedgpu convert`` uses ~8 MiB).
 
-Memory: a row group whose image column is over ``max(1 MiB, cache_bytes / 4)`` (uncompressed, from
-the file's metadata) is read in slices of that size (``iter_batches``: later slices of one group
+Memory: ``cache_bytes`` is sized by the loader's per-worker memory budget unless given
+(:mod:`feedgpu.exec.memory_budget`). A row group whose image column is over
+``max(1 MiB, cache_bytes / 4)`` (uncompressed, from the file's metadata) is read in slices of that size (``iter_batches``: later slices of one group
 continue the same reader, an earlier one restarts it), so a process holds about ``cache_bytes``
 plus one slice and one Parquet page for a source, whatever the row-group size (a page is read
 whole: pyarrow writes up to 1024 values to a page unless told otherwise, so 1024 images of 2 MB
@@ -14,6 +15,10 @@ make one 2 GB page; ``feedgpu convert`` writes pages of ~1 MiB). Shuffled reads
 of such groups cost a re-read from the group's start per slice missed. A ``binary`` column of
 more than 2 GiB comes from Arrow as several chunks, read as they are (joining them would overflow
 ``binary``'s 32-bit offsets); ``large_binary`` columns are read the same way.
+Files are read through 1 MiB buffers, not memory-mapped and not pre-buffered: a mapped file's
+pages count in the reading process's unique memory for as long as they stay mapped, and a
+pre-buffered read holds a row group's whole column chunk, slices or not. After a slice is read or
+the cache evicts, Arrow's allocator is told to return the freed memory.
 """
 from __future__ import annotations
 
@@ -26,12 +31,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ..errors import SourceError
-from .base import Record, Source, class_names, expand_paths
+from ..errors import DownloadError, SampleError, SourceError
+from .base import CLASS_NAMES_FILE, Record, Source, class_names, class_names_from_text, expand_paths, index_array
 
 _NULL = np.iinfo(np.int64).min   # a null label while indexing
 _HUGE = _NULL + 1                 # a uint64 label that int64 cannot hold
 _CORRUPT = _NULL + 2              # a label in a row group whose label column cannot be read
+_READ_BUFFER = 1 << 20            # bytes per read of a column chunk (see the module docstring)
+_MAX_OPEN_REMOTE = 8              # remote files a process keeps open (pinned in the shard cache)
 
 
 def _int64_labels(col: pa.ChunkedArray) -> np.ndarray:
@@ -70,7 +77,20 @@ class ParquetSource(Source):
         files: a directory (its ``*.parquet``), a glob, a path or a list of these.
         image_column: binary / large_binary column with encoded image bytes (default ``"image"``).
         label_column: integer column (default ``"label"``); ``None`` for unlabeled data (-1).
-        cache_bytes: bytes of decoded row groups kept per process (default 256 MiB).
+        cache_bytes: bytes of decoded row groups kept per process; default (None): sized by the
+            loader's memory budget (:meth:`fit_memory`), 256 MiB outside a loader. A value given
+            here is kept.
+        cache_dir, cache_budget, storage_options, cache: for URLs, the node-local shard cache, as
+            for :class:`~feedgpu.sources.tar.TarShardSource`.
+
+    URLs (``s3://``, ``gs://``, ``http(s)://``, ``file://``; a glob or folder where the store
+    lists, a list, or the index file ``feedgpu convert`` writes): indexing reads each file's
+    footer and label column by ranged reads, without downloading its images; a file is
+    downloaded whole into the shard cache when its first image is read (one download per node,
+    then read as a local file: a file is the unit the cache verifies, locks and evicts).
+    A file that cannot be downloaded makes each of its rows a skipped sample of reason
+    ``"bad shard"``; one the store cannot be reached for while indexing is left out as
+    ``"bad shard"``; one changed since indexing raises :class:`~feedgpu.errors.RemoteChangedError`.
 
     Raises :class:`SourceError` when a file or column is missing or has the wrong type, a file
     is not Parquet, or no row is left; a file cut before its footer (it starts as Parquet, or is
@@ -85,27 +105,45 @@ class ParquetSource(Source):
     format = "parquet"
 
     def __init__(self, files, image_column: str = "image", label_column: str | None = "label",
-                 cache_bytes: int = 256 << 20):
+                 cache_bytes: int | None = None, *, cache_dir=None, cache_budget=None, storage_options=None,
+                 cache=None):
         super().__init__()
-        self.files = expand_paths(files, ".parquet")
+        self._remote = None
+        from ..remote.index import is_index
+        from ..remote.urls import has_url
+
+        if has_url(files) or is_index(files):
+            from ..remote.files import RemoteFiles, make_cache
+
+            self._remote = RemoteFiles(files, ".parquet", "parquet",
+                                       make_cache(cache, cache_dir, cache_budget, storage_options))
+            self.files = self._remote.urls
+        else:
+            self.files = expand_paths(files, ".parquet")
         if not self.files:
             raise SourceError(f"parquet source: no files match {files!r}")
         self.image_column = image_column
         self.label_column = label_column
-        self.cache_bytes = cache_bytes
+        self._cache_given = cache_bytes is not None
+        self.cache_bytes = int(cache_bytes) if cache_bytes is not None else 256 << 20
         fids, rgs, rows, labels = [], [], [], []
         self._meta = []
         self._corrupt: dict = {}   # (file, row group) -> why its labels cannot be read
         self._rg_starts = []  # per file: first row (in the file) of each row group, for keys
         for fid, path in enumerate(self.files):
-            if not os.path.isfile(path):
+            remote = self._remote.files[fid] if self._remote is not None else None
+            if remote is None and not os.path.isfile(path):
                 raise SourceError(f"parquet source: {path} is not a file")
+            if remote is not None and remote.identity is None:   # the store could not be reached for it
+                self.reject(path, "bad shard", remote.error)
+                self._meta.append((path, -1, ""))
+                self._rg_starts.append(np.zeros(1, np.int64))
+                continue
             try:
-                pf = pq.ParquetFile(path)
+                pf = pq.ParquetFile(path if remote is None else self._remote.open(fid))   # URL: ranged reads
             except (pa.ArrowException, OSError) as e:
-                self._unreadable(path, e)   # a cut file: rejected; not Parquet at all: SourceError
-                st = os.stat(path)
-                self._meta.append((os.path.abspath(path), st.st_size, st.st_mtime_ns))
+                self._unreadable(path, e, fid)   # a cut file: rejected; not Parquet at all: SourceError
+                self._meta.append(self._file_meta(fid))
                 self._rg_starts.append(np.zeros(1, np.int64))
                 continue
             schema = pf.schema_arrow
@@ -119,8 +157,7 @@ class ParquetSource(Source):
                     else pa.types.is_integer(t)
                 if not ok:
                     raise SourceError(f"parquet source: column {col!r} in {path} is {t}, expected {want}")
-            st = os.stat(path)
-            self._meta.append((os.path.abspath(path), st.st_size, st.st_mtime_ns))
+            self._meta.append(self._file_meta(fid))
             self._rg_starts.append(np.cumsum([0] + [pf.metadata.row_group(rg).num_rows
                                                     for rg in range(pf.num_row_groups)], dtype=np.int64))
             for rg in range(pf.num_row_groups):
@@ -155,14 +192,15 @@ class ParquetSource(Source):
             reason = "bad label" if _NULL < v < -1 else "missing label"
             self.reject(self.key(i), reason, "null label" if v == _NULL
                         else "label over 2**63 - 1 (labels are int64)" if v == _HUGE else f"label {v}")
-        keep = ~bad
-        self.file_ids, self.row_groups, self.rows = file_ids[keep], row_groups[keep], rows_[keep]
+        keep = ~bad   # ids in the narrowest dtype they fit (index_array): 16 bytes a row with the label
+        self.file_ids, self.row_groups, self.rows = (index_array(a[keep]) for a in (file_ids, row_groups, rows_))
         self.labels = labels_[keep]
         self._warn_rejected()
         if len(self.labels) == 0:
             raise self._nothing_left(f"parquet source: no rows left in {len(self.files)} file(s)"
                                       + (f" ({len(self.rejected)} left out while indexing)" if self.rejected else ""))
-        self.classes = class_names(self.files[0], self.labels)
+        self.classes = (class_names(self.files[0], self.labels) if self._remote is None else
+                        class_names_from_text(self._remote.text_beside(CLASS_NAMES_FILE), self.labels))
         self._cache: OrderedDict = OrderedDict()   # (file, row group, slice or -1) -> _Chunks
         self._cached = 0
         self._slicing: dict = {}                    # (file, row group) -> rows per slice (0: whole)
@@ -171,17 +209,39 @@ class ParquetSource(Source):
         self._pid = os.getpid()
         self._lock = threading.Lock()
 
-    def _unreadable(self, path: str, error: Exception) -> None:
+    def fit_memory(self, cache_bytes: int) -> None:
+        """The cache (and so the slice size, a quarter of it) from the loader's memory budget,
+        unless ``cache_bytes`` was given; takes effect in processes that have read nothing yet."""
+        if not self._cache_given and int(cache_bytes) != self.cache_bytes:
+            self.cache_bytes = max(1 << 20, int(cache_bytes))
+            self._slicing = {}
+
+    def _file_meta(self, fid: int) -> tuple:
+        """What the fingerprint holds of a file: path, size, mtime; for a URL: URL, size, ETag
+        (or the store's modification time), never a local path."""
+        if self._remote is not None:
+            ident = self._remote.files[fid].identity
+            return (ident.url, ident.size, ident.etag or ident.mtime)
+        st = os.stat(self.files[fid])
+        return (os.path.abspath(self.files[fid]), st.st_size, st.st_mtime_ns)
+
+    def _unreadable(self, path: str, error: Exception, fid: int) -> None:
         """A file pyarrow cannot open: one that starts as Parquet (``PAR1``) or is empty was cut
         before its footer, where Parquet keeps its index, so all its rows are lost: rejected as
         ``"truncated file"``, named. Anything else raises :class:`SourceError`."""
-        with open(path, "rb") as f:
+        with (open(path, "rb") if self._remote is None else self._remote.open(fid)) as f:
             head = f.read(4)
         if head in (b"PAR1", b""):
             self.reject(path, "truncated file", f"{error}; its rows are lost (Parquet's index is at the "
                         "end of the file)")
             return
         raise SourceError(f"parquet source: {path} is not a Parquet file ({error})") from None
+
+    @property
+    def remote(self):
+        """The :class:`~feedgpu.remote.files.RemoteFiles` of a source read from URLs (its
+        ``cache``, and ``fetch_async(i)`` to fetch file ``i`` ahead), else None."""
+        return self._remote
 
     def __getstate__(self) -> dict:
         """Pickled (to a Ray worker) without this process's open files, cached row groups and lock."""
@@ -198,6 +258,15 @@ class ParquetSource(Source):
         fid, rg, r = int(self.file_ids[index]), int(self.row_groups[index]), int(self.rows[index])
         return f"{self.files[fid]}#{int(self._rg_starts[fid][rg]) + r}"
 
+    def shard_of(self) -> np.ndarray:
+        """The shard of each row: its file's index in :attr:`files` (int32; a file is the unit
+        a shard cache downloads)."""
+        return self.file_ids
+
+    def shard_names(self) -> list[str]:
+        """The files' paths, index = shard id."""
+        return list(self.files)
+
     def _rows_of(self, fid: int, rg: int, r: int):
         """``(column part, row in it)`` for row ``r`` of row group ``rg``."""
         with self._lock:  # the DALI engine reads from a helper thread too
@@ -205,8 +274,19 @@ class ParquetSource(Source):
                 self._cache, self._cached, self._files, self._pid = OrderedDict(), 0, {}, os.getpid()
                 self._live = None
             pf = self._files.get(fid)
-            if pf is None:
-                pf = self._files[fid] = pq.ParquetFile(self.files[fid], memory_map=True)
+            if pf is None and self._remote is None:
+                pf = self._files[fid] = pq.ParquetFile(self.files[fid], buffer_size=_READ_BUFFER,
+                                                                 pre_buffer=False)
+            elif pf is None:
+                while len(self._files) >= _MAX_OPEN_REMOTE:   # the oldest may be evicted again
+                    old = next(iter(self._files))
+                    del self._files[old]
+                    self._remote.cache.unpin(self.files[old])
+                pf = self._files[fid] = self._remote.open_local(fid, 
+                                                                 lambda p: pq.ParquetFile(p, buffer_size=_READ_BUFFER,
+                                                                                          pre_buffer=False))
+            elif self._remote is not None:
+                self._files[fid] = self._files.pop(fid)   # most recently used last
             k = self._slice_rows(pf, fid, rg)
             if k == 0:
                 return self._cached_part((fid, rg, -1), lambda: pf.read_row_group(rg, columns=[self.image_column])
@@ -258,14 +338,20 @@ class ParquetSource(Source):
         col = _Chunks(read())
         self._cache[key] = col
         self._cached += col.nbytes
+        evicted = False
         while self._cached > self.cache_bytes and len(self._cache) > 1:
-            _, old = self._cache.popitem(last=False)
-            self._cached -= old.nbytes
+            self._cached -= self._cache.popitem(last=False)[1].nbytes
+            evicted = True
+        if evicted or key[2] >= 0:   # Arrow's allocator keeps freed memory unless told
+            pa.default_memory_pool().release_unused()
         return col
 
     def read(self, index: int) -> Record:
         fid, rg, r = int(self.file_ids[index]), int(self.row_groups[index]), int(self.rows[index])
-        part, at = self._rows_of(fid, rg, r)
+        try:
+            part, at = self._rows_of(fid, rg, r)
+        except DownloadError as e:
+            raise SampleError(self.key(index), "bad shard", str(e)) from None
         value = part[at]
         data = memoryview(value.as_buffer()) if value.is_valid else b""
         return Record(data, int(self.labels[index]), self.key(index))

@@ -5,8 +5,7 @@ samples are then read with ``os.pread`` straight from the shard, so nothing is e
 member names with absolute paths or ``..`` are only keys, never file-system paths. Symbolic and
 hard link members are left out while indexing (reason ``"link member, not followed"``), so a
 link never makes feedgpu read another member or a file outside the shard; FIFO and device
-entries likewise (``"not a regular file"``). Member names that are
-not UTF-8 are kept byte-exact (surrogate escapes) in keys.
+entries likewise (``"not a regular file"``). Non-UTF-8 member names stay byte-exact in keys.
 
 The key rule. Members are grouped as WebDataset groups them (``webdataset.tariterators.
 base_plus_ext``): the group key is the member name up to the first dot of its base name, the
@@ -49,8 +48,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..errors import SourceError
-from .base import Record, Source, StringTable, class_names, expand_paths
+from ..errors import DownloadError, SampleError, SourceError
+from .base import CLASS_NAMES_FILE, Record, Source, StringTable, class_names, class_names_from_text, expand_paths, \
+    index_array
 
 IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "tif", "tiff", "gif")
 LABEL_SUFFIXES = ("cls.txt", "cls", "label")
@@ -58,6 +58,9 @@ _OTHER_LABEL_FIELDS = ("json", "txt", "id", "class", "target")   # WebDataset fi
 _COMPRESSED = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00", b"\x28\xb5\x2f\xfd")
 _LABEL_BYTES = 64
 _MAX_LABEL = np.iinfo(np.int64).max   # labels are held as int64
+#: Remote shards a process keeps open (pinned in the shard cache) at once; the least recently
+#: read is closed first, so a dataset larger than the cache's budget can be read.
+MAX_OPEN_REMOTE = 8
 
 
 def split_member(name: str) -> tuple[str | None, str]:
@@ -96,7 +99,22 @@ class TarShardSource(Source):
     docstring).
 
     Args:
-        shards: a directory holding ``*.tar``, a glob, a path, or a list of these.
+        shards: a directory holding ``*.tar``, a glob, a path, or a list of these; or URLs
+            (``s3://``, ``gs://``, ``http(s)://``, ``file://``: a glob or folder where the store
+            lists, a list of URLs, or the index file ``feedgpu convert`` writes, ``_index.json``).
+        cache_dir, cache_budget, storage_options, cache: for URLs, the node-local shard cache
+            (:class:`~feedgpu.remote.cache.ShardCache`: its folder, default
+            ``<user cache dir>/feedgpu/shards``; its disk budget, bytes or ``"200GiB"``, default
+            none; fsspec options of the store) or a cache to share.
+
+    URLs: shards are read from local copies in the shard cache, downloaded whole when first
+    read (with an index file, whose member table is the index, no shard is needed to open the
+    source; without one, each shard is downloaded while indexing). A shard that cannot be
+    downloaded after the cache's retries is left out while indexing as ``"bad shard"``, named
+    (its records, named, when the index file lists them); one that fails when read makes each
+    of its samples a skipped sample of reason ``"bad shard"``, counted in the loader's skip
+    budget. A shard changed on the store since the source was opened raises
+    :class:`~feedgpu.errors.RemoteChangedError` when read. Keys and fingerprints use the URLs.
 
     Labels come from the ``.cls`` member (a non-negative integer as text); a source with no
     label member but ``.json``/``.txt``/... members is unlabeled, with one warning saying so.
@@ -107,9 +125,20 @@ class TarShardSource(Source):
 
     format = "tar"
 
-    def __init__(self, shards):
+    def __init__(self, shards, *, cache_dir=None, cache_budget=None, storage_options=None, cache=None):
         super().__init__()
-        self.shards = expand_paths(shards, ".tar")
+        self._remote = None
+        from ..remote.index import is_index
+        from ..remote.urls import has_url
+
+        if has_url(shards) or is_index(shards):
+            from ..remote.files import RemoteFiles, make_cache
+
+            self._remote = RemoteFiles(shards, ".tar", "tar",
+                                       make_cache(cache, cache_dir, cache_budget, storage_options))
+            self.shards = self._remote.urls
+        else:
+            self.shards = expand_paths(shards, ".tar")
         if not self.shards:
             raise SourceError(f"tar source: no shards match {shards!r}")
         keys: list[str] = []
@@ -119,33 +148,25 @@ class TarShardSource(Source):
         labels: list[int] = []     # -2: no label (decided once every shard is indexed)
         labeled = False
         other_labels = 0           # members that may hold a label feedgpu does not read (.json ...)
-        for sid, path in enumerate(self.shards):
-            groups: dict[str, dict] = {}
-            self._cut = False
-            last = None
-            with open(path, "rb") as raw:
-                for m in self._members(path, raw):
-                    key, field = split_member(m.name)
-                    if key is None:
-                        if m.name.lower().endswith(tuple("." + e for e in IMAGE_SUFFIXES)):
-                            self.reject(f"{path}:{m.name}", "no key", "its base name starts with a dot: "
-                                        "WebDataset readers skip it too")
-                        continue
-                    kind, qual = _kind(field)
-                    if kind is None:
-                        other_labels += field in _OTHER_LABEL_FIELDS
-                        continue
-                    g = last = groups.setdefault(key, {"image": {}, "label": {}, "first": m.name})
-                    g[kind].setdefault(qual, []).append(m)
-                    if kind == "label":
-                        labeled = True
-                for g in groups.values():
-                    for m, label in self._samples(path, raw, g, self._cut and g is last):
-                        keys.append(m.name)
-                        shard_ids.append(sid)
-                        offsets.append(m.offset)
-                        sizes.append(m.size)
-                        labels.append(label)
+        for sid, path, local in self._locals():
+            if local is None:
+                continue
+            if isinstance(local, dict):   # the index file's member table, or one the shard cache kept
+                part = local
+                for key, reason, detail in part.get("rejected", ()):
+                    self.reject(key, reason, detail)
+            else:
+                part = self._index_shard(path, local)
+                if self._remote is not None:
+                    f = self._remote.files[sid]
+                    self._remote.cache.save_index(f.identity, "tar", part)
+            keys.extend(part["members"])
+            shard_ids.extend([sid] * len(part["members"]))
+            offsets.extend(part["offsets"])
+            sizes.extend(part["sizes"])
+            labels.extend(part["labels"])
+            labeled = labeled or part.get("labeled", any(lab >= 0 for lab in part["labels"]))
+            other_labels += part.get("other", 0)
         keep = []
         for i, label in enumerate(labels):
             if label != -2:
@@ -164,20 +185,116 @@ class TarShardSource(Source):
         if not keep:
             raise self._nothing_left(f"tar source: no samples left in {len(self.shards)} shard(s)"
                                       + (f" ({len(self.rejected)} left out while indexing)" if self.rejected else ""))
-        self.members = StringTable([keys[i] for i in keep])
-        self.shard_ids = np.asarray([shard_ids[i] for i in keep], dtype=np.int32)
-        self.offsets = np.asarray([offsets[i] for i in keep], dtype=np.int64)
-        self.sizes = np.asarray([sizes[i] for i in keep], dtype=np.int64)
-        self.labels = np.maximum(np.asarray([labels[i] for i in keep], dtype=np.int64), -1)
-        self.classes = class_names(self.shards[0], self.labels)
+        self._store([keys[i] for i in keep], [shard_ids[i] for i in keep], [offsets[i] for i in keep],
+                    [sizes[i] for i in keep], [labels[i] for i in keep])
+        self.classes = (class_names(self.shards[0], self.labels) if self._remote is None else
+                        class_names_from_text(self._remote.text_beside(CLASS_NAMES_FILE), self.labels))
         self._fds: dict[int, int] = {}
         self._pid = os.getpid()
 
+    def _store(self, keys, shard_ids, offsets, sizes, labels) -> None:
+        """The index arrays, each in the narrowest dtype its values fit (:func:`index_array`:
+        uint32 offsets and sizes in shards under 4 GiB), int64 labels (-2, no label, becomes -1).
+        Samples come shard after shard, so a sample's shard is found from each shard's first
+        sample (one int64 per shard) instead of an id per sample; ids out of that order are kept
+        as an array."""
+        self.members = StringTable(keys)
+        ids = index_array(shard_ids)
+        if ids.size == 0 or bool((ids[1:] >= ids[:-1]).all()):
+            self._shard_starts = np.searchsorted(ids, np.arange(int(ids.max(initial=0)) + 2)).astype(np.int64)
+            self._shard_ids = None
+        else:
+            self._shard_starts, self._shard_ids = None, ids
+        self.offsets = index_array(offsets)
+        self.sizes = index_array(sizes)
+        self.labels = np.maximum(np.asarray(labels, dtype=np.int64), -1)
+
+    def _index_shard(self, path: str, local: str) -> dict:
+        """One shard's samples (``members``, ``offsets``, ``sizes``, ``labels``: -2 for none),
+        whether it has label members (``labeled``), its ``other`` label-like members and the
+        records it ``rejected`` (``[key, reason, detail]``, also added to :attr:`rejected`)."""
+        members, offsets, sizes, labels = [], [], [], []
+        labeled, other_labels, first = False, 0, len(self.rejected)
+        groups: dict[str, dict] = {}
+        self._cut = False
+        last = None
+        with open(local, "rb") as raw:
+            for m in self._members(path, raw, local):
+                key, field = split_member(m.name)
+                if key is None:
+                    if m.name.lower().endswith(tuple("." + e for e in IMAGE_SUFFIXES)):
+                        self.reject(f"{path}:{m.name}", "no key", "its base name starts with a dot: "
+                                    "WebDataset readers skip it too")
+                    continue
+                kind, qual = _kind(field)
+                if kind is None:
+                    other_labels += field in _OTHER_LABEL_FIELDS
+                    continue
+                g = last = groups.setdefault(key, {"image": {}, "label": {}, "first": m.name})
+                g[kind].setdefault(qual, []).append(m)
+                if kind == "label":
+                    labeled = True
+            for g in groups.values():
+                for m, label in self._samples(path, raw, g, self._cut and g is last):
+                    members.append(m.name)
+                    offsets.append(m.offset)
+                    sizes.append(m.size)
+                    labels.append(label)
+        rejected = [[k, r, self.rejected_details.get(k, "")] for k, r in self.rejected[first:]]
+        return {"members": members, "offsets": offsets, "sizes": sizes, "labels": labels,
+                "labeled": labeled, "other": other_labels, "rejected": rejected}
+
+    def _locals(self):
+        """``(shard id, name, local path | member table | None)`` per shard: a local shard is
+        its own path; a remote one is downloaded (up to the cache's ``max_downloads`` ahead,
+        pinned until indexed) unless the index file holds its member table; one that cannot be
+        downloaded is left out as ``"bad shard"`` (None)."""
+        if self._remote is None:
+            yield from ((sid, p, p) for sid, p in enumerate(self.shards))
+            return
+        files, cache = self._remote.files, self._remote.cache
+        ahead: dict = {}
+        window = cache.max_downloads   # shards pinned ahead: within the budget
+        if cache.budget_bytes is not None:
+            biggest = max((f.identity.size for f in files if f.identity is not None), default=1)
+            window = max(1, min(window, cache.budget_bytes // max(1, biggest)))
+
+        def submit(j):
+            f = files[j]
+            if f.samples is None and f.identity is not None and j not in ahead \
+                    and cache.load_index(f.identity, "tar") is None:
+                cache.pin(f.url)
+                ahead[j] = cache.fetch_async(f.url, f.identity, f.sha256)
+
+        for sid, f in enumerate(files):
+            for j in range(sid, min(len(files), sid + window)):
+                submit(j)
+            if f.identity is None:   # the store could not be reached for it
+                names = [f"{f.url}:{m}" for m in f.samples["members"]] if f.samples else [f.url]
+                for name in names:
+                    self.reject(name, "bad shard", f.error)
+                continue
+            if f.samples is not None:
+                yield sid, f.url, f.samples
+                continue
+            saved = cache.load_index(f.identity, "tar")   # indexed on an earlier run: no download
+            if saved is not None:
+                ahead.pop(sid, None)
+                yield sid, f.url, saved
+                continue
+            try:
+                yield sid, f.url, ahead.pop(sid).result()
+            except DownloadError as e:
+                self.reject(f.url, "bad shard", str(e))
+            finally:
+                cache.unpin(f.url)
+
     # -- indexing ----------------------------------------------------------------------------
-    def _members(self, path: str, raw):
-        """The regular-file members of one shard, in order; what the shard's end or a bad header
-        cuts off is recorded as a ``"truncated shard"`` / ``"corrupt shard"`` entry."""
-        if not os.path.isfile(path):
+    def _members(self, path: str, raw, local: str):
+        """The regular-file members of one shard (named ``path``, read from ``local``), in order;
+        what the shard's end or a bad header cuts off is recorded as a ``"truncated shard"`` /
+        ``"corrupt shard"`` entry."""
+        if not os.path.isfile(local):
             raise SourceError(f"tar source: {path} is not a file")
         size = os.fstat(raw.fileno()).st_size
         magic = raw.read(6)
@@ -188,7 +305,7 @@ class TarShardSource(Source):
             raise SourceError(f"tar source: {path} is compressed; random access needs plain, "
                               "uncompressed .tar shards")
         try:
-            tf = tarfile.open(path, mode="r:")
+            tf = tarfile.open(local, mode="r:")
         except tarfile.ReadError as e:
             if size < tarfile.BLOCKSIZE:
                 self.reject(path, "truncated shard", f"{size} bytes: cut inside the first header")
@@ -287,6 +404,12 @@ class TarShardSource(Source):
                 for m in labs:
                     self.reject(f"{path}:{m.name}", "no image", "a label without its image")
 
+    @property
+    def remote(self):
+        """The :class:`~feedgpu.remote.files.RemoteFiles` of a source read from URLs (its
+        ``cache``, and ``fetch_async(i)`` to fetch shard ``i`` ahead), else None."""
+        return self._remote
+
     def __getstate__(self) -> dict:
         """Pickled (to a Ray worker) without this process's file descriptors."""
         state = self.__dict__.copy()
@@ -297,35 +420,72 @@ class TarShardSource(Source):
         self.__dict__.update(state)
         self._pid = os.getpid()
 
-    def _fd(self, sid: int) -> int:
+    def _fd(self, sid: int, index: int) -> int:
         if self._pid != os.getpid():  # forked: file offsets are shared, descriptors are not ours
             self._fds, self._pid = {}, os.getpid()
         fd = self._fds.get(sid)
         if fd is None:
-            fd = self._fds[sid] = os.open(self.shards[sid], os.O_RDONLY)
+            if self._remote is None:
+                fd = self._fds[sid] = os.open(self.shards[sid], os.O_RDONLY)
+                return fd
+            while len(self._fds) >= MAX_OPEN_REMOTE:   # the oldest open shard may be evicted again
+                old = next(iter(self._fds))
+                os.close(self._fds.pop(old))
+                self._remote.cache.unpin(self.shards[old])
+            try:
+                fd = self._remote.open_local(sid, lambda p: os.open(p, os.O_RDONLY))
+            except DownloadError as e:
+                raise SampleError(self.key(index), "bad shard", str(e)) from None
+            self._fds[sid] = fd
+        elif self._remote is not None:
+            self._fds[sid] = self._fds.pop(sid)   # most recently used last
         return fd
 
+    @property
+    def shard_ids(self) -> np.ndarray:
+        """Each sample's shard (made on request: the index holds each shard's first sample)."""
+        starts = self._shard_starts
+        return self._shard_ids if self._shard_ids is not None else np.repeat(
+            index_array(np.arange(len(starts) - 1)), np.diff(starts))
+
+    def _shard_of(self, index: int) -> int:
+        ids = self._shard_ids
+        return int(ids[index]) if ids is not None else int(np.searchsorted(self._shard_starts, index, side="right")) - 1
+
     def key(self, index: int) -> str:
-        return f"{self.shards[self.shard_ids[index]]}:{self.members[index]}"
+        return f"{self.shards[self._shard_of(index)]}:{self.members[index]}"
+
+    def shard_of(self) -> np.ndarray:
+        """The shard of each sample: its index in :attr:`shards` (int32, as :attr:`shard_ids`)."""
+        return self.shard_ids
+
+    def shard_names(self) -> list[str]:
+        """The shards' paths, index = shard id."""
+        return list(self.shards)
 
     def read(self, index: int) -> Record:
-        sid = int(self.shard_ids[index])
-        data = os.pread(self._fd(sid), int(self.sizes[index]), int(self.offsets[index]))
+        sid = self._shard_of(index)
+        data = os.pread(self._fd(sid, index), int(self.sizes[index]), int(self.offsets[index]))
         return Record(data, int(self.labels[index]), self.key(index))
 
     def _digest(self, h) -> None:
-        for p in self.shards:
+        if self._remote is not None:   # URL, size and ETag: the same on a machine with a new cache
+            self._remote.digest(h)
+        for p in self.shards if self._remote is None else ():
             st = os.stat(p)
             h.update(f"{os.path.abspath(p)}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
         self.members.digest(h)
-        h.update(self.offsets.tobytes())
+        h.update(self.offsets.astype(np.int64, copy=False).tobytes())   # as int64: fingerprints stay
 
     def __del__(self):
-        for fd in getattr(self, "_fds", {}).values():
+        remote = getattr(self, "_remote", None)
+        for sid, fd in getattr(self, "_fds", {}).items():
             try:
                 os.close(fd)
             except OSError:
                 pass
+            if remote is not None and self._pid == os.getpid():
+                remote.cache.unpin(self.shards[sid])
 
 
 def _read_label(raw, m: _Member) -> int | None:

@@ -55,7 +55,7 @@ class Stage:
     def torch_baseline(self) -> list:
         """The torchvision-style callables doing this stage's work the way a plain
         ``torch.utils.data`` user writes it (PIL in, PIL out; a batch stage: PIL in, tensor
-        out), for ``feedgpu bench``'s torch baseline (:mod:`feedgpu.baseline`). Stages that do
+        out), for ``feedgpu bench``'s torch baseline (:mod:`feedgpu.bench.torch_baseline`). Stages that do
         not override it have no baseline: the bench then says so and runs without one."""
         raise NotImplementedError
 

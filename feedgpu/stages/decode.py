@@ -27,7 +27,7 @@ The format is found from the bytes, never from the file name. Rules for unusual 
   ``MAX_IMAGE_PIXELS``) is rejected from its header, before any pixel is decoded.
 
 Failures raise :class:`~feedgpu.errors.DecodeError` with reason ``"empty"``, ``"not an image"``,
-``"unsupported pixel format"`` (above), ``"unsupported format"`` (an image format recognised from its bytes, such as WebP, AVIF or HEIC,
+``"unsupported pixel format"`` (above), ``"unsupported format"`` (an image format recognised from its bytes, such as WebP, AVIF, HEIC or a 12-bit JPEG,
 that this PIL build cannot decode, or a compression it has no decoder for, such as LZW or JPEG
 in a TIFF without libtiff: Pillow-SIMD is often built without libwebp or libtiff; see
 ``python -m PIL.report``), ``"too many pixels"``, ``"truncated"`` or ``"corrupt"``.
@@ -43,7 +43,7 @@ from PIL import Image, UnidentifiedImageError
 from ..errors import DecodeError
 from ..spec import ImageSpec
 from .base import SampleStage
-from .jpeg_header import read_jpeg_header, scan_end_error
+from .jpeg_header import jpeg_precision, read_jpeg_header, scan_end_error
 from .params import RGB, PositiveInt
 
 IMAGENET_MEAN_PIXEL = (124, 116, 104)
@@ -219,6 +219,10 @@ class Decode(SampleStage):
             return Image.open(io.BytesIO(data))
         except UnidentifiedImageError:
             fmt = sniff_format(data)
+            precision = jpeg_precision(data)
+            if precision not in (None, 8):
+                raise DecodeError(key, "unsupported format", f"{precision}-bit JPEG: Pillow decodes 8-bit "
+                                  "JPEGs only") from None
             if fmt is not None:
                 raise DecodeError(key, "unsupported format", f"{fmt}: this PIL build cannot decode it "
                                   "(python -m PIL.report lists the supported formats)") from None

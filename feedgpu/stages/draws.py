@@ -10,9 +10,9 @@ Each value is the SplitMix64 output function (Steele, Lea & Flood, "Fast splitta
 number generators", OOPSLA 2014; constants from Vigna's ``splitmix64.c``) applied to a key that
 chains the seed, the epoch, the stage position and the sample index through the same function,
 plus the draw number times the golden-ratio increment. The top 53 bits give a float64 uniform in
-``[0, 1)``. Keying the generator per sample costs nothing per sample, where a NumPy
-``Generator`` seeded through ``SeedSequence`` costs ~17 us each (``sample_rng``, which custom
-stages still get).
+``[0, 1)``. Keying the generator per sample costs a few integer operations per sample, where a
+NumPy ``Generator`` seeded through ``SeedSequence`` (``sample_rng``, which custom stages still
+get) costs far more than the draws it then makes.
 """
 from __future__ import annotations
 
@@ -72,8 +72,8 @@ def sample_uniforms(seed: int, epoch: int, indices, stage_pos: int, k: int) -> n
 
 class Draws:
     """One sample's draws, computed when indexed: ``draws[j]`` is a float in ``[0, 1)``, the
-    same value as ``sample_uniforms(seed, epoch, [index], stage_pos, j + 1)[0, j]`` (~0.5 us
-    each, so a stage pays only for the draws it uses)."""
+    same value as ``sample_uniforms(seed, epoch, [index], stage_pos, j + 1)[0, j]`` (computed on
+    demand, so a stage pays only for the draws it uses)."""
 
     __slots__ = ("_base",)
 

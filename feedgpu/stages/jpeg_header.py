@@ -1,5 +1,6 @@
 """A JPEG header reader for the common case: size, components and EXIF orientation from the
-markers before the first scan, without building a PIL image (~11 us instead of ~45 us a file).
+markers before the first scan, without building a PIL image (a fraction of what opening the file
+with PIL costs).
 
 It answers only for baseline/progressive 8-bit JPEGs with 1 or 3 components whose orientation
 is in an EXIF APP1 block it can read; for anything else (MPO files, an XMP block without an EXIF
@@ -97,6 +98,34 @@ def read_jpeg_header(data) -> JpegHeader | None:
     if precision != 8 or comps not in (1, 3) or width == 0 or height == 0 or (xmp_seen and not orientation):
         return None
     return JpegHeader(width, height, comps, orientation or 1)
+
+
+def jpeg_precision(data) -> int | None:
+    """The sample precision in bits (8, 12 or 16) of a JPEG's first frame header, or ``None``
+    when ``data`` is not a JPEG or no frame header is found in its first 64 KiB."""
+    head = bytes(data[:65536])
+    if head[:2] != b"\xff\xd8":
+        return None
+    pos = 2
+    while pos + 4 < len(head):
+        if head[pos] != 0xFF:
+            return None
+        marker = head[pos + 1]
+        if marker == 0xFF:
+            pos += 1
+            continue
+        if marker in _STANDALONE or marker == 0x01:
+            pos += 2
+            continue
+        if marker in _SOF:
+            return head[pos + 4]
+        if marker in (0xD9, 0xDA):
+            return None
+        (length,) = struct.unpack_from(">H", head, pos + 2)
+        if length < 2:
+            return None
+        pos += 2 + length
+    return None
 
 
 def _exif_orientation(tiff: bytes) -> int | None:

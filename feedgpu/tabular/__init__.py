@@ -8,4 +8,4 @@ from .ops import Stage
 from .pipeline import TablePipeline
 from .source import SchemaError, TableSource
 
-__all__ = ["TablePipeline", "TableSource", "SchemaError", "Stage"]
+__all__ = ["SchemaError", "Stage", "TablePipeline", "TableSource"]

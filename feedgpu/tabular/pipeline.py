@@ -260,7 +260,7 @@ class TablePipeline:
     def fingerprint(self) -> str:
         """Hex digest of everything the outputs depend on: table format, feedgpu version, source and
         dimension tables, join and stage configurations, fit states (``fit_store.hash()``), outputs."""
-        from .. import __version__
+        from .._version import __version__
 
         return digest({"format": TABLE_FORMAT, "feedgpu": __version__, "source": self.source.identity(),
                        "joins": [(j.identity, j.on, j.columns) for j in self.joins],

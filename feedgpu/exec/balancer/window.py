@@ -20,7 +20,7 @@ class Record:
         rate_m2: sum of squared deviations of the rate (Welford).
         wait: mean share of the loop's step time spent waiting for a batch.
         cores: mean cores the workers used.
-        rss: mean bytes the loader held.
+        rss: mean bytes the loader held, over the windows that measured it (``rss_n``).
         demand: mean demand rate (samples / busy time) over windows where it was finite, 0
             when none was.
     """
@@ -31,6 +31,7 @@ class Record:
     wait: float = 0.0
     cores: float = 0.0
     rss: float = 0.0
+    rss_n: int = 0
     demand: float = 0.0
     demand_n: int = 0
 
@@ -43,7 +44,9 @@ class Record:
         self.rate_m2 += d * (m.delivered_rate - self.rate)
         self.wait += (m.wait_fraction - self.wait) * k
         self.cores += (m.cpu_cores_used - self.cores) * k
-        self.rss += (m.rss_bytes - self.rss) * k
+        if m.rss_bytes > 0:   # 0: not measured in this window
+            self.rss_n += 1
+            self.rss += (m.rss_bytes - self.rss) / self.rss_n
         if m.demand_rate is not None and not math.isinf(m.demand_rate):
             self.demand_n += 1
             self.demand += (m.demand_rate - self.demand) / self.demand_n

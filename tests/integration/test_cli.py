@@ -1,0 +1,138 @@
+"""The ``feedgpu`` command line, through click's runner and once as the installed console script."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from conftest import REPO
+
+TRAIN = REPO / "pipelines" / "imagenet_train.yaml"
+VAL = REPO / "pipelines" / "imagenet_val.yaml"
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def cli():
+    from feedgpu.cli.main import main
+
+    return main
+
+
+def run(cli, *args):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+@pytest.mark.parametrize("path", [TRAIN, VAL], ids=lambda p: p.name)
+def test_validate_ok(cli, path):
+    res = run(cli, "pipeline", "validate", path)
+    assert res.exit_code == 0, res.output
+    assert f"{path}: ok" in res.stdout
+    assert "batch 256" in res.stdout
+
+
+def test_validate_reports_the_key_path_with_exit_code_2(cli, tmp_path):
+    data = yaml.safe_load(TRAIN.read_text())
+    data["stages"][1]["sizee"] = 224
+    data["stages"][1]["interpolation"] = "cubicx"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(data))
+    res = run(cli, "pipeline", "validate", bad)
+    assert res.exit_code == 2
+    assert res.stdout == ""
+    assert "stages[1] (random_resized_crop)" in res.stderr and "allowed keys" in res.stderr
+    assert "interpolation" in res.stderr and "'bicubic'" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_validate_with_overrides(cli):
+    res = run(cli, "pipeline", "validate", TRAIN, "--set", "loader.batch_size=64", "--set", "loader.num_workers=0")
+    assert res.exit_code == 0 and "batch 64" in res.stdout and "0 workers" in res.stdout
+    res = run(cli, "pipeline", "validate", TRAIN, "--set", "loader.batch_size=zero")
+    assert res.exit_code == 2 and "loader.batch_size" in res.stderr
+    res = run(cli, "pipeline", "validate", TRAIN, "--set", "nonsense")
+    assert res.exit_code == 2 and "KEY=VALUE" in res.output
+
+
+def test_validate_missing_file(cli, tmp_path):
+    res = run(cli, "pipeline", "validate", tmp_path / "nope.yaml")
+    assert res.exit_code == 2 and "no such pipeline file" in res.stderr
+
+
+def test_explain_shows_the_stage_table_and_output_shape(cli, folder_ds):
+    res = run(cli, "pipeline", "explain", TRAIN, "--data", folder_ds, "--device", "cpu")
+    assert res.exit_code == 0, res.output
+    out = res.stdout
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:1] == ["stage"])
+    table = [line.split()[0] for line in lines[header + 2:header + 7]]
+    assert table == ["source", "decode", "random_resized_crop", "horizontal_flip", "normalize"]
+    assert "[256, 3, 224, 224]" in out and "float32" in out
+    assert f"folder at {folder_ds}" in out
+
+
+def test_explain_without_data_still_plans(cli):
+    res = run(cli, "pipeline", "explain", VAL, "--device", "cpu", "--set", "loader.batch_size=32")
+    assert res.exit_code == 0, res.output
+    assert "[32, 3, 224, 224]" in res.stdout and "(path not set)" in res.stdout
+
+
+def test_doctor(cli):
+    res = run(cli, "doctor")
+    assert res.exit_code == 0, res.output
+    assert "PIL:" in res.stdout and "torch:" in res.stdout and "DALI:" in res.stdout and "Ray:" in res.stdout
+    res = run(cli, "doctor", "--json")
+    info = json.loads(res.stdout)
+    import PIL
+    import torch
+
+    assert info["pil"]["version"] == PIL.__version__ and info["torch"] == torch.__version__
+    assert info["cuda_available"] == torch.cuda.is_available()
+    import ray
+
+    assert info["ray"] == ray.__version__  # the test environment has the ray extra
+    assert info["pil"]["simd"] is True  # the project's environment runs Pillow-SIMD
+
+
+def test_console_script_runs(folder_ds):
+    exe = shutil.which("feedgpu", path=str(Path(sys.executable).parent))
+    assert exe, "the feedgpu console script is not installed beside this Python"
+    ok = subprocess.run([exe, "pipeline", "explain", str(VAL), "--data", str(folder_ds), "--device", "cpu"],
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "resize_center_crop" in ok.stdout and "[256, 3, 224, 224]" in ok.stdout
+    bad = subprocess.run([exe, "pipeline", "validate", str(REPO / "pyproject.toml")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "Traceback" not in bad.stderr
+    version = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=120)
+    assert version.returncode == 0 and "0.1.0" in version.stdout
+
+
+@pytest.mark.timeout(240)
+def test_bench_writes_json_with_both_loaders(cli, folder_ds, tmp_path):
+    pytest.importorskip("feedgpu.bench.measure")
+    out = tmp_path / "out.json"
+    res = run(cli, "bench", "--data", folder_ds, "--batches", 3, "--rounds", 1, "--workers", 1, "--batch-size", 8,
+              "--warmup", 1, "--json", out)
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    assert set(doc["summary"]) == {"feedgpu", "torch"}
+    for name in ("feedgpu", "torch"):
+        s = doc["summary"][name]
+        assert s["workers"] == 1 and s["rounds"] == 1 and s["samples_per_s"] > 0
+    assert doc["settings"]["timed_batches"] == 3 and doc["settings"]["batch_size"] == 8
+    assert {r["loader"] for r in doc["runs"]} == {"feedgpu", "torch"}
+    assert "feedgpu" in res.stdout and "torch" in res.stdout
+    # memory per worker next to throughput: USS, its growth over the run, feedgpu's budget
+    assert "USS/worker MB" in res.stdout and "feedgpu's budget" in res.stdout
+    for name in ("feedgpu", "torch"):
+        s = doc["summary"][name]
+        assert s["uss_mb_per_worker"] > 0 and s["cow_growth_mb_per_worker"] is not None
+    assert doc["summary"]["feedgpu"]["worker_memory_mb"] >= 64
