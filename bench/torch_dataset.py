@@ -14,11 +14,17 @@ Two map-style Datasets, each given to both loaders with the same arguments (``ba
 
 Rounds alternate the two loaders (torch first, then feedgpu, per round, in one process), each
 timing ``--epochs`` epochs after one warm-up batch; the result is samples/s, the median over
-rounds, and the ratio of medians and per round. Results: ``bench/results/torch_dataset.{json,md}``.
+rounds, and the ratio of medians and per round. The loaders alternate which runs first (the
+order rotates each round). Beside the rate, each run records the CPU time it used per batch in
+the main process (``time.process_time``: all its threads) and in its worker processes
+(``/proc/<pid>/stat``, user + system), which a machine shared with other work disturbs less than
+the rate; the load average is recorded at the start and the end.
+Results: ``bench/results/torch_dataset.{json,md}``.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -30,7 +36,7 @@ import torch.utils.data as tud
 from PIL import Image
 
 import feedgpu
-from bench.harness import RESULTS, machine, md_table, write_results
+from bench.harness import RESULTS, alternating, machine, md_table, write_results
 from feedgpu.sample_data import default_sample
 
 
@@ -68,20 +74,38 @@ class Tiny(tud.Dataset):
         return torch.full((16,), float(i)), i
 
 
-def run(make, ds, args) -> float:
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run(make, ds, args) -> dict:
+    """One timed run: ``rate`` (samples/s), ``main_ms`` and ``workers_ms`` (CPU ms per batch)."""
     loader = make(ds, batch_size=args.batch_size, shuffle=True, num_workers=args.workers,
                   persistent_workers=args.workers > 0)
     it = iter(loader)
     next(it)  # warm-up: workers started
-    n, t0 = 0, time.perf_counter()
+    if not args.workers:
+        pids = []
+    elif isinstance(loader, feedgpu.DataLoader):
+        pids = loader.worker_pids()
+    else:
+        pids = [w.pid for w in it._workers]   # torch's iterator keeps its worker processes there
+    w0, m0 = sum(map(cpu_s, pids)), time.process_time()
+    n, batches, t0 = 0, 0, time.perf_counter()
     for _, labels in it:
         n += len(labels)
+        batches += 1
     for _ in range(args.epochs - 1):
         for _, labels in loader:
             n += len(labels)
-    rate = n / (time.perf_counter() - t0)
+            batches += 1
+    wall = time.perf_counter() - t0
+    main_ms = 1e3 * (time.process_time() - m0) / batches
+    workers_ms = 1e3 * (sum(map(cpu_s, pids)) - w0) / batches
     del it, loader
-    return rate
+    return {"rate": n / wall, "main_ms": main_ms, "workers_ms": workers_ms}
 
 
 def main() -> None:
@@ -93,26 +117,35 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=1000)
     ap.add_argument("--tiny", type=int, default=100_000)
     ap.add_argument("--out", default=str(RESULTS), help="where torch_dataset.json/.md go")
+    ap.add_argument("--note", default="", help="said with the machine (e.g. who else used it)")
     args = ap.parse_args()
     t0 = time.perf_counter()
+    load_start = [round(x, 2) for x in os.getloadavg()]
     datasets = {"jpeg": JpegFolder(default_sample(args.images, progress=False)), "tiny": Tiny(args.tiny)}
     loaders = {"torch": tud.DataLoader, "feedgpu": feedgpu.DataLoader}
-    rates = {d: {k: [] for k in loaders} for d in datasets}
-    for r in range(args.rounds):
+    runs = {d: {k: [] for k in loaders} for d in datasets}
+    order = alternating(list(loaders), args.rounds, rotate=True)
+    for r in range(1, args.rounds + 1):
+        names = [name for rr, name in order if rr == r]
         for d, ds in datasets.items():
-            for name, make in loaders.items():
-                rates[d][name].append(run(make, ds, args))
-            print(f"round {r + 1}/{args.rounds} {d}: " +
-                  ", ".join(f"{k} {v[-1]:,.0f}/s" for k, v in rates[d].items()), flush=True)
+            for name in names:
+                runs[d][name].append(run(loaders[name], ds, args))
+            print(f"round {r}/{args.rounds} {d} ({' first, '.join(names)} second): " +
+                  ", ".join(f"{k} {v[-1]['rate']:,.0f}/s" for k, v in runs[d].items()), flush=True)
     summary = {}
-    for d, v in rates.items():
-        per_round = [f / t for f, t in zip(v["feedgpu"], v["torch"])]
-        summary[d] = {"samples_per_s": v, "median": {k: statistics.median(x) for k, x in v.items()},
-                      "ratio_of_medians": statistics.median(v["feedgpu"]) / statistics.median(v["torch"]),
-                      "ratio_per_round": per_round}
-    doc = {"format": "feedgpu.bench.torch_dataset/1", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-           "command": "python -m bench.torch_dataset " + " ".join(sys.argv[1:]), "machine": machine(),
-           "settings": {k: v for k, v in vars(args).items() if k != "out"}, "results": summary,
+    for d, v in runs.items():
+        rates = {k: [x["rate"] for x in xs] for k, xs in v.items()}
+        per_round = [f / t for f, t in zip(rates["feedgpu"], rates["torch"])]
+        cpu = {k: {part: [x[part] for x in xs] for part in ("main_ms", "workers_ms")} for k, xs in v.items()}
+        summary[d] = {"samples_per_s": rates, "median": {k: statistics.median(x) for k, x in rates.items()},
+                      "ratio_of_medians": statistics.median(rates["feedgpu"]) / statistics.median(rates["torch"]),
+                      "ratio_per_round": per_round, "cpu_ms_per_batch": cpu,
+                      "median_cpu_ms_per_batch": {k: {part: statistics.median(x) for part, x in c.items()}
+                                                  for k, c in cpu.items()}}
+    doc = {"format": "feedgpu.bench.torch_dataset/2", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+           "command": "python -m bench.torch_dataset " + " ".join(sys.argv[1:]),
+           "machine": machine(load_average_start=load_start, note=args.note),
+           "settings": {k: v for k, v in vars(args).items() if k not in ("out", "note")}, "results": summary,
            "total_seconds": round(time.perf_counter() - t0, 1)}
     write_results(args.out, "torch_dataset", doc, markdown)
 
@@ -126,9 +159,27 @@ def markdown(doc: dict) -> str:
         f"Recorded {doc.get('created', '?')} with `{doc.get('command', 'python bench/torch_dataset.py').strip()}` "
         f"({doc.get('total_seconds', 0):.0f} s). Machine: {m.get('cpus_usable', m.get('cpus'))} CPUs "
         f"({m.get('cpu_model', '?')}), {m.get('ram_gb', '?')} GB, {m['platform']}, Python {m['python']}, torch "
-        f"{m['torch']}, load average {m.get('load_average')}. Settings: {doc['settings']}.", "",
+        f"{m['torch']}, load average {m.get('load_average_start', '?')} at the start, {m.get('load_average')} at "
+        f"the end. {m.get('note', '')} Settings: {doc['settings']}.", "",
         *md_table(("dataset", "torch (median samples/s)", "feedgpu", "ratio of medians", "per round"), rows,
-                  "lrrrl")]) + "\n"
+                  "lrrrl"), *cpu_table(doc)]) + "\n"
+
+
+def cpu_table(doc: dict) -> list[str]:
+    """CPU ms per batch, median (range over rounds), by dataset and loader (absent before format 2)."""
+    rows = []
+    for d, s in doc["results"].items():
+        c, m = s.get("cpu_ms_per_batch"), s.get("median_cpu_ms_per_batch")
+        if c is None:
+            return []
+
+        def cell(k, part, c=c, m=m):
+            return f"{m[k][part]:.2f} ({min(c[k][part]):.2f}-{max(c[k][part]):.2f})"
+        rows.append((d, cell("torch", "main_ms"), cell("feedgpu", "main_ms"), cell("torch", "workers_ms"),
+                     cell("feedgpu", "workers_ms")))
+    return ["", "CPU time per batch, ms: median (range over rounds); main process with its threads, worker "
+            "processes summed.", "",
+            *md_table(("dataset", "torch main", "feedgpu main", "torch workers", "feedgpu workers"), rows)]
 
 
 if __name__ == "__main__":

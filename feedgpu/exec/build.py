@@ -9,7 +9,8 @@ from __future__ import annotations
 from .assemble import Assembler
 from .memory_budget import apply_budget
 from .memory_watch import CopyOnReadWatch
-from .process_pool import ProcessPool, draw_base_seed, resolve_context
+from .pool_start import draw_base_seed, resolve_context
+from .process_pool import ProcessPool
 from .work import DatasetWork, PipelineWork
 
 

@@ -20,7 +20,7 @@ import weakref
 
 from ..errors import LoaderTimeout, WorkerError
 from .iterable_worker import worker_loop
-from .process_pool import frozen_gc
+from .pool_start import frozen_gc
 
 POLL_S = 0.1
 GRACE_S = 1.0

@@ -4,8 +4,10 @@ A worker starts as torch's DataLoader workers do (``torch.set_num_threads(1)``; 
 ``base_seed + worker_id`` for torch and ``random`` and numpy's global RNG as torch derives it;
 torch's ``WorkerInfo`` for ``get_worker_info()``), then runs ``on_start`` and
 ``worker_init_fn(worker_id)``, then takes tasks from its queue and sends each result (or its
-exception, packed with the traceback) on its own pipe, until it gets ``None``, its parent dies,
-or the main process terminates it.
+exception, packed with the traceback) on its own :class:`~feedgpu.exec.fd_channel.Channel`,
+until it gets ``None``, its parent dies, or the main process terminates it. Before each task it
+writes how many tasks it has taken into its progress slot (:func:`feedgpu.exec.progress.took`),
+so that a death is blamed on the task it was running without a message per task.
 """
 from __future__ import annotations
 
@@ -17,11 +19,11 @@ import signal
 import traceback
 
 from ..errors import WorkerError
+from . import progress
 
 log = logging.getLogger("feedgpu.pool")
 IDLE_S = 0.5   # a worker with no task for this long flushes its buffers (on_exit hook)
 FLUSH = "__feedgpu_flush__"
-STARTED = "__feedgpu_started__"   # a worker says which task it runs (a death is blamed on that one)
 
 
 def _pack_exception(e: BaseException, wid: int) -> tuple:
@@ -143,6 +145,7 @@ def _worker_main(wid: int, load: _Load, tasks, conn, parent: int, board, seeding
     def orphaned() -> bool:
         return os.getppid() != first_parent or (first_parent != parent and not _pid_alive(parent))
 
+    taken = 0   # items taken from the queue, written to the board: a death is blamed on the last one
     while True:
         try:
             task = tasks.get(timeout=IDLE_S)
@@ -151,6 +154,8 @@ def _worker_main(wid: int, load: _Load, tasks, conn, parent: int, board, seeding
                 return
             _run_hook(on_exit, wid, "flush while idle")  # write what is buffered (e.g. cache rows) now
             continue
+        taken += 1
+        progress.took(taken)
         if task is None:
             _run_hook(on_exit, wid, "on_exit")
             return
@@ -163,7 +168,6 @@ def _worker_main(wid: int, load: _Load, tasks, conn, parent: int, board, seeding
             except BaseException as e:  # noqa: BLE001
                 conn.send((FLUSH, seq, wid, False, _pack_exception(e, wid)))
             continue
-        conn.send((STARTED, (tag, seq), wid, True, None))
         try:
             result = (tag, seq, wid, True, handler(task))
         except BaseException as e:  # noqa: BLE001 - everything goes back to the main process

@@ -42,17 +42,16 @@ each worker holds. That is what makes the rest possible:
   (``ok`` False): the pool goes on with the other tasks.
 
 torch's DataLoader also gives each worker its own index queue; unlike it, results come back on
-one pipe per worker (``multiprocessing.connection.wait`` watches them all), so a worker killed
-while writing can corrupt only its own pipe, which is dropped with it.
+one channel per worker (``multiprocessing.connection.wait`` watches them all), so a worker killed
+while writing can corrupt only its own channel, which is dropped with it. A channel
+(:mod:`feedgpu.exec.fd_channel`) is a Unix socket that carries a result's shared-memory tensor
+descriptors with the result itself, where torch's reductions fetch each one from the worker over
+a new connection.
 """
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
-import multiprocessing as mp
 import multiprocessing.connection as mpc
-import multiprocessing.context as mpcontext
 import multiprocessing.util as mputil
 import os
 import pickle
@@ -61,49 +60,15 @@ import time
 from typing import Any, Callable
 
 from ..errors import LoaderTimeout, WorkerError
-from .pool_worker import FLUSH, STARTED, _Load, _pack_exception, _worker_main  # noqa: F401  (_pack_exception: ray)
+from .fd_channel import Channel
+from .pool_start import frozen_gc, resolve_context
+from .pool_worker import FLUSH, _Load, _pack_exception, _worker_main  # noqa: F401  (_pack_exception: ray)
 from .progress import MAX_WORKERS, Board
 
 log = logging.getLogger("feedgpu.pool")
 POLL_S = 0.1
 MAX_SEED = 2**63 - 1               # worker seeds stay int64 (collatable, torch.manual_seed accepts them)
 EXIT_PRIORITY = 20                 # multiprocessing finalizers: before queues (10) and daemon termination
-
-
-def resolve_context(value) -> mpcontext.BaseContext:
-    """The multiprocessing context for ``DataLoader(multiprocessing_context=value)``.
-
-    ``None``: the start method set with ``multiprocessing.set_start_method`` if one was set
-    (torch's default context), else ``fork`` where the platform has it (feedgpu's choice: workers
-    inherit the source index and batch buffers instead of unpickling them). A string: that start
-    method (``"fork"``, ``"spawn"``, ``"forkserver"``). A context object (``multiprocessing`` or
-    ``torch.multiprocessing``): itself.
-
-    Raises ``ValueError`` for an unknown start method and ``TypeError`` for anything else, with
-    torch's wording."""
-    if value is None:
-        method = mp.get_start_method(allow_none=True)
-        if method is None:
-            method = "fork" if "fork" in mp.get_all_start_methods() else mp.get_start_method()
-        return mp.get_context(method)
-    if isinstance(value, str):
-        valid = mp.get_all_start_methods()
-        if value not in valid:
-            raise ValueError("multiprocessing_context option should specify a valid start method in "
-                             f"{valid!r}, but got multiprocessing_context={value!r}")
-        return mp.get_context(value)
-    if isinstance(value, mpcontext.BaseContext):
-        return value
-    raise TypeError("multiprocessing_context option should be a valid context object or a string specifying "
-                    f"the start method, but got multiprocessing_context={value}")
-
-
-def draw_base_seed(generator=None) -> int:
-    """The workers' base seed, drawn as torch's DataLoader draws it when its workers start: one
-    int64 from ``generator``, or from torch's global RNG when ``generator`` is None."""
-    import torch
-
-    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
 
 
 def seconds_text(t) -> str:
@@ -124,14 +89,30 @@ def unpack_exception(packed: tuple, context: str) -> BaseException:
 
 
 class _Worker:
-    """One process, its task queue, the read end of its result pipe and the tasks it holds."""
+    """One process, its task queue, the main process's end of its result channel and the tasks
+    it holds."""
 
     def __init__(self, wid: int, proc, tasks, conn):
         self.wid, self.proc, self.tasks, self.conn = wid, proc, tasks, conn
         self.held: dict[tuple, tuple] = {}   # (tag, seq) -> task, in submission order
         self.retiring = False
-        self.running: tuple | None = None    # the task it said it started
+        self.put_count = 0                    # items put on its queue (tasks, flushes, the sentinel)
+        self.ordinal: dict[tuple, int] = {}   # (tag, seq) -> which item of the queue it was
         self.started = time.monotonic()
+
+    def put(self, item, key: tuple | None = None) -> None:
+        """Queue ``item`` (a task whose key is ``key``, a flush, or None: stop)."""
+        self.put_count += 1
+        if key is not None:
+            self.held[key] = item
+            self.ordinal[key] = self.put_count
+        self.tasks.put(item)
+
+    def running(self, board) -> tuple | None:
+        """The key of the held task it took last (what it was running if it died), from its
+        progress slot; None when that was no held task."""
+        n = board.taken(self.wid)
+        return next((k for k, i in self.ordinal.items() if i == n), None) if n else None
 
     def drop(self) -> None:
         for closer in (self.tasks.cancel_join_thread, self.tasks.close, self.conn.close):
@@ -155,7 +136,7 @@ class _State:
         workers = list(self.workers.values())
         for w in workers:
             try:
-                w.tasks.put(None)
+                w.put(None)
             except (OSError, ValueError):
                 pass
         deadline = time.monotonic() + grace_s
@@ -163,9 +144,9 @@ class _State:
             while w.proc.is_alive() and time.monotonic() < deadline:
                 try:  # drain so a worker blocked writing a result can see its sentinel
                     if w.conn.poll(0.02):
-                        w.conn.recv()
-                except (EOFError, OSError, ValueError, pickle.UnpicklingError):
-                    pass
+                        w.conn.skip()
+                except (EOFError, OSError, ValueError):
+                    w.proc.join(0.05)
                 w.proc.join(0.01)
         for w in workers:
             if w.proc.is_alive():
@@ -313,7 +294,7 @@ class ProcessPool:
         # Never wait for its feeder thread at exit: blocked writing a large task to a worker that
         # is gone, it would be joined for ever. Undelivered tasks of a pool that goes are moot.
         tasks.cancel_join_thread()
-        reader, writer = self._ctx.Pipe(duplex=False)
+        reader, writer = Channel.pair()
         seeding = None if self.base_seed is None else (self.base_seed, self._target)
         p = self._ctx.Process(target=_worker_main, name=f"{self._name}-{wid}", daemon=True,
                               args=(wid, self._load, tasks, writer, self._parent, self.board, seeding, self.method))
@@ -321,7 +302,7 @@ class ProcessPool:
             with frozen_gc(self.method):
                 p.start()
         finally:
-            writer.close()  # the worker holds the only write end: its death reads as EOF here
+            writer.close()  # the worker holds the only other end: its death reads as EOF here
         w = self._workers[wid] = _Worker(wid, p, tasks, reader)
         return w
 
@@ -338,7 +319,7 @@ class ProcessPool:
             self._spawn()
         for w in sorted(active, key=lambda w: (len(w.held), -w.wid))[:max(0, len(active) - n)]:
             w.retiring = True
-            w.tasks.put(None)
+            w.put(None)
             self.retired += 1
         if n != len(active):
             log.debug("pool resized from %d to %d workers", len(active), n)
@@ -347,8 +328,7 @@ class ProcessPool:
     def submit(self, task: tuple) -> None:
         """Give ``task`` to the active worker holding the fewest tasks."""
         w = min((w for w in self._workers.values() if not w.retiring), key=lambda w: (len(w.held), w.wid))
-        w.held[(task[0], task[1])] = task
-        w.tasks.put(task)
+        w.put(task, (task[0], task[1]))
 
     def least_held(self) -> int:
         """Tasks held by the least loaded worker taking tasks (what :meth:`submit` picks)."""
@@ -404,13 +384,11 @@ class ProcessPool:
 
     def _accept(self, w: _Worker, result: tuple) -> bool:
         key = (result[0], result[1])
-        if result[0] == STARTED:
-            w.running = result[1]
-            return False
         if result[0] is None or result[0] == FLUSH:
             return True
         if w.held.pop(key, None) is None:  # already redone elsewhere after this worker was given up
             return False
+        w.ordinal.pop(key, None)
         self._task_deaths.pop(key, None)
         return True
 
@@ -443,7 +421,7 @@ class ProcessPool:
         torch_says = torch_death(w.proc.pid, w.proc.exitcode)
         if not self.respawn or self.closed:
             raise WorkerError(torch_says + what)
-        key = w.running
+        key = w.running(self.board)
         if key in w.held:  # the task it was running when it died
             self._task_deaths[key] = self._task_deaths.get(key, 0) + 1
             if self._task_deaths[key] >= self.max_task_deaths:
@@ -461,10 +439,9 @@ class ProcessPool:
             new.retiring = True
         log.warning("%s; replaced by pid %d, which redoes %d task(s)", what, new.proc.pid, len(w.held))
         for key, task in w.held.items():
-            new.held[key] = task
-            new.tasks.put(task)
+            new.put(task, key)
         if new.retiring:
-            new.tasks.put(None)
+            new.put(None)
 
     def flush(self, timeout: float = 60.0) -> list[tuple]:
         """Run ``on_exit`` in every worker (each once) and wait for all of them; returns the task
@@ -473,7 +450,7 @@ class ProcessPool:
         waiting: dict[int, _Worker] = {}
         for w in self._workers.values():
             if not w.retiring:
-                w.tasks.put((FLUSH, self._flushes))
+                w.put((FLUSH, self._flushes))
                 waiting[w.wid] = w
         other = []
         # a worker that dies meanwhile is not waited for: its replacement starts with nothing buffered
@@ -493,21 +470,3 @@ class ProcessPool:
         if self._finalizer.still_active():
             self._finalizer.cancel()
             self._state.close(self.grace_s if grace_s is None else grace_s)
-
-
-@contextlib.contextmanager
-def frozen_gc(method: str):
-    """Around a fork: the objects of the parent go to the garbage collector's permanent
-    generation, so a forked child never collects (and never finalizes) what it inherited.
-    Unreachable objects of the parent, such as a dropped Ray actor handle whose finalizer talks
-    to Ray's threads that the child does not have, would otherwise be finalized in the child
-    and can hang it. The parent's collector is restored at once. No effect for spawn and
-    forkserver (their children start empty)."""
-    if method != "fork":
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()

@@ -3,7 +3,9 @@
 The pool makes a :class:`Board` (one shared-memory file, mapped before the workers start: forked
 workers inherit it, spawned ones get its descriptor, see :mod:`feedgpu.exec.shm`) and
 each worker writes, before every stage, the stage's name, the sample's index and the time into
-its own slot (:func:`at`, a few array writes). When no batch comes within ``timeout``, the main process reads
+its own slot (:func:`at`, a few array writes), and before each task how many tasks it has taken
+from its queue (:func:`took`: a worker that dies is blamed for that task without a message
+per task). When no batch comes within ``timeout``, the main process reads
 the slots and names the stuck stage and sample in the :class:`~feedgpu.errors.LoaderTimeout`,
 without asking the (stuck) worker anything.
 """
@@ -18,7 +20,9 @@ from .shm import _close_fd, attach_fd, share_fd, shared_file
 
 SLOT = 128
 _HEAD = struct.Struct("<dq")          # monotonic time the stage started, sample index
-_NAME = SLOT - _HEAD.size - 1
+_TAKEN = struct.Struct("<q")          # at the slot's end: how many queue items the worker has taken
+_TAKEN_AT = SLOT - _TAKEN.size
+_NAME = _TAKEN_AT - _HEAD.size - 1
 MAX_WORKERS = 1024
 
 _mine: tuple[mmap.mmap, int] | None = None   # (board, offset) in a worker process
@@ -60,9 +64,24 @@ class Board:
         name = bytes(self.mm[off + _HEAD.size + 1:off + _HEAD.size + 1 + n]).decode("utf-8", "replace")
         return name, idx, time.monotonic() - t
 
+    def taken(self, wid: int) -> int:
+        """How many items worker ``wid`` has taken from its task queue (see :func:`took`); the last
+        one is what it runs or ran last. 0 before its first."""
+        if not 0 <= wid < self.slots:
+            return 0
+        return _TAKEN.unpack_from(self.mm, wid * SLOT + _TAKEN_AT)[0]
+
     def clear(self, wid: int) -> None:
         if 0 <= wid < self.slots:
             self.mm[wid * SLOT:(wid + 1) * SLOT] = bytes(SLOT)
+
+
+def took(count: int) -> None:
+    """In a worker: it has taken its ``count``-th item from its task queue and starts on it (the
+    main process blames a death on that task, see :meth:`Board.taken`)."""
+    if _mine is not None:
+        mm, off = _mine
+        _TAKEN.pack_into(mm, off + _TAKEN_AT, count)
 
 
 def at(stage: str, index: int) -> None:

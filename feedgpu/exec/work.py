@@ -3,7 +3,8 @@
 * :class:`PipelineWork`: a feedgpu pipeline. Workers fill a shared-memory slot; the main process
   hands the slot to the training loop as tensors without a copy.
 * :class:`DatasetWork`: a plain map-style torch Dataset with a ``collate_fn``. Workers return the
-  collated batch; tensors travel through torch's shared-memory reductions, once per batch.
+  collated batch; its tensors stay in the shared memory torch's collate puts them in, and their
+  file descriptors travel with the batch (:mod:`feedgpu.exec.fd_channel`).
 
 Randomness: a pipeline's random stages draw per sample from ``(seed, epoch, index)``
 (:mod:`feedgpu.stages.draws`), so its batches do not depend on the worker count or on torch's RNG.
@@ -150,9 +151,10 @@ class RemoteFill:
 
 
 class PayloadWork(WorkBase):
-    """The work contract for results that travel back whole (pickled through the worker's pipe,
-    tensors through torch's shared-memory reductions): tasks ``(tag, seq, epoch, indices)``, no
-    buffers to hold, nothing to flush. Subclasses give ``handle`` and ``finish``."""
+    """The work contract for results that travel back whole (pickled through the worker's
+    channel, tensors as shared memory whose descriptors travel with them): tasks
+    ``(tag, seq, epoch, indices)``, no buffers to hold, nothing to flush. Subclasses give
+    ``handle`` and ``finish``."""
 
     def __init__(self):
         self.orphans: dict = {}

@@ -1,0 +1,62 @@
+"""How pool workers start: the multiprocessing context a ``DataLoader`` argument names, the
+workers' base seed (drawn as torch draws it), and the garbage collector frozen around a fork."""
+from __future__ import annotations
+
+import contextlib
+import gc
+import multiprocessing as mp
+import multiprocessing.context as mpcontext
+
+
+def resolve_context(value) -> mpcontext.BaseContext:
+    """The multiprocessing context for ``DataLoader(multiprocessing_context=value)``.
+
+    ``None``: the start method set with ``multiprocessing.set_start_method`` if one was set
+    (torch's default context), else ``fork`` where the platform has it (feedgpu's choice: workers
+    inherit the source index and batch buffers instead of unpickling them). A string: that start
+    method (``"fork"``, ``"spawn"``, ``"forkserver"``). A context object (``multiprocessing`` or
+    ``torch.multiprocessing``): itself.
+
+    Raises ``ValueError`` for an unknown start method and ``TypeError`` for anything else, with
+    torch's wording."""
+    if value is None:
+        method = mp.get_start_method(allow_none=True)
+        if method is None:
+            method = "fork" if "fork" in mp.get_all_start_methods() else mp.get_start_method()
+        return mp.get_context(method)
+    if isinstance(value, str):
+        valid = mp.get_all_start_methods()
+        if value not in valid:
+            raise ValueError("multiprocessing_context option should specify a valid start method in "
+                             f"{valid!r}, but got multiprocessing_context={value!r}")
+        return mp.get_context(value)
+    if isinstance(value, mpcontext.BaseContext):
+        return value
+    raise TypeError("multiprocessing_context option should be a valid context object or a string specifying "
+                    f"the start method, but got multiprocessing_context={value}")
+
+
+def draw_base_seed(generator=None) -> int:
+    """The workers' base seed, drawn as torch's DataLoader draws it when its workers start: one
+    int64 from ``generator``, or from torch's global RNG when ``generator`` is None."""
+    import torch
+
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+
+
+@contextlib.contextmanager
+def frozen_gc(method: str):
+    """Around a fork: the objects of the parent go to the garbage collector's permanent
+    generation, so a forked child never collects (and never finalizes) what it inherited.
+    Unreachable objects of the parent, such as a dropped Ray actor handle whose finalizer talks
+    to Ray's threads that the child does not have, would otherwise be finalized in the child
+    and can hang it. The parent's collector is restored at once. No effect for spawn and
+    forkserver (their children start empty)."""
+    if method != "fork":
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
