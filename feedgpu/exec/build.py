@@ -60,7 +60,8 @@ def make_work(loader):
     if getattr(loader, "_memory_watch", None) is None:
         forked = resolve_context(loader.multiprocessing_context).get_start_method() == "fork"
         loader._memory_watch = CopyOnReadWatch(loader.dataset, forked=forked)
-    return DatasetWork(loader.dataset, loader._collate, loader.seed)
+    # torch's auto-collation: batches whenever there is a batch sampler (batch_size=None: none)
+    return DatasetWork(loader.dataset, loader._collate, loader.seed, batched=loader.batch_sampler is not None)
 
 
 def make_pool(loader, work):

@@ -194,20 +194,31 @@ class DatasetWork(PayloadWork):
 
     ``seed`` (the loader's) is kept for the record only: nothing here seeds an RNG. Workers are
     seeded once at start, as torch's are, and a seed ``worker_init_fn`` sets holds for every
-    batch after it."""
+    batch after it.
 
-    def __init__(self, dataset, collate_fn: Callable, seed: int):
+    As torch's fetcher: with batches (``batched``), a dataset whose ``__getitems__`` is set gets
+    the batch's keys in one call (``__getitems__(list) -> list of samples``), else one
+    ``__getitem__`` per key; unbatched (``batch_size=None``), always ``__getitem__``."""
+
+    def __init__(self, dataset, collate_fn: Callable, seed: int, batched: bool = True):
         super().__init__()
         self.dataset, self.collate_fn, self.seed = dataset, collate_fn, seed
+        self.batched = batched
 
     def handle(self, task: tuple):
         indices = task[3]
-        items = []
         keys = indices.tolist()   # ints, or a user sampler's other keys as it gave them
-        for i in keys:
-            progress.at("__getitem__", i if isinstance(i, int) else -1)
-            items.append(self.dataset[i])
-        progress.at("collate_fn", keys[0] if keys and isinstance(keys[0], int) else -1)
+        first = keys[0] if keys and isinstance(keys[0], int) else -1
+        getitems = getattr(self.dataset, "__getitems__", None) if self.batched else None
+        if getitems:
+            progress.at("__getitems__", first)
+            items = getitems(keys)
+        else:
+            items = []
+            for i in keys:
+                progress.at("__getitem__", i if isinstance(i, int) else -1)
+                items.append(self.dataset[i])
+        progress.at("collate_fn", first)
         return self.collate_fn(items)
 
     def describe(self, index: int) -> str:

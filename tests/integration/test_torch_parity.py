@@ -163,6 +163,34 @@ def test_a_batch_without_a_usable_len_is_delivered_as_torch_delivers_it(num_work
 
 
 # -- unbatched -------------------------------------------------------------------------------
+class BatchFetched(Items):
+    """Item i: ``(i, 0)`` read alone, ``(i, len(keys))`` read through ``__getitems__(keys)``, so a
+    batch says how it was read."""
+
+    def __getitem__(self, i):
+        return (i, 0)
+
+    def __getitems__(self, keys):
+        return [(k, len(keys)) for k in keys]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_getitems_is_called_as_torch_calls_it(num_workers):
+    """Batched: one ``__getitems__(keys)`` per batch; unbatched (``batch_size=None``): one
+    ``__getitem__`` per sample, as torch's fetcher does."""
+    for kw in ({"batch_size": 4}, {"batch_size": 4, "drop_last": True}, {"batch_size": None}):
+        got = {}
+        for make in LOADERS:
+            out = []
+            for b in make(BatchFetched(10), num_workers=num_workers, **kw):
+                keys, tags = (b[0].tolist(), b[1].tolist()) if kw["batch_size"] else ([int(b[0])], [int(b[1])])
+                out.append((keys, tags))
+            got[make] = out
+        assert got[DataLoader] == got[tud.DataLoader], kw
+        tags = {t for _, ts in got[DataLoader] for t in ts}
+        assert tags == ({0} if kw["batch_size"] is None else ({4, 2} if "drop_last" not in kw else {4})), kw
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_unbatched_loading_matches_torch(num_workers):
     class Arrays(Items):
