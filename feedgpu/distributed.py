@@ -75,3 +75,15 @@ def agree(get_len: Callable[[], int], seed: int) -> tuple[int, int]:
                           "every rank must index the same dataset (feedgpu shards it over the ranks), "
                           "else ranks get different numbers of batches and training hangs")
     return n, gathered[0][2]
+
+
+def rank_world_of(rank: int | None, world_size: int | None, sharding_sampler=None) -> tuple[int, int, bool]:
+    """``(rank, world_size, from_the_process_group)`` for a loader's next iteration: the loader's
+    own ``rank``/``world_size`` when given, else a ``DistributedSampler``'s (``sharding_sampler``),
+    else the process group's (0 of 1 without one)."""
+    if rank is not None or world_size is not None:
+        return rank or 0, world_size or 1, False
+    if sharding_sampler is not None:
+        return int(sharding_sampler.rank), int(sharding_sampler.num_replicas), initialized()
+    r, w = rank_world()
+    return r, w, w > 1

@@ -25,6 +25,7 @@ from .metrics import ExecutorTotals, LoaderStats
 from .orders import (OrderRandomSampler, OrderSampler, OrderSequentialSampler, UserOrder, order_len,
                      reads_as_sharding, shard_settings, sharded)
 from .loader_setup import _UNSET, init_iterable, resolve_settings
+from .loader_stats import loader_stats, source_fingerprint
 from .pipeline import Pipeline
 from .sampling import ShardedOrder
 
@@ -290,18 +291,12 @@ class DataLoader(tud.DataLoader[T_co]):
         ``optional``: None for a torch Dataset without ``__len__``."""
         if self.pipeline is not None:
             return len(self.pipeline.source)
-        if optional and not hasattr(self.dataset, "__len__"):
-            return None
-        return len(self.dataset)
+        return None if optional and not hasattr(self.dataset, "__len__") else len(self.dataset)
 
     def _rank_world(self) -> tuple[int, int, bool]:
         """``(rank, world_size, from_the_process_group)`` for the next iteration."""
-        if self.rank is not None or self.world_size is not None:
-            return self.rank or 0, self.world_size or 1, False
-        if reads_as_sharding(self.sampler):
-            return int(self.sampler.rank), int(self.sampler.num_replicas), distributed.initialized()
-        r, w = distributed.rank_world()
-        return r, w, w > 1
+        return distributed.rank_world_of(self.rank, self.world_size, self.sampler if reads_as_sharding(self.sampler)
+                                         else None)
 
     def _sharded_order(self, collective: bool = True):
         """The order of the next iteration: a user's sampler, or feedgpu's sharded order for the
@@ -394,13 +389,7 @@ class DataLoader(tud.DataLoader[T_co]):
     # -- state ------------------------------------------------------------------------------
     def _source_fingerprint(self) -> str:
         if self._fingerprint is None:
-            if self.pipeline is not None:  # which records, in which order (not their bytes)
-                self._fingerprint = self.pipeline.source.order_identity()
-            else:
-                d = self.dataset
-                size = len(d) if hasattr(d, "__len__") else "unsized"
-                self._fingerprint = d.identity() if hasattr(d, "make_work") else \
-                    f"{type(d).__module__}.{type(d).__qualname__}:{size}"
+            self._fingerprint = source_fingerprint(self.pipeline, self.dataset)
         return self._fingerprint
 
     def state_dict(self) -> dict:
@@ -426,10 +415,7 @@ class DataLoader(tud.DataLoader[T_co]):
             return self._iterable.load_state_dict(state)
         order = self._sharded_order(collective=False)
         sharded_ = isinstance(order, ShardedOrder)
-        fingerprint = self._source_fingerprint()
-        if isinstance(state, dict) and state.get("format") == loader_state.OLD_FORMAT and self.pipeline is not None \
-                and state.get("fingerprint") != fingerprint and state.get("fingerprint") == self.pipeline.source.identity():
-            fingerprint = state["fingerprint"]   # saved before states held the order identity
+        fingerprint = loader_state.fingerprint_for(state, self._source_fingerprint(), self.pipeline)
         epoch, start, batches, rows, seed = loader_state.read_state(state, fingerprint, order.config(), sharded_)
         self.shutdown()  # workers and buffers are rebuilt with the restored seed
         self._set_seed(seed)
@@ -449,28 +435,7 @@ class DataLoader(tud.DataLoader[T_co]):
         (``{"name": "local"}``; with Ray the remote workers, batches run on each side, and the
         batches redone after a remote worker died with the reasons, see
         :meth:`~feedgpu.metrics.ExecutorTotals.report`)."""
-        d = self._stats.as_dict()
-        d.update(num_workers=self.num_workers, prefetch_factor=self._prefetch, epoch=self._position[0],
-                 batches_seen=self._position[1])
-        d["balancer"] = self._autoscaler.stats() if self._autoscaler is not None else None
-        live = self._live() if self._live is not None else None
-        ahead = getattr(live, "shards", None)   # shard read-ahead (feedgpu.shard_ahead.attach)
-        d["read_ahead"] = ahead.stats() if ahead is not None and not live.closed else \
-            getattr(self, "_read_ahead_stats", None)
-        d["skip_budget"] = live.budget.as_dict() if live is not None else None
-        engine = self._work.stats() if self._work is not None else None
-        d["engine"] = engine if engine is not None else {"name": self._engine.name}
-        live_pool = self._pool if self._pool is not None and not self._pool.closed and self._pool.stats() is not None \
-            else None
-        d["executor"] = self._executor_totals.report(self._executor, live_pool.stats() if live_pool else None)
-        entry = self._work.cache_entry() if self._work is not None else None
-        if entry is not None:
-            entry.refresh()
-            d["cache"] = {"dir": str(entry.dir), "cached": entry.cached, "quarantined": len(entry.quarantined),
-                          "samples": entry.n, "complete": entry.complete}
-        else:
-            d["cache"] = None
-        return d
+        return loader_stats(self)
 
     @property
     def balancer(self) -> Autoscaler | None:
@@ -483,7 +448,6 @@ class DataLoader(tud.DataLoader[T_co]):
             return self._iterable.worker_pids() if hasattr(self._iterable, "worker_pids") else []
         return self._pool.pids() if self._pool is not None and not self._pool.closed else []
 
-    # -- workers --------------------------------------------------------------------------------
     # -- workers --------------------------------------------------------------------------------
     def _make_work(self):
         if self._work is None:

@@ -77,3 +77,13 @@ def read_state(state, fingerprint: str, config: dict, sharded: bool) -> tuple[in
         raise StateError(f"samples_seen {start} is not in [0, {config['n']}]")
     same_world = int(state.get("world_size", saved.get("world_size", 1))) == config.get("world_size", 1)
     return epoch, start, batches if same_world else 0, 0, seed
+
+
+def fingerprint_for(state, fingerprint: str, pipeline) -> str:
+    """The fingerprint to check ``state`` against: ``fingerprint``, or for a ``feedgpu.loader/1``
+    state saved before states held the order identity, the pipeline source's full identity when
+    that is what it names."""
+    if isinstance(state, dict) and state.get("format") == OLD_FORMAT and pipeline is not None \
+            and state.get("fingerprint") != fingerprint and state.get("fingerprint") == pipeline.source.identity():
+        return state["fingerprint"]
+    return fingerprint

@@ -143,16 +143,10 @@ def test_feedgpu_has_no_import_cycle():
     assert not found, "import cycles in feedgpu/:\n" + "\n".join(" -> ".join(c) for c in found)
 
 
-# Split after the speed work on them lands (STYLE.md: "Module size"); nothing may join this list.
-SPLIT_PENDING = {"feedgpu/loader.py"}
-
-
 def test_no_module_is_over_500_lines():
     sizes = {str(p.relative_to(REPO)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
-    over = {f: n for f, n in sorted(sizes.items()) if n > MAX_LINES and f not in SPLIT_PENDING}
+    over = {f: n for f, n in sorted(sizes.items()) if n > MAX_LINES}
     assert not over, f"modules over {MAX_LINES} lines (split them by responsibility): {over}"
-    done = {f for f in SPLIT_PENDING if sizes.get(f, 0) <= MAX_LINES}
-    assert not done, f"{done} no longer over {MAX_LINES} lines: take them off SPLIT_PENDING"
 
 
 def modules_with_all() -> list[str]:
