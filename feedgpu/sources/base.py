@@ -138,6 +138,16 @@ class StringTable:
         self.offsets = offsets.astype(np.uint32 if offsets[-1] < 1 << 32 else np.int64)
         self.blob = np.frombuffer(b"".join(encoded), dtype=np.uint8) if encoded else np.zeros(0, np.uint8)
 
+    @classmethod
+    def from_blob(cls, blob: np.ndarray, lens: np.ndarray) -> "StringTable":
+        """A table from the strings' UTF-8 bytes end to end (uint8) and their lengths in bytes."""
+        t = cls.__new__(cls)
+        offsets = np.zeros(len(lens) + 1, dtype=np.int64)
+        np.cumsum(lens, out=offsets[1:])
+        t.offsets = offsets.astype(np.uint32 if offsets[-1] < 1 << 32 else np.int64)
+        t.blob = np.ascontiguousarray(blob, dtype=np.uint8)
+        return t
+
     def __len__(self) -> int:
         return len(self.offsets) - 1
 

@@ -50,8 +50,10 @@ from typing import NamedTuple
 import numpy as np
 
 from ..errors import DownloadError, SampleError, SourceError
+from . import tar_index as _saved
 from .base import CLASS_NAMES_FILE, Record, Source, StringTable, class_names, class_names_from_text, expand_paths, \
     index_array
+from .tar_scan import scan_plain
 
 IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "tif", "tiff", "gif")
 LABEL_SUFFIXES = ("cls.txt", "cls", "label")
@@ -126,7 +128,8 @@ class TarShardSource(Source):
 
     format = "tar"
 
-    def __init__(self, shards, *, cache_dir=None, cache_budget=None, storage_options=None, cache=None):
+    def __init__(self, shards, *, cache_dir=None, cache_budget=None, storage_options=None, cache=None,
+                 index_dir=None):
         super().__init__()
         self._remote = None
         from ..remote.index import is_index
@@ -142,11 +145,13 @@ class TarShardSource(Source):
             self.shards = expand_paths(shards, ".tar")
         if not self.shards:
             raise SourceError(f"tar source: no shards match {shards!r}")
-        keys: list[str] = []
-        shard_ids: list[int] = []
-        offsets: list[int] = []
-        sizes: list[int] = []
-        labels: list[int] = []     # -2: no label (decided once every shard is indexed)
+        self._index_dir = None
+        if self._remote is None and index_dir is not False:
+            from pathlib import Path
+
+            self._index_dir = Path(index_dir) if index_dir not in (None, True) else _saved.default_index_dir()
+        self.saved_shards = 0
+        parts = []                 # per shard: its id and its part's arrays (labels -2: no label yet)
         labeled = False
         other_labels = 0           # members that may hold a label feedgpu does not read (.json ...)
         for sid, path, local in self._locals():
@@ -156,50 +161,57 @@ class TarShardSource(Source):
                 part = local
                 for key, reason, detail in part.get("rejected", ()):
                     self.reject(key, reason, detail)
+            elif self._remote is None:
+                part = self._local_part(path)
             else:
                 part = self._index_shard(path, local)
-                if self._remote is not None:
-                    f = self._remote.files[sid]
-                    self._remote.cache.save_index(f.identity, "tar", part)
-            keys.extend(part["members"])
-            shard_ids.extend([sid] * len(part["members"]))
-            offsets.extend(part["offsets"])
-            sizes.extend(part["sizes"])
-            labels.extend(part["labels"])
-            labeled = labeled or part.get("labeled", any(lab >= 0 for lab in part["labels"]))
+                self._remote.cache.save_index(self._remote.files[sid].identity, "tar", part)
+            part = _as_arrays(part)
+            parts.append((sid, part))
+            labeled = labeled or part.get("labeled", bool((part["labels"] >= 0).any()))
             other_labels += part.get("other", 0)
-        keep = []
-        for i, label in enumerate(labels):
-            if label != -2:
-                keep.append(i)
-            elif labeled:
-                self.reject(f"{self.shards[shard_ids[i]]}:{keys[i]}", "missing label",
+        self.from_saved_index = bool(parts) and self.saved_shards == len(self.shards)
+        cat = (lambda name, dt: np.concatenate([p[name] for _, p in parts]).astype(dt, copy=False) if parts
+               else np.zeros(0, dt))
+        lens, labels = cat("lens", np.int64), cat("labels", np.int64)
+        counts = [len(p["lens"]) for _, p in parts]
+        keep = labels != -2 if labeled else np.ones(len(labels), bool)
+        if not keep.all():
+            ends = np.cumsum(lens)
+            blob, firsts = cat("blob", np.uint8), np.cumsum([0] + counts)
+            for i in np.flatnonzero(~keep):
+                sid = parts[int(np.searchsorted(firsts, i, side="right")) - 1][0]
+                name = blob[ends[i] - lens[i]:ends[i]].tobytes().decode("utf-8", "surrogateescape")
+                self.reject(f"{self.shards[sid]}:{name}", "missing label",
                             "no .cls member for this image, and other samples have one")
-            else:
-                keep.append(i)
         self._warn_rejected()
         if not labeled and other_labels:
             warnings.warn(f"feedgpu: tar source {self.shards[0]}{' ...' if len(self.shards) > 1 else ''} has no "
                           f"label member ({', '.join('.' + x for x in LABEL_SUFFIXES)}), so every label is -1 "
                           f"(unlabeled); {other_labels} member(s) are {'/'.join('.' + x for x in _OTHER_LABEL_FIELDS)}, "
                           "which feedgpu does not read labels from", stacklevel=2)
-        if not keep:
+        if not keep.any():
             raise self._nothing_left(f"tar source: no samples left in {len(self.shards)} shard(s)"
                                       + (f" ({len(self.rejected)} left out while indexing)" if self.rejected else ""))
-        self._store([keys[i] for i in keep], [shard_ids[i] for i in keep], [offsets[i] for i in keep],
-                    [sizes[i] for i in keep], [labels[i] for i in keep])
+        blob = cat("blob", np.uint8)
+        if not keep.all():
+            blob = blob[np.repeat(keep, lens)]
+        shard_ids = np.repeat(np.array([sid for sid, _ in parts], dtype=np.int64), counts)
+        self._store(StringTable.from_blob(blob, lens[keep]), shard_ids[keep], cat("offsets", np.int64)[keep],
+                    cat("sizes", np.int64)[keep], labels[keep])
+        del parts
         self.classes = (class_names(self.shards[0], self.labels) if self._remote is None else
                         class_names_from_text(self._remote.text_beside(CLASS_NAMES_FILE), self.labels))
         self._fds: dict[int, int] = {}
         self._pid = os.getpid()
 
-    def _store(self, keys, shard_ids, offsets, sizes, labels) -> None:
-        """The index arrays, each in the narrowest dtype its values fit (:func:`index_array`:
+    def _store(self, keys: StringTable, shard_ids, offsets, sizes, labels) -> None:
+        """The index arrays (``keys``: the image members' names), each in the narrowest dtype its values fit (:func:`index_array`:
         uint32 offsets and sizes in shards under 4 GiB), int64 labels (-2, no label, becomes -1).
         Samples come shard after shard, so a sample's shard is found from each shard's first
         sample (one int64 per shard) instead of an id per sample; ids out of that order are kept
         as an array."""
-        self.members = StringTable(keys)
+        self.members = keys
         ids = index_array(shard_ids)
         if ids.size == 0 or bool((ids[1:] >= ids[:-1]).all()):
             self._shard_starts = np.searchsorted(ids, np.arange(int(ids.max(initial=0)) + 2)).astype(np.int64)
@@ -209,6 +221,33 @@ class TarShardSource(Source):
         self.offsets = index_array(offsets)
         self.sizes = index_array(sizes)
         self.labels = np.maximum(np.asarray(labels, dtype=np.int64), -1)
+
+    def _local_part(self, path: str) -> dict:
+        """A local shard's part of the index: from its saved index when that is valid, else
+        indexed (:func:`~feedgpu.sources.tar_scan.scan_plain` for a plain shard, :mod:`tarfile`
+        for any other) and saved (:mod:`feedgpu.sources.tar_index`)."""
+        sig = file = None
+        if self._index_dir is not None:
+            sig, file = _saved.shard_sig(path), _saved.index_file(self._index_dir, path)
+            saved = _saved.load(file, sig)
+            if saved is not None:
+                meta, arrays = saved
+                for key, reason, detail in meta["rejected"]:
+                    self.reject(key, reason, detail)
+                self.saved_shards += 1
+                return dict(arrays, labeled=meta["labeled"], other=meta["other"], rejected=meta["rejected"])
+        start = _saved.now_ns()
+        part = scan_plain(path, IMAGE_SUFFIXES, LABEL_SUFFIXES) if os.path.isfile(path) else None
+        if part is not None:
+            part.update(labeled=True, other=0, rejected=[])
+        else:
+            part = _as_arrays(self._index_shard(path, path))
+        if file is not None:
+            try:
+                _saved.save(file, sig, {k: part[k] for k in ("labeled", "other", "rejected")}, part, start)
+            except OSError as e:
+                warnings.warn(f"feedgpu: cannot save the tar index of {path} in {file.parent} ({e})", stacklevel=4)
+        return part
 
     def _index_shard(self, path: str, local: str) -> dict:
         """One shard's samples (``members``, ``offsets``, ``sizes``, ``labels``: -2 for none),
@@ -488,6 +527,20 @@ class TarShardSource(Source):
                 pass
             if remote is not None and self._pid == os.getpid():
                 remote.cache.unpin(self.shards[sid])
+
+
+def _as_arrays(part: dict) -> dict:
+    """A shard's part with its members as arrays (``blob`` of the names, ``lens``, ``offsets``,
+    ``sizes``, ``labels``), as :func:`scan_plain` and a saved index give it."""
+    if "blob" in part:
+        return part
+    encoded = [m.encode("utf-8", "surrogateescape") for m in part["members"]]
+    out = {k: v for k, v in part.items() if k not in ("members", "offsets", "sizes", "labels")}
+    out.update(blob=np.frombuffer(b"".join(encoded), dtype=np.uint8),
+               lens=np.array([len(b) for b in encoded], dtype=np.int64),
+               offsets=np.asarray(part["offsets"], dtype=np.int64), sizes=np.asarray(part["sizes"], dtype=np.int64),
+               labels=np.asarray(part["labels"], dtype=np.int64))
+    return out
 
 
 def _read_label(raw, m: _Member) -> int | None:
