@@ -45,56 +45,19 @@ from __future__ import annotations
 import os
 import tarfile
 import warnings
-from typing import NamedTuple
-
 import numpy as np
 
 from ..errors import DownloadError, SampleError, SourceError
 from . import tar_index as _saved
 from .base import CLASS_NAMES_FILE, Record, Source, StringTable, class_names, class_names_from_text, expand_paths, \
-    index_array
+    index_array, release_freed_memory
+from .tar_members import COMPRESSED_MAGIC, IMAGE_SUFFIXES, LABEL_SUFFIXES, OTHER_LABEL_FIELDS, Member, field_kind, \
+    part_arrays, read_label, split_member
 from .tar_scan import scan_plain
 
-IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "tif", "tiff", "gif")
-LABEL_SUFFIXES = ("cls.txt", "cls", "label")
-_OTHER_LABEL_FIELDS = ("json", "txt", "id", "class", "target")   # WebDataset fields some writers label with
-_COMPRESSED = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00", b"\x28\xb5\x2f\xfd")
-_LABEL_BYTES = 64
-_MAX_LABEL = np.iinfo(np.int64).max   # labels are held as int64
 #: Remote shards a process keeps open (pinned in the shard cache) at once; the least recently
 #: read is closed first, so a dataset larger than the cache's budget can be read.
 MAX_OPEN_REMOTE = 8
-
-
-def split_member(name: str) -> tuple[str | None, str]:
-    """WebDataset's rule: ``(key, field)`` with the key up to the first dot of the base name and
-    the field after it, lower-cased; ``(None, "")`` for a base name without a dot or starting
-    with one (WebDataset skips such members)."""
-    head, slash, base = name.rpartition("/")
-    stem, dot, field = base.partition(".")
-    if not dot or not stem:
-        return None, ""
-    return head + slash + stem, field.lower()
-
-
-def _kind(field: str) -> tuple[str | None, str]:
-    """``("label" | "image" | None, qualifier)`` of a member's field."""
-    for suffix in LABEL_SUFFIXES:
-        if field == suffix:
-            return "label", ""
-        if field.endswith("." + suffix):
-            return "label", field[:-len(suffix) - 1]
-    qual, _, last = field.rpartition(".")
-    if last in IMAGE_SUFFIXES:
-        return "image", qual
-    return None, ""
-
-
-class _Member(NamedTuple):
-    name: str
-    offset: int
-    size: int
-    cut: bool          # the shard ends inside its data
 
 
 class TarShardSource(Source):
@@ -166,14 +129,15 @@ class TarShardSource(Source):
             else:
                 part = self._index_shard(path, local)
                 self._remote.cache.save_index(self._remote.files[sid].identity, "tar", part)
-            part = _as_arrays(part)
+            part = part_arrays(part)
             parts.append((sid, part))
             labeled = labeled or part.get("labeled", bool((part["labels"] >= 0).any()))
             other_labels += part.get("other", 0)
         self.from_saved_index = bool(parts) and self.saved_shards == len(self.shards)
-        cat = (lambda name, dt: np.concatenate([p[name] for _, p in parts]).astype(dt, copy=False) if parts
-               else np.zeros(0, dt))
-        lens, labels = cat("lens", np.int64), cat("labels", np.int64)
+        def cat(name, dt):   # in the parts' own (narrow) dtypes
+            return np.concatenate([p[name] for _, p in parts]) if parts else np.zeros(0, dt)
+
+        lens, labels = cat("lens", np.int64).astype(np.int64), cat("labels", np.int64)
         counts = [len(p["lens"]) for _, p in parts]
         keep = labels != -2 if labeled else np.ones(len(labels), bool)
         if not keep.all():
@@ -188,7 +152,7 @@ class TarShardSource(Source):
         if not labeled and other_labels:
             warnings.warn(f"feedgpu: tar source {self.shards[0]}{' ...' if len(self.shards) > 1 else ''} has no "
                           f"label member ({', '.join('.' + x for x in LABEL_SUFFIXES)}), so every label is -1 "
-                          f"(unlabeled); {other_labels} member(s) are {'/'.join('.' + x for x in _OTHER_LABEL_FIELDS)}, "
+                          f"(unlabeled); {other_labels} member(s) are {'/'.join('.' + x for x in OTHER_LABEL_FIELDS)}, "
                           "which feedgpu does not read labels from", stacklevel=2)
         if not keep.any():
             raise self._nothing_left(f"tar source: no samples left in {len(self.shards)} shard(s)"
@@ -197,11 +161,14 @@ class TarShardSource(Source):
         if not keep.all():
             blob = blob[np.repeat(keep, lens)]
         shard_ids = np.repeat(np.array([sid for sid, _ in parts], dtype=np.int64), counts)
-        self._store(StringTable.from_blob(blob, lens[keep]), shard_ids[keep], cat("offsets", np.int64)[keep],
-                    cat("sizes", np.int64)[keep], labels[keep])
-        del parts
+        sel = slice(None) if keep.all() else keep
+        self._store(StringTable.from_blob(blob, lens[sel]), shard_ids[sel], cat("offsets", np.int64)[sel],
+                    cat("sizes", np.int64)[sel], labels[sel])
+        parts.clear()
+        del blob, lens, labels, shard_ids, keep, sel
         self.classes = (class_names(self.shards[0], self.labels) if self._remote is None else
                         class_names_from_text(self._remote.text_beside(CLASS_NAMES_FILE), self.labels))
+        release_freed_memory()
         self._fds: dict[int, int] = {}
         self._pid = os.getpid()
 
@@ -241,7 +208,7 @@ class TarShardSource(Source):
         if part is not None:
             part.update(labeled=True, other=0, rejected=[])
         else:
-            part = _as_arrays(self._index_shard(path, path))
+            part = part_arrays(self._index_shard(path, path))
         if file is not None:
             try:
                 _saved.save(file, sig, {k: part[k] for k in ("labeled", "other", "rejected")}, part, start)
@@ -266,9 +233,9 @@ class TarShardSource(Source):
                         self.reject(f"{path}:{m.name}", "no key", "its base name starts with a dot: "
                                     "WebDataset readers skip it too")
                     continue
-                kind, qual = _kind(field)
+                kind, qual = field_kind(field)
                 if kind is None:
-                    other_labels += field in _OTHER_LABEL_FIELDS
+                    other_labels += field in OTHER_LABEL_FIELDS
                     continue
                 g = last = groups.setdefault(key, {"image": {}, "label": {}, "first": m.name})
                 g[kind].setdefault(qual, []).append(m)
@@ -341,7 +308,7 @@ class TarShardSource(Source):
         if size == 0:
             self.reject(path, "truncated shard", "zero-byte shard")
             return
-        if magic.startswith(_COMPRESSED):
+        if magic.startswith(COMPRESSED_MAGIC):
             raise SourceError(f"tar source: {path} is compressed; random access needs plain, "
                               "uncompressed .tar shards")
         try:
@@ -360,7 +327,7 @@ class TarShardSource(Source):
                         self.reject(f"{path}:{m.name}", "link member, not followed")
                         continue
                     if m.isfile():
-                        yield _Member(m.name, m.offset_data, m.size, m.offset_data + m.size > size)
+                        yield Member(m.name, m.offset_data, m.size, m.offset_data + m.size > size)
                     elif not m.isdir() and split_member(m.name)[0] is not None:
                         self.reject(f"{path}:{m.name}", "not a regular file")   # a FIFO or device entry
             except tarfile.ReadError as e:   # the shard ends inside a member's data
@@ -433,7 +400,7 @@ class TarShardSource(Source):
                 continue
             label = -2
             if labs:
-                label = _read_label(raw, labs[0])
+                label = read_label(raw, labs[0])
                 if label is None:
                     self.reject(f"{path}:{m.name}", "bad label",
                                 f"{labs[0].name!r} does not hold a non-negative integer below 2**63")
@@ -527,29 +494,3 @@ class TarShardSource(Source):
                 pass
             if remote is not None and self._pid == os.getpid():
                 remote.cache.unpin(self.shards[sid])
-
-
-def _as_arrays(part: dict) -> dict:
-    """A shard's part with its members as arrays (``blob`` of the names, ``lens``, ``offsets``,
-    ``sizes``, ``labels``), as :func:`scan_plain` and a saved index give it."""
-    if "blob" in part:
-        return part
-    encoded = [m.encode("utf-8", "surrogateescape") for m in part["members"]]
-    out = {k: v for k, v in part.items() if k not in ("members", "offsets", "sizes", "labels")}
-    out.update(blob=np.frombuffer(b"".join(encoded), dtype=np.uint8),
-               lens=np.array([len(b) for b in encoded], dtype=np.int64),
-               offsets=np.asarray(part["offsets"], dtype=np.int64), sizes=np.asarray(part["sizes"], dtype=np.int64),
-               labels=np.asarray(part["labels"], dtype=np.int64))
-    return out
-
-
-def _read_label(raw, m: _Member) -> int | None:
-    """The integer a label member holds (ASCII digits, blanks around), or None."""
-    if m.size > _LABEL_BYTES:
-        return None
-    raw.seek(m.offset)
-    text = raw.read(m.size).decode("ascii", "replace").strip()
-    if not (text.isascii() and text.isdigit()):
-        return None
-    value = int(text)
-    return value if value <= _MAX_LABEL else None

@@ -6,7 +6,7 @@ The key hashes the shard's real path (``os.path.realpath``).
 
 What the file holds: the shard's part of the index as :class:`~feedgpu.sources.tar.TarShardSource`
 builds it (the images' names as one byte blob and their lengths, data offsets, sizes and labels,
--2 where a sample has no label, as int64 arrays), whether it has label members, its label-like
+-2 where a sample has no label, each array in the narrow integer dtype it has in memory), whether it has label members, its label-like
 members feedgpu does not read, the records it rejected (key, reason, detail) and what the file is
 checked against before it is used: the shard's ``(st_dev, st_ino, st_size, st_mtime_ns)``. A shard
 rewritten, replaced, grown or cut changes its size or mtime, and its saved index is not used
@@ -36,8 +36,8 @@ import numpy as np
 INDEX_FORMAT = "feedgpu.tar-index/1"
 _MAGIC = b"FEEDGPU-TAR-INDEX\n\0\0\0\0\0\0"  # 24 bytes: the arrays start 8-aligned
 _HEAD = struct.Struct("<QQ")  # header length, xxh3-64 of everything after the magic and this
-_ARRAYS = (("lens", np.int64), ("offsets", np.int64), ("sizes", np.int64), ("labels", np.int64),
-           ("blob", np.uint8))
+_ARRAYS = ("lens", "offsets", "sizes", "labels", "blob")   # each in its own integer dtype (the header names it)
+_DTYPES = ("|u1", "<u2", "<u4", "<u8", "|i1", "<i2", "<i4", "<i8")
 #: A shard whose mtime is this close (ns) to the time it is indexed, or later, is not saved.
 RACY_NS = 2_000_000_000
 
@@ -68,11 +68,13 @@ def save(path: Path, sig: list, meta: dict, arrays: dict, indexed_ns: int) -> bo
         return False
     from .. import __version__
 
+    arrs = [np.ascontiguousarray(arrays[name]) for name in _ARRAYS]
+    arrs = [a.astype(a.dtype.newbyteorder("<")) if a.dtype.str not in _DTYPES else a for a in arrs]
     header = dict(meta, format=INDEX_FORMAT, feedgpu=__version__, sig=sig,
-                  arrays=[[name, int(len(arrays[name]))] for name, _ in _ARRAYS])
+                  arrays=[[name, a.dtype.str, int(len(a))] for name, a in zip(_ARRAYS, arrs)])
     head = json.dumps(header).encode("utf-8", "surrogateescape")
     head += b" " * (-len(head) % 8)
-    bufs = [np.ascontiguousarray(arrays[name], dtype=dt).data for name, dt in _ARRAYS]
+    bufs = [a.data for a in arrs]
     import xxhash
 
     h = xxhash.xxh3_64()
@@ -131,9 +133,9 @@ def load(path: Path, sig: list | None) -> tuple[dict, dict] | None:
                           f"({INDEX_FORMAT}); indexing the shard afresh", stacklevel=4)
             return None
         arrays, pos = {}, n_head
-        for (name, dt), (got, n) in zip(_ARRAYS, header["arrays"]):
-            if got != name:
-                raise ValueError(f"array {got!r} where {name!r} belongs")
+        for name, (got, dt, n) in zip(_ARRAYS, header["arrays"], strict=True):
+            if got != name or dt not in _DTYPES:
+                raise ValueError(f"array {got!r} ({dt!r}) where {name!r} belongs")
             arrays[name] = np.frombuffer(body, dtype=dt, count=n, offset=pos)
             pos += n * np.dtype(dt).itemsize
         if pos != len(body):

@@ -41,6 +41,14 @@ def _octal_fields(rows: np.ndarray, start: int, width: int) -> np.ndarray | None
     digits, then NULs or blanks) are read with numpy, any other through ``nti`` itself, once per
     distinct value."""
     f = rows[:, start:start + width]
+    if (f == f[0]).all():                                 # one value in every header (mode, uid, mtime...)
+        import tarfile
+
+        b = f[0].tobytes()
+        try:
+            return None if b[0] in (0o200, 0o377) else np.full(len(f), tarfile.nti(b), np.int64)
+        except (ValueError, UnicodeError, tarfile.TarError):
+            return None
     octal = (f >= 48) & (f <= 55)
     pad = (f == 0) | (f == 32)
     value = np.zeros(len(f), np.int64)
@@ -72,8 +80,8 @@ def _octal_fields(rows: np.ndarray, start: int, width: int) -> np.ndarray | None
 def scan_plain(path: str, image_fields, label_fields) -> dict | None:
     """The index of a plain shard (module docstring), or None when it is not plain.
 
-    Returns ``{"blob": uint8 names of the images, "lens": int64 name lengths, "offsets": int64
-    data offsets, "sizes": int64, "labels": int64}``, one row per sample in the order the
+    Returns ``{"blob": uint8 names of the images, "lens": name lengths, "offsets": data offsets,
+    "sizes": sizes (each in the smallest unsigned dtype that holds it, :func:`narrow`), "labels": int64}``, one row per sample in the order the
     :mod:`tarfile` path gives."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
@@ -179,6 +187,14 @@ def _scan(data: np.ndarray, size: int, image_fields, label_fields) -> dict | Non
     labels = (np.where(used, digits - 48, 0) * (np.int64(10) ** power)).sum(axis=1)
     img_names = names[img]
     blob = img_names[cols < lens[img][:, None]]
-    return {"blob": np.ascontiguousarray(blob, dtype=np.uint8), "lens": lens[img].astype(np.int64),
-            "offsets": ((cand[img] + 1) * _BLOCK).astype(np.int64), "sizes": sizes[img].astype(np.int64),
-            "labels": labels}
+    return {"blob": np.ascontiguousarray(blob, dtype=np.uint8), "lens": narrow(lens[img]),
+            "offsets": narrow((cand[img] + 1) * _BLOCK), "sizes": narrow(sizes[img]), "labels": labels}
+
+
+def narrow(a: np.ndarray) -> np.ndarray:
+    """Non-negative integers in the smallest unsigned dtype that holds them (uint8 to uint64)."""
+    top = int(a.max()) if a.size else 0
+    for dt in (np.uint8, np.uint16, np.uint32):
+        if top <= np.iinfo(dt).max:
+            return a.astype(dt)
+    return a.astype(np.uint64)
