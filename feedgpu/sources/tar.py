@@ -1,7 +1,8 @@
 """WebDataset-style tar shards: ``<key>.jpg`` (or png/webp/...) + ``<key>.cls`` per sample.
 
-Shards are indexed once (member headers only) into arrays of shard id, byte offset and size;
-samples are then read with ``os.pread`` straight from the shard, so nothing is ever extracted:
+Shards are indexed once (member headers only: numpy for plain shards, :mod:`.tar_scan`, else
+:mod:`tarfile`, the same index) into arrays of shard id, byte offset and size, saved per local
+shard (:mod:`.tar_index`); samples are read with ``os.pread`` from the shard, never extracted:
 member names with absolute paths or ``..`` are only keys, never file-system paths. Symbolic and
 hard link members are left out while indexing (reason ``"link member, not followed"``), so a
 link never makes feedgpu read another member or a file outside the shard; FIFO and device
@@ -72,6 +73,12 @@ class TarShardSource(Source):
             (:class:`~feedgpu.remote.cache.ShardCache`: its folder, default
             ``<user cache dir>/feedgpu/shards``; its disk budget, bytes or ``"200GiB"``, default
             none; fsspec options of the store) or a cache to share.
+        index_dir: where local shards' saved indexes live (:mod:`feedgpu.sources.tar_index`);
+            None: the ``tar-index`` folder of feedgpu's cache dir; False: neither read nor write one.
+
+    Attributes:
+        saved_shards: how many shards were read from a saved index (int);
+            ``from_saved_index``: True when every shard was.
 
     URLs: shards are read from local copies in the shard cache, downloaded whole when first
     read (with an index file, whose member table is the index, no shard is needed to open the

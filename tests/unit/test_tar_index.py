@@ -203,3 +203,22 @@ def test_index_files_hold_sixteen_bytes_a_sample_plus_key_bytes(tmp_path):
     assert per_sample <= 16 and src.offsets.dtype == np.uint32
     assert src.members.offsets.dtype == np.uint32 and src.members.blob.nbytes == len(src) * len("s0000.jpg")
     assert tar_index.index_file(tmp_path / "idx", str(shard)).exists()
+
+
+def test_cache_info_and_clear_cover_the_saved_tar_indexes(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from feedgpu.cli.main import main
+
+    monkeypatch.setenv("FEEDGPU_CACHE_DIR", str(tmp_path / "env"))
+    idx = tmp_path / "env" / "tar-index"
+    assert tar_index.default_index_dir() == idx
+    write_tar(tmp_path / "a.tar", pairs(3))
+    write_tar(tmp_path / "b.tar", pairs(3, "t"))
+    TarShardSource([tmp_path / "a.tar", tmp_path / "b.tar"])
+    assert len(list(idx.glob("*.idx"))) == 2
+    res = CliRunner().invoke(main, ["cache", "info"])
+    assert res.exit_code == 0 and f"tar shard indexes {idx}: 2 saved" in res.output, res.output
+    res = CliRunner().invoke(main, ["cache", "clear", "--yes"])
+    assert res.exit_code == 0 and "deleted 2 saved tar shard indexes" in res.output, res.output
+    assert list(idx.glob("*.idx")) == [] and TarShardSource(tmp_path / "a.tar").saved_shards == 0
