@@ -182,6 +182,16 @@ def child(kind: str, root: str, workers: int, at: float) -> dict:
     fmt = "tar" if kind.startswith("tar") else "parquet"
     if kind.startswith("torch"):
         return _torch_child(out, root, workers)
+    if kind.startswith("scan"):   # the first shards, no saved index: the numpy scan or tarfile
+        import feedgpu.sources.tar as tar
+
+        shards = sorted(str(p) for p in (Path(root) / "tar").glob("*.tar"))[:int(kind.split("-")[2])]
+        if kind.startswith("scan-tarfile"):
+            tar.scan_plain = lambda *a: None
+        t = time.perf_counter()
+        src = tar.TarShardSource(shards, index_dir=False)
+        out.update(index_s=time.perf_counter() - t, samples=len(src), shards=len(shards))
+        return out
     import feedgpu
     from feedgpu import DataLoader, Pipeline
 
@@ -326,7 +336,7 @@ def main() -> None:
     ap.add_argument("--files", type=int, default=100)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--only", default="", help="comma-separated runs (tar_cold,tar_warm,parquet,resume,torch)")
+    ap.add_argument("--only", default="", help="comma-separated runs (scan,tarfile,tar_cold,tar_warm,parquet,resume,torch)")
     ap.add_argument("--keep", action="store_true", help="keep the data for a later run")
     ap.add_argument("--build-only", action="store_true")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "scale_10m")
@@ -355,6 +365,8 @@ def main() -> None:
 
     load_before = [round(x, 2) for x in os.getloadavg()]
     for _ in range(a.rounds):
+        go("scan 10 shards", "scan-numpy-10")
+        go("tarfile 10 shards", "scan-tarfile-10")
         go("tar_cold", "tar", clear=True)
         go("tar_warm", "tar")
         go("parquet", "parquet")
