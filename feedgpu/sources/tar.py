@@ -179,13 +179,13 @@ class TarShardSource(Source):
         self._fds: dict[int, int] = {}
         self._pid = os.getpid()
 
-    def _store(self, keys: StringTable, shard_ids, offsets, sizes, labels) -> None:
-        """The index arrays (``keys``: the image members' names), each in the narrowest dtype its values fit (:func:`index_array`:
+    def _store(self, keys, shard_ids, offsets, sizes, labels) -> None:
+        """The index arrays (``keys``: the image members' names, a :class:`StringTable` or strings), each in the narrowest dtype its values fit (:func:`index_array`:
         uint32 offsets and sizes in shards under 4 GiB), int64 labels (-2, no label, becomes -1).
         Samples come shard after shard, so a sample's shard is found from each shard's first
         sample (one int64 per shard) instead of an id per sample; ids out of that order are kept
         as an array."""
-        self.members = keys
+        self.members = keys if isinstance(keys, StringTable) else StringTable(keys)
         ids = index_array(shard_ids)
         if ids.size == 0 or bool((ids[1:] >= ids[:-1]).all()):
             self._shard_starts = np.searchsorted(ids, np.arange(int(ids.max(initial=0)) + 2)).astype(np.int64)
