@@ -222,3 +222,9 @@ def test_cache_info_and_clear_cover_the_saved_tar_indexes(tmp_path, monkeypatch)
     res = CliRunner().invoke(main, ["cache", "clear", "--yes"])
     assert res.exit_code == 0 and "deleted 2 saved tar shard indexes" in res.output, res.output
     assert list(idx.glob("*.idx")) == [] and TarShardSource(tmp_path / "a.tar").saved_shards == 0
+
+
+def test_shards_feedgpu_convert_writes_are_scanned_plain(tar_ds, monkeypatch):
+    shards = sorted(tar_ds.glob("*.tar"))
+    assert shards and all(scan_plain(str(s), IMAGE_SUFFIXES, LABEL_SUFFIXES) is not None for s in shards)
+    assert index_of(tar_ds) == index_of(tar_ds, monkeypatch, slow=True)
