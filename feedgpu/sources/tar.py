@@ -115,15 +115,11 @@ class TarShardSource(Source):
             self.shards = expand_paths(shards, ".tar")
         if not self.shards:
             raise SourceError(f"tar source: no shards match {shards!r}")
-        self._index_dir = None
-        if self._remote is None and index_dir is not False:
-            from pathlib import Path
-
-            self._index_dir = Path(index_dir) if index_dir not in (None, True) else _saved.default_index_dir()
+        self._index_dir = None if self._remote is not None or index_dir is False else \
+            _saved.index_dir(index_dir)
         self.saved_shards = 0
         parts = []                 # per shard: its id and its part's arrays (labels -2: no label yet)
-        labeled = False
-        other_labels = 0           # members that may hold a label feedgpu does not read (.json ...)
+        labeled, other_labels = False, 0   # other: members that may hold a label feedgpu does not read (.json)
         for sid, path, local in self._locals():
             if local is None:
                 continue

@@ -48,6 +48,11 @@ def default_index_dir() -> Path:
     return default_cache_dir() / "tar-index"
 
 
+def index_dir(given=None) -> Path:
+    """The folder of the saved shard indexes: ``given`` (a path), else :func:`default_index_dir`."""
+    return Path(given) if given not in (None, True) else default_index_dir()
+
+
 def index_file(folder: Path, shard: str) -> Path:
     key = hashlib.blake2b(os.path.realpath(shard).encode("utf-8", "surrogateescape"), digest_size=16).hexdigest()
     return folder / f"{key}.idx"
@@ -66,7 +71,7 @@ def save(path: Path, sig: list, meta: dict, arrays: dict, indexed_ns: int) -> bo
     (:data:`RACY_NS`). ``meta``: ``labeled``, ``other``, ``rejected``; ``arrays``: the :data:`_ARRAYS`."""
     if sig is None or sig[3] >= indexed_ns - RACY_NS:
         return False
-    from .. import __version__
+    from .._version import __version__
 
     arrs = [np.ascontiguousarray(arrays[name]) for name in _ARRAYS]
     arrs = [a.astype(a.dtype.newbyteorder("<")) if a.dtype.str not in _DTYPES else a for a in arrs]
@@ -104,7 +109,7 @@ def load(path: Path, sig: list | None) -> tuple[dict, dict] | None:
     """``(meta, arrays)`` of a saved shard index that is whole, of this feedgpu version and made
     from the shard as it is now (``sig``: :func:`shard_sig`); else None, with a warning when the
     file is corrupt or of another version (none when it is missing or the shard changed)."""
-    from .. import __version__
+    from .._version import __version__
 
     if sig is None:
         return None

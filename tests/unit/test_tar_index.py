@@ -177,7 +177,7 @@ def test_a_corrupt_or_foreign_index_is_ignored_with_a_warning(tmp_path, damage, 
     shard = write_tar(tmp_path / "a.tar", pairs(5))
     folder = tmp_path / "idx"
     if damage == "foreign version":
-        monkeypatch.setattr(feedgpu, "__version__", "0.0.0-other")
+        monkeypatch.setattr(feedgpu._version, "__version__", "0.0.0-other")
     good, _ = open_saved(shard, folder)
     monkeypatch.undo()
     (file,) = folder.glob("*.idx")
