@@ -165,19 +165,10 @@ class EpochShard:
         w, bs = order.world_size, order.batch_size
         self.first = start // (w * bs)
         full = order.epoch_order(epoch)
-        rest = full[start:]
-        m = len(rest)
-        if order.drop_last:
-            self.num_batches = m // (w * bs)
-            per_rank = self.num_batches * bs
-        else:
-            per_rank = math.ceil(m / w)
-            self.num_batches = math.ceil(per_rank / bs)
-        total = per_rank * w
-        if total > m:  # the padding rule: repeat the head of the epoch order
-            rest = np.concatenate([rest, np.resize(full, total - m)])
-        self.indices = rest[:total][order.rank::w]
+        self.num_batches, self.indices = _rank_share(order, full, start)
+        # this rank's whole-epoch shard (the spares' pool), from the same order: no second permutation
         self._full: np.ndarray | None = self.indices if start == 0 else None
+        self._order_of_epoch = None if start == 0 else full
 
     def __len__(self) -> int:
         return self.num_batches
@@ -204,7 +195,8 @@ class EpochShard:
         all among a batch's spares rather than one bad sample drawn again and again."""
         o = self.order
         if self._full is None:
-            self._full = EpochShard(o, self.epoch, 0).indices
+            self._full = _rank_share(o, self._order_of_epoch, 0)[1]
+            self._order_of_epoch = None
         pos = self.start + (b - self.first) * o.world_size * o.batch_size
         rng = np.random.default_rng([o.seed & _SEED_MASK, int(self.epoch), o.rank, int(pos), 1])
         m = len(self._full)
@@ -212,3 +204,20 @@ class EpochShard:
         if k > m:
             pick = np.concatenate([pick, rng.integers(0, m, size=k - m)])
         return self._full[pick]
+
+
+def _rank_share(order: ShardedOrder, full: np.ndarray, start: int) -> tuple[int, np.ndarray]:
+    """``(batches, indices)`` of ``order``'s rank in the epoch order ``full`` after ``start``."""
+    w, bs = order.world_size, order.batch_size
+    rest = full[start:]
+    m = len(rest)
+    if order.drop_last:
+        num_batches = m // (w * bs)
+        per_rank = num_batches * bs
+    else:
+        per_rank = math.ceil(m / w)
+        num_batches = math.ceil(per_rank / bs)
+    total = per_rank * w
+    if total > m:  # the padding rule: repeat the head of the epoch order
+        rest = np.concatenate([rest, np.resize(full, total - m)])
+    return num_batches, rest[:total][order.rank::w]

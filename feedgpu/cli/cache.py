@@ -22,6 +22,13 @@ def _index_dir(index_dir: str | None) -> Path:
     return Path(index_dir).expanduser() if index_dir else default_index_dir()
 
 
+def _tar_index_dir() -> Path:
+    """Where tar sources save their shards' indexes (:mod:`feedgpu.sources.tar_index`)."""
+    from ..sources.tar_index import default_index_dir
+
+    return default_index_dir()
+
+
 _INDEX_DIR_HELP = ("Folder of the saved folder-source indexes (default: <feedgpu cache dir>/folder-index; "
                    "--cache-dir does not move it).")
 
@@ -149,7 +156,7 @@ def verify_cmd(fingerprint, cache_dir, no_repair) -> None:
               help="Print the entries as JSON (a list; the saved folder indexes are not in it).")
 def info_cmd(cache_dir, index_dir, as_json) -> None:
     """List cache entries (size, samples cached, quarantined, compression, last use) and the
-    saved folder indexes (count, bytes)."""
+    saved folder and tar shard indexes (count, bytes)."""
     from ..cache import entries
     from ..sources.folder_index import saved_indexes
 
@@ -166,6 +173,9 @@ def info_cmd(cache_dir, index_dir, as_json) -> None:
     idx = saved_indexes(_index_dir(index_dir))
     click.echo(f"folder indexes {_index_dir(index_dir)}: {len(idx)} saved, "
                f"{_human(sum(p.stat().st_size for p in idx))}")
+    tar_dir = _tar_index_dir()
+    idx = saved_indexes(tar_dir)
+    click.echo(f"tar shard indexes {tar_dir}: {len(idx)} saved, {_human(sum(p.stat().st_size for p in idx))}")
 
 
 @cache.command("clear")
@@ -174,13 +184,14 @@ def info_cmd(cache_dir, index_dir, as_json) -> None:
 @click.option("--index-dir", type=click.Path(file_okay=False), help=_INDEX_DIR_HELP)
 @click.option("--yes", is_flag=True, help="Do not ask.")
 def clear_cmd(fingerprint, cache_dir, index_dir, yes) -> None:
-    """Delete one entry (by fingerprint), or all of them and the saved folder indexes (a folder
-    source opened later indexes its tree afresh)."""
+    """Delete one entry (by fingerprint), or all of them and the saved folder and tar shard
+    indexes (a source opened later indexes afresh)."""
     from ..cache import clear
     from ..sources.folder_index import clear_saved
 
     what = (f"entry {fingerprint}" if fingerprint else
-            f"every entry under {_root(cache_dir)} and the saved folder indexes in {_index_dir(index_dir)}")
+            f"every entry under {_root(cache_dir)}, the saved folder indexes in {_index_dir(index_dir)} "
+            f"and the saved tar shard indexes in {_tar_index_dir()}")
     if not yes:
         click.confirm(f"delete {what}?", abort=True)
     n, busy = clear(_root(cache_dir), fingerprint)
@@ -189,6 +200,8 @@ def clear_cmd(fingerprint, cache_dir, index_dir, yes) -> None:
     if not fingerprint:
         k, size = clear_saved(_index_dir(index_dir))
         msg += f"; deleted {k} saved folder index{'' if k == 1 else 'es'} ({_human(size)})"
+        k, size = clear_saved(_tar_index_dir())
+        msg += f"; deleted {k} saved tar shard index{'' if k == 1 else 'es'} ({_human(size)})"
     click.echo(msg)
 
 

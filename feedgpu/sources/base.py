@@ -122,8 +122,30 @@ def index_dtype(largest: int) -> np.dtype:
 
 def index_array(values) -> np.ndarray:
     """``values`` (non-negative ints) as an array of :func:`index_dtype` of their maximum."""
-    a = np.asarray(values, dtype=np.int64)
-    return a.astype(index_dtype(a.max() if a.size else 0))
+    if isinstance(values, np.ndarray) and values.dtype.kind in "iu":
+        a = values   # no int64 copy of a large array
+    else:
+        a = np.asarray(values, dtype=np.int64)
+    return a.astype(index_dtype(int(a.max()) if a.size else 0))
+
+
+def release_freed_memory() -> None:
+    """Give the C heap's freed pages back to the system (glibc ``malloc_trim``; nothing elsewhere).
+    An index built from many per-shard pieces frees more memory than it keeps, and without this
+    the freed pages stay in the process's RSS, and in every forked worker's."""
+    global _TRIM
+    if _TRIM is None:
+        try:
+            import ctypes
+
+            _TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _TRIM = False
+    if _TRIM:
+        _TRIM(0)
+
+
+_TRIM = None
 
 
 class StringTable:
@@ -137,6 +159,16 @@ class StringTable:
             np.cumsum([len(b) for b in encoded], out=offsets[1:])
         self.offsets = offsets.astype(np.uint32 if offsets[-1] < 1 << 32 else np.int64)
         self.blob = np.frombuffer(b"".join(encoded), dtype=np.uint8) if encoded else np.zeros(0, np.uint8)
+
+    @classmethod
+    def from_blob(cls, blob: np.ndarray, lens: np.ndarray) -> "StringTable":
+        """A table from the strings' UTF-8 bytes end to end (uint8) and their lengths in bytes."""
+        t = cls.__new__(cls)
+        offsets = np.zeros(len(lens) + 1, dtype=np.int64)
+        np.cumsum(lens, out=offsets[1:])
+        t.offsets = offsets.astype(np.uint32 if offsets[-1] < 1 << 32 else np.int64)
+        t.blob = np.ascontiguousarray(blob, dtype=np.uint8)
+        return t
 
     def __len__(self) -> int:
         return len(self.offsets) - 1

@@ -32,7 +32,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..errors import DownloadError, SampleError, SourceError
-from .base import CLASS_NAMES_FILE, Record, Source, class_names, class_names_from_text, expand_paths, index_array
+from .base import CLASS_NAMES_FILE, Record, Source, class_names, class_names_from_text, expand_paths, index_array, \
+    release_freed_memory
 
 _NULL = np.iinfo(np.int64).min   # a null label while indexing
 _HUGE = _NULL + 1                 # a uint64 label that int64 cannot hold
@@ -195,6 +196,9 @@ class ParquetSource(Source):
         keep = ~bad   # ids in the narrowest dtype they fit (index_array): 16 bytes a row with the label
         self.file_ids, self.row_groups, self.rows = (index_array(a[keep]) for a in (file_ids, row_groups, rows_))
         self.labels = labels_[keep]
+        del file_ids, row_groups, rows_, labels_, fids, rgs, rows, labels
+        pa.default_memory_pool().release_unused()   # the label columns read while indexing
+        release_freed_memory()
         self._warn_rejected()
         if len(self.labels) == 0:
             raise self._nothing_left(f"parquet source: no rows left in {len(self.files)} file(s)"

@@ -1,7 +1,8 @@
 """WebDataset-style tar shards: ``<key>.jpg`` (or png/webp/...) + ``<key>.cls`` per sample.
 
-Shards are indexed once (member headers only) into arrays of shard id, byte offset and size;
-samples are then read with ``os.pread`` straight from the shard, so nothing is ever extracted:
+Shards are indexed once (member headers only: numpy for plain shards, :mod:`.tar_scan`, else
+:mod:`tarfile`, the same index) into arrays of shard id, byte offset and size, saved per local
+shard (:mod:`.tar_index`); samples are read with ``os.pread`` from the shard, never extracted:
 member names with absolute paths or ``..`` are only keys, never file-system paths. Symbolic and
 hard link members are left out while indexing (reason ``"link member, not followed"``), so a
 link never makes feedgpu read another member or a file outside the shard; FIFO and device
@@ -44,54 +45,19 @@ from __future__ import annotations
 import os
 import tarfile
 import warnings
-from typing import NamedTuple
-
 import numpy as np
 
 from ..errors import DownloadError, SampleError, SourceError
+from . import tar_index as _saved
 from .base import CLASS_NAMES_FILE, Record, Source, StringTable, class_names, class_names_from_text, expand_paths, \
-    index_array
+    index_array, release_freed_memory
+from .tar_members import COMPRESSED_MAGIC, IMAGE_SUFFIXES, LABEL_SUFFIXES, OTHER_LABEL_FIELDS, Member, field_kind, \
+    part_arrays, read_label, split_member
+from .tar_scan import scan_plain
 
-IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "tif", "tiff", "gif")
-LABEL_SUFFIXES = ("cls.txt", "cls", "label")
-_OTHER_LABEL_FIELDS = ("json", "txt", "id", "class", "target")   # WebDataset fields some writers label with
-_COMPRESSED = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00", b"\x28\xb5\x2f\xfd")
-_LABEL_BYTES = 64
-_MAX_LABEL = np.iinfo(np.int64).max   # labels are held as int64
 #: Remote shards a process keeps open (pinned in the shard cache) at once; the least recently
 #: read is closed first, so a dataset larger than the cache's budget can be read.
 MAX_OPEN_REMOTE = 8
-
-
-def split_member(name: str) -> tuple[str | None, str]:
-    """WebDataset's rule: ``(key, field)`` with the key up to the first dot of the base name and
-    the field after it, lower-cased; ``(None, "")`` for a base name without a dot or starting
-    with one (WebDataset skips such members)."""
-    head, slash, base = name.rpartition("/")
-    stem, dot, field = base.partition(".")
-    if not dot or not stem:
-        return None, ""
-    return head + slash + stem, field.lower()
-
-
-def _kind(field: str) -> tuple[str | None, str]:
-    """``("label" | "image" | None, qualifier)`` of a member's field."""
-    for suffix in LABEL_SUFFIXES:
-        if field == suffix:
-            return "label", ""
-        if field.endswith("." + suffix):
-            return "label", field[:-len(suffix) - 1]
-    qual, _, last = field.rpartition(".")
-    if last in IMAGE_SUFFIXES:
-        return "image", qual
-    return None, ""
-
-
-class _Member(NamedTuple):
-    name: str
-    offset: int
-    size: int
-    cut: bool          # the shard ends inside its data
 
 
 class TarShardSource(Source):
@@ -106,6 +72,12 @@ class TarShardSource(Source):
             (:class:`~feedgpu.remote.cache.ShardCache`: its folder, default
             ``<user cache dir>/feedgpu/shards``; its disk budget, bytes or ``"200GiB"``, default
             none; fsspec options of the store) or a cache to share.
+        index_dir: where local shards' saved indexes live (:mod:`feedgpu.sources.tar_index`);
+            None: the ``tar-index`` folder of feedgpu's cache dir; False: neither read nor write one.
+
+    Attributes:
+        saved_shards: how many shards were read from a saved index (int);
+            ``from_saved_index``: True when every shard was.
 
     URLs: shards are read from local copies in the shard cache, downloaded whole when first
     read (with an index file, whose member table is the index, no shard is needed to open the
@@ -125,7 +97,8 @@ class TarShardSource(Source):
 
     format = "tar"
 
-    def __init__(self, shards, *, cache_dir=None, cache_budget=None, storage_options=None, cache=None):
+    def __init__(self, shards, *, cache_dir=None, cache_budget=None, storage_options=None, cache=None,
+                 index_dir=None):
         super().__init__()
         self._remote = None
         from ..remote.index import is_index
@@ -141,13 +114,11 @@ class TarShardSource(Source):
             self.shards = expand_paths(shards, ".tar")
         if not self.shards:
             raise SourceError(f"tar source: no shards match {shards!r}")
-        keys: list[str] = []
-        shard_ids: list[int] = []
-        offsets: list[int] = []
-        sizes: list[int] = []
-        labels: list[int] = []     # -2: no label (decided once every shard is indexed)
-        labeled = False
-        other_labels = 0           # members that may hold a label feedgpu does not read (.json ...)
+        self._index_dir = None if self._remote is not None or index_dir is False else \
+            _saved.index_dir(index_dir)
+        self.saved_shards = 0
+        parts = []                 # per shard: its id and its part's arrays (labels -2: no label yet)
+        labeled, other_labels = False, 0   # other: members that may hold a label feedgpu does not read (.json)
         for sid, path, local in self._locals():
             if local is None:
                 continue
@@ -155,50 +126,61 @@ class TarShardSource(Source):
                 part = local
                 for key, reason, detail in part.get("rejected", ()):
                     self.reject(key, reason, detail)
+            elif self._remote is None:
+                part = self._local_part(path)
             else:
                 part = self._index_shard(path, local)
-                if self._remote is not None:
-                    f = self._remote.files[sid]
-                    self._remote.cache.save_index(f.identity, "tar", part)
-            keys.extend(part["members"])
-            shard_ids.extend([sid] * len(part["members"]))
-            offsets.extend(part["offsets"])
-            sizes.extend(part["sizes"])
-            labels.extend(part["labels"])
-            labeled = labeled or part.get("labeled", any(lab >= 0 for lab in part["labels"]))
+                self._remote.cache.save_index(self._remote.files[sid].identity, "tar", part)
+            part = part_arrays(part)
+            parts.append((sid, part))
+            labeled = labeled or part.get("labeled", bool((part["labels"] >= 0).any()))
             other_labels += part.get("other", 0)
-        keep = []
-        for i, label in enumerate(labels):
-            if label != -2:
-                keep.append(i)
-            elif labeled:
-                self.reject(f"{self.shards[shard_ids[i]]}:{keys[i]}", "missing label",
+        self.from_saved_index = bool(parts) and self.saved_shards == len(self.shards)
+        def cat(name, dt):   # in the parts' own (narrow) dtypes
+            return np.concatenate([p[name] for _, p in parts]) if parts else np.zeros(0, dt)
+
+        lens, labels = cat("lens", np.int64).astype(np.int64), cat("labels", np.int64)
+        counts = [len(p["lens"]) for _, p in parts]
+        keep = labels != -2 if labeled else np.ones(len(labels), bool)
+        if not keep.all():
+            ends = np.cumsum(lens)
+            blob, firsts = cat("blob", np.uint8), np.cumsum([0] + counts)
+            for i in np.flatnonzero(~keep):
+                sid = parts[int(np.searchsorted(firsts, i, side="right")) - 1][0]
+                name = blob[ends[i] - lens[i]:ends[i]].tobytes().decode("utf-8", "surrogateescape")
+                self.reject(f"{self.shards[sid]}:{name}", "missing label",
                             "no .cls member for this image, and other samples have one")
-            else:
-                keep.append(i)
         self._warn_rejected()
         if not labeled and other_labels:
             warnings.warn(f"feedgpu: tar source {self.shards[0]}{' ...' if len(self.shards) > 1 else ''} has no "
                           f"label member ({', '.join('.' + x for x in LABEL_SUFFIXES)}), so every label is -1 "
-                          f"(unlabeled); {other_labels} member(s) are {'/'.join('.' + x for x in _OTHER_LABEL_FIELDS)}, "
+                          f"(unlabeled); {other_labels} member(s) are {'/'.join('.' + x for x in OTHER_LABEL_FIELDS)}, "
                           "which feedgpu does not read labels from", stacklevel=2)
-        if not keep:
+        if not keep.any():
             raise self._nothing_left(f"tar source: no samples left in {len(self.shards)} shard(s)"
                                       + (f" ({len(self.rejected)} left out while indexing)" if self.rejected else ""))
-        self._store([keys[i] for i in keep], [shard_ids[i] for i in keep], [offsets[i] for i in keep],
-                    [sizes[i] for i in keep], [labels[i] for i in keep])
+        blob = cat("blob", np.uint8)
+        if not keep.all():
+            blob = blob[np.repeat(keep, lens)]
+        shard_ids = np.repeat(np.array([sid for sid, _ in parts], dtype=np.int64), counts)
+        sel = slice(None) if keep.all() else keep
+        self._store(StringTable.from_blob(blob, lens[sel]), shard_ids[sel], cat("offsets", np.int64)[sel],
+                    cat("sizes", np.int64)[sel], labels[sel])
+        parts.clear()
+        del blob, lens, labels, shard_ids, keep, sel
         self.classes = (class_names(self.shards[0], self.labels) if self._remote is None else
                         class_names_from_text(self._remote.text_beside(CLASS_NAMES_FILE), self.labels))
+        release_freed_memory()
         self._fds: dict[int, int] = {}
         self._pid = os.getpid()
 
     def _store(self, keys, shard_ids, offsets, sizes, labels) -> None:
-        """The index arrays, each in the narrowest dtype its values fit (:func:`index_array`:
+        """The index arrays (``keys``: the image members' names, a :class:`StringTable` or strings), each in the narrowest dtype its values fit (:func:`index_array`:
         uint32 offsets and sizes in shards under 4 GiB), int64 labels (-2, no label, becomes -1).
         Samples come shard after shard, so a sample's shard is found from each shard's first
         sample (one int64 per shard) instead of an id per sample; ids out of that order are kept
         as an array."""
-        self.members = StringTable(keys)
+        self.members = keys if isinstance(keys, StringTable) else StringTable(keys)
         ids = index_array(shard_ids)
         if ids.size == 0 or bool((ids[1:] >= ids[:-1]).all()):
             self._shard_starts = np.searchsorted(ids, np.arange(int(ids.max(initial=0)) + 2)).astype(np.int64)
@@ -208,6 +190,33 @@ class TarShardSource(Source):
         self.offsets = index_array(offsets)
         self.sizes = index_array(sizes)
         self.labels = np.maximum(np.asarray(labels, dtype=np.int64), -1)
+
+    def _local_part(self, path: str) -> dict:
+        """A local shard's part of the index: from its saved index when that is valid, else
+        indexed (:func:`~feedgpu.sources.tar_scan.scan_plain` for a plain shard, :mod:`tarfile`
+        for any other) and saved (:mod:`feedgpu.sources.tar_index`)."""
+        sig = file = None
+        if self._index_dir is not None:
+            sig, file = _saved.shard_sig(path), _saved.index_file(self._index_dir, path)
+            saved = _saved.load(file, sig)
+            if saved is not None:
+                meta, arrays = saved
+                for key, reason, detail in meta["rejected"]:
+                    self.reject(key, reason, detail)
+                self.saved_shards += 1
+                return dict(arrays, labeled=meta["labeled"], other=meta["other"], rejected=meta["rejected"])
+        start = _saved.now_ns()
+        part = scan_plain(path, IMAGE_SUFFIXES, LABEL_SUFFIXES) if os.path.isfile(path) else None
+        if part is not None:
+            part.update(labeled=True, other=0, rejected=[])
+        else:
+            part = part_arrays(self._index_shard(path, path))
+        if file is not None:
+            try:
+                _saved.save(file, sig, {k: part[k] for k in ("labeled", "other", "rejected")}, part, start)
+            except OSError as e:
+                warnings.warn(f"feedgpu: cannot save the tar index of {path} in {file.parent} ({e})", stacklevel=4)
+        return part
 
     def _index_shard(self, path: str, local: str) -> dict:
         """One shard's samples (``members``, ``offsets``, ``sizes``, ``labels``: -2 for none),
@@ -226,9 +235,9 @@ class TarShardSource(Source):
                         self.reject(f"{path}:{m.name}", "no key", "its base name starts with a dot: "
                                     "WebDataset readers skip it too")
                     continue
-                kind, qual = _kind(field)
+                kind, qual = field_kind(field)
                 if kind is None:
-                    other_labels += field in _OTHER_LABEL_FIELDS
+                    other_labels += field in OTHER_LABEL_FIELDS
                     continue
                 g = last = groups.setdefault(key, {"image": {}, "label": {}, "first": m.name})
                 g[kind].setdefault(qual, []).append(m)
@@ -301,7 +310,7 @@ class TarShardSource(Source):
         if size == 0:
             self.reject(path, "truncated shard", "zero-byte shard")
             return
-        if magic.startswith(_COMPRESSED):
+        if magic.startswith(COMPRESSED_MAGIC):
             raise SourceError(f"tar source: {path} is compressed; random access needs plain, "
                               "uncompressed .tar shards")
         try:
@@ -320,7 +329,7 @@ class TarShardSource(Source):
                         self.reject(f"{path}:{m.name}", "link member, not followed")
                         continue
                     if m.isfile():
-                        yield _Member(m.name, m.offset_data, m.size, m.offset_data + m.size > size)
+                        yield Member(m.name, m.offset_data, m.size, m.offset_data + m.size > size)
                     elif not m.isdir() and split_member(m.name)[0] is not None:
                         self.reject(f"{path}:{m.name}", "not a regular file")   # a FIFO or device entry
             except tarfile.ReadError as e:   # the shard ends inside a member's data
@@ -393,7 +402,7 @@ class TarShardSource(Source):
                 continue
             label = -2
             if labs:
-                label = _read_label(raw, labs[0])
+                label = read_label(raw, labs[0])
                 if label is None:
                     self.reject(f"{path}:{m.name}", "bad label",
                                 f"{labs[0].name!r} does not hold a non-negative integer below 2**63")
@@ -486,15 +495,3 @@ class TarShardSource(Source):
                 pass
             if remote is not None and self._pid == os.getpid():
                 remote.cache.unpin(self.shards[sid])
-
-
-def _read_label(raw, m: _Member) -> int | None:
-    """The integer a label member holds (ASCII digits, blanks around), or None."""
-    if m.size > _LABEL_BYTES:
-        return None
-    raw.seek(m.offset)
-    text = raw.read(m.size).decode("ascii", "replace").strip()
-    if not (text.isascii() and text.isdigit()):
-        return None
-    value = int(text)
-    return value if value <= _MAX_LABEL else None

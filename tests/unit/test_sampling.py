@@ -153,3 +153,19 @@ def test_negative_seeds_work():
     assert order == ShardedOrder(20, 4, seed=-1).epoch_order(0).tolist()
     assert order != ShardedOrder(20, 4, seed=1).epoch_order(0).tolist()
     assert set(o.spares(0, 1, 8).tolist()) <= set(range(20))
+
+
+def test_a_resumed_view_draws_the_epoch_order_once_and_the_same_spares(monkeypatch):
+    """A view from a saved position takes its spares from the same epoch order it sliced (one
+    permutation of ``n``, not two); the spares equal those of the view from the epoch's start."""
+    from feedgpu.sampling import ShardedOrder
+
+    calls = []
+    real = ShardedOrder.epoch_order
+    monkeypatch.setattr(ShardedOrder, "epoch_order", lambda self, e: calls.append(e) or real(self, e))
+    whole = ShardedOrder(10_001, 16, shuffle=True, seed=3, rank=1, world_size=2).view(2, 0)
+    resumed = ShardedOrder(10_001, 16, shuffle=True, seed=3, rank=1, world_size=2).view(2, 4_000)
+    b = resumed.first + 3
+    assert resumed.spares(b, 5).tolist() == whole.spares(b, 5).tolist()
+    assert resumed.batch(b).tolist() == whole.batch(b).tolist()
+    assert calls == [2, 2]

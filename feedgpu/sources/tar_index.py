@@ -1,0 +1,157 @@
+"""A local tar shard's saved index: one file per shard beside feedgpu's cache.
+
+Where: ``<cache dir>/tar-index/<key>.idx``, the cache dir being the one feedgpu already uses
+(``$FEEDGPU_CACHE_DIR``, else the user cache dir, :func:`feedgpu.sample_data.default_cache_dir`).
+The key hashes the shard's real path (``os.path.realpath``).
+
+What the file holds: the shard's part of the index as :class:`~feedgpu.sources.tar.TarShardSource`
+builds it (the images' names as one byte blob and their lengths, data offsets, sizes and labels,
+-2 where a sample has no label, each array in the narrow integer dtype it has in memory), whether it has label members, its label-like
+members feedgpu does not read, the records it rejected (key, reason, detail) and what the file is
+checked against before it is used: the shard's ``(st_dev, st_ino, st_size, st_mtime_ns)``. A shard
+rewritten, replaced, grown or cut changes its size or mtime, and its saved index is not used
+(and is overwritten when the shard is indexed again). A rewrite that keeps the size and sets the
+mtime back is not noticed, as by any tool that trusts mtimes (rsync, make).
+
+Never trusted across feedgpu versions (the version is in the file and must match), never read
+when its checksum (xxh3-64 over everything after it) does not match: a corrupt, truncated or
+foreign-version file is ignored with a warning and rebuilt. Written to a temporary file in the
+same folder and renamed, so a reader sees a whole file or none. A shard whose mtime is within
+:data:`RACY_NS` of the time it was indexed is not saved (a write in the same mtime tick would go
+unnoticed): a shard written seconds before it is indexed is indexed again on the next run.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+INDEX_FORMAT = "feedgpu.tar-index/1"
+_MAGIC = b"FEEDGPU-TAR-INDEX\n\0\0\0\0\0\0"  # 24 bytes: the arrays start 8-aligned
+_HEAD = struct.Struct("<QQ")  # header length, xxh3-64 of everything after the magic and this
+_ARRAYS = ("lens", "offsets", "sizes", "labels", "blob")   # each in its own integer dtype (the header names it)
+_DTYPES = ("|u1", "<u2", "<u4", "<u8", "|i1", "<i2", "<i4", "<i8")
+#: A shard whose mtime is this close (ns) to the time it is indexed, or later, is not saved.
+RACY_NS = 2_000_000_000
+
+
+def default_index_dir() -> Path:
+    from ..sample_data import default_cache_dir
+
+    return default_cache_dir() / "tar-index"
+
+
+def index_dir(given=None) -> Path:
+    """The folder of the saved shard indexes: ``given`` (a path), else :func:`default_index_dir`."""
+    return Path(given) if given not in (None, True) else default_index_dir()
+
+
+def index_file(folder: Path, shard: str) -> Path:
+    key = hashlib.blake2b(os.path.realpath(shard).encode("utf-8", "surrogateescape"), digest_size=16).hexdigest()
+    return folder / f"{key}.idx"
+
+
+def shard_sig(shard: str) -> list | None:
+    try:
+        st = os.stat(shard)
+    except OSError:
+        return None
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+
+
+def save(path: Path, sig: list, meta: dict, arrays: dict, indexed_ns: int) -> bool:
+    """Write one shard's index atomically; False (nothing written) when the shard is too recent
+    (:data:`RACY_NS`). ``meta``: ``labeled``, ``other``, ``rejected``; ``arrays``: the :data:`_ARRAYS`."""
+    if sig is None or sig[3] >= indexed_ns - RACY_NS:
+        return False
+    from .._version import __version__
+
+    arrs = [np.ascontiguousarray(arrays[name]) for name in _ARRAYS]
+    arrs = [a.astype(a.dtype.newbyteorder("<")) if a.dtype.str not in _DTYPES else a for a in arrs]
+    header = dict(meta, format=INDEX_FORMAT, feedgpu=__version__, sig=sig,
+                  arrays=[[name, a.dtype.str, int(len(a))] for name, a in zip(_ARRAYS, arrs)])
+    head = json.dumps(header).encode("utf-8", "surrogateescape")
+    head += b" " * (-len(head) % 8)
+    bufs = [a.data for a in arrs]
+    import xxhash
+
+    h = xxhash.xxh3_64()
+    h.update(head)
+    for b in bufs:
+        h.update(b)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".idx", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(_MAGIC)
+            f.write(_HEAD.pack(len(head), h.intdigest()))
+            f.write(head)
+            for b in bufs:
+                f.write(b)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return True
+
+
+def load(path: Path, sig: list | None) -> tuple[dict, dict] | None:
+    """``(meta, arrays)`` of a saved shard index that is whole, of this feedgpu version and made
+    from the shard as it is now (``sig``: :func:`shard_sig`); else None, with a warning when the
+    file is corrupt or of another version (none when it is missing or the shard changed)."""
+    from .._version import __version__
+
+    if sig is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        warnings.warn(f"feedgpu: cannot read the saved tar index {path} ({e}); indexing the shard afresh",
+                      stacklevel=4)
+        return None
+    try:
+        if not data.startswith(_MAGIC):
+            raise ValueError("not a feedgpu tar index")
+        n_head, check = _HEAD.unpack_from(data, len(_MAGIC))
+        body = memoryview(data)[len(_MAGIC) + _HEAD.size:]
+        import xxhash
+
+        if xxhash.xxh3_64_intdigest(body) != check:
+            raise ValueError("checksum mismatch (corrupt or truncated)")
+        header = json.loads(bytes(body[:n_head]).decode("utf-8", "surrogateescape"))
+        if header.get("format") != INDEX_FORMAT or header.get("feedgpu") != __version__:
+            warnings.warn(f"feedgpu: ignored the saved tar index {path}: written by feedgpu "
+                          f"{header.get('feedgpu')!r} ({header.get('format')!r}), this is {__version__} "
+                          f"({INDEX_FORMAT}); indexing the shard afresh", stacklevel=4)
+            return None
+        arrays, pos = {}, n_head
+        for name, (got, dt, n) in zip(_ARRAYS, header["arrays"], strict=True):
+            if got != name or dt not in _DTYPES:
+                raise ValueError(f"array {got!r} ({dt!r}) where {name!r} belongs")
+            arrays[name] = np.frombuffer(body, dtype=dt, count=n, offset=pos)
+            pos += n * np.dtype(dt).itemsize
+        if pos != len(body):
+            raise ValueError("length mismatch")
+    except (ValueError, KeyError, TypeError, struct.error, UnicodeError) as e:
+        warnings.warn(f"feedgpu: ignored the saved tar index {path}: {e}; indexing the shard afresh", stacklevel=4)
+        return None
+    if header.get("sig") != sig:
+        return None
+    return header, arrays
+
+
+def now_ns() -> int:
+    return time.time_ns()

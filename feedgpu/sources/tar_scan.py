@@ -1,0 +1,200 @@
+"""A vectorised index of plain tar shards: the common WebDataset layout without :mod:`tarfile`.
+
+:func:`scan_plain` reads a shard into memory once and finds its ustar headers with numpy instead
+of one Python object per member. It answers only for shards it can index *exactly* as
+:class:`~feedgpu.sources.tar.TarShardSource` indexes them through :mod:`tarfile`, and returns None
+for any other shard (the caller then indexes it with :mod:`tarfile`, rejects and all). A shard is
+plain when:
+
+* its headers are POSIX ustar (``ustar\\0`` magic) with a valid checksum, octal numeric fields and
+  no name prefix, each a regular file (type ``0`` or NUL) with an ASCII name not ending in ``/``;
+  no pax, GNU long-name, link, directory or device members;
+* the members chain from byte 0, each header right after the previous member's data (so no
+  header-like block inside a member's data is taken for a header), the data of each within the
+  shard, and only zero bytes (at least one block) after the last member;
+* every member is ``<key>.<ext>`` with an unqualified image extension or label field (``jpg``,
+  ``cls``, ...: :data:`~feedgpu.sources.tar.IMAGE_SUFFIXES`, ``LABEL_SUFFIXES``, any case) and
+  each key has exactly one image and one label, the image non-empty and the label 1 to 18 ASCII
+  digits (no blanks).
+
+Such a shard has no rejected record, so the result is the same arrays the :mod:`tarfile` path
+gives: members in the order of their key's first member, data offsets and sizes, labels.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+
+import numpy as np
+
+_BLOCK = 512
+_NAME = 100
+_MAX_LABEL_DIGITS = 18   # below 2**63 whatever the digits
+#: Numeric header fields :mod:`tarfile` parses (offset, width): mode, uid, gid, size, mtime,
+#: checksum, devmajor, devminor; any that it could not parse makes a header invalid there.
+_NUMERIC = ((100, 8), (108, 8), (116, 8), (124, 12), (136, 12), (148, 8), (329, 8), (337, 8))
+
+
+def _octal_fields(rows: np.ndarray, start: int, width: int) -> np.ndarray | None:
+    """One numeric field per header as :mod:`tarfile` reads it (``tarfile.nti``), or None when
+    one cannot be read or is base-256. The usual forms (``width - 1`` or ``width - 2`` octal
+    digits, then NULs or blanks) are read with numpy, any other through ``nti`` itself, once per
+    distinct value."""
+    f = rows[:, start:start + width]
+    if (f == f[0]).all():                                 # one value in every header (mode, uid, mtime...)
+        import tarfile
+
+        b = f[0].tobytes()
+        try:
+            return None if b[0] in (0o200, 0o377) else np.full(len(f), tarfile.nti(b), np.int64)
+        except (ValueError, UnicodeError, tarfile.TarError):
+            return None
+    octal = (f >= 48) & (f <= 55)
+    pad = (f == 0) | (f == 32)
+    value = np.zeros(len(f), np.int64)
+    done = np.zeros(len(f), bool)
+    for k in (width - 1, width - 2):
+        form = octal[:, :k].all(axis=1) & pad[:, k:].all(axis=1) & ~done
+        if form.any():
+            powers = np.int64(8) ** np.arange(k - 1, -1, -1, dtype=np.int64)
+            value[form] = (f[form, :k].astype(np.int64) - 48) @ powers
+            done |= form
+    if not done.all():
+        import tarfile
+
+        odd = np.flatnonzero(~done)
+        uniq, inverse = np.unique(f[odd], axis=0, return_inverse=True)
+        parsed = []
+        for u in uniq:
+            b = u.tobytes()
+            if b[0] in (0o200, 0o377):
+                return None
+            try:
+                parsed.append(tarfile.nti(b))
+            except (ValueError, UnicodeError, tarfile.TarError):
+                return None
+        value[odd] = np.asarray(parsed, dtype=np.int64)[inverse.ravel()]
+    return value
+
+
+def scan_plain(path: str, image_fields, label_fields) -> dict | None:
+    """The index of a plain shard (module docstring), or None when it is not plain.
+
+    Returns ``{"blob": uint8 names of the images, "lens": name lengths, "offsets": data offsets,
+    "sizes": sizes (each in the smallest unsigned dtype that holds it, :func:`narrow`), "labels": int64}``, one row per sample in the order the
+    :mod:`tarfile` path gives."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 2 * _BLOCK or size % _BLOCK:
+            return None
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            data = np.frombuffer(mm, dtype=np.uint8)
+            try:
+                return _scan(data, size, image_fields, label_fields)
+            finally:
+                del data
+
+
+def _scan(data: np.ndarray, size: int, image_fields, label_fields) -> dict | None:
+    blocks = data.reshape(-1, _BLOCK)
+    magic = np.ascontiguousarray(blocks[:, 256:264]).view("<u8").ravel()   # one pass over the shard
+    want = np.frombuffer(b"\0ustar\0\0", "<u8")[0]
+    mask = np.frombuffer(b"\0\xff\xff\xff\xff\xff\xff\0", "<u8")[0]   # bytes 257-262
+    cand = np.flatnonzero((magic & mask) == want)
+    if cand.size == 0 or cand[0] != 0:
+        return None
+    rows = blocks[cand]                                   # a copy: the headers only
+    if not np.all((rows[:, 156] == ord("0")) | (rows[:, 156] == 0)):
+        return None
+    if np.any(rows[:, 345:500]):                          # a ustar name prefix
+        return None
+    values = {}
+    for start, width in _NUMERIC:
+        value = _octal_fields(rows, start, width)
+        if value is None:
+            return None
+        values[start] = value
+    summed = rows.sum(axis=1, dtype=np.int64) - rows[:, 148:156].sum(axis=1, dtype=np.int64) + 8 * 32
+    if not np.array_equal(summed, values[148]):
+        return None
+    sizes = values[124]
+    nxt = cand + 1 + (sizes + _BLOCK - 1) // _BLOCK
+    if not np.array_equal(nxt[:-1], cand[1:]):
+        return None
+    end = int(nxt[-1]) * _BLOCK
+    if end + _BLOCK > size or np.any(data[end:]):
+        return None
+    nul = rows[:, :_NAME] == 0
+    lens = np.where(nul.any(axis=1), nul.argmax(axis=1), _NAME)
+    width_n = int(lens.max())
+    names = rows[:, :width_n]                             # the names' bytes, no column past the longest
+    cols = np.arange(width_n)
+    inside = cols < lens[:, None]
+    if np.any(names[inside] >= 128) or np.any(lens == 0):
+        return None
+    n = len(cand)
+    r = np.arange(n)
+    if np.any(names[r, lens - 1] == ord("/")):
+        return None
+    slash = np.where(inside & (names == ord("/")), cols, -1).max(axis=1)
+    dot_mask = inside & (names == ord(".")) & (cols > slash[:, None])
+    if not dot_mask.any(axis=1).all():
+        return None
+    dot = dot_mask.argmax(axis=1)
+    if np.any(dot == slash + 1):                          # a base name starting with a dot
+        return None
+    width = 8
+    field_len = lens - dot - 1
+    if np.any(field_len > width) or np.any(field_len < 1):
+        return None
+    col = dot[:, None] + 1 + np.arange(width)
+    field = names[r[:, None], np.minimum(col, width_n - 1)].copy()
+    field[np.arange(width) >= field_len[:, None]] = 0
+    upper = (field >= ord("A")) & (field <= ord("Z"))
+    field[upper] += 32
+    field = field.view(f"S{width}").ravel()
+    is_image = np.isin(field, np.array([e.encode() for e in image_fields], dtype=f"S{width}"))
+    is_label = np.isin(field, np.array([e.encode() for e in label_fields], dtype=f"S{width}"))
+    if not np.all(is_image | is_label):
+        return None
+    keys = names.copy()
+    keys[cols >= dot[:, None]] = 0
+    keys = np.ascontiguousarray(keys).view(f"S{width_n}").ravel()
+    order = np.argsort(keys, kind="stable")
+    if n % 2:
+        return None
+    a, b = order[0::2], order[1::2]
+    if not np.array_equal(keys[a], keys[b]) or np.any(keys[order[2::2]] == keys[order[1:-1:2]]):
+        return None
+    img = np.where(is_image[a], a, b)
+    lab = np.where(is_image[a], b, a)
+    if not np.all(is_image[img] & is_label[lab]):
+        return None
+    first = np.minimum(a, b)
+    g = np.argsort(first, kind="stable")
+    img, lab = img[g], lab[g]
+    if np.any(sizes[img] == 0):
+        return None
+    lab_size = sizes[lab]
+    if np.any(lab_size < 1) or np.any(lab_size > _MAX_LABEL_DIGITS):
+        return None
+    lab_at = (cand[lab] + 1) * _BLOCK
+    digits = data[np.minimum(lab_at[:, None] + np.arange(_MAX_LABEL_DIGITS), size - 1)].astype(np.int64)
+    used = np.arange(_MAX_LABEL_DIGITS) < lab_size[:, None]
+    if not np.all(~used | ((digits >= 48) & (digits <= 57))):
+        return None
+    power = np.where(used, lab_size[:, None] - 1 - np.arange(_MAX_LABEL_DIGITS), 0)
+    labels = (np.where(used, digits - 48, 0) * (np.int64(10) ** power)).sum(axis=1)
+    img_names = names[img]
+    blob = img_names[cols < lens[img][:, None]]
+    return {"blob": np.ascontiguousarray(blob, dtype=np.uint8), "lens": narrow(lens[img]),
+            "offsets": narrow((cand[img] + 1) * _BLOCK), "sizes": narrow(sizes[img]), "labels": labels}
+
+
+def narrow(a: np.ndarray) -> np.ndarray:
+    """Non-negative integers in the smallest unsigned dtype that holds them (uint8 to uint64)."""
+    top = int(a.max()) if a.size else 0
+    for dt in (np.uint8, np.uint16, np.uint32):
+        if top <= np.iinfo(dt).max:
+            return a.astype(dt)
+    return a.astype(np.uint64)
