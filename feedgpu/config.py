@@ -45,7 +45,9 @@ class SourceCfg(_Strict):
 
 class LoaderCfg(_Strict):
     batch_size: Annotated[int, Field(gt=0)] = 256
-    shuffle: bool = True
+    #: true, false or "shards" (about shard_window shards open at a time: feedgpu.shard_order)
+    shuffle: Union[bool, Literal["shards"]] = True
+    shard_window: Annotated[int, Field(ge=1, strict=True)] = 8
     drop_last: bool = False
     num_workers: Union[Literal["auto"], Annotated[int, Field(ge=0)]] = "auto"
     prefetch_factor: Annotated[int, Field(gt=0)] = 2

@@ -24,6 +24,24 @@ class SourceError(FeedgpuError):
     """A data source cannot be opened or indexed (missing path, no samples, unreadable shard)."""
 
 
+class ShardFetchError(SourceError):
+    """A shard could not be fetched (its download failed, timed out, or the read-ahead was
+    closed while a reader waited for it).
+
+    Attributes:
+        shard: the shard's name (a path or URL, or its id when it has no name).
+        reason: what went wrong, in words (the fetcher's error as text).
+    """
+
+    def __init__(self, shard: str, reason: str):
+        self.shard = shard
+        self.reason = reason
+        super().__init__(f"shard {shard}: {reason}")
+
+    def __reduce__(self):
+        return (type(self), (self.shard, self.reason))
+
+
 class SampleError(FeedgpuError):
     """One sample cannot be read or decoded.
 

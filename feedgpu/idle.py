@@ -263,6 +263,11 @@ def recommend(idle: float, diag: dict | None, costs: dict, on_gpu: bool) -> str:
                 + (f" ({diag['delivered_rate']:,.0f} samples/s with {diag['workers']} workers)." if diag else "."))
     if diag is None:
         return f"The model idles {100 * idle:.1f} % of the time; too few windows to say why (run longer)."
+    if diag["verdict"] == "network-bound":
+        return (f"Network-bound: the model idles {100 * idle:.1f} %; the loader waited for shard downloads "
+                f"{100 * diag['network_wait_fraction']:.1f} % of the time (waiting for the network). Fetch further "
+                "ahead (more downloads in flight), keep the shards in the shard cache (later epochs read them "
+                "locally), or use a faster link; more workers do not help.")
     read_share = costs.get("read_share", 0.0)
     if read_share > 0.5:
         return (f"Read-bound: the model idles {100 * idle:.1f} %; reading the bytes takes {100 * read_share:.0f} % "
@@ -353,6 +358,7 @@ def analyze(make_loader: Callable[..., Any], consumer, duration_s: float, on_gpu
         "demand_samples_per_s": model["samples_per_s"],
         "wait_split": {"read": idle * costs["read_share"], "preprocess": idle * (1 - costs["read_share"])},
         "stage_costs": costs, "diagnosis": diag,
+        "network_wait_fraction": (diag or {}).get("network_wait_fraction", 0.0),
         "balancer": {"timeline": list(scaler.timeline) if scaler is not None else [],
                      "decisions": [d for d in (bal or {}).get("last", []) if d["kind"] not in ("hold", "settle")],
                      "final_workers": stats["num_workers"], "final_prefetch": stats["prefetch_factor"]},

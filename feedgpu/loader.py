@@ -22,7 +22,7 @@ from .exec.engines import EngineSettings
 from .exec.process_pool import ProcessPool
 from .metrics import ExecutorTotals, LoaderStats
 from .orders import (OrderRandomSampler, OrderSampler, OrderSequentialSampler, UserOrder, order_len,
-                     reads_as_sharding, sharded)
+                     reads_as_sharding, shard_settings, sharded)
 from .loader_setup import _UNSET, init_iterable, resolve_settings
 from .pipeline import Pipeline
 from .sampling import ShardedOrder
@@ -312,7 +312,8 @@ class DataLoader(tud.DataLoader[T_co]):
                 self._set_seed(seed)
         shuffle = bool(self.sampler.shuffle) if reads_as_sharding(self.sampler) else self.shuffle
         n = self._num_samples() if n is None else n
-        self._order = sharded(n, self._batch_size, shuffle, self.seed, rank, world, self.drop_last, self._order)
+        self._order = sharded(n, self._batch_size, shuffle, self.seed, rank, world, self.drop_last, self._order,
+                              *shard_settings(self.pipeline))
         return self._order
 
     def __len__(self) -> int:

@@ -40,6 +40,7 @@ class OrderSampler:
         self._loader = weakref.ref(loader)
         self.seed, self.epoch, self.shuffle = loader.seed, 0, loader.shuffle
         self._batch_size = loader._batch_size
+        self._shards = shard_settings(loader.pipeline)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
@@ -53,7 +54,9 @@ class OrderSampler:
             order = loader._sharded_order(collective=False)
             self.seed, self.epoch = loader.seed, loader._position[0]
             return iter(order.epoch_order(self.epoch).tolist())
-        order = ShardedOrder(len(self.data_source), self._batch_size, shuffle=self.shuffle, seed=self.seed)
+        window, shard_of = self._shards if self.shuffle else (None, None)
+        order = ShardedOrder(len(self.data_source), self._batch_size, shuffle=self.shuffle, seed=self.seed,
+                             shard_window=window, shard_of=shard_of)
         return iter(order.epoch_order(self.epoch).tolist())
 
     def __len__(self) -> int:
@@ -193,12 +196,26 @@ def order_len(order) -> int | None:
     return order.known_len() if isinstance(order, UserOrder) else len(order)
 
 
+def shard_settings(pipeline) -> tuple:
+    """``(shard_window, shard_of)`` for a pipeline with ``shuffle: shards`` (applied when the
+    loader shuffles; :mod:`feedgpu.shard_order`; ``shard_of`` is called when first needed), else
+    ``(None, None)`` (a torch Dataset, or a plain shuffle)."""
+    if pipeline is None or getattr(pipeline, "shard_window", None) is None:
+        return None, None
+    return pipeline.shard_window, lambda: pipeline.source.shard_of()
+
+
 def sharded(n: int, batch_size: int, shuffle: bool, seed: int, rank: int, world_size: int,
-            drop_last: bool, cached: ShardedOrder | None) -> ShardedOrder:
-    """``cached`` when it has these settings, else a new :class:`ShardedOrder`."""
+            drop_last: bool, cached: ShardedOrder | None, shard_window: int | None = None,
+            shard_of=None) -> ShardedOrder:
+    """``cached`` when it has these settings, else a new :class:`ShardedOrder` (``shard_window``
+    and ``shard_of``: a shard-aware shuffle, see :mod:`feedgpu.shard_order`)."""
     want = {"n": n, "batch_size": batch_size, "shuffle": shuffle, "seed": seed, "rank": rank,
             "world_size": world_size, "drop_last": drop_last}
+    if shuffle and shard_window is not None:
+        want["shard_window"] = shard_window
     if cached is not None and cached.config() == want:
         return cached
     return ShardedOrder(n, batch_size, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size,
-                        drop_last=drop_last)
+                        drop_last=drop_last, shard_window=shard_window if shuffle else None,
+                        shard_of=shard_of)

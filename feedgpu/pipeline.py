@@ -35,7 +35,11 @@ class Pipeline:
             ``{"format": "folder"|"tar"|"parquet", "path": ..., ...}`` opened on first use.
         stages: stage objects in order, starting with :class:`~feedgpu.stages.Decode`.
         batch_size: samples per batch (default 256).
-        shuffle: reshuffle every epoch (default True).
+        shuffle: reshuffle every epoch (default True); ``"shards"``: reshuffle with about
+            ``shard_window`` shards open at a time (:mod:`feedgpu.shard_order`; for shards
+            fetched from the network), then :attr:`shuffle` is True.
+        shard_window: shards open at a time with ``shuffle="shards"`` (int >= 1, default 8;
+            ignored otherwise); :attr:`shard_window` is None without ``shuffle="shards"``.
         drop_last: drop each epoch's incomplete tail (default False; see :mod:`feedgpu.sampling`).
         num_workers: worker processes, 0 to run in the main process, or ``"auto"`` (default):
             the throughput balancer sizes the pool while it runs (see :class:`~feedgpu.DataLoader`).
@@ -62,8 +66,8 @@ class Pipeline:
     Raises :class:`ConfigError` for invalid settings.
     """
 
-    def __init__(self, source: Any, stages: list[Stage], *, batch_size: int = 256, shuffle: bool = True,
-                 drop_last: bool = False, num_workers: int | str = "auto", prefetch_factor: int = 2,
+    def __init__(self, source: Any, stages: list[Stage], *, batch_size: int = 256, shuffle: bool | str = True,
+                 shard_window: int = 8, drop_last: bool = False, num_workers: int | str = "auto", prefetch_factor: int = 2,
                  persistent_workers: bool = True, seed: int = 0,
                  on_error: str = "skip", timeout: float = 0.0, device: str = "auto", cache=None, engine=None,
                  executor=None, name: str = "pipeline", definition: dict | None = None, max_skipped=DEFAULT_MAX_SKIPPED):
@@ -74,9 +78,15 @@ class Pipeline:
             raise ConfigError(f"num_workers must be an int >= 0 or 'auto', got {num_workers!r}")
         if batch_size < 1 or prefetch_factor < 1:
             raise ConfigError("batch_size and prefetch_factor must be >= 1")
+        if isinstance(shuffle, str) and shuffle != "shards":
+            raise ConfigError(f"shuffle must be True, False or 'shards', got {shuffle!r}")
+        if shuffle == "shards" and (isinstance(shard_window, bool) or not isinstance(shard_window, int)
+                                    or shard_window < 1):
+            raise ConfigError(f"shard_window must be an int >= 1, got {shard_window!r}")
         self._source = source
         self.stages = list(stages)
         self.batch_size, self.shuffle, self.drop_last = int(batch_size), bool(shuffle), bool(drop_last)
+        self.shard_window = int(shard_window) if shuffle == "shards" else None
         self.num_workers, self.prefetch_factor = num_workers, int(prefetch_factor)
         self.persistent_workers = bool(persistent_workers)
         self.seed, self.on_error, self.timeout = int(seed), on_error, float(timeout)
@@ -121,7 +131,7 @@ class Pipeline:
         src = c.source.model_dump()
         cache = c.cache.model_dump() if c.cache.enabled else None
         return cls(src, stages, batch_size=c.loader.batch_size, shuffle=c.loader.shuffle,
-                   drop_last=c.loader.drop_last, num_workers=c.loader.num_workers,
+                   shard_window=c.loader.shard_window,                   drop_last=c.loader.drop_last, num_workers=c.loader.num_workers,
                    prefetch_factor=c.loader.prefetch_factor, persistent_workers=c.loader.persistent_workers,
                    seed=c.loader.seed, on_error=c.loader.on_error, max_skipped=c.loader.max_skipped,
                    timeout=c.loader.timeout, device=c.output.device, cache=cache,
@@ -199,7 +209,7 @@ class Pipeline:
         lines.append(f"batch: images {o.dtype} {'N' + o.layout} [{self.batch_size}, "
                      f"{', '.join(str(d) for d in o.shape)}] + labels int64 [{self.batch_size}] on {dev}")
         lines.append(f"loader: {self.num_workers} workers, prefetch {self.prefetch_factor} per worker, "
-                     f"shuffle={self.shuffle}, drop_last={self.drop_last}, seed={self.seed}, on_error={self.on_error}, "
+                     f"shuffle={'shards (window ' + str(self.shard_window) + ')' if self.shard_window else self.shuffle}, drop_last={self.drop_last}, seed={self.seed}, on_error={self.on_error}, "
                      f"max_skipped={self.max_skipped}")
         if self.cache is not None:
             lines.append(f"cache: {self.cache.dir} ({self.cache.compression}"

@@ -4,7 +4,9 @@ Rules (same as ``torch.utils.data.DistributedSampler`` where it has one):
 
 * ``shuffle=True``: a permutation of all ``n`` indices drawn from
   ``numpy.random.default_rng([seed, epoch])`` (PCG64 seeded through SeedSequence), so it changes
-  every epoch; ``shuffle=False`` keeps index order.
+  every epoch; ``shuffle=False`` keeps index order. With a ``shard_window`` (``shuffle: shards``),
+  the epoch order is :func:`feedgpu.shard_order.shard_order` instead: about ``shard_window``
+  shards open at a time; everything below applies to it unchanged.
 * Sharding: rank ``r`` of ``w`` takes every ``w``-th index of the epoch order starting at ``r``.
 * ``drop_last=False`` (remainder rule): the order is padded by repeating its head up to a
   multiple of ``w``, so every rank holds ``ceil(n / w)`` samples; the last batch of each rank is
@@ -31,6 +33,7 @@ import math
 import numpy as np
 
 from .errors import ConfigError
+from .shard_order import shard_order
 
 _SEED_MASK = 0xFFFFFFFFFFFFFFFF  # SeedSequence takes non-negative ints: a negative seed wraps, as in sample_rng
 
@@ -45,13 +48,18 @@ class ShardedOrder:
         seed: base seed (int, default 0).
         rank, world_size: this process's shard (default 0 of 1).
         drop_last: drop the incomplete tail (rule in the module docstring).
+        shard_window: with ``shuffle``, draw the order shard-aware with this many shards open
+            (int >= 1, :mod:`feedgpu.shard_order`); None (default): the plain permutation.
+        shard_of: the shard of each sample (int array of length ``n``, or a callable giving it,
+            called once when first needed); needed with ``shard_window``.
 
     Raises :class:`ConfigError` for an empty source, a bad rank or a batch size < 1, and when
-    ``drop_last=True`` leaves no full batch.
+    ``drop_last=True`` leaves no full batch; for a ``shard_window`` < 1 or without ``shard_of``.
     """
 
     def __init__(self, n: int, batch_size: int, *, shuffle: bool = True, seed: int = 0,
-                 rank: int = 0, world_size: int = 1, drop_last: bool = False):
+                 rank: int = 0, world_size: int = 1, drop_last: bool = False,
+                 shard_window: int | None = None, shard_of=None):
         if n <= 0:
             raise ConfigError("sampler: the source holds no samples")
         if batch_size < 1:
@@ -60,6 +68,13 @@ class ShardedOrder:
             raise ConfigError(f"sampler: rank {rank} is not in [0, world_size={world_size})")
         self.n, self.batch_size, self.shuffle, self.seed = n, batch_size, shuffle, int(seed)
         self.rank, self.world_size, self.drop_last = rank, world_size, drop_last
+        if shard_window is not None and (isinstance(shard_window, bool) or not isinstance(shard_window, int)
+                                         or shard_window < 1):
+            raise ConfigError(f"sampler: shard_window must be an int >= 1, got {shard_window!r}")
+        if shard_window is not None and shard_of is None:
+            raise ConfigError("sampler: shard_window needs the shard of each sample (shard_of)")
+        self.shard_window = shard_window if shuffle else None
+        self._shard_of = shard_of
         if drop_last:
             self.num_batches = n // (world_size * batch_size)
             self.per_rank = self.num_batches * batch_size
@@ -79,7 +94,19 @@ class ShardedOrder:
         """All ``n`` indices in this epoch's order (int64), before sharding."""
         if not self.shuffle:
             return np.arange(self.n, dtype=np.int64)
+        if self.shard_window is not None:
+            return shard_order(self.shard_of(), self.seed, epoch, self.shard_window)
         return np.random.default_rng([self.seed & _SEED_MASK, int(epoch)]).permutation(self.n).astype(np.int64)
+
+    def shard_of(self) -> np.ndarray:
+        """The shard of each sample (with a ``shard_window``; raises :class:`ConfigError` when
+        it does not hold ``n`` entries)."""
+        if callable(self._shard_of):
+            self._shard_of = self._shard_of()
+        shards = np.asarray(self._shard_of)
+        if shards.shape != (self.n,):
+            raise ConfigError(f"sampler: shard_of holds {shards.shape} entries for {self.n} samples")
+        return shards
 
     def view(self, epoch: int, start: int = 0) -> "EpochShard":
         """This rank's batches of ``epoch`` after the first ``start`` indices of the epoch order
@@ -109,8 +136,13 @@ class ShardedOrder:
         return min(batches * self.world_size * self.batch_size, self.n)
 
     def config(self) -> dict:
-        return {"n": self.n, "batch_size": self.batch_size, "shuffle": self.shuffle, "seed": self.seed,
-                "rank": self.rank, "world_size": self.world_size, "drop_last": self.drop_last}
+        """The order's settings (``shard_window`` only when set, so states of plain orders keep
+        their settings)."""
+        out = {"n": self.n, "batch_size": self.batch_size, "shuffle": self.shuffle, "seed": self.seed,
+               "rank": self.rank, "world_size": self.world_size, "drop_last": self.drop_last}
+        if self.shard_window is not None:
+            out["shard_window"] = self.shard_window
+        return out
 
 
 class EpochShard:

@@ -63,6 +63,9 @@ def _print(r: dict) -> None:
                f"per batch (median)")
     click.echo(f"GPU idle:      {100 * r['gpu_idle_fraction']:.1f} % (reads {100 * r['wait_split']['read']:.1f} %, "
                f"preprocessing {100 * r['wait_split']['preprocess']:.1f} %)")
+    if r.get("network_wait_fraction"):
+        click.echo(f"network:       the loader waited for shard downloads {100 * r['network_wait_fraction']:.1f} % "
+                   "of the time (waiting for the network)")
     costs = r["stage_costs"]["ms_per_sample"]
     if costs:
         click.echo("stage costs:   " + ", ".join(f"{k} {v:.2f}" for k, v in costs.items()) + " ms/sample (workers)")

@@ -184,7 +184,7 @@ class Autoscaler:
         self._remote_started: int | None = None
 
     def _reset_window(self, now: float | None) -> None:
-        self._t0, self._rows, self._batches, self._wait = now, 0, 0, 0.0
+        self._t0, self._rows, self._batches, self._wait, self._network = now, 0, 0, 0.0, 0.0
 
     @property
     def last_measurement(self) -> Measurement | None:
@@ -203,6 +203,11 @@ class Autoscaler:
         self._probe.sample(pids, memory=False)
         self._skip = 1  # the first window holds the pool's start-up: not judged
         self._reset_window(self.clock())
+
+    def add_network_wait(self, seconds: float) -> None:
+        """The loader waited ``seconds`` for shard downloads (:mod:`feedgpu.shard_ahead`): counted
+        in the window's ``network_wait_fraction``, "waiting for the network"."""
+        self._network += max(0.0, float(seconds))
 
     def on_batch(self, rows: int, waited_s: float, pids: list[int], remote_started: int | None = None) -> Decision | None:
         """A batch of ``rows`` samples was handed out after the consumer waited ``waited_s``
@@ -233,6 +238,8 @@ class Autoscaler:
                  "wait_fraction": m.wait_fraction, "cpu_cores_used": m.cpu_cores_used,
                  "cpu_budget": m.cpu_budget, "rss_bytes": m.rss_bytes, "decision": d.kind,
                  "next_workers": d.workers}
+        if m.network_wait_fraction:
+            point["network_wait_fraction"] = m.network_wait_fraction
         if self.remote_policy is not None:
             point.update(remote_workers=m.remote_workers, next_remote_workers=d.remote_workers, reason=d.reason)
         if d.experiment is not None:
@@ -264,7 +271,8 @@ class Autoscaler:
             wait_fraction=min(1.0, self._wait / wall), cpu_cores_used=max(0.0, worker_cpu / wall),
             cpu_budget=max(1.0, self.cores - (main_cpu + others) / wall), rss_bytes=int(rss) if self._uss else 0,
             ram_budget_bytes=ram_budget, gpu_mem_free_bytes=self._gpu_free(), prefetch=self.prefetch,
-            remote_workers=self.remote, remote_started=self._remote_started)
+            remote_workers=self.remote, remote_started=self._remote_started,
+            network_wait_fraction=min(1.0, self._network / wall) if wall > 0 else 0.0)
 
     def _gpu_free(self) -> int | None:
         if not self.device.startswith("cuda"):
@@ -283,6 +291,8 @@ class Autoscaler:
         d = d or (self.policy.history[-1] if self.policy.history else None)
         s = (f"the training loop took {m.delivered_rate:,.0f} samples/s with {m.workers} workers / prefetch "
              f"{m.prefetch} and waited for batches {100 * m.wait_fraction:.1f} % of its step time")
+        if m.network_wait_fraction:
+            s += f"; the loader waited for the network {100 * m.network_wait_fraction:.1f} % of the window"
         if d is not None:
             s += f"; next: {d.kind} ({d.workers} workers / prefetch {d.prefetch}): {d.reason}"
         return s

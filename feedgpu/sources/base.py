@@ -196,6 +196,22 @@ class Source:
         itself (the DALI engine's ``fn.io.file.read``), else None."""
         return None
 
+    def shard_of(self) -> np.ndarray:
+        """The shard of each sample (int32 array, one entry per sample, ids in
+        ``[0, len(shard_names()))``): the unit a shard-aware shuffle keeps together and a shard
+        cache fetches (:mod:`feedgpu.shard_order`). One shard (all zeros) unless the source has
+        files of many samples (tar shards, Parquet files)."""
+        return np.zeros(len(self), np.int32)
+
+    def shard_names(self) -> list[str]:
+        """One name per shard (a path or URL for sources of files), index = shard id."""
+        return [f"{self.format} source"]
+
+    def shard_sizes(self) -> np.ndarray:
+        """Samples in each shard (int64, one entry per shard of :meth:`shard_names`; 0 for a
+        shard whose records were all left out while indexing)."""
+        return np.bincount(self.shard_of(), minlength=len(self.shard_names())).astype(np.int64)
+
     def identity(self) -> str:
         """A stable hex digest of what the source holds (for state and cache fingerprints)."""
         h = hashlib.blake2b(digest_size=16)

@@ -242,6 +242,15 @@ class ParquetSource(Source):
         fid, rg, r = int(self.file_ids[index]), int(self.row_groups[index]), int(self.rows[index])
         return f"{self.files[fid]}#{int(self._rg_starts[fid][rg]) + r}"
 
+    def shard_of(self) -> np.ndarray:
+        """The shard of each row: its file's index in :attr:`files` (int32; a file is the unit
+        a shard cache downloads)."""
+        return self.file_ids
+
+    def shard_names(self) -> list[str]:
+        """The files' paths, index = shard id."""
+        return list(self.files)
+
     def _rows_of(self, fid: int, rg: int, r: int):
         """``(column part, row in it)`` for row ``r`` of row group ``rg``."""
         with self._lock:  # the DALI engine reads from a helper thread too

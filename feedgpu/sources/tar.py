@@ -430,6 +430,14 @@ class TarShardSource(Source):
     def key(self, index: int) -> str:
         return f"{self.shards[self.shard_ids[index]]}:{self.members[index]}"
 
+    def shard_of(self) -> np.ndarray:
+        """The shard of each sample: its index in :attr:`shards` (int32, the index's own array)."""
+        return self.shard_ids
+
+    def shard_names(self) -> list[str]:
+        """The shards' paths, index = shard id."""
+        return list(self.shards)
+
     def read(self, index: int) -> Record:
         sid = int(self.shard_ids[index])
         data = os.pread(self._fd(sid, index), int(self.sizes[index]), int(self.offsets[index]))

@@ -18,9 +18,11 @@ class Diagnosis:
     """Whether the loader keeps up, and what it would take.
 
     Attributes:
-        verdict: ``"meets demand"``, ``"CPU-bound"`` (the consumer waits and the pool uses its
-            CPU budget) or ``"input-bound"`` (the consumer waits though cores are left: I/O, the
-            main process's hand-off, or too few workers).
+        verdict: ``"meets demand"``, ``"network-bound"`` (the consumer waits, and the loader
+            waited for shard downloads at least half as long: "waiting for the network"),
+            ``"CPU-bound"`` (the consumer waits and the pool uses its CPU budget) or
+            ``"input-bound"`` (the consumer waits though cores are left: I/O, the main process's
+            hand-off, or too few workers).
         demand_rate, delivered_rate: samples/s (means of the windows).
         wait_fraction: the consumer's share of time waiting.
         cpu_cores_used, cpu_budget: cores.
@@ -30,6 +32,8 @@ class Diagnosis:
         extra_cores: ``cores_needed - cpu_budget`` when positive, else 0.
         workers, engine: the setting of the last window.
         message: the above as one sentence for ``feedgpu bench`` and logs.
+        network_wait_fraction: the loader's share of time waiting for shard downloads (0 when
+            nothing is fetched; the message names it only when it is not 0).
     """
 
     verdict: str
@@ -44,6 +48,7 @@ class Diagnosis:
     workers: int
     engine: str
     message: str
+    network_wait_fraction: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -65,6 +70,7 @@ def diagnose(measurements: Measurement | Iterable[Measurement], *, wait_threshol
     n = len(ms)
     delivered = sum(m.delivered_rate for m in ms) / n
     wait = sum(m.wait_fraction for m in ms) / n
+    network = sum(m.network_wait_fraction for m in ms) / n
     cores = sum(m.cpu_cores_used for m in ms) / n
     budget = sum(m.cpu_budget for m in ms) / n
     demands = [m.demand_rate for m in ms if m.demand_rate is not None]
@@ -79,6 +85,11 @@ def diagnose(measurements: Measurement | Iterable[Measurement], *, wait_threshol
     if wait <= wait_threshold:
         verdict = "meets demand"
         msg = f"meets demand: the consumer takes {_fmt_rate(demand)} and waits {_pct(wait)}; {got}"
+    elif network > wait_threshold and network >= 0.5 * wait:
+        verdict = "network-bound"
+        msg = (f"network-bound: the consumer would take {_fmt_rate(demand)} but waits {_pct(wait)}, and the "
+               f"loader waited for the network {_pct(network)} of the time (shard downloads); {got}: more "
+               "workers do not help; fetch further ahead, keep the shards in the cache, or use a faster link")
     elif cores >= saturation * budget:
         verdict = "CPU-bound"
         msg = f"CPU-bound: the consumer would take {_fmt_rate(demand)} but waits {_pct(wait)}; {got}"
@@ -94,7 +105,9 @@ def diagnose(measurements: Measurement | Iterable[Measurement], *, wait_threshol
         verdict = "input-bound"
         msg = (f"input-bound: the consumer would take {_fmt_rate(demand)} but waits {_pct(wait)}; {got}, so "
                "the limit is not the CPU (I/O, the main process's hand-off, or too few workers)")
+    if network > 0 and verdict != "network-bound":
+        msg += f"; waiting for the network {_pct(network)} of the time (shard downloads)"
     return Diagnosis(verdict, demand, delivered, wait, cores, budget, per_core, needed, extra, last.workers,
-                     last.engine, msg)
+                     last.engine, msg, network)
 
 

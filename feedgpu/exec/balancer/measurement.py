@@ -47,6 +47,9 @@ class Measurement:
             window, besides the ``workers`` local ones (see :mod:`feedgpu.exec.remote_policy`).
         remote_started: how many of them Ray has started by the window's end (an actor waits
             for a free CPU on the cluster, and its process starts in seconds); ``None``: all.
+        network_wait_fraction: share of the window's wall time the loader waited for shard
+            downloads ("waiting for the network": :mod:`feedgpu.shard_ahead`), in [0, 1]; 0 when
+            nothing is fetched.
     """
 
     t: float
@@ -64,6 +67,7 @@ class Measurement:
     hw_decoder_load: float | None = None
     remote_workers: int = 0
     remote_started: int | None = None
+    network_wait_fraction: float = 0.0
 
     def __post_init__(self):
         if self.remote_workers < 0:
@@ -78,6 +82,8 @@ class Measurement:
             raise ConfigError(f"Measurement.demand_rate must be > 0, inf or None, got {self.demand_rate}")
         if not 0.0 <= self.wait_fraction <= 1.0:
             raise ConfigError(f"Measurement.wait_fraction must be in [0, 1], got {self.wait_fraction}")
+        if not 0.0 <= self.network_wait_fraction <= 1.0:
+            raise ConfigError(f"Measurement.network_wait_fraction must be in [0, 1], got {self.network_wait_fraction}")
         if not self.cpu_cores_used >= 0:
             raise ConfigError(f"Measurement.cpu_cores_used must be >= 0, got {self.cpu_cores_used}")
         if not self.cpu_budget > 0:
