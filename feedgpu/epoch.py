@@ -21,6 +21,7 @@ import numpy as np
 from .errors import IteratorSuperseded, SkipBudgetExceeded
 from .exec.host_buffers import pin
 from .exec.process_pool import unpack_exception
+from .remote import ahead_loader
 from .sampling import ShardedOrder
 from .skips import SkipBudget, epoch_samples
 
@@ -79,6 +80,7 @@ class EpochIterator:
         self.tag = next(_tags)
         self.closed = False
         self.superseded = False   # a newer iteration of the loader stopped this one
+        self.net = None   # the read-ahead of remote shards (feedgpu.remote.ahead_loader), if any
         self.pending: dict[int, tuple] = {}      # seq -> task (submitted, result not yet used)
         self.ready: dict[int, tuple] = {}        # seq -> (task, ok, payload)
         view = self.view   # not self: the generator would hold the iterator in a cycle
@@ -97,6 +99,9 @@ class EpochIterator:
             loader._autoscaler.start(self.pool.pids())
         self.ahead: Ahead | None = None      # the next epoch's batches this iterator submits
         self._adopt(loader, order, epoch, start)
+        # remote shards: fetched ahead, a batch dispatched once they are in the shard cache
+        if not self.open:
+            self.net = ahead_loader.start(loader, order, self.view)
         loader._position = (epoch, start)
         if start == 0:
             loader._rows_seen = 0
@@ -165,10 +170,14 @@ class EpochIterator:
         self.pool.submit(task)
         pending[seq] = task
 
-    def _fill(self) -> None:
+    def _fill(self, need: int | None = None) -> None:
+        """Submit batches up to the in-flight limit; ``need``: the batch the caller waits for,
+        whose shards may be waited for (others wait their turn while their shards download)."""
         limit = self.loader._inflight_limit()
         while (self.submitted < self.nb and len(self.pending) + len(self.ready) < limit
                and self.work.can_submit()):
+            if self.net is not None and not self.net.ready(self.submitted, block=self.submitted == need):
+                break
             indices = self._take()
             if indices is None:
                 self._ended(self.submitted)
@@ -209,6 +218,8 @@ class EpochIterator:
         try:
             if self.inline:
                 indices = self._indices(b)
+                if self.net is not None:
+                    self.net.ready(b, block=True)
                 if self.work.runs_ahead:  # DALI: start this and the next batches, in order
                     for k in range(b, min(self.nb, b + 1 + self.loader._prefetch)):
                         ks = self._indices(k)
@@ -230,6 +241,8 @@ class EpochIterator:
             self.close()
             self.loader._release_pool(force=True)  # after an error, even persistent workers restart
             raise
+        if self.net is not None:
+            self.net.done(b)
         if cause is not None:
             self._skip_failed(b)
             # raised outside the handler (no context) and without `self` in this frame, which the
@@ -312,6 +325,8 @@ class EpochIterator:
         loader._batches_seen = 0
 
     def _wait(self, b: int):
+        if b >= self.submitted:   # held back while its shards downloaded: dispatch it now
+            self._fill(need=b)
         while b not in self.ready:
             tag, seq, wid, ok, payload = self.pool.get(self.loader.timeout or None)
             if tag is None:  # worker_init_fn failed
@@ -338,6 +353,7 @@ class EpochIterator:
         if self.closed:
             return
         self.closed = True
+        ahead_loader.stop(self.loader, self.net)
         keep_pool = self.loader.persistent_workers
         for seq, task in self.pending.items():
             if keep_pool:  # its result still comes and is dropped on arrival

@@ -25,6 +25,7 @@ from .orders import (OrderRandomSampler, OrderSampler, OrderSequentialSampler, U
                      reads_as_sharding, shard_settings, sharded)
 from .loader_setup import _UNSET, init_iterable, resolve_settings
 from .pipeline import Pipeline
+from .remote.ahead_loader import network_stats
 from .sampling import ShardedOrder
 
 T_co = TypeVar("T_co", covariant=True)
@@ -235,6 +236,7 @@ class DataLoader(tud.DataLoader[T_co]):
         self._live = None
         self._executor_totals = ExecutorTotals()
         self._stats = LoaderStats()
+        self._network = None   # remote sources: read-ahead and shard-cache totals (remote.ahead_loader)
         if collective:  # ranks from torch.distributed: every rank must hold the same samples (or it hangs)
             self._sharded_order(collective=True)
         if p is not None:  # samples the source left out while indexing, by reason (after the check above)
@@ -441,7 +443,8 @@ class DataLoader(tud.DataLoader[T_co]):
         ``None`` before the first), the cache's state (``None`` without a cache) and the executor
         (``{"name": "local"}``; with Ray the remote workers, batches run on each side, and the
         batches redone after a remote worker died with the reasons, see
-        :meth:`~feedgpu.metrics.ExecutorTotals.report`)."""
+        :meth:`~feedgpu.metrics.ExecutorTotals.report`) and, for a source read from URLs, the
+        network (``None`` otherwise; see :func:`~feedgpu.remote.ahead_loader.network_stats`)."""
         d = self._stats.as_dict()
         d.update(num_workers=self.num_workers, prefetch_factor=self._prefetch, epoch=self._position[0],
                  batches_seen=self._position[1])
@@ -460,6 +463,7 @@ class DataLoader(tud.DataLoader[T_co]):
                           "samples": entry.n, "complete": entry.complete}
         else:
             d["cache"] = None
+        d["network"] = network_stats(self)
         return d
 
     @property
