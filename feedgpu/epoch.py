@@ -18,10 +18,11 @@ import warnings
 
 import numpy as np
 
+from . import shard_ahead
+from .remote import ahead_loader
 from .errors import IteratorSuperseded, SkipBudgetExceeded
 from .exec.host_buffers import pin
 from .exec.process_pool import unpack_exception
-from .remote import ahead_loader
 from .sampling import ShardedOrder
 from .skips import SkipBudget, epoch_samples
 
@@ -68,6 +69,8 @@ class EpochIterator:
     def __init__(self, loader, order, epoch: int, start: int, deferred_commit: bool = False):
         self.loader, self.epoch, self.order = loader, epoch, order
         self.view = order.view(epoch, start)
+        self.shards = shard_ahead.for_epoch(loader, self.view)   # shards fetched ahead (None: not attached)
+        self._unfetched: set[str] = set()
         first = self.next_b = self.view.first   # batches are numbered as in the whole epoch
         # With device prefetch, a batch counts as seen when the prefetcher hands it to the
         # training loop (it calls commit()), not when it leaves the CPU pool.
@@ -80,7 +83,6 @@ class EpochIterator:
         self.tag = next(_tags)
         self.closed = False
         self.superseded = False   # a newer iteration of the loader stopped this one
-        self.net = None   # the read-ahead of remote shards (feedgpu.remote.ahead_loader), if any
         self.pending: dict[int, tuple] = {}      # seq -> task (submitted, result not yet used)
         self.ready: dict[int, tuple] = {}        # seq -> (task, ok, payload)
         view = self.view   # not self: the generator would hold the iterator in a cycle
@@ -99,9 +101,6 @@ class EpochIterator:
             loader._autoscaler.start(self.pool.pids())
         self.ahead: Ahead | None = None      # the next epoch's batches this iterator submits
         self._adopt(loader, order, epoch, start)
-        # remote shards: fetched ahead, a batch dispatched once they are in the shard cache
-        if not self.open:
-            self.net = ahead_loader.start(loader, order, self.view)
         loader._position = (epoch, start)
         if start == 0:
             loader._rows_seen = 0
@@ -125,7 +124,7 @@ class EpochIterator:
         loader = self.loader
         # not with a cache: its rows become readable at the epoch-end flush, which must come first
         return (loader.persistent_workers and isinstance(self.order, ShardedOrder) and self.pool is not None
-                and loader._cache_settings is None)
+                and loader._cache_settings is None and self.shards is None)
 
     def _take(self) -> np.ndarray | None:
         """The next batch's indices from the order; None where an open-ended epoch ends."""
@@ -165,19 +164,25 @@ class EpochIterator:
         view = self.view if epoch is None or epoch == self.epoch else self.order.view(epoch)
         return view.spares(b, max(4, size))
 
+    def _fetch(self, b: int) -> None:
+        if self.shards is not None:
+            shard_ahead.fetch_batch(self.shards, self.view, b, self._unfetched)
+
+    def _fetched(self, b: int) -> None:
+        if self.shards is not None:
+            shard_ahead.release_batch(self.shards, self.view, b)
+
     def _submit(self, tag: int, seq: int, epoch: int, indices: np.ndarray, pending: dict) -> None:
+        if tag == self.tag:
+            self._fetch(seq)
         task = self.work.task(tag, seq, epoch, indices, self._spares(seq, len(indices), epoch))
         self.pool.submit(task)
         pending[seq] = task
 
-    def _fill(self, need: int | None = None) -> None:
-        """Submit batches up to the in-flight limit; ``need``: the batch the caller waits for,
-        whose shards may be waited for (others wait their turn while their shards download)."""
+    def _fill(self) -> None:
         limit = self.loader._inflight_limit()
         while (self.submitted < self.nb and len(self.pending) + len(self.ready) < limit
                and self.work.can_submit()):
-            if self.net is not None and not self.net.ready(self.submitted, block=self.submitted == need):
-                break
             indices = self._take()
             if indices is None:
                 self._ended(self.submitted)
@@ -218,13 +223,13 @@ class EpochIterator:
         try:
             if self.inline:
                 indices = self._indices(b)
-                if self.net is not None:
-                    self.net.ready(b, block=True)
+                self._fetch(b)
                 if self.work.runs_ahead:  # DALI: start this and the next batches, in order
                     for k in range(b, min(self.nb, b + 1 + self.loader._prefetch)):
                         ks = self._indices(k)
                         if ks is None:
                             break
+                        self._fetch(k)
                         self.work.prefetch(k, self.epoch, ks, self._spares(k, len(ks)))
                     batch, report = self.work.run_inline(b, self.epoch, indices, self._spares(b, len(indices)))
                 else:
@@ -241,8 +246,7 @@ class EpochIterator:
             self.close()
             self.loader._release_pool(force=True)  # after an error, even persistent workers restart
             raise
-        if self.net is not None:
-            self.net.done(b)
+        self._fetched(b)
         if cause is not None:
             self._skip_failed(b)
             # raised outside the handler (no context) and without `self` in this frame, which the
@@ -325,8 +329,6 @@ class EpochIterator:
         loader._batches_seen = 0
 
     def _wait(self, b: int):
-        if b >= self.submitted:   # held back while its shards downloaded: dispatch it now
-            self._fill(need=b)
         while b not in self.ready:
             tag, seq, wid, ok, payload = self.pool.get(self.loader.timeout or None)
             if tag is None:  # worker_init_fn failed
@@ -353,7 +355,10 @@ class EpochIterator:
         if self.closed:
             return
         self.closed = True
-        ahead_loader.stop(self.loader, self.net)
+        if self.shards is not None:
+            self.loader._read_ahead_stats = self.shards.stats()
+            self.shards.close()
+            ahead_loader.closed(self.loader, self.shards)   # remote sources: totals, download threads
         keep_pool = self.loader.persistent_workers
         for seq, task in self.pending.items():
             if keep_pool:  # its result still comes and is dropped on arrival

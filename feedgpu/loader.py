@@ -25,7 +25,7 @@ from .orders import (OrderRandomSampler, OrderSampler, OrderSequentialSampler, U
                      reads_as_sharding, shard_settings, sharded)
 from .loader_setup import _UNSET, init_iterable, resolve_settings
 from .pipeline import Pipeline
-from .remote.ahead_loader import network_stats
+from .remote.ahead_loader import auto_attach, network_stats
 from .sampling import ShardedOrder
 
 T_co = TypeVar("T_co", covariant=True)
@@ -241,6 +241,7 @@ class DataLoader(tud.DataLoader[T_co]):
             self._sharded_order(collective=True)
         if p is not None:  # samples the source left out while indexing, by reason (after the check above)
             self._stats.add_index_skips(p.source)
+            auto_attach(self)   # a source read from URLs: its shards are fetched ahead (remote.ahead_loader)
         if self.pin_memory:
             import torch
 
@@ -450,6 +451,9 @@ class DataLoader(tud.DataLoader[T_co]):
                  batches_seen=self._position[1])
         d["balancer"] = self._autoscaler.stats() if self._autoscaler is not None else None
         live = self._live() if self._live is not None else None
+        ahead = getattr(live, "shards", None)   # shard read-ahead (feedgpu.shard_ahead.attach)
+        d["read_ahead"] = ahead.stats() if ahead is not None and not live.closed else \
+            getattr(self, "_read_ahead_stats", None)
         d["skip_budget"] = live.budget.as_dict() if live is not None else None
         engine = self._work.stats() if self._work is not None else None
         d["engine"] = engine if engine is not None else {"name": self._engine.name}

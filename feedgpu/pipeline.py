@@ -67,8 +67,8 @@ class Pipeline:
     """
 
     def __init__(self, source: Any, stages: list[Stage], *, batch_size: int = 256, shuffle: bool | str = True,
-                 shard_window: int = 8, drop_last: bool = False, num_workers: int | str = "auto", prefetch_factor: int = 2,
-                 persistent_workers: bool = True, seed: int = 0,
+                 shard_window: int = 8, drop_last: bool = False, num_workers: int | str = "auto",
+                 prefetch_factor: int = 2, persistent_workers: bool = True, seed: int = 0,
                  on_error: str = "skip", timeout: float = 0.0, device: str = "auto", cache=None, engine=None,
                  executor=None, name: str = "pipeline", definition: dict | None = None, max_skipped=DEFAULT_MAX_SKIPPED):
         if on_error not in ON_ERROR:
@@ -131,7 +131,7 @@ class Pipeline:
         src = c.source.model_dump()
         cache = c.cache.model_dump() if c.cache.enabled else None
         return cls(src, stages, batch_size=c.loader.batch_size, shuffle=c.loader.shuffle,
-                   shard_window=c.loader.shard_window,                   drop_last=c.loader.drop_last, num_workers=c.loader.num_workers,
+                   shard_window=c.loader.shard_window, drop_last=c.loader.drop_last, num_workers=c.loader.num_workers,
                    prefetch_factor=c.loader.prefetch_factor, persistent_workers=c.loader.persistent_workers,
                    seed=c.loader.seed, on_error=c.loader.on_error, max_skipped=c.loader.max_skipped,
                    timeout=c.loader.timeout, device=c.output.device, cache=cache,
@@ -208,8 +208,9 @@ class Pipeline:
         o = plan.out_spec
         lines.append(f"batch: images {o.dtype} {'N' + o.layout} [{self.batch_size}, "
                      f"{', '.join(str(d) for d in o.shape)}] + labels int64 [{self.batch_size}] on {dev}")
+        shuffle = f"shards (window {self.shard_window})" if self.shard_window else self.shuffle
         lines.append(f"loader: {self.num_workers} workers, prefetch {self.prefetch_factor} per worker, "
-                     f"shuffle={'shards (window ' + str(self.shard_window) + ')' if self.shard_window else self.shuffle}, drop_last={self.drop_last}, seed={self.seed}, on_error={self.on_error}, "
+                     f"shuffle={shuffle}, drop_last={self.drop_last}, seed={self.seed}, on_error={self.on_error}, "
                      f"max_skipped={self.max_skipped}")
         if self.cache is not None:
             lines.append(f"cache: {self.cache.dir} ({self.cache.compression}"

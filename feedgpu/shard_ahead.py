@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 import weakref
 from concurrent.futures import Future
 from typing import Any, Callable, Protocol, Sequence
@@ -46,6 +47,12 @@ class Fetcher(Protocol):
 
     def fetch_async(self, shard) -> Future:  # pragma: no cover - protocol
         ...
+
+
+def _check_budgets(max_in_flight, max_held) -> None:
+    for label, v in (("max_in_flight", max_in_flight), ("max_held", max_held)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ConfigError(f"ShardAhead: {label} must be an int >= 1, got {v!r}")
 
 
 def _run(ref) -> None:
@@ -81,9 +88,7 @@ class ShardAhead:
     def __init__(self, order, shard_of, fetcher: Fetcher, *, names: Sequence[str] | None = None,
                  max_in_flight: int = 4, max_held: int | None = None, timeout: float | None = None,
                  on_wait: Callable[[float], None] | None = None, clock: Callable[[], float] = time.monotonic):
-        for label, v in (("max_in_flight", max_in_flight), ("max_held", max_held)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ConfigError(f"ShardAhead: {label} must be an int >= 1, got {v!r}")
+        _check_budgets(max_in_flight, max_held)
         order = np.asarray(order, dtype=np.int64)
         shard_of = np.asarray(shard_of)
         if len(order) and (order.min() < 0 or order.max() >= len(shard_of)):
@@ -329,3 +334,63 @@ class ShardAhead:
             self.close(timeout=0)
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
+
+
+# -- the loader's hook ---------------------------------------------------------------------------
+def attach(loader, fetcher: Fetcher | None, **options) -> None:
+    """Fetch each epoch's shards ahead for ``loader`` (a :class:`~feedgpu.DataLoader` over a
+    :class:`~feedgpu.Pipeline` with feedgpu's own order) through ``fetcher``; ``options`` as for
+    :class:`ShardAhead` (``max_in_flight``, ``max_held``, ``timeout``); ``None`` detaches.
+
+    From the next iteration on, the loader acquires the shards of each batch before it hands the
+    batch to a worker (or runs it inline) and releases them once the batch is delivered; the
+    time it blocks there is "waiting for the network" (the balancer's
+    ``network_wait_fraction``, ``loader.stats()["read_ahead"]``). A shard whose fetch fails is
+    named in a warning and left to the source's own reader, which reads it or counts its samples
+    as skipped. The next epoch's first batches are not started early while a fetcher is attached
+    (they would need that epoch's shards). Raises :class:`ConfigError` for a loader without a
+    pipeline or with a user's sampler."""
+    if fetcher is not None and (loader.pipeline is None or loader._user is not None):
+        raise ConfigError("shard read-ahead needs a feedgpu Pipeline read in feedgpu's own order "
+                          "(not a torch Dataset or a user's sampler)")
+    unknown = set(options) - {"max_in_flight", "max_held", "timeout"}
+    if unknown:
+        raise ConfigError(f"shard read-ahead: unknown options {sorted(unknown)}; allowed: max_held, max_in_flight, "
+                          "timeout")
+    _check_budgets(options.get("max_in_flight", 4), options.get("max_held"))
+    loader._read_ahead = None if fetcher is None else (fetcher, dict(options))
+
+
+def for_epoch(loader, view) -> ShardAhead | None:
+    """The read-ahead of one pass (``view``: its :class:`~feedgpu.sampling.EpochShard`) when a
+    fetcher is attached (:func:`attach`), else None."""
+    attached = getattr(loader, "_read_ahead", None)
+    if attached is None or getattr(view, "open_ended", False):
+        return None
+    fetcher, options = attached
+    scaler = loader._autoscaler
+    return ShardAhead.for_view(view, loader.pipeline.source, fetcher,
+                               on_wait=scaler.add_network_wait if scaler is not None else None, **options)
+
+
+def batch_positions(view, b: int) -> range:
+    """The positions of ``view.indices`` that batch ``b`` reads."""
+    bs = view.order.batch_size
+    k = b - view.first
+    return range(k * bs, min((k + 1) * bs, len(view.indices)))
+
+
+def fetch_batch(ahead: ShardAhead, view, b: int, warned: set) -> None:
+    """Acquire the shards of batch ``b``; a failed one is warned about once (``warned``: names)."""
+    for pos in batch_positions(view, b):
+        try:
+            ahead.acquire(pos)
+        except ShardFetchError as e:
+            if e.shard not in warned:
+                warned.add(e.shard)
+                warnings.warn(f"feedgpu: {e}; its samples are read by the source directly", stacklevel=3)
+
+
+def release_batch(ahead: ShardAhead, view, b: int) -> None:
+    for pos in batch_positions(view, b):
+        ahead.release(pos)

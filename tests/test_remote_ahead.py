@@ -110,9 +110,7 @@ def test_resume_mid_epoch_on_a_fresh_cache_fetches_only_what_is_left(served, tmp
     first.shutdown()
     del it
     before = [served.gets(s) for s in SHARDS]
-    # a new machine: an empty cache (workers not persistent: the next epoch's first batches,
-    # started early by persistent workers, would read shard 0 at the end of this one)
-    again = DataLoader(pipe(source(served, tmp_path / "b"), persistent_workers=False))
+    again = DataLoader(pipe(source(served, tmp_path / "b")))   # a new machine: an empty cache
     again.load_state_dict(state)
     tail = clone_all(again)
     assert batches_equal(head + tail, reference)
