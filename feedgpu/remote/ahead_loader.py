@@ -158,9 +158,8 @@ def closed(loader, ahead) -> None:
     if totals is None or ahead is None:
         return
     totals.add(ahead.stats())
-    close = getattr(ahead.fetcher, "close", None)
-    if callable(close):
-        close()
+    if isinstance(ahead.fetcher, RemoteFetcher):   # not a fetcher a user attached
+        ahead.fetcher.close()
 
 
 def network_stats(loader) -> dict | None:
