@@ -183,6 +183,9 @@ class EpochIterator:
         limit = self.loader._inflight_limit()
         while (self.submitted < self.nb and len(self.pending) + len(self.ready) < limit
                and self.work.can_submit()):
+            if (self.shards is not None and self.submitted > self.next_b
+                    and not shard_ahead.batch_ready(self.shards, self.view, self.submitted)):
+                break   # a later batch waits for its shards; only the next one blocks on the network
             indices = self._take()
             if indices is None:
                 self._ended(self.submitted)
@@ -330,6 +333,8 @@ class EpochIterator:
 
     def _wait(self, b: int):
         while b not in self.ready:
+            if self.shards is not None and self.submitted <= b:   # held back for its shards
+                self._fill()
             tag, seq, wid, ok, payload = self.pool.get(self.loader.timeout or None)
             if tag is None:  # worker_init_fn failed
                 raise unpack_exception(payload, "in worker_init_fn")

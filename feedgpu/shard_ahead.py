@@ -145,6 +145,19 @@ class ShardAhead:
         out (``timeout``) or the read-ahead was closed."""
         return self._acquire(int(self.seq[pos]))
 
+    def ready(self, pos: int) -> bool:
+        """True when :meth:`acquire` of ``pos`` would not wait (its shard is fetched, or its fetch
+        failed); a shard not requested yet is requested next, as for a waiting reader."""
+        s = int(self.seq[pos])
+        with self._cond:
+            if self._state[s] in (_WAITING, _RELEASED):
+                if self._state[s] == _RELEASED:
+                    self._state[s] = _WAITING
+                if s not in self._demand:
+                    self._demand.append(s)
+                self._cond.notify_all()
+            return self._state[s] in (_READY, _FAILED) or self._closed
+
     def release(self, pos: int) -> None:
         """The read of position ``pos`` is done (each position once): the shard is released
         when every read the order plans for it is done."""
@@ -343,8 +356,10 @@ def attach(loader, fetcher: Fetcher | None, **options) -> None:
     :class:`ShardAhead` (``max_in_flight``, ``max_held``, ``timeout``); ``None`` detaches.
 
     From the next iteration on, the loader acquires the shards of each batch before it hands the
-    batch to a worker (or runs it inline) and releases them once the batch is delivered; the
-    time it blocks there is "waiting for the network" (the balancer's
+    batch to a worker (or runs it inline) and releases them once the batch is delivered. Batches
+    after the one the training loop waits for go to the workers only once their shards are
+    fetched; the loader blocks only for the shards of that next batch, and that time is "waiting
+    for the network" (the balancer's
     ``network_wait_fraction``, ``loader.stats()["read_ahead"]``). A shard whose fetch fails is
     named in a warning and left to the source's own reader, which reads it or counts its samples
     as skipped. The next epoch's first batches are not started early while a fetcher is attached
@@ -389,6 +404,11 @@ def fetch_batch(ahead: ShardAhead, view, b: int, warned: set) -> None:
             if e.shard not in warned:
                 warned.add(e.shard)
                 warnings.warn(f"feedgpu: {e}; its samples are read by the source directly", stacklevel=3)
+
+
+def batch_ready(ahead: ShardAhead, view, b: int) -> bool:
+    """True when every shard batch ``b`` reads is fetched (or failed): acquiring them would not wait."""
+    return all(ahead.ready(pos) for pos in batch_positions(view, b))
 
 
 def release_batch(ahead: ShardAhead, view, b: int) -> None:
