@@ -19,6 +19,7 @@ import warnings
 import numpy as np
 
 from . import shard_ahead
+from .remote import ahead_loader
 from .errors import IteratorSuperseded, SkipBudgetExceeded
 from .exec.host_buffers import pin
 from .exec.process_pool import unpack_exception
@@ -368,6 +369,7 @@ class EpochIterator:
         if self.shards is not None:
             self.loader._read_ahead_stats = self.shards.stats()
             self.shards.close()
+            ahead_loader.closed(self.loader, self.shards)   # remote sources: totals, download threads
         keep_pool = self.loader.persistent_workers
         for seq, task in self.pending.items():
             if keep_pool:  # its result still comes and is dropped on arrival

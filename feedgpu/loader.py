@@ -27,6 +27,7 @@ from .orders import (OrderRandomSampler, OrderSampler, OrderSequentialSampler, U
 from .loader_setup import _UNSET, init_iterable, resolve_settings
 from .loader_stats import loader_stats, source_fingerprint
 from .pipeline import Pipeline
+from .remote.ahead_loader import auto_attach
 from .sampling import ShardedOrder
 
 T_co = TypeVar("T_co", covariant=True)
@@ -234,19 +235,17 @@ class DataLoader(tud.DataLoader[T_co]):
         self._start = 0
         self._restored: tuple[int, int] | None = None   # set by load_state_dict until the next iteration
         self._drives_sampler_epoch = False   # set_epoch() was called: a user sampler's set_epoch follows it
-        self._position = (0, 0)
-        self._rows_seen = self._batches_seen = 0
+        self._position, self._rows_seen, self._batches_seen = (0, 0), 0, 0
         self._fingerprint: str | None = None
         self._pool: ProcessPool | None = None
         self._ahead: Ahead | None = None   # the next epoch's first batches, already submitted
-        self._work = None
-        self._live = None
-        self._executor_totals = ExecutorTotals()
-        self._stats = LoaderStats()
+        self._work = self._live = None
+        self._executor_totals, self._stats = ExecutorTotals(), LoaderStats()
         if collective:  # ranks from torch.distributed: every rank must hold the same samples (or it hangs)
             self._sharded_order(collective=True)
         if p is not None:  # samples the source left out while indexing, by reason (after the check above)
             self._stats.add_index_skips(p.source)
+            auto_attach(self)   # a source read from URLs: its shards are fetched ahead (remote.ahead_loader)
         if self.pin_memory:
             import torch
 
@@ -434,7 +433,8 @@ class DataLoader(tud.DataLoader[T_co]):
         ``None`` before the first), the cache's state (``None`` without a cache) and the executor
         (``{"name": "local"}``; with Ray the remote workers, batches run on each side, and the
         batches redone after a remote worker died with the reasons, see
-        :meth:`~feedgpu.metrics.ExecutorTotals.report`)."""
+        :meth:`~feedgpu.metrics.ExecutorTotals.report`) and the network of a source read from URLs
+        (``None`` otherwise; :func:`~feedgpu.remote.ahead_loader.network_stats`)."""
         return loader_stats(self)
 
     @property

@@ -3,6 +3,8 @@ balancer, the live epoch's skip budget and shard read-ahead, the engine, the exe
 cache), and the fingerprint a loader state names its records by."""
 from __future__ import annotations
 
+from .remote.ahead_loader import network_stats
+
 __all__ = ["loader_stats", "source_fingerprint"]
 
 
@@ -29,6 +31,7 @@ def loader_stats(loader) -> dict:
                       "samples": entry.n, "complete": entry.complete}
     else:
         d["cache"] = None
+    d["network"] = network_stats(loader)
     return d
 
 

@@ -42,6 +42,7 @@ class LoaderStats:
         self.skipped: Counter = Counter()
         self.skipped_keys: deque = deque(maxlen=keep)
         self.index_skipped = 0
+        self.network: dict = {}   # "host:pid" -> the latest shard-cache counters its batches carried
 
     def delivered(self, rows: int, waited_s: float) -> None:
         self.batches += 1
@@ -50,6 +51,9 @@ class LoaderStats:
 
     def add_report(self, report) -> None:
         self.stage_s.update(report.stage_seconds)
+        if getattr(report, "network", None) is not None:
+            proc, counters = report.network
+            self.network[proc] = counters
         for key, reason, detail in report.skipped:
             self.skip(key, reason, detail)
 

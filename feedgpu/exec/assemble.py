@@ -27,6 +27,7 @@ class BatchReport:
     rows: int = 0
     skipped: list = field(default_factory=list)          # [(key, reason, detail)]
     stage_seconds: dict = field(default_factory=dict)    # {"read": s, "decode": s, ...}
+    network: tuple | None = None   # a remote source: (process, its ShardCache.counters()), else None
 
 
 class Spares:
@@ -119,6 +120,11 @@ class Assembler:
         for j, idx in enumerate(indices.tolist()):
             labels[j] = supply.run(lambda i: self._one(images, j, i, epoch, rep.stage_seconds), idx)
         rep.rows = len(indices)
+        remote = getattr(self.source, "remote", None)
+        if remote is not None:   # the shard cache's counters travel back with the batch
+            from ..remote.ahead_loader import process_counters
+
+            rep.network = process_counters(remote.cache)
         return rep
 
     def _one(self, images: np.ndarray, j: int, idx: int, epoch: int, secs: dict) -> int:

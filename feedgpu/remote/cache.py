@@ -237,18 +237,28 @@ class ShardCache:
         ``misses`` (downloaded), ``network_wait_s`` (seconds callers of :meth:`local_path` waited
         for downloads, their own or another process's), ``retries``, ``evictions``,
         ``failures`` (URLs given up on), ``cached_bytes`` (the folder's files now)."""
+        out = self.counters()
+        out["cached_bytes"] = sum(size for *_, size in entries(self.directory))
+        return out
+
+    def counters(self) -> dict:
+        """:meth:`stats` without ``cached_bytes`` (no look at the folder: cheap enough for every
+        batch). In a forked child, its own counters from zero, not its parent's."""
+        self._check_fork()
         with self._lock:
             out = {k: int(self._stats[k]) for k in ("bytes_downloaded", "hits", "misses", "retries",
                                                      "evictions", "failures")}
             out["network_wait_s"] = self._wait_s
-        out["cached_bytes"] = sum(size for *_, size in entries(self.directory))
         return out
 
-    def close(self) -> None:
-        """Stop the download threads (downloads in flight finish)."""
+    def close(self, wait: bool = True) -> None:
+        """Stop the download threads (downloads in flight finish; ``wait=False``: without
+        waiting for them, and downloads not started are cancelled). A later
+        :meth:`fetch_async` starts new threads."""
         if self._pool is not None and self._pid == os.getpid():
-            self._pool.shutdown(wait=True)
-            self._pool = None
+            with self._lock:
+                pool, self._pool = self._pool, None
+            pool.shutdown(wait=wait, cancel_futures=not wait)
 
     # -- internals ---------------------------------------------------------------------------
     def _count(self, name: str, n: int = 1) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import fcntl
 import os
 import re
+import threading
 from contextlib import contextmanager
 
 from ..errors import CacheFullError
@@ -16,16 +17,35 @@ from ..errors import CacheFullError
 _PART = re.compile(r"^(?P<key>[0-9a-f]{32})\.data\.part-(?P<pid>\d+)-\d+$")
 
 
+_guard = threading.Lock()
+_thread_locks: dict[str, threading.Lock] = {}
+
+
+def _after_fork() -> None:
+    global _guard
+    _guard = threading.Lock()
+    _thread_locks.clear()   # a parent thread may have held one at the fork: not ours
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
 @contextmanager
 def locked(path: str):
-    """An exclusive ``flock`` on ``path`` (created), released on exit; other processes, and other
-    descriptors of this one, wait for it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)   # releases the lock
+    """An exclusive lock on ``path`` (created), released on exit; other processes, and other
+    threads of this one, wait for it. A POSIX record lock (``lockf``) under a per-path thread
+    lock: a process forked while it is held (a worker started while a download runs in a
+    thread) does not inherit it, as it would an ``flock``, whose inherited copy would hold it
+    for as long as the child lives."""
+    with _guard:
+        tl = _thread_locks.setdefault(path, threading.Lock())
+    with tl:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)   # releases the lock (this process has no other descriptor of it open)
 
 
 def entries(directory: str) -> list[tuple[float, str, int]]:

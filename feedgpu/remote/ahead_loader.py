@@ -1,0 +1,193 @@
+"""Remote sources' read-ahead in the loader, and its ``stats()["network"]``.
+
+A loader whose pipeline reads a source from URLs (it has a ``remote``: tar shards or Parquet
+files) in feedgpu's own order gets the shard read-ahead attached when it is made
+(:func:`auto_attach`, through :func:`feedgpu.shard_ahead.attach`): each pass runs a
+:class:`~feedgpu.shard_ahead.ShardAhead` in the main process over the rank's view of the epoch
+order (a resumed epoch: from its position on), and the epoch runner hands batch ``b`` to a worker
+once its shards are in the node's shard cache, where the worker finds them through
+``local_path`` (no download in the worker). The fetcher here, :class:`RemoteFetcher`, is the
+source's ``remote.fetch_async(i)`` (checked against the file's indexed identity and checksum);
+the time the runner blocks for a shard is "waiting for the network" (the balancer's
+``add_network_wait``, and ``stats()["network"]["read_ahead_wait_s"]``).
+
+A shard whose fetch fails is left to the worker, which meets the same
+:class:`~feedgpu.errors.DownloadError` reading it: its samples are the named ``"bad shard"``
+skips they are without read-ahead (within the skip budget).
+
+Sources without ``remote`` (local files, torch Datasets) get nothing attached and pay nothing.
+With a pixel cache (``cache:``), a shard whose samples the cache all holds is not downloaded
+(its fetch is done at once); a complete cache downloads nothing.
+
+Counters: workers send their shard cache's :meth:`~feedgpu.remote.cache.ShardCache.counters`
+with each batch's report (``BatchReport.network``); :func:`network_stats` sums the latest of
+each process with the main process's own.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import weakref
+from concurrent.futures import Future
+
+import numpy as np
+
+_COUNTERS = ("bytes_downloaded", "hits", "misses", "retries", "evictions", "failures")
+_host = socket.gethostname()
+
+
+def process_counters(cache) -> tuple[str, dict]:
+    """``("host:pid", cache.counters())``: what a worker's batch report carries."""
+    return f"{_host}:{os.getpid()}", cache.counters()
+
+
+class RemoteFetcher:
+    """The :class:`~feedgpu.shard_ahead.Fetcher` of a loader whose source is read from URLs:
+    shard names (``shard_names()``, index = the remote file) to ``remote.fetch_async(i)``. A
+    fetched shard is pinned in the main process's shard cache until the read-ahead releases it
+    (this process's own downloads do not evict it before its batches are read); a shard whose
+    samples the loader's pixel cache all holds is not downloaded (its future is done at once,
+    with None)."""
+
+    def __init__(self, loader, remote, names, shard_of):
+        self._loader = weakref.ref(loader)
+        self.remote = remote
+        self._id = {n: i for i, n in enumerate(names)}
+        self._shard_of = shard_of
+        self._lock = threading.Lock()
+        self._pinned: set = set()
+        self._memo = (None, None)   # (pixel cache state, per-shard: all samples cached)
+
+    def _in_pixel_cache(self, i: int) -> bool:
+        loader = self._loader()
+        if loader is None or loader._cache_settings is None:
+            return False
+        deadline = time.monotonic() + 10.0
+        while loader._work is None and time.monotonic() < deadline:   # the pass makes it just after
+            time.sleep(0.005)                                          # starting the read-ahead
+        work = loader._work
+        entry = work.cache_entry() if work is not None else None
+        if entry is None:
+            return False
+        state = (id(entry), entry.cached, len(entry.quarantined))
+        if self._memo[0] != state:
+            have = entry.part_of >= 0
+            for index in entry.quarantined:
+                have[index] = True
+            n = len(self._id)
+            total = np.bincount(self._shard_of, minlength=n)
+            held = np.bincount(self._shard_of[have], minlength=n)
+            self._memo = (state, held >= total)
+        return bool(self._memo[1][i])
+
+    def fetch_async(self, name) -> Future:
+        i = self._id[name]
+        if self._in_pixel_cache(i):
+            fut: Future = Future()
+            fut.set_result(None)
+            return fut
+        fut = self.remote.fetch_async(i)
+        fut.add_done_callback(lambda f, name=name: self._done(name, f))
+        return fut
+
+    def _done(self, name, fut) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        with self._lock:
+            if name in self._pinned:
+                return
+            self._pinned.add(name)
+        self.remote.cache.pin(self.remote.urls[self._id[name]])
+
+    def release(self, name) -> None:
+        with self._lock:
+            pinned = name in self._pinned
+            self._pinned.discard(name)
+        if pinned:
+            self.remote.cache.unpin(self.remote.urls[self._id[name]])
+
+    def close(self) -> None:
+        """Unpin what it fetched, cancel downloads not started, let the shard cache's download
+        threads end (a download in flight finishes first); the next pass starts them again."""
+        with self._lock:
+            names, self._pinned = list(self._pinned), set()
+        for name in names:
+            self.remote.cache.unpin(self.remote.urls[self._id[name]])
+        self.remote.cache.close(wait=False)
+
+
+class NetworkTotals:
+    """A loader's network figures over its life: the read-ahead of each iteration (added when
+    it closes, the live one on top) and the shard caches' counters of the main process."""
+
+    def __init__(self, cache):
+        self.cache = cache
+        self.ahead = {"read_ahead_wait_s": 0.0, "read_ahead_waits": 0, "read_ahead_fetched": 0,
+                      "read_ahead_failed": 0}
+
+    def add(self, st: dict) -> None:
+        a = self.ahead
+        a["read_ahead_wait_s"] += st["network_wait_s"]
+        a["read_ahead_waits"] += st["waits"]
+        a["read_ahead_fetched"] += st["fetched"]
+        a["read_ahead_failed"] += st["failed"]
+
+
+def auto_attach(loader) -> None:
+    """Attach the read-ahead (:func:`feedgpu.shard_ahead.attach`) to a loader whose pipeline's
+    source is read from URLs and whose order is feedgpu's, with :class:`RemoteFetcher` and the
+    shard cache's ``max_downloads`` in flight; else do nothing."""
+    pipe = loader.pipeline
+    remote = getattr(pipe.source, "remote", None) if pipe is not None else None
+    if remote is None or loader._user is not None:
+        return
+    from ..shard_ahead import attach
+
+    src = pipe.source
+    fetcher = RemoteFetcher(loader, remote, src.shard_names(), np.asarray(src.shard_of()))
+    attach(loader, fetcher, max_in_flight=remote.cache.max_downloads)
+    loader._network = NetworkTotals(remote.cache)
+
+
+def closed(loader, ahead) -> None:
+    """A pass's read-ahead ``ahead`` closed: add its figures to the loader's totals and let the
+    fetcher's downloads go."""
+    totals = getattr(loader, "_network", None)
+    if totals is None or ahead is None:
+        return
+    totals.add(ahead.stats())
+    if isinstance(ahead.fetcher, RemoteFetcher):   # not a fetcher a user attached
+        ahead.fetcher.close()
+
+
+def network_stats(loader) -> dict | None:
+    """``loader.stats()["network"]``, None for a loader without a source read from URLs:
+    ``bytes_downloaded``, ``hits``, ``misses``, ``retries``, ``evictions``, ``failures`` (summed
+    over the main process and every worker's shard cache, workers as of their latest batch),
+    ``network_wait_s`` (seconds the main process blocked for shards before handing a batch to a
+    worker, ``read_ahead_wait_s``, plus seconds workers blocked downloading shards themselves,
+    ``worker_wait_s``), ``read_ahead_waits`` (blocking waits), ``read_ahead_fetched`` and
+    ``read_ahead_failed`` (shards, over all passes), ``processes`` (how many reported),
+    ``cached_bytes`` (the shard cache folder now)."""
+    totals = getattr(loader, "_network", None)
+    if totals is None:
+        return None
+    main = f"{_host}:{os.getpid()}"
+    per = dict(loader._stats.network)
+    per[main] = totals.cache.counters()   # inline batches report this process too: the latest wins
+    out = {k: sum(int(c.get(k, 0)) for c in per.values()) for k in _COUNTERS}
+    ahead = dict(totals.ahead)
+    live = loader._live() if loader._live is not None else None
+    shards = getattr(live, "shards", None)
+    if shards is not None and not live.closed:
+        st = shards.stats()
+        ahead["read_ahead_wait_s"] += st["network_wait_s"]
+        ahead["read_ahead_waits"] += st["waits"]
+        ahead["read_ahead_fetched"] += st["fetched"]
+        ahead["read_ahead_failed"] += st["failed"]
+    worker_wait = sum(float(c.get("network_wait_s", 0.0)) for k, c in per.items() if k != main)
+    out.update(ahead, worker_wait_s=worker_wait, network_wait_s=ahead["read_ahead_wait_s"] + worker_wait,
+               processes=len(per), cached_bytes=totals.cache.stats()["cached_bytes"])
+    return out
