@@ -197,7 +197,7 @@ def ray_cluster():
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=500 * 2**20,
              log_to_driver=False, namespace="feedgpu",
-             runtime_env={"env_vars": {"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}})
+             runtime_env={"env_vars": {"PYTHONPATH": f"{REPO}:{REPO / 'tests'}:{REPO / 'tests' / 'integration'}"}})
     try:
         assert ray.util.get_node_ip_address() == "127.0.0.1"
         yield ray
