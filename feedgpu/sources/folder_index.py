@@ -100,10 +100,19 @@ def save(path: Path, meta: dict, arrays: dict, walk_start_ns: int) -> bool:
 
     header = dict(meta, format=INDEX_FORMAT, feedgpu=__version__,
                   arrays=[[name, len(arrays[name])] for name, _ in _ARRAYS])
-    head = json.dumps(header).encode()
-    head += b" " * (-len(head) % 8)
     bufs = [np.ascontiguousarray(arrays[name], dtype=dt).data for name, dt in _ARRAYS]
-    h = __import__("xxhash").xxh3_64()
+    write_index_file(path, _MAGIC, json.dumps(header).encode(), bufs)
+    return True
+
+
+def write_index_file(path: Path, magic: bytes, head: bytes, bufs: list) -> None:
+    """Write a saved index atomically (a temporary file renamed over ``path``): ``magic`` (24
+    bytes), the header's length and the xxh3-64 of what follows, the JSON ``head`` padded with
+    blanks to 8 bytes (so the arrays start 8-aligned), then the arrays' buffers ``bufs``."""
+    import xxhash
+
+    head += b" " * (-len(head) % 8)
+    h = xxhash.xxh3_64()
     h.update(head)
     for b in bufs:
         h.update(b)
@@ -111,7 +120,7 @@ def save(path: Path, meta: dict, arrays: dict, walk_start_ns: int) -> bool:
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".idx", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(_MAGIC)
+            f.write(magic)
             f.write(_HEAD.pack(len(head), h.intdigest()))
             f.write(head)
             for b in bufs:
@@ -123,7 +132,6 @@ def save(path: Path, meta: dict, arrays: dict, walk_start_ns: int) -> bool:
         except OSError:
             pass
         raise
-    return True
 
 
 def load(path: Path, root: str, key: str) -> tuple[dict, dict] | None:

@@ -26,12 +26,13 @@ import hashlib
 import json
 import os
 import struct
-import tempfile
 import time
 import warnings
 from pathlib import Path
 
 import numpy as np
+
+from .folder_index import write_index_file
 
 INDEX_FORMAT = "feedgpu.tar-index/1"
 _MAGIC = b"FEEDGPU-TAR-INDEX\n\0\0\0\0\0\0"  # 24 bytes: the arrays start 8-aligned
@@ -77,31 +78,7 @@ def save(path: Path, sig: list, meta: dict, arrays: dict, indexed_ns: int) -> bo
     arrs = [a.astype(a.dtype.newbyteorder("<")) if a.dtype.str not in _DTYPES else a for a in arrs]
     header = dict(meta, format=INDEX_FORMAT, feedgpu=__version__, sig=sig,
                   arrays=[[name, a.dtype.str, int(len(a))] for name, a in zip(_ARRAYS, arrs)])
-    head = json.dumps(header).encode("utf-8", "surrogateescape")
-    head += b" " * (-len(head) % 8)
-    bufs = [a.data for a in arrs]
-    import xxhash
-
-    h = xxhash.xxh3_64()
-    h.update(head)
-    for b in bufs:
-        h.update(b)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".idx", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(_MAGIC)
-            f.write(_HEAD.pack(len(head), h.intdigest()))
-            f.write(head)
-            for b in bufs:
-                f.write(b)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    write_index_file(path, _MAGIC, json.dumps(header).encode("utf-8", "surrogateescape"), [a.data for a in arrs])
     return True
 
 
