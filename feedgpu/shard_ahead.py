@@ -150,12 +150,7 @@ class ShardAhead:
         failed); a shard not requested yet is requested next, as for a waiting reader."""
         s = int(self.seq[pos])
         with self._cond:
-            if self._state[s] in (_WAITING, _RELEASED):
-                if self._state[s] == _RELEASED:
-                    self._state[s] = _WAITING
-                if s not in self._demand:
-                    self._demand.append(s)
-                self._cond.notify_all()
+            self._demand_locked(s)
             return self._state[s] in (_READY, _FAILED) or self._closed
 
     def release(self, pos: int) -> None:
@@ -174,6 +169,15 @@ class ShardAhead:
         """The unplanned read of :meth:`acquire_shard` is done."""
         self._drop(int(shard))
 
+    def _demand_locked(self, s: int) -> None:
+        """Ask for shard ``s`` next (fetched again if it was released); the caller holds the lock."""
+        if self._state[s] in (_WAITING, _RELEASED):
+            if self._state[s] == _RELEASED:
+                self._state[s] = _WAITING
+            if s not in self._demand:
+                self._demand.append(s)
+            self._cond.notify_all()
+
     def _acquire(self, s: int):
         waited: list[float] = []
         try:
@@ -184,12 +188,7 @@ class ShardAhead:
 
     def _wait_for(self, s: int, waited: list):
         with self._cond:
-            if self._state[s] in (_WAITING, _RELEASED):
-                if self._state[s] == _RELEASED:
-                    self._state[s] = _WAITING
-                if s not in self._demand:
-                    self._demand.append(s)
-                self._cond.notify_all()
+            self._demand_locked(s)
             t0 = None
             try:
                 while self._state[s] not in (_READY, _FAILED) and not self._closed:
