@@ -83,9 +83,9 @@ class DataLoader(tud.DataLoader[T_co]):
             first epoch fills the cache while training; later epochs and runs read it.
         num_workers: worker processes, 0 to load in the main process, or ``"auto"``: the
             throughput balancer (:mod:`feedgpu.exec.autoscale`) starts with one worker per core
-            and tries one step at a time (workers, prefetch depth 1-4) while it runs, keeping a
-            setting only when the training loop trains faster (the fewest workers within 3 % of
-            the best measured). The batch order, random
+            and tries one step at a time (1 to cores + 1 workers or ``max_local_workers``,
+            prefetch depth 1-4) while it runs, keeping a setting only when the training loop
+            trains faster (the fewest workers within 3 % of the best measured). The batch order, random
             stages and ``state_dict()`` do not depend on the count. Default: the pipeline's
             (``"auto"`` unless set); for a torch Dataset 0, as in torch. With the DALI engine,
             ``"auto"`` gives DALI one thread per core but one (fixed while it runs).
@@ -259,9 +259,9 @@ class DataLoader(tud.DataLoader[T_co]):
                 self.num_workers = max(1, cpu_cores() - 1)
             else:
                 ex = self._executor
-                cores = cpu_cores() if ex.max_local_workers is None else min(cpu_cores(), ex.max_local_workers)
-                self._autoscaler = Autoscaler(prefetch=self._prefetch, device=self._device,
-                                              callback=stats_callback, config=default_config(cores),
+                cores = cpu_cores()
+                self._autoscaler = Autoscaler(prefetch=self._prefetch, device=self._device, callback=stats_callback,
+                                              config=default_config(cores, max_workers=ex.max_local_workers),
                                               max_remote=ex.max_remote_workers if ex.remote else 0,
                                               remote=self._remote_start)
                 self._set_live(self._autoscaler.workers, self._autoscaler.prefetch)

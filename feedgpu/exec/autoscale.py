@@ -53,10 +53,13 @@ def fixed_workers(num_workers) -> int:
     return max(1, cpu_cores() - 1) if num_workers == "auto" else int(num_workers)
 
 
-def default_config(cores: int | None = None, max_prefetch: int = 4) -> PolicyConfig:
-    """The policy bounds used by the loader: 1 to ``cores`` workers, prefetch 1 to
+def default_config(cores: int | None = None, max_prefetch: int = 4, max_workers: int | None = None) -> PolicyConfig:
+    """The policy bounds used by the loader: 1 to ``max_workers`` workers (default one more than
+    ``cores``: whether a worker more than the cores trains faster, because the training loop
+    leaves cores idle between its steps, is measured, not assumed), prefetch 1 to
     ``max_prefetch`` batches per worker (4: the batch buffers are sized for the maximum)."""
-    return PolicyConfig(min_workers=1, max_workers=cores or cpu_cores(), min_prefetch=1, max_prefetch=max_prefetch)
+    top = max_workers if max_workers is not None else (cores or cpu_cores()) + 1
+    return PolicyConfig(min_workers=1, max_workers=top, min_prefetch=1, max_prefetch=max_prefetch)
 
 
 def _memory_available() -> int | None:

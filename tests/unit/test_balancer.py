@@ -141,7 +141,8 @@ def test_the_cpu_budget_is_not_a_limit():
 
 
 def test_each_experiment_is_reported_in_words():
-    sim, _, _ = curve("falling-past-optimum")
+    # the loop still waits a little at 2 workers, so a third is tried (and undone)
+    sim, _, _ = curve("falling-past-optimum", wait=lambda w, p: 0.3 if w == 1 else 0.05)
     p = Policy(PolicyConfig(max_workers=6))
     steps = run(p, sim, 60, 1)
     exps = p.stats()["experiments"]
@@ -152,7 +153,8 @@ def test_each_experiment_is_reported_in_words():
     assert "tried 2 workers / prefetch 2 (add) against 1 workers / prefetch 2" in first["text"]
     assert "+24.3%" in first["text"] and "kept" in first["text"] and "of its step time" in first["text"]
     undone = [e for e in exps if not e["kept"]]
-    assert undone and all("undone" in e["text"] for e in undone)
+    assert ("add", "2w/p2", "3w/p2") in [(e["kind"], e["from"], e["to"]) for e in undone]
+    assert all("undone" in e["text"] for e in undone)
     st = p.stats()
     assert st["settled"] and st["workers"] == 2 and "settled" in st["summary"]
     assert st["waiting"]["1w/p2"] == pytest.approx(0.3)
@@ -326,7 +328,50 @@ def test_cheaper_kept_within_the_tolerance_of_the_best():
     d = p.decide(window(3, 4, 960))                           # -4 % of the best: undone
     assert (d.kind, d.workers) == ("revert", 5)
     assert "not within 3.0 %" in d.reason
-    assert p.decide(window(4, 5, 985)).kind == "prefetch"     # then a shallower prefetch
+    assert p.decide(window(4, 5, 985)).kind == "hold"         # a shallower prefetch saves no CPU
+
+
+def test_cheaper_step_undone_from_its_settle_window_when_clearly_worse():
+    """A worker less whose settle window already trains far below the bar is undone at once,
+    not measured for more windows; a settle window near the bar is not judged."""
+    p = Policy(quiet(settle_windows=1, base_windows=2, measure_windows=2, max_prefetch=2))
+    for t in range(3):
+        d = p.decide(window(t, 2, 990))                       # 1 % waiting: not waiting
+    assert (d.kind, d.workers) == ("remove", 1)
+    d = p.decide(window(3, 1, 600))                           # -39 % while settling
+    assert (d.kind, d.workers) == ("revert", 2) and "already while settling" in d.reason
+    assert d.experiment["kind"] == "remove" and not d.experiment["kept"]
+    p = Policy(quiet(settle_windows=1, base_windows=2, measure_windows=2, max_prefetch=2))
+    for t in range(3):
+        d = p.decide(window(t, 2, 990))
+    d = p.decide(window(3, 1, 975))                           # within the tolerance: settle on
+    assert d.kind == "settle"
+
+
+def test_a_worker_step_refused_at_one_prefetch_depth_is_not_tried_at_another():
+    p = Policy(quiet(max_workers=2, max_prefetch=3))
+    assert p.decide(window(1, 2, 800)).kind == "prefetch"     # waiting 20 %: deeper first (at the max)
+    d = p.decide(window(2, 2, 800, prefetch=3))               # +0 %: undone
+    assert (d.kind, d.prefetch) == ("revert", 2)
+    d = p.decide(window(3, 2, 800))
+    assert (d.kind, d.workers) == ("remove", 1)
+    d = p.decide(window(4, 1, 500))                           # far worse: undone
+    assert (d.kind, d.workers) == ("revert", 2)
+    # refusals at 2w/p2 hold; a forced move to 2w/p3 must not try 1 worker again
+    p._key = (2, 3)
+    d = p.decide(window(5, 2, 800, prefetch=3))
+    assert d.kind == "hold" and d.workers == 2, d.reason
+
+
+def test_a_shallower_prefetch_only_when_memory_is_short():
+    """Prefetch depth costs memory, not CPU: without memory pressure the depth is never cut;
+    above 90 % of the budget it is tried."""
+    p = Policy(quiet(min_workers=2, max_workers=2))
+    d = p.decide(window(1, 2, 995, prefetch=3))               # not waiting, min workers
+    assert d.kind == "hold" and d.prefetch == 3 and "saves memory, not CPU" in d.reason
+    p = Policy(quiet(min_workers=2, max_workers=2))
+    d = p.decide(window(1, 2, 995, prefetch=3, rss_bytes=int(0.95 * GIB), ram_budget_bytes=GIB))
+    assert (d.kind, d.prefetch) == ("prefetch", 2)
 
 
 def test_no_oscillation_between_two_settings_near_the_threshold():

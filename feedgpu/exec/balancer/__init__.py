@@ -11,6 +11,7 @@ Modules, each tested apart:
   exchange.
 * :mod:`.window`: the record of the windows seen at each setting (means, spreads, the noise
   of one window, drift).
+* :mod:`.policy_config`: :class:`PolicyConfig`, the policy's constants and bounds.
 * :mod:`.policy`: :class:`Policy`, which finds the worker count and prefetch depth at which the
   training loop trains fastest, by experiment (its module doc gives the rules).
 * :mod:`.diagnosis`: :func:`diagnose`, whether the loader keeps the loop fed and if not why.
@@ -23,7 +24,8 @@ fractions in [0, 1].
 from .diagnosis import WAIT_THRESHOLD, Diagnosis, diagnose
 from .measurement import ENGINES, KINDS, Decision, Measurement, _fmt_rate, _pct
 from .placement import PLACEMENT_TOLERANCE, EngineRate, Placement, choose_placement
-from .policy import DRIFT_THRESHOLD, TOLERANCE, Policy, PolicyConfig, start_workers
+from .policy import Policy
+from .policy_config import DRIFT_THRESHOLD, TOLERANCE, PolicyConfig, start_workers
 from .window import Record
 
 __all__ = sorted([

@@ -16,8 +16,10 @@ Rules, applied to each window (:meth:`Policy.decide`):
 2. The window after a change is not judged (``settle_windows``).
 3. An experiment moves to a neighbour: while the loop waits for batches (more than
    ``wait_threshold`` of its step time), one worker more or one batch of prefetch more
-   (prefetch first when the workers are idle part of the time); in any case one worker less,
-   then one batch of prefetch less. A costlier neighbour is kept when it trains more than
+   (prefetch first when the workers are idle part of the time); in any case one worker less;
+   one batch of prefetch less only while memory is short (a shallower prefetch saves memory,
+   not CPU). A worker step refused at one prefetch depth is not tried at another. A costlier
+   neighbour is kept when it trains more than
    ``tolerance`` faster than where it came from; a cheaper one when it trains within
    ``tolerance`` of the best setting measured (so the two verdicts never both hold: no
    oscillation). An experiment not kept is undone and not tried again; the reverse of a kept
@@ -26,6 +28,9 @@ Rules, applied to each window (:meth:`Policy.decide`):
    its threshold (the noise of a window is estimated from the windows themselves) after at
    least ``measure_windows`` windows; a close call is measured again, up to
    ``max_measure_windows`` at the new setting, then at the old one, then judged on the means.
+   A cheaper step whose settle window alone already misses the bar by that many standard
+   errors is undone at once (the batches in flight make a settle window look better than
+   the cheaper setting will be).
 5. With no neighbour left to try, the policy holds (settled). When the rate, or the loop's
    demand, at an unchanged setting moves by more than ``drift_threshold`` for
    ``drift_windows`` windows (another process takes cores, the model changed), every record is
@@ -44,112 +49,15 @@ import math
 from collections import deque
 from dataclasses import dataclass, replace
 
-from ...errors import ConfigError
-from .diagnosis import WAIT_THRESHOLD, Diagnosis, diagnose
+from .diagnosis import Diagnosis, diagnose
 from .measurement import Decision, Measurement, _fmt_rate, _gib, _pct, setting
+from .policy_config import MEMORY_TIGHT, PolicyConfig
 from .window import Record, drifted, pooled_noise
 
 log = logging.getLogger("feedgpu.balancer")
 
-#: Settings whose throughputs are within this share are equal; the cheaper one is chosen.
-TOLERANCE = 0.03
-#: Forget the records when the rate or demand at an unchanged setting moves by more than this
-#: (five times the noise of a few-second window, so noise alone does not trigger it).
-DRIFT_THRESHOLD = 0.15
-#: Workers using less than this share of a core each are idle part of the time: a deeper
-#: prefetch is tried before a worker more.
-BUSY_THRESHOLD = 0.8
-#: Standard errors a difference must clear to be judged before ``max_measure_windows``.
-CONFIDENCE = 2.0
-#: Relative noise of a window's rate assumed before enough windows are seen, and the least.
-NOISE_PRIOR = 0.02
-NOISE_FLOOR = 0.01
-
 Key = tuple  # (workers, prefetch)
 _COSTLIER = ("add", "prefetch-up")
-
-
-@dataclass(frozen=True)
-class PolicyConfig:
-    """The constants of :class:`Policy` (defaults: the module constants).
-
-    Args:
-        tolerance: throughputs within this share are equal (0.03): a costlier setting is kept
-            when it trains more than this faster, a cheaper one when it trains within this of
-            the best measured.
-        wait_threshold: the loop waits when more than this share of its step time goes to
-            waiting for a batch (0.03); more workers or prefetch are tried only then.
-        drift_threshold, drift_windows: forget the records when the rate or demand at an
-            unchanged setting moves more than this share (0.15) for this many windows (2).
-        busy_threshold: workers using less than this share of a core are idle part of the time
-            (0.8): a deeper prefetch is tried first.
-        min_workers, max_workers: bounds of the pool (1, 64); ``max_workers`` is a hard limit.
-        min_prefetch, max_prefetch: bounds of the prefetch depth (1, 8).
-        settle_windows: windows not judged after each change (1).
-        measure_windows: windows measured at least at a new setting before a verdict (2).
-        base_windows: windows measured at least at a setting before an experiment leaves it (2).
-        max_measure_windows: windows measured at most on a close call, at each of the two
-            settings (6).
-        confidence: standard errors a difference must clear to be judged early (2.0).
-        noise_prior, noise_floor: relative noise of one window's rate assumed before enough
-            windows are seen, and the least assumed (0.02, 0.01).
-        recheck_windows, recheck_max_windows: a settled policy starts its experiments again
-            after this many windows, the interval doubling up to the maximum (120, 1920).
-        history: decisions kept for :meth:`Policy.stats` (200).
-
-    Raises:
-        ConfigError: on bounds out of order or a tolerance outside (0, 0.5).
-    """
-
-    tolerance: float = TOLERANCE
-    wait_threshold: float = WAIT_THRESHOLD
-    drift_threshold: float = DRIFT_THRESHOLD
-    busy_threshold: float = BUSY_THRESHOLD
-    min_workers: int = 1
-    max_workers: int = 64
-    min_prefetch: int = 1
-    max_prefetch: int = 8
-    settle_windows: int = 1
-    measure_windows: int = 2
-    base_windows: int = 2
-    max_measure_windows: int = 6
-    confidence: float = CONFIDENCE
-    noise_prior: float = NOISE_PRIOR
-    noise_floor: float = NOISE_FLOOR
-    drift_windows: int = 2
-    recheck_windows: int = 120
-    recheck_max_windows: int = 1920
-    history: int = 200
-
-    def __post_init__(self):
-        if not 0 < self.tolerance < 0.5:
-            raise ConfigError(f"PolicyConfig: need 0 < tolerance < 0.5, got {self.tolerance}")
-        if not 1 <= self.min_workers <= self.max_workers:
-            raise ConfigError(f"PolicyConfig: need 1 <= min_workers <= max_workers, got {self.min_workers}, "
-                              f"{self.max_workers}")
-        if not 1 <= self.min_prefetch <= self.max_prefetch:
-            raise ConfigError("PolicyConfig: need 1 <= min_prefetch <= max_prefetch")
-        if (self.settle_windows < 0 or not 1 <= self.measure_windows <= self.max_measure_windows
-                or self.base_windows < 1 or self.drift_windows < 1):
-            raise ConfigError("PolicyConfig: need settle_windows >= 0, 1 <= measure_windows <= max_measure_windows, "
-                              "base_windows >= 1, drift_windows >= 1")
-
-    @property
-    def loss_threshold(self) -> float:
-        """Throughput a cheaper setting may lose and still be kept (``tolerance``)."""
-        return self.tolerance
-
-    def add_threshold(self, workers: int) -> float:
-        """Gain a costlier setting must exceed to be kept (``tolerance``, whatever ``workers``)."""
-        return self.tolerance
-
-
-def start_workers(cores: float, config: PolicyConfig | None = None) -> int:
-    """A starting pool size: one worker per core (what a user would set), within the bounds.
-    Starting high costs the training loop nothing while the policy checks whether fewer
-    workers train as fast; starting low starves it until the first experiments are in."""
-    c = config or PolicyConfig()
-    return max(c.min_workers, min(c.max_workers, math.ceil(cores)))
 
 
 @dataclass(frozen=True)
@@ -181,6 +89,7 @@ class Policy:
         self._recheck_every = self.config.recheck_windows
         self._held = 0
         self._pending: dict | None = None
+        self._tight = False
         self._forget_state()
 
     # -- public ---------------------------------------------------------------------------------
@@ -292,6 +201,13 @@ class Policy:
                 why = f"the RAM budget ({_gib(m.ram_budget_bytes)}, ~{_gib(per)} per worker)"
         return limit, why
 
+    def _memory_tight(self, m: Measurement, limit: int) -> bool:
+        """Memory is short: the loader holds more than ``MEMORY_TIGHT`` of its budget, or the
+        budget is what keeps the pool from a worker more."""
+        if m.ram_budget_bytes is None or m.rss_bytes <= 0:
+            return False
+        return m.rss_bytes > MEMORY_TIGHT * m.ram_budget_bytes or limit < self.config.max_workers
+
     def _rss_per_worker(self, m: Measurement) -> float:
         """Memory one more worker costs: the slope between the two farthest worker counts
         measured at this prefetch depth, else (conservatively) all memory over the workers."""
@@ -314,11 +230,15 @@ class Policy:
             self._key, self._trial, self._settle = key, None, 0
         w, p = key
         limit, why = self._limit(m)
+        self._tight = self._memory_tight(m, limit)
         if w > limit:
             self._trial = None
             return self._decision(m, (limit, p), "remove", f"{w} workers exceed {why}: down to {limit}")
         if self._settle > 0:
             self._settle -= 1
+            early = self._early_undo(m, key, notes)
+            if early is not None:
+                return early
             return self._decision(m, key, "settle", "; ".join(notes + [f"letting {setting(key)} settle"]))
         rec = self._records.get(key)
         if self._trial is None and rec is not None and rec.n >= c.base_windows:
@@ -336,6 +256,35 @@ class Policy:
             if d is not None:
                 return d
         return self._next(m, notes, limit, why)
+
+    def _early_undo(self, m: Measurement, key: Key, notes: list[str]) -> Decision | None:
+        """Undo a cheaper step from its settle window when that window alone is already clearly
+        below the bar (rule 4a). While a worker retires or the prefetch drains, the batches in
+        flight still arrive, so the settle window's rate overstates the cheaper setting's: a
+        window that misses the bar by more than ``confidence`` standard errors settles it."""
+        c = self.config
+        t = self._trial
+        if t is None or t.phase != "dst" or key != t.dst or t.kind not in ("remove", "prefetch-down"):
+            return None
+        scored = [(k, r, r.rate * (1 - self._noise() / math.sqrt(r.n))) for k, r in self._records.items()
+                  if r.n >= c.measure_windows or k == t.src]
+        if not scored:
+            return None
+        best_key, best, top = max(scored, key=lambda x: x[2])
+        noise = self._noise()
+        bar = top * (1 - c.tolerance)
+        if top <= 0 or m.delivered_rate >= bar * (1 - c.confidence * noise * math.sqrt(1 + 1 / best.n)):
+            return None
+        rec = self._records[key] = Record()
+        rec.add(m)
+        loss = 1 - m.delivered_rate / top
+        verdict = (f"{_fmt_rate(m.delivered_rate)} while settling vs the best {_fmt_rate(top)} "
+                   f"({setting(best_key)}), {-loss:+.1%}: not within {_pct(c.tolerance)}, already while settling")
+        self._trial = None
+        self._refused[(t.src, t.dst)] = verdict
+        exp = self._experiment(m, t, False, verdict)
+        step = f"{t.kind} from {setting(t.src)} to {setting(t.dst)}"
+        return self._decision(m, t.src, "revert", "; ".join(notes + [f"undid the {step}: {verdict}"]), exp)
 
     def _judge(self, m: Measurement, rec: Record, notes: list[str]) -> Decision | None:
         """Judge the experiment once enough windows are in (rule 4). Returns the decision, or
@@ -437,8 +386,10 @@ class Policy:
             blocked.append(f"the loop waits only {_pct(rec.wait)}: a worker more cannot train faster")
         if w > c.min_workers:
             out.append(((w - 1, p), "remove"))
-        if not waiting and p > c.min_prefetch:
+        if self._tight and p > c.min_prefetch:
             out.append(((w, p - 1), "prefetch-down"))
+        elif p > c.min_prefetch:
+            blocked.append("no shallower prefetch: it saves memory, not CPU, and memory is not short")
         return out, blocked
 
     def _next(self, m: Measurement, notes: list[str], limit: int, why_limit: str) -> Decision:
@@ -462,7 +413,7 @@ class Policy:
                 notes.append(f"settled for a while: checking {setting(first[0])} again")
         cands, _ = self._candidates(key, rec, waiting, limit, why_limit)
         for dst, kind in cands:
-            if (key, dst) in self._refused:
+            if (key, dst) in self._refused or self._worker_step_refused(key, dst, kind):
                 continue
             r = self._records.get(dst)
             if r is not None and r.n >= c.measure_windows:
@@ -481,6 +432,14 @@ class Policy:
             return self._decision(m, dst, label or _kind(kind), "; ".join(notes + [f"{state}; trying {setting(dst)}"]))
         self._settled, self._held = True, 0
         return self._hold(m, notes, state, key, waiting, limit, why_limit)
+
+    def _worker_step_refused(self, key: Key, dst: Key, kind: str) -> bool:
+        """A worker more or less that was refused at another prefetch depth is refused here too:
+        the depth does not change what a worker costs or gives (rule 3)."""
+        if kind not in ("add", "remove"):
+            return False
+        return any(a[0] == key[0] and b[0] == dst[0] and a[1] == b[1]
+                   for a, b in self._refused if a != key)
 
     def _hold(self, m, notes, state, key, waiting, limit, why_limit) -> Decision:
         _, blocked = self._candidates(key, self._records[key], waiting, limit, why_limit)
