@@ -17,7 +17,8 @@ process, as a training loop would be:
 For each consumer and round, every fixed count (1 .. cores + 1) and ``auto`` run in a fresh
 loader, in an order rotated each round, ``--seconds`` each, timed from the first batch.
 Reported per run: trained samples/s (samples the loop consumed per second) and the waiting
-share (time in ``next()`` over wall time); for ``auto`` also its final setting, the time
+share (time in ``next()`` over wall time), and the rate from ``--tail-from`` seconds (30) to
+the end, once ``auto`` has had the time the goal gives it; for ``auto`` also its final setting, the time
 until the mean of three consecutive balancer windows came within ``TIE`` of the best fixed
 count's median rate, and its experiments in words.
 
@@ -127,7 +128,7 @@ def consumer(name: str, a) -> object:
 
 # -- one run --------------------------------------------------------------------------------------
 
-def train(p: Pipeline, nw, cons, seconds: float, batch_size: int) -> dict:
+def train(p: Pipeline, nw, cons, seconds: float, batch_size: int, tail_from: float = 30.0) -> dict:
     loader = DataLoader(p, num_workers=nw, batch_size=batch_size, device="cpu", persistent_workers=True)
     cons.start()
     epoch = 0
@@ -136,7 +137,10 @@ def train(p: Pipeline, nw, cons, seconds: float, batch_size: int) -> dict:
     rows = waited = 0.0
     steps = 0
     t0 = time.perf_counter()
+    tail_t = tail_rows = None          # the clock and rows when tail_from seconds had passed
     while time.perf_counter() - t0 < seconds:
+        if tail_t is None and time.perf_counter() - t0 >= tail_from:
+            tail_t, tail_rows = time.perf_counter(), rows
         tw = time.perf_counter()
         try:
             b = next(it)
@@ -150,8 +154,10 @@ def train(p: Pipeline, nw, cons, seconds: float, batch_size: int) -> dict:
         rows += len(_images(b))
         steps += 1
     wall = time.perf_counter() - t0
+    end = t0 + wall
+    tail = (rows - tail_rows) / (end - tail_t) if tail_t is not None and end > tail_t else None
     r = {"workers": nw, "samples_per_s": rows / wall, "waiting_share": waited / wall, "steps": steps,
-         "wall_s": round(wall, 2)}
+         "wall_s": round(wall, 2), "tail_from_s": tail_from, "tail_samples_per_s": tail}
     if nw == "auto":
         b = loader.balancer
         st = loader.stats()["balancer"]
@@ -188,6 +194,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--seconds", type=float, default=40.0)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tail-from", type=float, default=30.0,
+                    help="each run's rate is also measured from this many seconds on (default 30: the "
+                         "goal is that auto reaches the best fixed count within 30 s)")
     ap.add_argument("--max-fixed", type=int, default=None, help="largest fixed count (default cores + 1)")
     ap.add_argument("--note", default="", help="a note recorded with the results (e.g. the machine was shared)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
@@ -214,7 +223,7 @@ def main(argv=None) -> int:
         for rnd in range(a.rounds):
             order = kinds[rnd % len(kinds):] + kinds[:rnd % len(kinds)]
             for nw in order:
-                r = train(p, nw, consumer(name, a), a.seconds, a.batch_size)
+                r = train(p, nw, consumer(name, a), a.seconds, a.batch_size, a.tail_from)
                 r["round"] = rnd
                 runs[str(nw)].append(r)
                 print(f"{name} round {rnd} workers {nw}: {r['samples_per_s']:,.0f} samples/s, waiting "
@@ -225,17 +234,25 @@ def main(argv=None) -> int:
         top = max(fixed.values())
         best = min(k for k, v in fixed.items() if v >= (1 - TIE) * top)
         reach = [reached(x, fixed[best]) for x in runs["auto"]]
+        tails = {k: [x["tail_samples_per_s"] for x in v if x.get("tail_samples_per_s") is not None]
+                 for k, v in runs.items()}
+        tail_med = {k: statistics.median(v) if v else None for k, v in tails.items()}
+        tail_fixed = {k: tail_med[str(k)] for k in counts if tail_med[str(k)] is not None}
+        tail_top = max(tail_fixed.values()) if tail_fixed else None
         results.append({
             "consumer": name, "runs": runs, "median_samples_per_s": med,
             "median_waiting_share": {k: statistics.median(x["waiting_share"] for x in v) for k, v in runs.items()},
             "best_fixed": best, "best_fixed_rate": fixed[best], "top_fixed_rate": top,
             "auto_vs_top": med["auto"] / top, "auto_final": [x["final"] for x in runs["auto"]],
-            "auto_reached_s": reach})
+            "auto_reached_s": reach, "median_tail_samples_per_s": tail_med,
+            "auto_tail_vs_best_fixed_tail": (tail_med["auto"] / tail_med[str(best)]
+                                             if tail_med["auto"] and tail_med[str(best)] else None),
+            "auto_tail_vs_top_fixed_tail": (tail_med["auto"] / tail_top if tail_med["auto"] and tail_top else None)})
     out = {"format": "feedgpu.bench.balancer/2", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
            "machine": machine(), "note": a.note,
            "settings": {"pipeline": str(PIPELINE.relative_to(REPO)), "data": data, "images": a.images,
                         "crop": a.crop, "batch_size": a.batch_size, "seconds": a.seconds, "rounds": a.rounds,
-                        "busy_rate": a.busy_rate, "fixed_counts": counts, "tie": TIE},
+                        "busy_rate": a.busy_rate, "fixed_counts": counts, "tie": TIE, "tail_from": a.tail_from},
            "consumers": results, "total_seconds": round(time.perf_counter() - t_start, 1)}
     write_results(a.out, "balancer", out, markdown)
     return 0
@@ -267,6 +284,17 @@ def markdown(doc: dict) -> str:
         lines.append(f"| {c['consumer']} | " + " | ".join(cells)
                      + f" | {_f(med['auto'])} ({100 * wt['auto']:.0f} %) | {c['best_fixed']} | "
                        f"{c['auto_vs_top']:.3f} | {', '.join(c['auto_final'])} | {reach} |")
+    tail_from = s.get("tail_from")
+    if tail_from is not None:
+        lines += ["", f"From {tail_from:.0f} s to the end of each run (medians over rounds, samples/s): what `auto` "
+                  "trains once it has had the time the goal gives it:", "",
+                  "| consumer | " + " | ".join(f"{k} workers" for k in counts)
+                  + " | auto | auto / best fixed | auto / highest fixed |", "|---" * (len(counts) + 4) + "|"]
+        for c in doc["consumers"]:
+            tm = c.get("median_tail_samples_per_s") or {}
+            lines.append(f"| {c['consumer']} | " + " | ".join(_f(tm.get(str(k))) for k in counts)
+                         + f" | {_f(tm.get('auto'))} | {_f(c.get('auto_tail_vs_best_fixed_tail'), '.3f')} | "
+                           f"{_f(c.get('auto_tail_vs_top_fixed_tail'), '.3f')} |")
     lines += ["", "Each round's runs (samples/s):", ""]
     for c in doc["consumers"]:
         per = "; ".join(f"{k}: " + ", ".join(_f(x["samples_per_s"]) for x in v) for k, v in c["runs"].items())
