@@ -91,6 +91,42 @@ def madvise_populate(mm: mmap.mmap, length: int) -> None:
             raise
 
 
+#: Bytes mapped in per call by :func:`populate_soon`'s thread (``madvise`` holds the GIL).
+POPULATE_CHUNK = 8 << 20
+
+
+def populate_soon(mm: mmap.mmap, length: int, now: int, alive=lambda: True) -> threading.Thread | None:
+    """Map the first ``now`` bytes of ``mm`` in at once (:func:`madvise_populate`) and the rest of
+    the first ``length`` from a daemon thread, ``POPULATE_CHUNK`` bytes per call, while
+    ``alive()`` holds, so that the first batch does not wait for the whole buffer's page
+    tables. Mapping a page in never changes its contents, so the thread may run while workers
+    write into the slots. Returns the thread (None when nothing is left for it)."""
+    now = min(now, length)
+    madvise_populate(mm, now)
+    if length <= now:
+        return None
+
+    def run():
+        for start in range(now, length, POPULATE_CHUNK):
+            if not alive():
+                return
+            try:
+                mm.madvise(MADV_POPULATE_WRITE, start, min(POPULATE_CHUNK, length - start))
+            except (OSError, ValueError):   # no MADV_POPULATE_WRITE here, or the mapping was closed
+                return
+
+    t = threading.Thread(target=run, name="feedgpu-populate", daemon=True)
+    t.start()
+    return t
+
+
+def _alive(slots) -> callable:
+    """``() -> bool``: ``slots`` still exists and is not closed (held weakly: a thread mapping
+    its pages in does not keep it alive)."""
+    ref = weakref.ref(slots)
+    return lambda: (s := ref()) is not None and s._mm is not None
+
+
 class BatchSlots:
     """``count`` buffers, each holding ``images`` (``batch_size`` x ``sample_shape``, ``dtype``)
     followed by ``labels`` (int64, ``batch_size``). The first ``populate`` (default: all) are
@@ -126,7 +162,8 @@ class BatchSlots:
                 f"({count * self.nbytes / 2**30:,.2f} GiB) of shared memory: {e}. Lower batch_size, "
                 "prefetch_factor or num_workers, or deliver uint8/float16 (output.dtype)") from None
         self._closer = weakref.finalize(self, _close_fd, self._fd)
-        madvise_populate(self._mm, populate * self.stride)  # this process reads them: map them in now
+        # this process reads them: map the first slot in now, the others from a thread
+        populate_soon(self._mm, populate * self.stride, self.stride, _alive(self))
         self._free = list(range(count))[::-1]   # pop() takes the pre-allocated ones first
         self._lock = threading.Lock()
         self.held = 0       # slots the consumer still holds
@@ -146,10 +183,11 @@ class BatchSlots:
         self._free, self._lock, self.held = [], threading.Lock(), 0   # a worker hands out nothing
 
     def map_in(self) -> None:
-        """In a worker: map the pre-allocated buffers into this process's page tables now, in
-        one call (``MADV_POPULATE_WRITE``, Linux >= 5.14), instead of one page fault per 4 KiB
-        page during its first batches. A no-op where the kernel does not have it."""
-        madvise_populate(self._mm, self.populated * self.stride)
+        """In a worker: map the pre-allocated buffers into this process's page tables
+        (``MADV_POPULATE_WRITE``, Linux >= 5.14) instead of one page fault per 4 KiB page during
+        its first batches: the first slot now, the others from a thread while the worker runs
+        its first tasks (:func:`populate_soon`). A no-op where the kernel does not have it."""
+        populate_soon(self._mm, self.populated * self.stride, self.stride, _alive(self))
 
     def __len__(self) -> int:
         return self.count
