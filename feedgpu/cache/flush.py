@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import os
+import weakref
 
 __all__ = ["FlushPolicy"]
 
@@ -40,13 +41,21 @@ class FlushPolicy:
     """
 
     def __init__(self, entry, part_bytes: int):
-        self.entry, self.part_bytes = entry, int(part_bytes)
+        # a weak reference: the entry holds its policy, and an entry nobody holds any more must
+        # be freed at once (its in-use lock released), not when the garbage collector finds a cycle
+        self._entry, self.part_bytes = weakref.ref(entry), int(part_bytes)
         self.published: collections.Counter = collections.Counter()
         self._epoch: int | None = None
         self._pid = os.getpid()
 
+    @property
+    def entry(self):
+        """The entry (None once it has been freed)."""
+        return self._entry()
+
     def _publish(self, event: str) -> None:
-        if self.entry.flush():
+        entry = self._entry()
+        if entry is not None and entry.flush():
             self.published[event] += 1
 
     def _own(self) -> None:
@@ -56,7 +65,8 @@ class FlushPolicy:
 
     def row_added(self) -> None:
         """The entry wrote rows to its open part: publish it once it holds ``part_bytes``."""
-        if self.entry.open_part_bytes >= self.part_bytes:
+        entry = self._entry()
+        if entry is not None and entry.open_part_bytes >= self.part_bytes:
             self._publish("part full")
 
     def batch(self, epoch: int) -> None:
