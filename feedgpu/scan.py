@@ -301,7 +301,6 @@ def quarantine_in_cache(report: ScanReport, pipeline, cache=None) -> Path:
         for b in report.bad:
             if b.index >= 0:
                 entry.quarantine(b.index, b.key, b.reason)
-        entry.flush()
         return entry.dir
     finally:
-        entry.close()
+        entry.close()   # the flush policy's end event: the quarantined samples are listed

@@ -14,6 +14,10 @@ can say more. They hold on a busy machine: nothing is timed.
   differently from its Pillow one fails it.
 * :func:`check_conservation`: one epoch delivers every sample of the source once with the label
   the source gives it, or the loader counts it as skipped.
+* :func:`check_cache_agrees`: batches with the pixel cache are bit-equal to those without it,
+  for samples the cache is filled with (misses) and those read from it (hits). A stage after
+  the cache that declares ``takes_arrays`` but treats an array otherwise than the PIL image of
+  it fails it.
 
 Example (pytest)::
 
@@ -31,7 +35,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, Sequence
 
-__all__ = ["check_conservation", "check_engines_agree", "check_resume", "epoch_batches"]
+__all__ = ["check_cache_agrees", "check_conservation", "check_engines_agree", "check_resume", "epoch_batches"]
 
 #: The DALI engine on the CPU, as :func:`check_engines_agree` runs it by default.
 DALI_CPU = {"name": "dali", "device": "cpu"}
@@ -223,3 +227,51 @@ def check_conservation(pipeline, *, epoch: int = 0, **loader_kwargs) -> dict:
     if sum(extra.values()) > skipped:
         raise AssertionError(f"labels delivered too many times: {dict(extra)} (skipped: {skipped})")
     return {"delivered": sum(got.values()), "skipped": skipped}
+
+
+def check_cache_agrees(pipeline, cache_dir, *, epochs: int = 2, num_workers: int = 0, **loader_kwargs) -> dict:
+    """Epochs ``0..epochs-1`` with the pixel cache off, then with a cache in ``cache_dir`` (the
+    first epoch fills it: every sample a miss; the others read it: every sample a hit), then
+    epoch ``epochs - 1`` again by a new loader (hits in a new process): bit-equal pixels, equal
+    labels, every time.
+
+    Args:
+        pipeline: a :class:`~feedgpu.Pipeline` whose stages begin with a deterministic prefix.
+        cache_dir: an empty folder (the cache root; it must not hold an entry of this pipeline).
+        epochs: epochs compared (at least 2: one filling, one reading).
+        num_workers: for the cached loaders (the reference runs in the main process).
+        **loader_kwargs: more ``DataLoader`` keywords (``drop_last`` is False unless given: the
+            first epoch must visit every sample for the next to read them all).
+
+    Returns:
+        ``{"epochs": epochs, "batches": per epoch, "cached": samples the cache holds}``.
+
+    Raises:
+        AssertionError: naming the epoch and the first batch that differs, or when an epoch
+        after the first decoded images (the cache was not read).
+        ValueError: ``epochs`` below 2.
+    """
+    if epochs < 2:
+        raise ValueError("epochs: at least 2 (one fills the cache, the next reads it)")
+    loader_kwargs.setdefault("drop_last", False)
+    ref = _loader(pipeline, num_workers=0, cache=False, **loader_kwargs)
+    want = [epoch_batches(ref, e) for e in range(epochs)]
+    ref.shutdown()
+    runs = [("filled", range(epochs)), ("read by a new loader", [epochs - 1])]
+    cached = 0
+    for what, which in runs:
+        loader = _loader(pipeline, num_workers=num_workers, cache={"dir": str(cache_dir)}, **loader_kwargs)
+        decoded = 0.0
+        for e in which:
+            got = epoch_batches(loader, e)
+            spent = loader.stats()["stage_s"].get("decode", 0.0)
+            kind = "misses" if what == "filled" and e == 0 else "hits"
+            if kind == "hits" and spent > decoded:
+                raise AssertionError(f"cache {what}, epoch {e}: images were decoded; the cache was not read")
+            decoded = spent
+            problem = _diff(want[e], got, f"cache {what}, epoch {e} ({kind})")
+            if problem:
+                raise AssertionError(problem)
+        cached = loader.stats()["cache"]["cached"]
+        loader.shutdown()
+    return {"epochs": epochs, "batches": len(want[0]), "cached": cached}

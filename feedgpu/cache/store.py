@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from . import manifest as mf
+from .flush import FlushPolicy
 from .parts import CorruptPart, CorruptRow, Part, PartWriter, RowBuffer, RowEncoder
 from .settings import CacheSettings, parse_compression
 
@@ -40,6 +41,9 @@ class CacheEntry:
         fingerprint: the entry's key (:func:`~feedgpu.cache.fingerprint.fingerprint`).
         n: samples in the source.
         meta: description stored in a new manifest (source, stages).
+
+    When the rows this process adds become readable to others is decided by ``policy`` (a
+    :class:`~feedgpu.cache.flush.FlushPolicy`); callers send it events, not :meth:`flush`.
     """
 
     def __init__(self, settings: CacheSettings, fingerprint: str, n: int, meta: dict | None = None):
@@ -56,6 +60,7 @@ class CacheEntry:
         self._encoder = RowEncoder(*parse_compression(settings.compression))
         self._pid = os.getpid()
         self._reset_buffer()
+        self.policy = FlushPolicy(self, settings.part_bytes)
         self.full = False       # over the budget, or the entry vanished: stop adding
         (self.dir / "last_used").touch(mode=0o644)
         # A shared lock on .inuse for as long as this entry is open (inherited by forked workers):
@@ -65,11 +70,12 @@ class CacheEntry:
         self.refresh()
 
     def close(self) -> None:
-        """Release the entry (its in-use lock); buffered rows are written first."""
+        """Release the entry (its in-use lock); buffered rows are published first (the
+        policy's ``end`` event)."""
         if getattr(self, "_inuse", None) is None:
             return
         if self._pid == os.getpid():
-            self.flush()
+            self.policy.end()
         os.close(self._inuse)
         self._inuse = None
 
@@ -166,8 +172,10 @@ class CacheEntry:
             self._reset_buffer()
 
     def put(self, index: int, key: str, label: int, pixels: np.ndarray) -> None:
-        """Add a computed sample. Rows stream to the part file in ~8 MiB record batches; the part
-        is closed and listed at ``part_bytes``, on :meth:`flush` and when the worker stops."""
+        """Add a computed sample (uint8 HWC ``pixels``). Rows stream to the open part file in
+        record batches of about ``BATCH_BYTES``; the part becomes readable when the
+        :class:`~feedgpu.cache.flush.FlushPolicy` publishes it (at ``part_bytes``, at an epoch
+        change, when the worker pauses or stops)."""
         self._own()
         if self.full or self.part_of[index] >= 0 or index in self._buffered:
             return
@@ -176,8 +184,12 @@ class CacheEntry:
         self._buffered.add(index)
         if self._rows.nbytes >= min(BATCH_BYTES, self.settings.part_bytes):
             self._write_batch()
-            if self._part is not None and self._part.bytes >= self.settings.part_bytes:
-                self.flush()
+            self.policy.row_added()
+
+    @property
+    def open_part_bytes(self) -> int:
+        """Bytes of rows this process has written to its open, unpublished part."""
+        return self._part.bytes if self._part is not None else 0
 
     def quarantine(self, index: int, key: str, reason: str) -> None:
         """Record a sample that cannot be decoded; later epochs skip it without reading it."""
@@ -197,13 +209,14 @@ class CacheEntry:
             self._give_up(e)
         self._rows.clear()
 
-    def flush(self) -> None:
-        """Close the current part (renamed into place) and list it, with new quarantined samples,
-        in the manifest. A failure (the entry deleted or the disk full) stops caching with a
+    def flush(self) -> bool:
+        """Publish: close the current part (renamed into place) and list it, with new
+        quarantined samples, in the manifest; True when something was listed. Called by
+        ``policy``. A failure (the entry deleted or the disk full) stops caching with a
         warning; training goes on."""
         self._own()
         if self.full:
-            return
+            return False
         self._write_batch()
         add = []
         part, self._part = self._part, None
@@ -214,11 +227,13 @@ class CacheEntry:
                 mf.update(self.dir, self._init, add_parts=add, add_quarantine=self._quarantine)
         except OSError as e:
             self._give_up(e)
-            return
+            return False
+        listed = bool(add or self._quarantine)
         self._quarantine = []
         self._buffered.clear()
         if add:
             self._enforce_budget()
+        return listed
 
     def _give_up(self, error: OSError) -> None:
         if self._part is not None:

@@ -59,6 +59,7 @@ def build_cmd(pipeline_file, data, cache_dir, compression, workers, sets) -> Non
 
     from ..cache import open_entry
     from ..cache.store import entry_bytes
+    from ..exec.cache_step import CacheStep
     from ..exec.process_pool import ProcessPool, unpack_exception
     from ..exec.autoscale import fixed_workers
     from ..pipeline import Pipeline
@@ -77,7 +78,8 @@ def build_cmd(pipeline_file, data, cache_dir, compression, workers, sets) -> Non
     if entry is None:
         raise click.ClickException("nothing to cache in this pipeline (see the warning above)")
     todo = np.flatnonzero((entry.part_of < 0) & ~np.isin(np.arange(entry.n), list(entry.quarantined)))
-    stages = plan.sample_stages[:plan.cache_prefix]
+    step = CacheStep(entry, plan.cache_cut)
+    stages = plan.sample_stages[:step.after]
     click.echo(f"cache entry {entry.dir}: {entry.cached} of {entry.n} samples cached, {len(todo)} to build")
     chunks = [todo[i:i + 64] for i in range(0, len(todo), 64)]
 
@@ -92,16 +94,16 @@ def build_cmd(pipeline_file, data, cache_dir, compression, workers, sets) -> Non
                 for st in stages:
                     x = st.apply(x, None)
             except DecodeError as e:
-                entry.quarantine(idx, rec.key, e.reason)
+                step.quarantine(idx, rec.key, e.reason)
                 bad += 1
                 continue
-            entry.put(idx, rec.key, rec.label, np.asarray(x.convert("RGB") if x.mode != "RGB" else x))
+            step.store(idx, rec.key, rec.label, x)
             done += 1
         return done, bad
 
     t0 = time.perf_counter()
     nw = max(1, workers if workers is not None else fixed_workers(p.num_workers))
-    pool = ProcessPool(handler, nw, on_exit=entry.flush, name="feedgpu-cache")
+    pool = ProcessPool(handler, nw, on_exit=step.pause, name="feedgpu-cache")
     try:
         for i, c in enumerate(chunks):
             pool.submit((0, i, c))

@@ -10,14 +10,13 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-from PIL import Image
 
-from ..errors import DecodeError, SampleError, SkipBudgetExceeded, StageError
+from ..errors import SampleError, SkipBudgetExceeded, StageError
 from ..sources.base import Source
-from ..stages.base import stage_random
+from .cache_step import CacheStep
+from .pixels import batch_row
 from .plan import Plan
-from . import progress
-from .pixels import rgb_array, rgb_image
+from .steps import Sample, sample_steps
 
 
 @dataclass
@@ -84,7 +83,10 @@ def source_indices(indices: np.ndarray, n: int) -> np.ndarray:
     return np.where(out < 0, out + n, out) if (out < 0).any() else out
 
 class Assembler:
-    """Runs a plan's CPU part for one batch at a time.
+    """Runs a plan's CPU part for one batch at a time: each sample through the plan's steps
+    (:func:`~feedgpu.exec.steps.sample_steps`: read, the sample stages, and with a cache its
+    lookup and store at the cut), then into its row of the batch (the batch stage's ``write``,
+    or a copy of the uint8 pixels).
 
     Args:
         source: where records come from.
@@ -92,14 +94,18 @@ class Assembler:
         seed: base seed; random stages draw from ``stage_random(stage, seed, epoch, index, draw key)``
             (the key: ``plan.draw_ids``).
         on_error: ``"skip"`` (replace bad samples with spares) or ``"raise"``.
+        cache: a :class:`~feedgpu.exec.cache_step.CacheStep` at ``plan.cache_cut``, or an open
+            :class:`~feedgpu.cache.store.CacheEntry` (then one is made), or None.
     """
 
     def __init__(self, source: Source, plan: Plan, seed: int, on_error: str = "skip", cache=None):
         self.source, self.plan, self.seed, self.on_error = source, plan, int(seed), on_error
-        self.cache = cache  # a CacheEntry holding the output of the first plan.cache_prefix stages
-        self.prefix = plan.cache_prefix if cache is not None else 0
-        self.stages = plan.sample_stages
-        self.names = ["read", "cache"] + [s.name for s in self.stages] + ["write"]
+        if cache is not None and not isinstance(cache, CacheStep):
+            cache = CacheStep(cache, plan.cache_cut)
+        self.cache = cache
+        self.steps = sample_steps(source, plan, self.seed, cache)
+        self._begin = [st.begin for st in self.steps if hasattr(st, "begin")]
+        self.names = ["read", "cache"] + [s.name for s in plan.sample_stages] + ["write"]
         self.writer = None if plan.batch_on_device else plan.batch_stage
         self.want = (plan.pool_spec.height, plan.pool_spec.width, 3)
 
@@ -114,8 +120,8 @@ class Assembler:
         """
         indices = source_indices(indices, len(self.source))
         rep = BatchReport(stage_seconds=dict.fromkeys(self.names, 0.0))
-        if self.cache is not None:
-            self.cache.refresh()
+        for begin in self._begin:
+            begin(epoch)
         supply = Spares(spares, self.on_error, rep.skipped, len(indices))
         for j, idx in enumerate(indices.tolist()):
             labels[j] = supply.run(lambda i: self._one(images, j, i, epoch, rep.stage_seconds), idx)
@@ -128,69 +134,18 @@ class Assembler:
         return rep
 
     def _one(self, images: np.ndarray, j: int, idx: int, epoch: int, secs: dict) -> int:
+        s = Sample(idx)
+        for step in self.steps:
+            step.run(s, epoch, secs)
         t0 = time.perf_counter()
-        x, start = None, 0
-        cache = self.cache
-        if cache is not None:
-            q = cache.quarantined.get(idx)
-            if q is not None:
-                raise DecodeError(q[0], q[1], "quarantined in the cache")
-            pixels = cache.get(idx)
-            if pixels is not None:
-                key, label = None, cache.label(idx)
-                x = rgb_image(pixels)
-                start = self.prefix
-        if x is None:
-            progress.at("read", idx)
-            try:
-                rec = self.source.read(idx)
-            except OSError as e:
-                raise SampleError(self.source.key(idx), "unreadable", str(e)) from None
-            x, key, label = rec.payload, rec.key, rec.label
-        t1 = time.perf_counter()
-        secs["read" if start == 0 else "cache"] += t1 - t0
-        for pos in range(start, len(self.stages)):
-            st = self.stages[pos]
-            rng = stage_random(st, self.seed, epoch, idx, self.plan.draw_ids[pos])
-            progress.at(getattr(st, "label", st.name), idx)
-            try:
-                x = st.apply(x, rng)
-            except SampleError as e:
-                key = key or self.source.key(idx)
-                if cache is not None and pos < self.prefix and isinstance(e, DecodeError):
-                    cache.quarantine(idx, key, e.reason)
-                raise type(e)(key, e.reason, e.detail) from None
-            except Exception as e:
-                label_ = getattr(st, "label", st.name)
-                raise StageError(f"stage {pos} ({label_}) failed on {key or self.source.key(idx)}: "
-                                 f"{type(e).__name__}: {e}") from e
-            t2 = time.perf_counter()
-            secs[st.name] += t2 - t1
-            t1 = t2
-            if cache is not None and pos + 1 == self.prefix:
-                # the stages after the cache get what a cache hit gives them: a PIL RGB image
-                if isinstance(x, Image.Image):
-                    x = _rgb(x)
-                    cache.put(idx, key, label, rgb_array(x))
-                else:  # a prefix that returns arrays
-                    pixels = np.ascontiguousarray(x)
-                    cache.put(idx, key, label, pixels)
-                    x = rgb_image(pixels)
-                t1 = time.perf_counter()
-                secs["cache"] += t1 - t2
-        x = _rgb(x)
-        arr = rgb_array(x) if isinstance(x, Image.Image) else np.asarray(x)
+        arr = batch_row(s.x)
         if arr.shape != self.want or arr.dtype != np.uint8:
-            last = self.stages[-1].name if self.stages else "source"
-            raise StageError(f"stage {last!r} gave {arr.dtype} {arr.shape} for {key or self.source.key(idx)}; "
+            last = self.plan.sample_stages[-1].name if self.plan.sample_stages else "source"
+            raise StageError(f"stage {last!r} gave {arr.dtype} {arr.shape} for {s.key or self.source.key(idx)}; "
                              f"the batch needs uint8 {self.want}")
         if self.writer is not None:
             self.writer.write(images[j], arr)
         else:
             images[j] = arr
-        secs["write"] += time.perf_counter() - t1
-        return label
-
-
-def _rgb(x):
-    return x.convert("RGB") if isinstance(x, Image.Image) and x.mode != "RGB" else x
+        secs["write"] += time.perf_counter() - t0
+        return s.label

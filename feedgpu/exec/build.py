@@ -7,6 +7,7 @@ in worker processes (and with ``executor: ray`` on remote workers too).
 from __future__ import annotations
 
 from .assemble import Assembler
+from .cache_step import CacheStep
 from .memory_budget import apply_budget
 from .memory_watch import CopyOnReadWatch
 from .pool_start import draw_base_seed, resolve_context
@@ -45,12 +46,13 @@ def make_work(loader):
                         ahead=prefetch)
     if p is not None:
         plan = p.plan(device)
-        entry = None
+        cache = None
         if loader._cache_settings is not None:
             from ..cache import open_entry
 
             entry = open_entry(loader._cache_settings, p.source, p.stages, plan)
-        asm = Assembler(p.source, plan, loader.seed, loader._on_error, cache=entry)
+            cache = CacheStep(entry, plan.cache_cut) if entry is not None else None
+        asm = Assembler(p.source, plan, loader.seed, loader._on_error, cache=cache)
         work = PipelineWork(asm, loader._batch_size, most, populate=inflight)
         if auto is not None:
             auto.buffer_bytes = work.slots.nbytes * (inflight + work.keep_views)

@@ -18,6 +18,31 @@ class Step:
 
 
 @dataclass(frozen=True)
+class CacheCut:
+    """Where a pixel cache cuts a plan, and what it stores there.
+
+    Attributes:
+        after: the leading sample stages whose output is stored (the deterministic prefix, at
+            least one); on a hit they are not run, nor is the source read.
+        stage: the label of the last of them.
+        stores: the spec of what is stored per sample: uint8 HWC RGB (``height``/``width``
+            ``None`` while they depend on the input), one array per sample.
+    """
+
+    after: int
+    stage: str
+    stores: ImageSpec
+
+    def describe(self, cache=None) -> tuple[str, str, str, str]:
+        """The cache's row of :meth:`Plan.describe`; ``cache``: its settings (``dir``,
+        ``compression``), or None."""
+        where = "local disk (Arrow IPC)"
+        if cache is not None and hasattr(cache, "dir"):
+            where = f"local disk (Arrow IPC, {cache.compression}): {cache.dir}"
+        return ("[cache]", where, "-", f"{self.stores.describe()} stored after {self.stage}")
+
+
+@dataclass(frozen=True)
 class Plan:
     """Stages in order with where they run; ``sample_stages`` run per sample in the CPU pool,
     ``batch_stage`` (normalize, or None) runs in the pool for CPU output or on the device after
@@ -33,12 +58,25 @@ class Plan:
     cache_prefix: int = 0    # leading deterministic sample stages whose output may be cached
     draw_ids: tuple[int, ...] = ()   # each sample stage's draw key (stages.draws.stage_draw_ids)
 
-    def describe(self, batch_size: int, cached: bool = False) -> list[tuple[str, str, str, str]]:
+    @property
+    def cache_cut(self) -> CacheCut | None:
+        """Where a cache cuts this plan (after its leading deterministic stages), or None when
+        there are none: nothing to cache."""
+        k = self.cache_prefix
+        if k == 0:
+            return None
+        last = self.sample_stages[k - 1]
+        return CacheCut(k, getattr(last, "label", last.name), self.steps[k - 1].out.with_(dtype="uint8", layout="HWC"))
+
+    def describe(self, batch_size: int, cached=False) -> list[tuple[str, str, str, str]]:
+        """Rows ``(stage, runs on, deterministic, output per sample)``: the source, each stage
+        and, with ``cached`` (True, or the cache settings to show its directory and
+        compression), the cache as a step at its cut (:class:`CacheCut`)."""
         rows = [("source", "cpu pool (read)", "-", BYTES.describe())]
         for i, s in enumerate(self.steps):
             rows.append((s.stage.name, s.where, "yes" if s.stage.deterministic else "no", s.out.describe()))
             if cached and i + 1 == self.cache_prefix:
-                rows.append(("[cache]", "local disk (Arrow IPC)", "-", "stores the output above"))
+                rows.append(self.cache_cut.describe(None if cached is True else cached))
         return rows
 
 

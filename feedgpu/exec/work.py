@@ -47,7 +47,6 @@ class PipelineWork(WorkBase):
                                 populate=None if populate is None else populate + keep_views) if inflight else None
         self._shape, self._dtype, self._bs = spec.shape, spec.dtype, batch_size
         self.orphans: dict = {}   # (tag, seq) -> task of an abandoned iteration, still in flight
-        self._epoch = None        # the epoch of the last task this process ran
 
     def __getstate__(self) -> dict:
         if self.assembler.cache is not None:
@@ -74,23 +73,20 @@ class PipelineWork(WorkBase):
             self.slots.map_in()
 
     def cache_entry(self):
-        return self.assembler.cache
+        cache = self.assembler.cache
+        return cache.entry if cache is not None else None
 
     def on_exit(self) -> None:
-        """In each worker as it stops (and after inline epochs): write what it cached."""
+        """In each worker as it stops, idles or is asked to flush (and after inline epochs):
+        the cache's ``pause`` event (its flush policy publishes what the worker cached)."""
         if self.assembler.cache is not None:
-            self.assembler.cache.flush()
+            self.assembler.cache.pause()
 
     def task(self, tag: int, seq: int, epoch: int, indices: np.ndarray, spares: np.ndarray) -> tuple:
         return (tag, seq, self.slots.acquire(), epoch, indices, spares)
 
     def handle(self, task: tuple) -> BatchReport:
         _, _, slot, epoch, indices, spares = task
-        cache = self.assembler.cache
-        if cache is not None and epoch != self._epoch:
-            if self._epoch is not None:
-                cache.flush()  # a new epoch: what this worker cached in the last one becomes readable
-            self._epoch = epoch
         images, labels = self.slots.arrays(slot)
         return self.assembler.fill(images, labels, indices, spares, epoch)
 

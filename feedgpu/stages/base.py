@@ -14,7 +14,9 @@ for those other packages register (:mod:`feedgpu.stages.registry`) alike. An ins
 reports (the ``python`` stage names its callable); the default is ``name``.
 
 * :class:`SampleStage` runs on one sample: ``apply(x, rng)`` where ``x`` is a PIL image (RGB)
-  after decode, and ``rng`` is ``None`` for deterministic stages. A random stage that declares
+  after decode (or what the stage before it returned), and ``rng`` is ``None`` for
+  deterministic stages. After the pixel cache's cut a stage gets a PIL RGB image, or, when it
+  declares ``takes_arrays``, the cached uint8 HWC array as it is (no conversion on a hit). A random stage that declares
   ``draws = k`` (the built-in ones) gets ``k`` uniform draws in ``[0, 1)`` keyed by ``(seed,
   epoch, sample index, stage)`` (:func:`~feedgpu.stages.draws.sample_uniforms`, computed for
   whole batches by the DALI engine; the stage by its draw key,
@@ -73,6 +75,12 @@ class SampleStage(Stage):
     #: (float32 ``(y, x)`` pixels) to a fixed size: right after decode, the DALI engine then
     #: decodes only that window (crop-on-decode) and shifts the window into it.
     window_resize: ClassVar[bool] = False
+
+    #: True when :meth:`apply` also takes a uint8 (height, width, 3) RGB array and then returns
+    #: an array with the pixels it returns for the PIL image of it (any strides: a view will
+    #: do). After the pixel cache the stage then gets the cached array as it is; False (the
+    #: default): a PIL RGB image.
+    takes_arrays: ClassVar[bool] = False
 
     def apply(self, x: Any, rng: np.random.Generator | None) -> Any:  # pragma: no cover - abstract
         raise NotImplementedError

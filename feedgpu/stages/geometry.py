@@ -1,5 +1,5 @@
 """Geometric stages on PIL images: random resized crop, resize + center crop, horizontal and
-vertical flips.
+vertical flips (the flips also on uint8 HWC arrays).
 
 Crops and resizes are fused into one ``Image.resize(size, box=...)`` call, which Pillow-SIMD
 runs with AVX2 kernels.
@@ -302,6 +302,7 @@ class _RandomFlip(SampleStage):
     deterministic = False
     draws = 1
     has_dali = True
+    takes_arrays = True   # a mirrored view of a uint8 HWC array: no copy
     _transpose: Image.Transpose
     _horizontal = 0
 
@@ -313,9 +314,12 @@ class _RandomFlip(SampleStage):
     def config(self) -> dict[str, Any]:
         return {"p": self.p}
 
-    def apply(self, img: Image.Image, rng) -> Image.Image:
-        """``rng``: one uniform draw (flip when it is below ``p``) or a Generator."""
+    def apply(self, img, rng):
+        """``img``: a PIL image, or a uint8 HWC array (then a mirrored view of it, not a copy);
+        ``rng``: one uniform draw (flip when it is below ``p``) or a Generator."""
         if as_uniforms(rng, 1)[0] < self.p:
+            if isinstance(img, np.ndarray):
+                return img[:, ::-1] if self._horizontal else img[::-1]
             return img.transpose(self._transpose)
         return img
 

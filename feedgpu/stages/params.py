@@ -156,7 +156,9 @@ def describe_stage(cls: type) -> dict[str, Any]:
     docstring's first line), ``deterministic`` (``None``: depends on the parameters), ``draws``,
     ``dali`` (has a DALI implementation), ``dali_folds`` (the DALI arguments it passes to the
     batch stage after it instead of running, :meth:`~feedgpu.stages.base.SampleStage.dali_fold`),
-    ``torch_baseline`` (has a torch equivalent for ``feedgpu bench``), ``set_from_output`` and
+    ``torch_baseline`` (has a torch equivalent for ``feedgpu bench``), ``takes_arrays`` (its
+    ``apply`` also takes uint8 HWC arrays: after the cache it gets the cached array as it is),
+    ``set_from_output`` and
     ``params`` (each ``{name, type, default, required}``; ``default`` is ``None`` when required)."""
     from .base import BatchStage, Stage
 
@@ -172,6 +174,7 @@ def describe_stage(cls: type) -> dict[str, Any]:
         "dali": bool(getattr(cls, "has_dali", False)),
         "dali_folds": sorted(getattr(cls, "dali_folds", {}) or {}),
         "torch_baseline": cls.torch_baseline is not Stage.torch_baseline,
+        "takes_arrays": bool(getattr(cls, "takes_arrays", False)),
         "set_from_output": list(getattr(cls, "from_output", ())),
         "params": [{"name": p.name, "type": _type_text(p.annotation),
                     "default": None if p.required else _plain(p.default), "required": p.required}
