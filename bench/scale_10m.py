@@ -16,13 +16,20 @@ Each measurement is a fresh process (``--child``): the source's open (the index)
 the process's RSS growth over it and the bytes of the index's arrays per sample, then a
 ``feedgpu.DataLoader`` (decode, resize/crop 8, normalize; batch 256, shuffled, 2 workers) and its
 first batch; for ``resume`` the same after ``load_state_dict`` of a state at 10 %, 50 % and 99 %
-of the epoch. Order: tar cold (no saved index: the tar index folder is emptied), tar warm (the
-index the cold run saved), Parquet (it keeps no saved index: each open reads the footers and the
-label column), resume on each, and torch's loader over the same Parquet files (a map-style
-Dataset with pyarrow: the label column read at start, a row group read per item) for its first
-batch. "Cold" means no saved index, not a cold page cache: dropping the page cache needs root on
-the host, which this sandbox does not allow, so the files are in memory as far as the machine's
-page cache holds them (23 GiB for ~22 GB of data, shared with other users).
+of the epoch. Order: tar cold (no saved index: the tar index folder is emptied; the member
+tables beside the shards, if any, not used: the numpy scan), tar warm (the index the cold run
+saved), with ``--tables`` (the data then has a member table beside each shard, as ``feedgpu
+convert`` writes them: :mod:`feedgpu.sources.tar_table`) tar cold with one indexing thread,
+tar_table (no saved index, the tables taken on the shards' mtimes) and tar_table_hash (taken on
+the hash of each shard's bytes, as for a copy that lost its mtimes), Parquet (it keeps no saved
+index: each open reads the footers and the label column), resume on each, and torch's loader over
+the same Parquet files (a map-style Dataset with pyarrow: the label column read at start, a row
+group read per item) for its first batch. "Cold" means no saved index; the page cache cannot be
+dropped as a whole (that needs root on the host), so the files are in memory as far as the
+machine's page cache holds them (23 GiB for ~22 GB of data, shared with other users). With
+``--evict`` the cold tar opens are also measured after each shard's pages are dropped
+(``posix_fadvise(POSIX_FADV_DONTNEED)``, which needs no root for clean pages): runs named
+``*_disk``. ``--files 0`` builds no Parquet files (run ``--only`` tar runs then).
 
 The resume states are another loader's ``state_dict()`` with ``samples_seen`` and ``batches_seen``
 set to the position (what a run that stopped there saves: the state holds the position, nothing
@@ -30,7 +37,8 @@ else; iterating 10 M samples to reach it is not needed to measure the seek). ``l
 is timed on a fresh loader, so it includes the source's fingerprint (``order_identity``), which a
 loader computes once.
 
-Results: ``bench/results/scale_10m.{json,md}``.
+Results: ``bench/results/scale_10m.{json,md}`` (``--out``; the cold-open study:
+``scale_10m_cold``).
 """
 from __future__ import annotations
 
@@ -118,8 +126,19 @@ def tar_shard(path: Path, shard: int, first: int, n: int, payload: bytes) -> Non
     os.replace(tmp, path)
 
 
-def build(root: Path, samples: int, shards: int, files: int) -> float:
+def evict(path) -> None:
+    """Drop a (clean) file's pages from the page cache (``posix_fadvise DONTNEED``: no root needed)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def build(root: Path, samples: int, shards: int, files: int, tables: bool = False) -> float:
     settings = {"samples": samples, "shards": shards, "files": files, "recipe": 1}
+    if tables:
+        settings["tables"] = True
     marker = root / "settings.json"
     if marker.exists() and json.loads(marker.read_text()) == settings:
         return 0.0
@@ -137,7 +156,7 @@ def build(root: Path, samples: int, shards: int, files: int) -> float:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    per = samples // files
+    per = samples // max(1, files)
     rows_per_group = max(1, (8 * MiB) // (len(payload) + 8))
     for k in range(files):
         n = per + (k < samples % files)
@@ -149,6 +168,11 @@ def build(root: Path, samples: int, shards: int, files: int) -> float:
         pq.write_table(table, root / "parquet" / f"part-{k:04d}.parquet", row_group_size=rows_per_group,
                        compression="none", use_dictionary=False)
     time.sleep(2)
+    if tables:   # beside each shard, as feedgpu convert writes them (2 s after the shards: mtimes are not racy)
+        from feedgpu.sources.tar_local import write_tables
+
+        os.sync()
+        write_tables(sorted(str(p) for p in (root / "tar").glob("*.tar")))
     marker.write_text(json.dumps(settings))
     return time.perf_counter() - t
 
@@ -182,14 +206,25 @@ def child(kind: str, root: str, workers: int, at: float) -> dict:
     fmt = "tar" if kind.startswith("tar") else "parquet"
     if kind.startswith("torch"):
         return _torch_child(out, root, workers)
+    from feedgpu.sources import tar_local, tar_table
+
+    flags = set(kind.split("-")[1:])
+    if "notable" in flags or kind.startswith("scan"):   # the member tables beside the shards not used
+        tar_local.load_table = lambda p: (None, None, False)
+    if "hash" in flags:   # a table is taken on the hash of its shard, not its mtime (a copy that lost mtimes)
+        tar_table.racy_ns = lambda m: 1 << 62
+    for f in flags:
+        if f.startswith("t") and f[1:].isdigit():
+            tar_local.INDEX_THREADS = int(f[1:])
+    out["index_threads"] = tar_local.INDEX_THREADS
     if kind.startswith("scan"):   # the first shards, no saved index: the numpy scan or tarfile
-        import feedgpu.sources.tar as tar
+        from feedgpu.sources.tar import TarShardSource
 
         shards = sorted(str(p) for p in (Path(root) / "tar").glob("*.tar"))[:int(kind.split("-")[2])]
         if kind.startswith("scan-tarfile"):
-            tar.scan_plain = lambda *a: None
+            tar_local.scan_plain = lambda *a: None
         t = time.perf_counter()
-        src = tar.TarShardSource(shards, index_dir=False)
+        src = TarShardSource(shards, index_dir=False)
         out.update(index_s=time.perf_counter() - t, samples=len(src), shards=len(shards))
         return out
     import feedgpu
@@ -210,6 +245,8 @@ def child(kind: str, root: str, workers: int, at: float) -> dict:
         out["key_bytes_per_sample"] = members.blob.nbytes / n
         out["index_bytes_per_sample_less_keys"] = out["index_bytes_per_sample"] - members.blob.nbytes / n
     out["from_saved_index"] = getattr(src, "from_saved_index", None)
+    out["saved_shards"] = getattr(src, "saved_shards", None)
+    out["table_shards"] = getattr(src, "table_shards", None)
     loader = DataLoader(p, num_workers=workers)
     if at:
         t = time.perf_counter()
@@ -302,8 +339,11 @@ def markdown(doc: dict) -> str:
              f"in {doc['settings']['shards']} tar shards ({doc['tar_gb']:.1f} GB) and {doc['settings']['files']} "
              f"Parquet files ({doc['parquet_gb']:.2f} GB, ~8 MiB row groups). Loader: batch {BATCH}, shuffled, "
              f"{doc['settings']['workers']} workers, decode + resize/crop 8 + normalize. Commit {doc['commit']}. "
-             "\"Cold\" = no saved index (the page cache cannot be dropped here). Script: `bench/scale_10m.py`; "
-             "every run's figures in `scale_10m.json`.", "",
+             "\"Cold\" = no saved index; *_disk runs also start with the shards dropped from the page cache "
+             "(posix_fadvise DONTNEED per file), the others find what the page cache kept; tar_cold = the numpy scan "
+             "(member tables not used), tar_table = the tables beside the shards taken on their mtimes, "
+             "tar_table_hash = on the hash of each shard's bytes. Script: `bench/scale_10m.py`; "
+             f"every run's figures in `{doc.get('out_name', 'scale_10m')}.json`.", "",
              "| run | rounds | index (s) median (range) | index RSS (MiB) | index B/sample (less keys) "
              "| load_state_dict (s) | first batch after index (s) | first batch from process start (s) |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -336,8 +376,13 @@ def main() -> None:
     ap.add_argument("--files", type=int, default=100)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--only", default="", help="comma-separated runs (scan,tarfile,tar_cold,tar_warm,parquet,resume,torch)")
+    ap.add_argument("--only", default="", help="comma-separated runs (scan,tarfile,tar_cold,tar_cold_disk,tar_warm,tar_cold_1thread,"
+                    "tar_table,tar_table_hash,tar_table_disk,tar_table_hash_disk,parquet,resume,torch)")
     ap.add_argument("--keep", action="store_true", help="keep the data for a later run")
+    ap.add_argument("--tables", action="store_true", help="write the member tables beside the shards (as feedgpu "
+                    "convert does) and measure opens that use them: tar_table (on mtimes), tar_table_hash")
+    ap.add_argument("--evict", action="store_true", help="also measure each cold open with the shards and tables "
+                    "dropped from the page cache first (posix_fadvise DONTNEED): runs named *_disk")
     ap.add_argument("--build-only", action="store_true")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "scale_10m")
     ap.add_argument("--child")
@@ -346,7 +391,7 @@ def main() -> None:
     if a.child:
         print(json.dumps(child(a.child, str(a.root), a.workers, a.at)))
         return
-    built_s = build(a.root, a.samples, a.shards, a.files)
+    built_s = build(a.root, a.samples, a.shards, a.files, a.tables)
     print(f"data ready under {a.root} (built in {built_s:.0f} s)", flush=True)
     if a.build_only:
         return
@@ -354,12 +399,18 @@ def main() -> None:
     cache = a.root / "cache"
     runs: dict[str, list] = {}
 
-    def go(name, kind, at=0.0, clear=False):
+    def go(name, kind, at=0.0, clear=False, disk=False):
         if only and name.split(" ")[0].split("@")[0] not in only:
             return
         if clear and cache.exists():
             shutil.rmtree(cache)
+        if disk:
+            t = time.perf_counter()
+            for p in (a.root / "tar").iterdir():
+                evict(p)
+            print(f"evicted the shards from the page cache in {time.perf_counter() - t:.1f} s", flush=True)
         r = run_child(kind, a.root, a.workers, cache, at)
+        r["load_average"] = [round(x, 2) for x in os.getloadavg()]
         runs.setdefault(name, []).append(r)
         print(name, json.dumps(r)[:600], flush=True)
 
@@ -367,8 +418,17 @@ def main() -> None:
     for _ in range(a.rounds):
         go("scan 10 shards", "scan-numpy-10")
         go("tarfile 10 shards", "scan-tarfile-10")
-        go("tar_cold", "tar", clear=True)
+        go("tar_cold", "tar-notable", clear=True)
+        if a.evict:
+            go("tar_cold_disk", "tar-notable", clear=True, disk=True)
         go("tar_warm", "tar")
+        if a.tables:
+            go("tar_cold_1thread", "tar-notable-t1", clear=True)
+            go("tar_table", "tar", clear=True)
+            go("tar_table_hash", "tar-hash", clear=True)
+            if a.evict:
+                go("tar_table_disk", "tar", clear=True, disk=True)
+                go("tar_table_hash_disk", "tar-hash", clear=True, disk=True)
         go("parquet", "parquet")
         for at in (0.1, 0.5, 0.99):
             go(f"resume tar @{at:.0%}", "tar", at)
@@ -380,13 +440,13 @@ def main() -> None:
     pq_bytes = sum(p.stat().st_size for p in (a.root / "parquet").glob("*.parquet"))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "feedgpu"], capture_output=True, text=True, cwd=REPO).stdout
-    doc = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
+    doc = {"out_name": a.out.name, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
                       f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB, {platform.platform()}",
            "load_before": load_before, "load_after": [round(x, 2) for x in os.getloadavg()],
            "commit": commit + ("+" if dirty else ""), "built_s": built_s, "payload_bytes": len(tiny_jpeg()),
            "tar_gb": tar_bytes / 1e9, "parquet_gb": pq_bytes / 1e9,
            "settings": {"samples": a.samples, "shards": a.shards, "files": a.files, "workers": a.workers,
-                        "rounds": a.rounds, "batch": BATCH}, "runs": runs}
+                        "rounds": a.rounds, "batch": BATCH, "tables": a.tables, "evict": a.evict}, "runs": runs}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.with_suffix(".json").write_text(json.dumps(doc, indent=1))
     md = markdown(doc)

@@ -8,7 +8,9 @@ read back (sample count, labels and, for tar, sizes checked against the source),
 ``out_dir`` only then: a failed conversion leaves nothing behind. ``out_dir`` must not exist or
 be empty. Beside the files: ``_classes.txt`` (class names) and ``_index.json`` (the files with
 their sizes and SHA-256, and for tar the member table: :mod:`feedgpu.remote.index`), which
-names the dataset by one path or URL where the store cannot list (HTTP).
+names the dataset by one path or URL where the store cannot list (HTTP). Beside each tar shard:
+its member table (``<shard>.feedgpu-index``, :mod:`feedgpu.sources.tar_table`), so a tar source
+opening the shards on another machine or with a new cache dir does not index them.
 
 Sample keys (:func:`sample_keys`): a file's path relative to the dataset, without its
 extension, with ``%`` and ``.`` in its base name written ``%25`` and ``%2E``, so a key never holds
@@ -38,6 +40,7 @@ from .remote.index import write_index
 from .sources.base import CLASS_NAMES_FILE, Source, encode_class_name
 from .sources.folder import FolderSource
 from .sources.tar import TarShardSource
+from .sources.tar_local import write_tables
 
 PARQUET_SCHEMA = pa.schema([("key", pa.string()), ("image", pa.large_binary()), ("label", pa.int64()),
                             ("format", pa.string()), ("width", pa.int32()), ("height", pa.int32())])
@@ -165,8 +168,8 @@ def _verify(got: Source, src: Source, what: str) -> None:
 
 def folder_to_tar(folder, out_dir, samples_per_shard: int = 1000, progress: bool = False) -> Converted:
     """Write ``shard-000000.tar`` ... with ``<key>.<ext>`` + ``<key>.cls`` per image (keys:
-    :func:`sample_keys`, e.g. ``<class>/<name>``), PAX format, and the class names in
-    ``_classes.txt``. Returns :class:`Converted`; raises :class:`ConfigError` when ``out_dir``
+    :func:`sample_keys`, e.g. ``<class>/<name>``), PAX format, the class names in
+    ``_classes.txt`` and each shard's member table beside it (``<shard>.feedgpu-index``). Returns :class:`Converted`; raises :class:`ConfigError` when ``out_dir``
     is not new or empty, :class:`SourceError` when the output does not read back as the source."""
     src = FolderSource(folder)
     rels = [src.paths[i] for i in range(len(src))]
@@ -198,6 +201,7 @@ def folder_to_tar(folder, out_dir, samples_per_shard: int = 1000, progress: bool
         if not (got.sizes == src.sizes).all():
             raise SourceError("convert: the tar shards read back with other sizes than the source's files; "
                               "nothing was written")
+        write_tables([str(s) for s in shards])
         write_index(stage.dir, shards, "tar", got)
         return Converted(stage.commit(shards), len(got), src.rejected)
 

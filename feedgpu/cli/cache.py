@@ -288,6 +288,10 @@ def _convert_to_url(src, url, fmt, per_file, storage_options) -> None:
             convert.callback(src, str(local), fmt, per_file, None)
         except SystemExit as e:   # 1: records left out (listed), still uploaded
             code = e.code
+        from ..sources.tar_table import SUFFIX
+
+        for table in local.glob(f"*{SUFFIX}"):   # a remote tar source reads its member table from _index.json
+            table.unlink()
         written = upload_dir(local, url, options)
         click.echo(f"uploaded {len(written)} file(s) to {url} (built and checked in a temporary folder, "
                    "now removed)")

@@ -1,9 +1,12 @@
 """WebDataset-style tar shards: ``<key>.jpg`` (or png/webp/...) + ``<key>.cls`` per sample.
 
 Shards are indexed once (member headers only: numpy for plain shards, :mod:`.tar_scan`, else
-:mod:`tarfile`, the same index) into arrays of shard id, byte offset and size, saved per local
-shard (:mod:`.tar_index`); samples are read with ``os.pread`` from the shard, never extracted:
-member names with absolute paths or ``..`` are only keys, never file-system paths. Symbolic and
+:mod:`tarfile`, :mod:`.tar_walk`, the same index; several local shards at once in threads,
+:mod:`.tar_local`) into arrays of shard id, byte offset and size, saved per local shard
+(:mod:`.tar_index`); a local shard with a member table beside it (``<shard>.feedgpu-index``,
+which ``feedgpu convert`` writes: :mod:`.tar_table`) is not indexed while the table matches it.
+Samples are read with ``os.pread`` from the shard, never extracted: member names with absolute
+paths or ``..`` are only keys, never file-system paths. Symbolic and
 hard link members are left out while indexing (reason ``"link member, not followed"``), so a
 link never makes feedgpu read another member or a file outside the shard; FIFO and device
 entries likewise (``"not a regular file"``). Non-UTF-8 member names stay byte-exact in keys.
@@ -43,17 +46,18 @@ Records that cannot be delivered are left out while indexing, each named in
 from __future__ import annotations
 
 import os
-import tarfile
 import warnings
+from functools import partial
+
 import numpy as np
 
 from ..errors import DownloadError, SampleError, SourceError
 from . import tar_index as _saved
 from .base import CLASS_NAMES_FILE, Record, Source, StringTable, class_names, class_names_from_text, expand_paths, \
     index_array, release_freed_memory
-from .tar_members import COMPRESSED_MAGIC, IMAGE_SUFFIXES, LABEL_SUFFIXES, OTHER_LABEL_FIELDS, Member, field_kind, \
-    part_arrays, read_label, split_member
-from .tar_scan import scan_plain
+from .tar_local import local_part, ordered_map
+from .tar_members import LABEL_SUFFIXES, OTHER_LABEL_FIELDS, part_arrays
+from .tar_walk import index_with_tarfile
 
 #: Remote shards a process keeps open (pinned in the shard cache) at once; the least recently
 #: read is closed first, so a dataset larger than the cache's budget can be read.
@@ -77,7 +81,9 @@ class TarShardSource(Source):
 
     Attributes:
         saved_shards: how many shards were read from a saved index (int);
-            ``from_saved_index``: True when every shard was.
+            ``from_saved_index``: True when every shard was; ``table_shards``: how many from the
+            member table beside them (:mod:`feedgpu.sources.tar_table`; a table that is corrupt,
+            of another feedgpu version or older than its shard is not used, one warning names them).
 
     URLs: shards are read from local copies in the shard cache, downloaded whole when first
     read (with an index file, whose member table is the index, no shard is needed to open the
@@ -116,25 +122,24 @@ class TarShardSource(Source):
             raise SourceError(f"tar source: no shards match {shards!r}")
         self._index_dir = None if self._remote is not None or index_dir is False else \
             _saved.index_dir(index_dir)
-        self.saved_shards = 0
+        self.saved_shards = self.table_shards = 0
         parts = []                 # per shard: its id and its part's arrays (labels -2: no label yet)
         labeled, other_labels = False, 0   # other: members that may hold a label feedgpu does not read (.json)
-        for sid, path, local in self._locals():
-            if local is None:
+        problems: list[str] = []   # member tables beside shards that were not used, and why
+        for sid, path, part in self._parts():
+            if part is None:
                 continue
-            if isinstance(local, dict):   # the index file's member table, or one the shard cache kept
-                part = local
-                for key, reason, detail in part.get("rejected", ()):
-                    self.reject(key, reason, detail)
-            elif self._remote is None:
-                part = self._local_part(path)
-            else:
-                part = self._index_shard(path, local)
-                self._remote.cache.save_index(self._remote.files[sid].identity, "tar", part)
+            for key, reason, detail in part.get("rejected", ()):
+                self.reject(key, reason, detail)
             part = part_arrays(part)
             parts.append((sid, part))
             labeled = labeled or part.get("labeled", bool((part["labels"] >= 0).any()))
             other_labels += part.get("other", 0)
+            if part.get("_table_problem"):
+                problems.append(part["_table_problem"])
+        if problems:
+            warnings.warn(f"feedgpu: did not use the member tables beside {len(problems)} shard(s), indexed them "
+                          f"afresh: {'; '.join(problems[:3])}" + (" ..." if len(problems) > 3 else ""), stacklevel=2)
         self.from_saved_index = bool(parts) and self.saved_shards == len(self.shards)
         def cat(name, dt):   # in the parts' own (narrow) dtypes
             return np.concatenate([p[name] for _, p in parts]) if parts else np.zeros(0, dt)
@@ -191,76 +196,31 @@ class TarShardSource(Source):
         self.sizes = index_array(sizes)
         self.labels = np.maximum(np.asarray(labels, dtype=np.int64), -1)
 
-    def _local_part(self, path: str) -> dict:
-        """A local shard's part of the index: from its saved index when that is valid, else
-        indexed (:func:`~feedgpu.sources.tar_scan.scan_plain` for a plain shard, :mod:`tarfile`
-        for any other) and saved (:mod:`feedgpu.sources.tar_index`)."""
-        sig = file = None
-        if self._index_dir is not None:
-            sig, file = _saved.shard_sig(path), _saved.index_file(self._index_dir, path)
-            saved = _saved.load(file, sig)
-            if saved is not None:
-                meta, arrays = saved
-                for key, reason, detail in meta["rejected"]:
-                    self.reject(key, reason, detail)
-                self.saved_shards += 1
-                return dict(arrays, labeled=meta["labeled"], other=meta["other"], rejected=meta["rejected"])
-        start = _saved.now_ns()
-        part = scan_plain(path, IMAGE_SUFFIXES, LABEL_SUFFIXES) if os.path.isfile(path) else None
-        if part is not None:
-            part.update(labeled=True, other=0, rejected=[])
-        else:
-            part = part_arrays(self._index_shard(path, path))
-        if file is not None:
-            try:
-                _saved.save(file, sig, {k: part[k] for k in ("labeled", "other", "rejected")}, part, start)
-            except OSError as e:
-                warnings.warn(f"feedgpu: cannot save the tar index of {path} in {file.parent} ({e})", stacklevel=4)
-        return part
-
-    def _index_shard(self, path: str, local: str) -> dict:
-        """One shard's samples (``members``, ``offsets``, ``sizes``, ``labels``: -2 for none),
-        whether it has label members (``labeled``), its ``other`` label-like members and the
-        records it ``rejected`` (``[key, reason, detail]``, also added to :attr:`rejected`)."""
-        members, offsets, sizes, labels = [], [], [], []
-        labeled, other_labels, first = False, 0, len(self.rejected)
-        groups: dict[str, dict] = {}
-        self._cut = False
-        last = None
-        with open(local, "rb") as raw:
-            for m in self._members(path, raw, local):
-                key, field = split_member(m.name)
-                if key is None:
-                    if m.name.lower().endswith(tuple("." + e for e in IMAGE_SUFFIXES)):
-                        self.reject(f"{path}:{m.name}", "no key", "its base name starts with a dot: "
-                                    "WebDataset readers skip it too")
-                    continue
-                kind, qual = field_kind(field)
-                if kind is None:
-                    other_labels += field in OTHER_LABEL_FIELDS
-                    continue
-                g = last = groups.setdefault(key, {"image": {}, "label": {}, "first": m.name})
-                g[kind].setdefault(qual, []).append(m)
-                if kind == "label":
-                    labeled = True
-            for g in groups.values():
-                for m, label in self._samples(path, raw, g, self._cut and g is last):
-                    members.append(m.name)
-                    offsets.append(m.offset)
-                    sizes.append(m.size)
-                    labels.append(label)
-        rejected = [[k, r, self.rejected_details.get(k, "")] for k, r in self.rejected[first:]]
-        return {"members": members, "offsets": offsets, "sizes": sizes, "labels": labels,
-                "labeled": labeled, "other": other_labels, "rejected": rejected}
+    def _parts(self):
+        """``(shard id, name, part | None)`` per shard, in order: a local shard's part from its saved
+        index, the member table beside it, or indexed (:func:`~feedgpu.sources.tar_local.local_part`,
+        several shards at once); a remote one's from the index file, the shard cache's saved index
+        or the downloaded shard (None: it could not be downloaded)."""
+        if self._remote is None:
+            for sid, got in enumerate(ordered_map(partial(local_part, index_dir=self._index_dir), self.shards)):
+                for note in got.notes:
+                    warnings.warn(note, stacklevel=3)
+                self.saved_shards += got.how == "saved"
+                self.table_shards += got.how == "table"
+                yield sid, self.shards[sid], dict(got.part, _table_problem=got.table_problem)
+            return
+        for sid, path, local in self._locals():
+            if local is None or isinstance(local, dict):   # the index file's member table, or the cache's
+                yield sid, path, local
+                continue
+            part = index_with_tarfile(path, local)
+            self._remote.cache.save_index(self._remote.files[sid].identity, "tar", part)
+            yield sid, path, part
 
     def _locals(self):
-        """``(shard id, name, local path | member table | None)`` per shard: a local shard is
-        its own path; a remote one is downloaded (up to the cache's ``max_downloads`` ahead,
-        pinned until indexed) unless the index file holds its member table; one that cannot be
-        downloaded is left out as ``"bad shard"`` (None)."""
-        if self._remote is None:
-            yield from ((sid, p, p) for sid, p in enumerate(self.shards))
-            return
+        """``(shard id, URL, local path | member table | None)`` per remote shard: downloaded (up
+        to the cache's ``max_downloads`` ahead, pinned until indexed) unless the index file holds
+        its member table; one that cannot be downloaded is left out as ``"bad shard"`` (None)."""
         files, cache = self._remote.files, self._remote.cache
         ahead: dict = {}
         window = cache.max_downloads   # shards pinned ahead: within the budget
@@ -297,121 +257,6 @@ class TarShardSource(Source):
                 self.reject(f.url, "bad shard", str(e))
             finally:
                 cache.unpin(f.url)
-
-    # -- indexing ----------------------------------------------------------------------------
-    def _members(self, path: str, raw, local: str):
-        """The regular-file members of one shard (named ``path``, read from ``local``), in order;
-        what the shard's end or a bad header cuts off is recorded as a ``"truncated shard"`` /
-        ``"corrupt shard"`` entry."""
-        if not os.path.isfile(local):
-            raise SourceError(f"tar source: {path} is not a file")
-        size = os.fstat(raw.fileno()).st_size
-        magic = raw.read(6)
-        if size == 0:
-            self.reject(path, "truncated shard", "zero-byte shard")
-            return
-        if magic.startswith(COMPRESSED_MAGIC):
-            raise SourceError(f"tar source: {path} is compressed; random access needs plain, "
-                              "uncompressed .tar shards")
-        try:
-            tf = tarfile.open(local, mode="r:")
-        except tarfile.ReadError as e:
-            if size < tarfile.BLOCKSIZE:
-                self.reject(path, "truncated shard", f"{size} bytes: cut inside the first header")
-                return
-            raise SourceError(f"tar source: {path} is not an uncompressed tar ({e}); "
-                              "random access needs plain .tar shards") from e
-        with tf:
-            error = None
-            try:
-                for m in tf:
-                    if m.issym() or m.islnk():
-                        self.reject(f"{path}:{m.name}", "link member, not followed")
-                        continue
-                    if m.isfile():
-                        yield Member(m.name, m.offset_data, m.size, m.offset_data + m.size > size)
-                    elif not m.isdir() and split_member(m.name)[0] is not None:
-                        self.reject(f"{path}:{m.name}", "not a regular file")   # a FIFO or device entry
-            except tarfile.ReadError as e:   # the shard ends inside a member's data
-                error = str(e)
-            end = tf.offset
-        if error is not None:
-            self._cut = True   # the shard's last group may have lost members
-            self.reject(path, "truncated shard", f"{error}: the shard ends at byte {size}, inside a member's "
-                        "data; members after it are lost")
-            return
-        raw.seek(end)
-        block = raw.read(tarfile.BLOCKSIZE)
-        if not block:
-            self._cut = True   # the shard's last group may have lost members
-            self.reject(path, "truncated shard", f"no end-of-archive marker after byte {end}: the shard "
-                        "was cut at a block boundary; members after it are lost")
-        elif len(block) < tarfile.BLOCKSIZE:
-            self._cut = True   # the shard's last group may have lost members
-            self.reject(path, "truncated shard", f"cut inside a header at byte {end} (shard size {size}); "
-                        "members after it are lost")
-        elif block.count(0) != tarfile.BLOCKSIZE:
-            self._cut = True   # the shard's last group may have lost members
-            self.reject(path, "corrupt shard", f"unreadable header at byte {end}; members after it are not "
-                        "indexed")
-        else:
-            while True:   # the end marker and padding: zeros to the end, unless an archive was appended
-                chunk = raw.read(1 << 20)
-                if not chunk:
-                    break
-                if chunk.count(0) != len(chunk):
-                    self.reject(path, "corrupt shard", f"data after the end-of-archive marker at byte {end} (an "
-                                "archive appended to this one?); members there are not indexed")
-                    break
-
-    def _samples(self, path: str, raw, g: dict, cut: bool = False):
-        """``(image member, label)`` of one key group (label -2: none); the rest is rejected.
-        ``cut``: the group is the last before a shard's damage, so an image without a label may
-        have lost it there (rejected as ``"truncated"``, never delivered unlabeled)."""
-        images, labels = g["image"], g["label"]
-        used: set[str] = set()
-        if not images:
-            self.reject(f"{path}:{g['first']}", "no image", "no image member has this key")
-            return
-        for qual, found in images.items():
-            if qual and "" in images and qual not in labels:
-                for m in found:
-                    self.reject(f"{path}:{m.name}", "extra image in sample",
-                                f"a second image field of the sample {images[''][0].name!r}")
-                continue
-            lab_q = qual if qual in labels else ""
-            labs = labels.get(lab_q, [])
-            used.add(lab_q)
-            if len(found) > 1 or len(labs) > 1:
-                names = [m.name for m in found] + [m.name for m in labs]
-                for m in found:
-                    self.reject(f"{path}:{m.name}", "duplicate key",
-                                f"{len(found)} image(s) and {len(labs)} label(s) share it: {names}")
-                continue
-            m = found[0]
-            if m.cut or (labs and labs[0].cut):
-                self.reject(f"{path}:{m.name}", "truncated", "the shard ends inside "
-                            + ("its data" if m.cut else f"its label {labs[0].name!r}"))
-                continue
-            if m.size == 0:
-                self.reject(f"{path}:{m.name}", "empty")
-                continue
-            if cut and not labs:
-                self.reject(f"{path}:{m.name}", "truncated", "the last sample before the shard's damage, "
-                            "without a label: its label member may be lost there")
-                continue
-            label = -2
-            if labs:
-                label = read_label(raw, labs[0])
-                if label is None:
-                    self.reject(f"{path}:{m.name}", "bad label",
-                                f"{labs[0].name!r} does not hold a non-negative integer below 2**63")
-                    continue
-            yield m, label
-        for qual, labs in labels.items():
-            if qual not in used and qual not in images:
-                for m in labs:
-                    self.reject(f"{path}:{m.name}", "no image", "a label without its image")
 
     @property
     def remote(self):

@@ -72,33 +72,63 @@ def save(path: Path, sig: list, meta: dict, arrays: dict, indexed_ns: int) -> bo
     (:data:`RACY_NS`). ``meta``: ``labeled``, ``other``, ``rejected``; ``arrays``: the :data:`_ARRAYS`."""
     if sig is None or sig[3] >= indexed_ns - RACY_NS:
         return False
+    write(path, dict(meta, sig=sig), arrays)
+    return True
+
+
+def write(path: Path, head: dict, arrays: dict) -> None:
+    """Write an index file atomically: ``head`` (JSON-able; the format and feedgpu's version are
+    added) and the :data:`_ARRAYS` of ``arrays``."""
     from .._version import __version__
 
     arrs = [np.ascontiguousarray(arrays[name]) for name in _ARRAYS]
     arrs = [a.astype(a.dtype.newbyteorder("<")) if a.dtype.str not in _DTYPES else a for a in arrs]
-    header = dict(meta, format=INDEX_FORMAT, feedgpu=__version__, sig=sig,
+    header = dict(head, format=INDEX_FORMAT, feedgpu=__version__,
                   arrays=[[name, a.dtype.str, int(len(a))] for name, a in zip(_ARRAYS, arrs)])
     write_index_file(path, _MAGIC, json.dumps(header).encode("utf-8", "surrogateescape"), [a.data for a in arrs])
-    return True
 
 
-def load(path: Path, sig: list | None) -> tuple[dict, dict] | None:
+class Unusable(ValueError):
+    """An index file that cannot be used: unreadable, corrupt, truncated, or of another format or
+    feedgpu version (the message says which)."""
+
+
+def load(path: Path, sig: list | None, warn=None) -> tuple[dict, dict] | None:
     """``(meta, arrays)`` of a saved shard index that is whole, of this feedgpu version and made
     from the shard as it is now (``sig``: :func:`shard_sig`); else None, with a warning when the
-    file is corrupt or of another version (none when it is missing or the shard changed)."""
-    from .._version import __version__
-
+    file is corrupt or of another version (none when it is missing or the shard changed).
+    ``warn``: called with the warning's text instead of :func:`warnings.warn`."""
     if sig is None:
         return None
+    try:
+        header, arrays = read(path)
+    except FileNotFoundError:
+        return None
+    except Unusable as e:
+        text = f"feedgpu: ignored the saved tar index {path}: {e}; indexing the shard afresh"
+        if warn is None:
+            warnings.warn(text, stacklevel=4)
+        else:
+            warn(text)
+        return None
+    if header.get("sig") != sig:
+        return None
+    return header, arrays
+
+
+def read(path: Path) -> tuple[dict, dict]:
+    """``(header, arrays)`` of an index file. Raises :class:`FileNotFoundError` when there is
+    none, :class:`Unusable` when it cannot be read, is corrupt or truncated (its checksum), or
+    is of another format or feedgpu version."""
+    from .._version import __version__
+
     try:
         with open(path, "rb") as f:
             data = f.read()
     except FileNotFoundError:
-        return None
+        raise
     except OSError as e:
-        warnings.warn(f"feedgpu: cannot read the saved tar index {path} ({e}); indexing the shard afresh",
-                      stacklevel=4)
-        return None
+        raise Unusable(f"cannot read it ({e})") from None
     try:
         if not data.startswith(_MAGIC):
             raise ValueError("not a feedgpu tar index")
@@ -110,10 +140,8 @@ def load(path: Path, sig: list | None) -> tuple[dict, dict] | None:
             raise ValueError("checksum mismatch (corrupt or truncated)")
         header = json.loads(bytes(body[:n_head]).decode("utf-8", "surrogateescape"))
         if header.get("format") != INDEX_FORMAT or header.get("feedgpu") != __version__:
-            warnings.warn(f"feedgpu: ignored the saved tar index {path}: written by feedgpu "
-                          f"{header.get('feedgpu')!r} ({header.get('format')!r}), this is {__version__} "
-                          f"({INDEX_FORMAT}); indexing the shard afresh", stacklevel=4)
-            return None
+            raise Unusable(f"written by feedgpu {header.get('feedgpu')!r} ({header.get('format')!r}), this is "
+                           f"{__version__} ({INDEX_FORMAT})")
         arrays, pos = {}, n_head
         for name, (got, dt, n) in zip(_ARRAYS, header["arrays"], strict=True):
             if got != name or dt not in _DTYPES:
@@ -122,11 +150,10 @@ def load(path: Path, sig: list | None) -> tuple[dict, dict] | None:
             pos += n * np.dtype(dt).itemsize
         if pos != len(body):
             raise ValueError("length mismatch")
-    except (ValueError, KeyError, TypeError, struct.error, UnicodeError) as e:
-        warnings.warn(f"feedgpu: ignored the saved tar index {path}: {e}; indexing the shard afresh", stacklevel=4)
-        return None
-    if header.get("sig") != sig:
-        return None
+    except Unusable:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError, struct.error, UnicodeError) as e:
+        raise Unusable(str(e)) from None
     return header, arrays
 
 

@@ -13,7 +13,7 @@ plain when:
   header-like block inside a member's data is taken for a header), the data of each within the
   shard, and only zero bytes (at least one block) after the last member;
 * every member is ``<key>.<ext>`` with an unqualified image extension or label field (``jpg``,
-  ``cls``, ...: :data:`~feedgpu.sources.tar.IMAGE_SUFFIXES`, ``LABEL_SUFFIXES``, any case) and
+  ``cls``, ...: :data:`~feedgpu.sources.tar_members.IMAGE_SUFFIXES`, ``LABEL_SUFFIXES``, any case) and
   each key has exactly one image and one label, the image non-empty and the label 1 to 18 ASCII
   digits (no blanks).
 
@@ -35,12 +35,12 @@ _MAX_LABEL_DIGITS = 18   # below 2**63 whatever the digits
 _NUMERIC = ((100, 8), (108, 8), (116, 8), (124, 12), (136, 12), (148, 8), (329, 8), (337, 8))
 
 
-def _octal_fields(rows: np.ndarray, start: int, width: int) -> np.ndarray | None:
-    """One numeric field per header as :mod:`tarfile` reads it (``tarfile.nti``), or None when
-    one cannot be read or is base-256. The usual forms (``width - 1`` or ``width - 2`` octal
-    digits, then NULs or blanks) are read with numpy, any other through ``nti`` itself, once per
-    distinct value."""
-    f = rows[:, start:start + width]
+def _octal_fields(f: np.ndarray) -> np.ndarray | None:
+    """One numeric field per header (``f``: its bytes, one row a header) as :mod:`tarfile` reads
+    it (``tarfile.nti``), or None when one cannot be read or is base-256. The usual forms
+    (``width - 1`` or ``width - 2`` octal digits, then NULs or blanks) are read with numpy, any
+    other through ``nti`` itself, once per distinct value."""
+    width = f.shape[1]
     if (f == f[0]).all():                                 # one value in every header (mode, uid, mtime...)
         import tarfile
 
@@ -53,11 +53,17 @@ def _octal_fields(rows: np.ndarray, start: int, width: int) -> np.ndarray | None
     pad = (f == 0) | (f == 32)
     value = np.zeros(len(f), np.int64)
     done = np.zeros(len(f), bool)
+    digits = f.astype(np.int64) - 48
     for k in (width - 1, width - 2):
+        if done.all():
+            break
         form = octal[:, :k].all(axis=1) & pad[:, k:].all(axis=1) & ~done
         if form.any():
-            powers = np.int64(8) ** np.arange(k - 1, -1, -1, dtype=np.int64)
-            value[form] = (f[form, :k].astype(np.int64) - 48) @ powers
+            v = np.zeros(len(f), np.int64)
+            for j in range(k):                            # Horner, column by column (rows not of the form are dropped)
+                v *= 8
+                v += digits[:, j]
+            value = np.where(form, v, value)
             done |= form
     if not done.all():
         import tarfile
@@ -108,13 +114,17 @@ def _scan(data: np.ndarray, size: int, image_fields, label_fields) -> dict | Non
         return None
     if np.any(rows[:, 345:500]):                          # a ustar name prefix
         return None
+    numeric = {100: np.ascontiguousarray(rows[:, 100:157]), 329: np.ascontiguousarray(rows[:, 329:345])}
     values = {}
     for start, width in _NUMERIC:
-        value = _octal_fields(rows, start, width)
+        base = 100 if start < 329 else 329
+        value = _octal_fields(numeric[base][:, start - base:start - base + width])
         if value is None:
             return None
         values[start] = value
-    summed = rows.sum(axis=1, dtype=np.int64) - rows[:, 148:156].sum(axis=1, dtype=np.int64) + 8 * 32
+    # a header's bytes sum to at most 512 * 255: uint32 holds it (and sums faster than int64)
+    summed = rows.sum(axis=1, dtype=np.uint32).astype(np.int64) \
+        - numeric[100][:, 48:56].sum(axis=1, dtype=np.int64) + 8 * 32
     if not np.array_equal(summed, values[148]):
         return None
     sizes = values[124]
@@ -124,10 +134,10 @@ def _scan(data: np.ndarray, size: int, image_fields, label_fields) -> dict | Non
     end = int(nxt[-1]) * _BLOCK
     if end + _BLOCK > size or np.any(data[end:]):
         return None
-    nul = rows[:, :_NAME] == 0
+    nul = np.ascontiguousarray(rows[:, :_NAME]) == 0
     lens = np.where(nul.any(axis=1), nul.argmax(axis=1), _NAME)
     width_n = int(lens.max())
-    names = rows[:, :width_n]                             # the names' bytes, no column past the longest
+    names = np.ascontiguousarray(rows[:, :width_n])       # the names' bytes, no column past the longest
     cols = np.arange(width_n)
     inside = cols < lens[:, None]
     if np.any(names[inside] >= 128) or np.any(lens == 0):
@@ -152,9 +162,9 @@ def _scan(data: np.ndarray, size: int, image_fields, label_fields) -> dict | Non
     field[np.arange(width) >= field_len[:, None]] = 0
     upper = (field >= ord("A")) & (field <= ord("Z"))
     field[upper] += 32
-    field = field.view(f"S{width}").ravel()
-    is_image = np.isin(field, np.array([e.encode() for e in image_fields], dtype=f"S{width}"))
-    is_label = np.isin(field, np.array([e.encode() for e in label_fields], dtype=f"S{width}"))
+    field = field.view("<u8").ravel()                    # the lower-cased field, NUL-padded, as one integer
+    is_image = np.isin(field, _codes(image_fields))
+    is_label = np.isin(field, _codes(label_fields))
     if not np.all(is_image | is_label):
         return None
     keys = names.copy()
@@ -179,16 +189,24 @@ def _scan(data: np.ndarray, size: int, image_fields, label_fields) -> dict | Non
     if np.any(lab_size < 1) or np.any(lab_size > _MAX_LABEL_DIGITS):
         return None
     lab_at = (cand[lab] + 1) * _BLOCK
-    digits = data[np.minimum(lab_at[:, None] + np.arange(_MAX_LABEL_DIGITS), size - 1)].astype(np.int64)
-    used = np.arange(_MAX_LABEL_DIGITS) < lab_size[:, None]
+    longest = int(lab_size.max())
+    digits = data[np.minimum(lab_at[:, None] + np.arange(longest), size - 1)]
+    used = np.arange(longest) < lab_size[:, None]
     if not np.all(~used | ((digits >= 48) & (digits <= 57))):
         return None
-    power = np.where(used, lab_size[:, None] - 1 - np.arange(_MAX_LABEL_DIGITS), 0)
-    labels = (np.where(used, digits - 48, 0) * (np.int64(10) ** power)).sum(axis=1)
+    labels = np.zeros(len(lab), np.int64)
+    for j in range(longest):                              # Horner over the digit columns
+        labels = np.where(used[:, j], labels * 10 + (digits[:, j].astype(np.int64) - 48), labels)
     img_names = names[img]
     blob = img_names[cols < lens[img][:, None]]
     return {"blob": np.ascontiguousarray(blob, dtype=np.uint8), "lens": narrow(lens[img]),
             "offsets": narrow((cand[img] + 1) * _BLOCK), "sizes": narrow(sizes[img]), "labels": labels}
+
+
+def _codes(fields) -> np.ndarray:
+    """Field names of up to 8 bytes as the little-endian integers of their NUL-padded bytes."""
+    return np.array([int.from_bytes(f.encode().ljust(8, b"\0"), "little") for f in fields if len(f.encode()) <= 8],
+                    dtype=np.uint64)
 
 
 def narrow(a: np.ndarray) -> np.ndarray:

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import feedgpu
-from feedgpu.sources import tar as tar_mod
-from feedgpu.sources import tar_index
-from feedgpu.sources.tar import IMAGE_SUFFIXES, LABEL_SUFFIXES, TarShardSource
+from feedgpu.sources import tar_index, tar_local
+from feedgpu.sources.tar import TarShardSource
+from feedgpu.sources.tar_members import IMAGE_SUFFIXES, LABEL_SUFFIXES
 from feedgpu.sources.tar_scan import scan_plain
 
 CASES = Path(__file__).resolve().parents[2].parent / "shared" / "cases" / "images"
@@ -42,17 +42,17 @@ def pairs(n: int, prefix: str = "s", payload=lambda i: bytes([255, 216]) + bytes
     return out
 
 
-def index_of(path, monkeypatch=None, slow: bool = False, **kw):
-    """(members, offsets, sizes, labels, rejected) of a source, through tarfile when ``slow``."""
-    if slow:
-        monkeypatch.setattr(tar_mod, "scan_plain", lambda *a: None)
-    try:
+def index_of(path, monkeypatch=None, slow: bool = False, tables: bool = False, **kw):
+    """(members, offsets, sizes, labels, rejected, identity) of a source, through tarfile when
+    ``slow``; member tables beside the shards are used only with ``tables``."""
+    with pytest.MonkeyPatch.context() as mp:
+        if slow:
+            mp.setattr(tar_local, "scan_plain", lambda *a: None)
+        if not tables:
+            mp.setattr(tar_local, "load_table", lambda p: (None, None, False))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             src = TarShardSource(path, index_dir=False, **kw)
-    finally:
-        if slow:
-            monkeypatch.undo()
     return ([src.members[i] for i in range(len(src))], src.offsets.tolist(), src.sizes.tolist(),
             src.labels.tolist(), sorted(src.rejected), src.identity())
 
