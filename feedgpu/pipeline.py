@@ -248,6 +248,8 @@ class Pipeline:
                 spec.pop("label_column", None)
             if fmt != "folder":
                 spec.pop("stat_files", None)
+            if fmt == "parquet" and spec.pop("index_dir") is not None:
+                raise ConfigError("source.index_dir applies to folder and tar sources (a parquet source keeps no index)")
             self._source = open_source(fmt, path, **spec)
         elif not isinstance(self._source, Source):
             self._source = DatasetSource(self._source)

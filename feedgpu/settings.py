@@ -138,6 +138,9 @@ class SourceSettings:
             (default ``"image"``) and the labels (default ``"label"``; None: no labels).
         stat_files (bool): folder only: stat each image file while indexing (default True;
             False: list the folders only; zero-byte files are then counted as "empty" when read).
+        index_dir (str | bool | None): folder and tar only: where the saved index lives (default
+            None: feedgpu's cache dir; False: neither read nor write one; see
+            :class:`~feedgpu.sources.FolderSource`).
         cache_dir (str | None), cache_budget (int > 0 | str | None), storage_options (dict | None):
             tar and parquet sources read from URLs (s3://, gs://, http(s)://, file://, or an index
             file): the node-local shard cache's folder and disk budget (``"200GiB"``), and options
@@ -152,6 +155,7 @@ class SourceSettings:
     image_column: str = "image"
     label_column: Union[str, None] = "label"
     stat_files: bool = True
+    index_dir: Union[str, bool, None] = None
     cache_dir: Union[str, None] = None
     cache_budget: Union[Annotated[int, Field(gt=0, strict=True)], str, None] = None
     storage_options: Union[dict, None] = None

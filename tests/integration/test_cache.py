@@ -1206,7 +1206,7 @@ def test_cli_build_default_root_and_compression(folder_ds, tmp_path, monkeypatch
     res = cli("cache", "clear", entry.name, "--yes")
     assert res.exit_code == 0 and "deleted 1 entry" in res.output
     res = cli("cache", "build", "--pipeline", CACHED_YAML, "--data", folder_ds, "--compression", "lz4")
-    assert res.exit_code == 2 and "cache compression 'lz4'" in res.stderr and "Traceback" not in res.output
+    assert res.exit_code == 2 and "cache.compression: got 'lz4'" in res.stderr and "Traceback" not in res.output
 
 
 def test_cli_build_quarantines_bad_files(bad_ds, tmp_path):
