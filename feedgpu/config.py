@@ -2,8 +2,9 @@
 
 The ``stages`` entries are checked against the stages registered at the time
 (:func:`feedgpu.stages.registry.stage_classes`: built-in and third-party alike), each with the
-schema its class declares in its constructor (:func:`feedgpu.stages.params.param_model`); this
-module restates none of them.
+schema its class declares in its constructor (:func:`feedgpu.stages.params.param_model`); the
+other sections are the settings classes of :mod:`feedgpu.settings`. This module restates none of
+their keys, defaults or bounds.
 
 Files are read with ``yaml.safe_load`` (plain data only). Errors name the key as a path
 (``stages[1].scale``) and, where the set is finite, the allowed keys or values.
@@ -16,119 +17,31 @@ import os
 from typing import Annotated, Any, ClassVar, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 from .errors import ConfigError
+from .settings import (CacheSection, EngineSettings, ExecutorSettings, LoaderSettings, OutputSettings,
+                       SourceSettings)
+from .settings_base import UNKNOWN_KEY, merge_branches, message, nested
 from .stages.params import param_model
 from .stages.registry import stage_classes
 
 
-class _Strict(BaseModel):
+class _PipelineBase(BaseModel):
+    """The pipeline sections, each one settings class of :mod:`feedgpu.settings` (which holds
+    their defaults and bounds); :func:`pipeline_model` adds ``stages`` for a set of stage
+    classes."""
+
     model_config = ConfigDict(extra="forbid")
-
-
-class SourceCfg(_Strict):
-    format: Literal["folder", "tar", "parquet"]
-    path: Union[str, list[str], None] = None
-    image_column: str = "image"
-    label_column: Union[str, None] = "label"
-    #: folder only: stat each image file while indexing (False: list the folders only; zero-byte
-    #: files are then counted as "empty" when read; see FolderSource)
-    stat_files: bool = True
-    #: tar and parquet sources read from URLs (s3://, gs://, http(s)://, file://, or an index
-    #: file): the node-local shard cache's folder and disk budget ("200GiB"), and options passed
-    #: to the store's fsspec filesystem (credentials come the store's standard way, never here)
-    cache_dir: Union[str, None] = None
-    cache_budget: Union[Annotated[int, Field(gt=0, strict=True)], str, None] = None
-    storage_options: Union[dict, None] = None
-
-
-class LoaderCfg(_Strict):
-    batch_size: Annotated[int, Field(gt=0)] = 256
-    #: true, false or "shards" (about shard_window shards open at a time: feedgpu.shard_order)
-    shuffle: Union[bool, Literal["shards"]] = True
-    shard_window: Annotated[int, Field(ge=1, strict=True)] = 8
-    drop_last: bool = False
-    num_workers: Union[Literal["auto"], Annotated[int, Field(ge=0)]] = "auto"
-    prefetch_factor: Annotated[int, Field(gt=0)] = 2
-    persistent_workers: bool = True
-    seed: int = 0
-    on_error: Literal["skip", "raise"] = "skip"
-    #: share of the epoch in [0, 1] (float), a count (int) or null: see feedgpu.skips
-    max_skipped: Union[Annotated[int, Field(ge=0, strict=True)], Annotated[float, Field(ge=0, le=1, strict=True)], None] = 0.01
-    timeout: Annotated[float, Field(ge=0)] = 0.0
-    #: bytes (or "2GiB") each worker may hold, or "auto": see feedgpu.exec.memory_budget
-    worker_memory: Union[Annotated[int, Field(ge=1 << 20, strict=True)], str] = "auto"
-
-    @field_validator("worker_memory")
-    @classmethod
-    def _worker_memory(cls, v):
-        from .exec.memory_budget import parse_worker_memory
-
-        try:
-            parse_worker_memory(v)
-        except ConfigError as e:
-            raise ValueError(str(e)) from None
-        return v
-
-
-class OutputCfg(_Strict):
-    device: Annotated[str, Field(pattern=r"^(auto|cpu|cuda(:\d+)?)$")] = "auto"
-    dtype: Literal["float32", "float16", "uint8"] = "float32"
-    layout: Literal["NCHW", "NHWC"] = "NCHW"
-
-
-class EngineCfg(_Strict):
-    name: Literal["python", "dali"] = "python"
-    device: Literal["auto", "cpu", "gpu"] = "auto"
-    threads: Union[Annotated[int, Field(gt=0)], None] = None
-    hw_decoder_load: Annotated[float, Field(ge=0, le=1)] = 0.75
-    window_decode: bool = True
-
-
-class ExecutorCfg(_Strict):
-    name: Literal["local", "ray"] = "local"
-    address: Union[str, None] = None
-    remote_workers: Union[Annotated[int, Field(ge=0)], None] = None
-    max_remote_workers: Annotated[int, Field(ge=0)] = 4
-    cpus_per_worker: Annotated[float, Field(gt=0)] = 1.0
-    max_local_workers: Union[Annotated[int, Field(ge=1)], None] = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _from_name(cls, v):
-        return {"name": v} if isinstance(v, str) else v  # `executor: ray` is `executor: {name: ray}`
-
-
-class CacheCfg(_Strict):
-    enabled: bool = False
-    dir: Union[str, None] = None
-    compression: Annotated[str, Field(pattern=r"^(none|zstd(:([1-9]|1[0-9]|2[0-2]))?)$")] = "none"
-    max_size: Union[Annotated[int, Field(gt=0)], str, None] = None
-
-    @field_validator("max_size")
-    @classmethod
-    def _size(cls, v):
-        from .cache.settings import parse_size
-
-        try:
-            parse_size(v)
-        except ConfigError as e:
-            raise ValueError(str(e)) from None
-        return v
-
-
-class _PipelineBase(_Strict):
-    """The pipeline sections; :func:`pipeline_model` adds ``stages`` for a set of stage classes."""
 
     version: Literal[1] = 1
     name: str = "pipeline"
-    source: SourceCfg
-    loader: LoaderCfg = LoaderCfg()
-    output: OutputCfg = OutputCfg()
-    cache: CacheCfg = CacheCfg()
-    engine: EngineCfg = EngineCfg()
-    executor: ExecutorCfg = ExecutorCfg()
+    source: SourceSettings
+    loader: LoaderSettings = Field(default_factory=LoaderSettings)
+    output: OutputSettings = Field(default_factory=OutputSettings)
+    cache: CacheSection = Field(default_factory=CacheSection)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    executor: ExecutorSettings = Field(default_factory=ExecutorSettings)
 
     #: {op: param model}, set on each model :func:`pipeline_model` makes
     stage_models: ClassVar[dict[str, type[BaseModel]]] = {}
@@ -167,8 +80,9 @@ def pipeline_model(classes: dict[str, type] | None = None) -> type[_PipelineBase
     return _pipeline_model(tuple(sorted(classes.items())))
 
 
-def _model_at(loc: tuple, root: type[_PipelineBase]) -> type[BaseModel] | None:
-    """The config model a validation error location points into (for listing allowed keys)."""
+def _model_at(loc: tuple, root: type[_PipelineBase]) -> Any:
+    """The config model or settings class a validation error location points into (for listing
+    allowed keys)."""
     model: Any = root
     i = 0
     while i < len(loc):
@@ -178,15 +92,10 @@ def _model_at(loc: tuple, root: type[_PipelineBase]) -> type[BaseModel] | None:
                 model, i = root.stage_models[loc[i + 2]], i + 3
                 continue
             return None
-        field = getattr(model, "model_fields", {}).get(key)
-        if field is None:
+        inner = nested(model, key)
+        if inner is None:
             return model
-        ann = field.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            model = ann
-            i += 1
-            continue
-        return model
+        model, i = inner, i + 1
     return model
 
 
@@ -207,63 +116,24 @@ def _path(loc: tuple, stage_ops) -> str:
     return out or "(top level)"
 
 
-_BRANCHES = {"int", "float", "str", "bool", "none", "list", "dict", "tuple"}
-
-
-def _is_branch(seg) -> bool:
-    """A location segment naming a branch of a union type (``literal['auto']``, ``constrained-int``),
-    not a key of the user's file."""
-    return isinstance(seg, str) and (seg in _BRANCHES or any(c in seg for c in "[]-'(") and not seg.startswith("_"))
-
-
-def _merge_branches(errors: list[dict]) -> list[dict]:
-    """One error per key for a value that matches no branch of a union: the branches' messages
-    joined with "or", the branch names dropped from the location."""
-    out: list[dict] = []
-    seen: dict[tuple, dict] = {}
-    for e in errors:
-        loc = tuple(e["loc"])
-        plain = tuple(s for s in loc if not _is_branch(s))
-        if plain == loc:
-            out.append(e)
-            continue
-        msg = e["msg"].removeprefix("Value error, ")
-        if plain in seen:
-            seen[plain]["msg"] += f", or {msg[0].lower() + msg[1:]}"
-            continue
-        merged = dict(e, loc=plain, msg=msg, type="union")
-        seen[plain] = merged
-        out.append(merged)
-    return out
-
-
 def format_errors(err: ValidationError, where: str, root: type[_PipelineBase] | None = None) -> str:
     """One line per problem: the key path (``stages[1] (random_resized_crop).scale``) and what
     is wrong, with the allowed keys or values where the set is finite."""
     root = root or pipeline_model()
     lines = [f"{where}: invalid pipeline definition"]
-    for e in _merge_branches(err.errors()):
+    for e in merge_branches(err.errors()):
         loc = tuple(e["loc"])
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            model = _model_at(loc[:-1], root)
-            allowed = sorted(model.model_fields) if model is not None else []
-            msg = f"unknown key {loc[-1]!r}; allowed keys: {', '.join(allowed)}"
-        elif e["type"] == "union_tag_invalid" and loc[:1] == ("stages",):
+        if e["type"] == "union_tag_invalid" and loc[:1] == ("stages",):
             ops = ", ".join(repr(op) for op in root.stage_models)
             msg = (f"unknown op {e['ctx']['tag']!r}; allowed ops: {ops} (other packages add stages through the "
                    "'feedgpu.stages' entry point: see feedgpu stages)")
         elif e["type"] == "union_tag_not_found" and loc[:1] == ("stages",):
             msg = "a stage needs an 'op' key naming the stage: see feedgpu stages"
-        elif e["type"] == "missing":
-            msg = "required key is missing"
-        elif e["type"] == "string_pattern_mismatch" and loc == ("output", "device"):
-            msg = f"got {e['input']!r}; allowed: auto, cpu, cuda, cuda:N"
-        elif e["type"] == "string_pattern_mismatch" and loc == ("cache", "compression"):
-            msg = f"got {e['input']!r}; allowed: none, zstd, zstd:1 ... zstd:22"
-        elif "input" in e and not isinstance(e["input"], (dict, list)):
-            msg = f"{msg} (got {e['input']!r})"
-        lines.append(f"  {_path(loc, root.stage_models)}: {msg}")
+        else:
+            msg = message(e, _model_at(loc[:-1], root) if e["type"] in UNKNOWN_KEY else None)
+        path = _path(loc, root.stage_models)
+        # a check across a section's keys names them itself ("executor.address and ...")
+        lines.append(f"  {msg}" if len(loc) == 1 and msg.startswith(f"{path}.") else f"  {path}: {msg}")
     return "\n".join(lines)
 
 

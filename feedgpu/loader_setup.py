@@ -2,6 +2,7 @@
 pipeline's, and the hand-over of an ``IterableDataset`` to :mod:`feedgpu.exec.iterable`."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import torch.utils.data as tud
@@ -11,7 +12,6 @@ from .errors import ConfigError
 from .exec.engines import EngineSettings
 from .exec.executors import ExecutorSettings, check_executor
 from .pipeline import resolve_device
-from .skips import check_max_skipped
 
 #: an argument not given (``None`` means something for several of them)
 _UNSET: Any = object()
@@ -64,20 +64,16 @@ def resolve_settings(self, dataset, p, collate_fn, device, on_error, cache, engi
         if collate_fn is not None:
             raise ConfigError("collate_fn cannot be used with a feedgpu Pipeline: batches are assembled in "
                               "shared memory by the stages; end the pipeline with a batch stage instead")
-        self._on_error = on_error or p.on_error
-        self._max_skipped = check_max_skipped(p.max_skipped if max_skipped is _UNSET else max_skipped)
+        # the loader's overrides of the pipeline's settings, validated by the settings classes
+        over = {} if on_error is None else {"on_error": on_error}
+        if max_skipped is not _UNSET:
+            over["max_skipped"] = max_skipped
+        loader = dataclasses.replace(p.loader, **over) if over else p.loader
+        self._on_error, self._max_skipped = loader.on_error, loader.max_skipped
         self._device = resolve_device(device or p.device)
         self._cache_settings = p.cache if cache is None else CacheSettings.make(cache)
-        if engine is not None:
-            import copy
-
-            p = self.pipeline = copy.copy(p)
-            p.engine = EngineSettings.make(engine)
-            if p.engine.name == "dali":
-                from .exec.dali_graph import check_dali_plan
-                from .exec.plan import make_plan
-
-                check_dali_plan(make_plan(p.stages, "cpu"))
+        if engine is not None:  # the pipeline the loader runs: this engine (and executor, checked together)
+            p = self.pipeline = p.replace(engine=engine, **({} if executor is None else {"executor": executor}))
         self._engine = p.engine
         self._executor = p.executor if executor is None else ExecutorSettings.make(executor)
         if self._engine.name == "dali" and self._cache_settings is not None:

@@ -1,22 +1,23 @@
 """A pipeline: a source, its stages, and how to batch and deliver them."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
 from . import config as cfg
 from .errors import ConfigError
 from .exec.autoscale import fixed_workers
-from .exec.memory_budget import parse_worker_memory
 from .exec.plan import Plan, make_plan
-from .cache.settings import CacheSettings
-from .exec.engines import EngineSettings
-from .exec.executors import ExecutorSettings, check_executor
-from .skips import DEFAULT_MAX_SKIPPED, check_max_skipped
+from .exec.executors import check_executor
+from .settings import (CacheSettings, EngineSettings, ExecutorSettings, LoaderSettings, OutputSettings,
+                       SourceSettings)
+from .settings_base import field_names
 from .sources import DatasetSource, Source, open_source
 from .stages import Normalize, Stage, stage_classes
 
-ON_ERROR = ("skip", "raise")
+#: the keyword arguments of :class:`Pipeline` that are fields of its :class:`LoaderSettings`
+LOADER_KEYS = tuple(field_names(LoaderSettings))
 
 
 def resolve_device(device: str) -> str:
@@ -28,79 +29,124 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def _section(cls, value, key: str):
+    """``value`` (None, an instance of ``cls`` or a mapping of its fields) as a ``cls``."""
+    if value is None or isinstance(value, cls):
+        return value
+    if isinstance(value, dict):
+        return cls(**value)
+    raise ConfigError(f"{key}: expected {cls.__name__} or a mapping of its keys, got {value!r}")
+
+
+def _loader(loader, given: dict) -> LoaderSettings:
+    """The loader settings from ``loader=`` and the loader keywords ``given``."""
+    loader = _section(LoaderSettings, loader, "loader")
+    if loader is None:
+        return LoaderSettings(**given)
+    clash = [f"{k}={v!r} (loader.{k} is {getattr(loader, k)!r})" for k, v in given.items() if v != getattr(loader, k)]
+    if clash:
+        raise ConfigError(f"Pipeline: {', '.join(clash)}: give each setting once, as a keyword or in loader=")
+    return loader
+
+
+def _output(output, device, stages) -> OutputSettings:
+    """The output settings from ``output=``, ``device=`` and what the stages make: the fields a
+    stage takes from the output section (normalize's dtype and layout), else uint8 NHWC."""
+    made = {"dtype": "uint8", "layout": "NHWC"}
+    for s in stages:
+        made.update({k: getattr(s, k) for k in getattr(type(s), "from_output", ())})
+    output = _section(OutputSettings, output, "output")
+    if output is None:
+        return OutputSettings(device="auto" if device is None else device, **made)
+    if device is not None and device != output.device:
+        raise ConfigError(f"Pipeline: device={device!r} (output.device is {output.device!r}): give each setting "
+                          "once, as a keyword or in output=")
+    wrong = [f"output.{k} is {getattr(output, k)!r} but the stages make {v!r}" for k, v in made.items()
+             if getattr(output, k) != v]
+    if wrong:
+        raise ConfigError(f"Pipeline: {'; '.join(wrong)} (the dtype and layout come from a normalize stage; "
+                          "without one batches are uint8 NHWC)")
+    return output
+
+
+class _Setting:
+    """A read-only attribute of a :class:`Pipeline` read from one of its settings objects."""
+
+    def __init__(self, section: str):
+        self.section = section
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.key = name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        return getattr(getattr(obj, self.section), self.key)
+
+
 class Pipeline:
-    """Source + stages + batching settings; what :class:`feedgpu.DataLoader` runs.
+    """Source + stages + settings; what :class:`feedgpu.DataLoader` runs.
 
     Args:
-        source: a :class:`~feedgpu.sources.Source`, a map-style torch Dataset, or a mapping
-            ``{"format": "folder"|"tar"|"parquet", "path": ..., ...}`` opened on first use.
+        source: a :class:`~feedgpu.sources.Source`, a map-style torch Dataset, or
+            :class:`~feedgpu.settings.SourceSettings` (or a mapping of its keys,
+            ``{"format": "folder"|"tar"|"parquet", "path": ..., ...}``), opened on first use.
         stages: stage objects in order, starting with :class:`~feedgpu.stages.Decode`.
-        batch_size: samples per batch (default 256).
-        shuffle: reshuffle every epoch (default True); ``"shards"``: reshuffle with about
-            ``shard_window`` shards open at a time (:mod:`feedgpu.shard_order`; for shards
-            fetched from the network), then :attr:`shuffle` is True.
-        shard_window: shards open at a time with ``shuffle="shards"`` (int >= 1, default 8;
-            ignored otherwise); :attr:`shard_window` is None without ``shuffle="shards"``.
-        drop_last: drop each epoch's incomplete tail (default False; see :mod:`feedgpu.sampling`).
-        num_workers: worker processes, 0 to run in the main process, or ``"auto"`` (default):
-            the throughput balancer sizes the pool while it runs (see :class:`~feedgpu.DataLoader`).
-        prefetch_factor: batches in flight per worker (default 2).
-        persistent_workers: keep worker processes between epochs (default True: a new worker
-            pays its page faults on the shared batch buffers again, at every epoch).
-        seed: base seed of shuffling and random stages (default 0).
-        on_error: ``"skip"`` bad samples (counted, named, replaced) or ``"raise"`` them.
-        max_skipped: skip budget per epoch and rank: a share in ``[0, 1]`` of the epoch's samples
-            (default ``0.01``), an int count, or ``None`` (no limit); see :mod:`feedgpu.skips`.
-        timeout: seconds to wait for a batch before :class:`LoaderTimeout` (0: forever).
-        worker_memory: bytes each worker may hold (its own memory and its batches in flight),
-            an int or a size such as ``"2GiB"``; ``"auto"`` (default): a share of the memory
-            available divided by the workers. It sizes the source's read cache and caps the
-            prefetch depth and the balancer's pool (see :mod:`feedgpu.exec.memory_budget`).
-            Raises :class:`ConfigError` when it is not a size.
-        device: where batches are delivered: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"auto"``.
+        loader: :class:`~feedgpu.settings.LoaderSettings` (or a mapping of its keys): batch size,
+            shuffle, workers, prefetch, seed, skip budget, worker memory ... (defaults and bounds
+            there).
+        output: :class:`~feedgpu.settings.OutputSettings`: ``device``, and the ``dtype`` and
+            ``layout`` the stages make (default: those of the stages, on ``device="auto"``).
         cache: cache the output of the leading deterministic stages (decode, resize ...) on local
             disk: ``None``/``False`` (off, default), ``True``, a directory, a mapping
             ``{dir, compression, max_size}`` or :class:`~feedgpu.cache.CacheSettings`.
-        engine: ``"python"`` (default), ``"dali"`` or a mapping ``{name, device, threads,
-            hw_decoder_load, window_decode}`` (see :class:`~feedgpu.exec.engines.EngineSettings`).
-        executor: ``"local"`` (default: worker processes on this machine), ``"ray"`` or a mapping
-            ``{name, address, remote_workers, max_remote_workers, cpus_per_worker,
-            max_local_workers}``: also run the stages on a Ray cluster (see
-            :class:`~feedgpu.exec.executors.ExecutorSettings`).
+        engine: ``"python"`` (default), ``"dali"``, a mapping or
+            :class:`~feedgpu.exec.engines.EngineSettings`.
+        executor: ``"local"`` (default: worker processes on this machine), ``"ray"``, a mapping or
+            :class:`~feedgpu.exec.executors.ExecutorSettings`: also run the stages on a Ray
+            cluster.
         name: label in reports.
+        definition: the YAML definition it was made from (set by :meth:`from_config`).
+        device: where batches are delivered (``output.device``): ``"cpu"``, ``"cuda"``,
+            ``"cuda:N"`` or ``"auto"``.
+        **loader_keys: the fields of :class:`~feedgpu.settings.LoaderSettings` as keywords
+            (``batch_size=64, num_workers=0``), when ``loader`` is not given.
 
-    Raises :class:`ConfigError` for invalid settings.
+    The settings are read back as attributes (``pipeline.batch_size``, ``.seed``, ``.device``,
+    ``.cache``, ``.engine``, ...; ``shuffle`` is a bool, ``shard_window`` None unless
+    ``shuffle="shards"``). A pipeline is not changed after it is made: :meth:`replace` makes
+    another one.
+
+    Raises :class:`ConfigError` for invalid settings (naming the key, ``loader.batch_size: ...``),
+    and for a keyword that contradicts a settings object given with it; ``TypeError`` for an
+    unknown keyword.
     """
 
-    def __init__(self, source: Any, stages: list[Stage], *, batch_size: int = 256, shuffle: bool | str = True,
-                 shard_window: int = 8, drop_last: bool = False, num_workers: int | str = "auto",
-                 prefetch_factor: int = 2, persistent_workers: bool = True, seed: int = 0,
-                 on_error: str = "skip", timeout: float = 0.0, device: str = "auto", cache=None, engine=None,
-                 executor=None, name: str = "pipeline", definition: dict | None = None, max_skipped=DEFAULT_MAX_SKIPPED,
-                 worker_memory="auto"):
-        if on_error not in ON_ERROR:
-            raise ConfigError(f"on_error {on_error!r} is not one of {list(ON_ERROR)}")
-        if num_workers != "auto" and (isinstance(num_workers, bool) or not isinstance(num_workers, int)
-                                      or num_workers < 0):
-            raise ConfigError(f"num_workers must be an int >= 0 or 'auto', got {num_workers!r}")
-        if batch_size < 1 or prefetch_factor < 1:
-            raise ConfigError("batch_size and prefetch_factor must be >= 1")
-        if isinstance(shuffle, str) and shuffle != "shards":
-            raise ConfigError(f"shuffle must be True, False or 'shards', got {shuffle!r}")
-        if shuffle == "shards" and (isinstance(shard_window, bool) or not isinstance(shard_window, int)
-                                    or shard_window < 1):
-            raise ConfigError(f"shard_window must be an int >= 1, got {shard_window!r}")
-        self._source = source
+    batch_size = _Setting("loader")
+    drop_last = _Setting("loader")
+    num_workers = _Setting("loader")
+    prefetch_factor = _Setting("loader")
+    persistent_workers = _Setting("loader")
+    seed = _Setting("loader")
+    on_error = _Setting("loader")
+    max_skipped = _Setting("loader")
+    timeout = _Setting("loader")
+    worker_memory = _Setting("loader")
+    device = _Setting("output")
+
+    def __init__(self, source: Any, stages: list[Stage], *, loader: LoaderSettings | dict | None = None,
+                 output: OutputSettings | dict | None = None, cache=None, engine=None, executor=None,
+                 name: str = "pipeline", definition: dict | None = None, device: str | None = None, **loader_keys):
+        unknown = sorted(set(loader_keys) - set(LOADER_KEYS))
+        if unknown:
+            raise TypeError(f"Pipeline() got unexpected keyword arguments {unknown}; the loader's keys are "
+                            f"{', '.join(LOADER_KEYS)}")
+        self._source = SourceSettings(**source) if isinstance(source, dict) else source
+        self._source_settings = self._source if isinstance(self._source, SourceSettings) else None
         self.stages = list(stages)
-        self.batch_size, self.shuffle, self.drop_last = int(batch_size), bool(shuffle), bool(drop_last)
-        self.shard_window = int(shard_window) if shuffle == "shards" else None
-        self.num_workers, self.prefetch_factor = num_workers, int(prefetch_factor)
-        self.persistent_workers = bool(persistent_workers)
-        self.seed, self.on_error, self.timeout = int(seed), on_error, float(timeout)
-        self.max_skipped = check_max_skipped(max_skipped)
-        parse_worker_memory(worker_memory)   # a ConfigError now, not at the first batch
-        self.worker_memory = worker_memory
-        self.device, self.name, self.definition = device, name, definition
+        self.loader = _loader(loader, loader_keys)
+        self.output = _output(output, device, self.stages)
+        self.name, self.definition = name, definition
         self.cache = CacheSettings.make(cache)
         self.engine = EngineSettings.make(engine)
         self.executor = ExecutorSettings.make(executor)
@@ -110,6 +156,51 @@ class Pipeline:
             from .exec.dali_graph import check_dali_plan
 
             check_dali_plan(plan)  # e.g. a python stage: refused here, not at the first batch
+
+    @property
+    def shuffle(self) -> bool:
+        """Whether each epoch is reshuffled (``loader.shuffle`` True or ``"shards"``)."""
+        return bool(self.loader.shuffle)
+
+    @property
+    def shard_window(self) -> int | None:
+        """Shards open at a time with ``shuffle="shards"``, else None."""
+        return self.loader.shard_window if self.loader.shuffle == "shards" else None
+
+    @property
+    def source_settings(self) -> SourceSettings | None:
+        """The source's settings when it was given as settings or a mapping (None for a source
+        object or a torch Dataset)."""
+        return self._source_settings
+
+    def replace(self, **changes) -> "Pipeline":
+        """A new pipeline with ``changes`` (this one is not changed; the opened source and the
+        stages are shared): a section as the constructor takes it (``engine="dali"``,
+        ``cache=False``, ``loader=LoaderSettings(...)``), ``stages``, ``source``, ``name``, or
+        fields of the loader and output settings (``batch_size=64``, ``device="cpu"``), which
+        replace those fields (``dataclasses.replace``). Validated as the constructor validates:
+        raises :class:`ConfigError` naming the key."""
+        loader_keys = {k: changes.pop(k) for k in list(changes) if k in LOADER_KEYS}
+        loader = _section(LoaderSettings, changes.pop("loader", self.loader), "loader")
+        if loader_keys:
+            loader = dataclasses.replace(loader, **loader_keys)
+        device = changes.pop("device", None)
+        output = _section(OutputSettings, changes.pop("output", None if "stages" in changes else self.output),
+                          "output")
+        if output is not None and device is not None:
+            output, device = dataclasses.replace(output, device=device), None
+        elif output is None and device is None:
+            device = self.output.device   # new stages: their dtype and layout, on this device
+        kw = dict(source=self._source, stages=self.stages, cache=self.cache, engine=self.engine,
+                  executor=self.executor, name=self.name, definition=self.definition)
+        unknown = sorted(set(changes) - set(kw))
+        if unknown:
+            raise TypeError(f"Pipeline.replace() got unexpected keyword arguments {unknown}")
+        kw.update(changes)
+        new = type(self)(loader=loader, output=output, device=device, **kw)
+        if "source" not in changes:  # the same source, maybe opened already
+            new._source_settings = self._source_settings
+        return new
 
     # -- construction from YAML -------------------------------------------------------------
     @classmethod
@@ -124,36 +215,29 @@ class Pipeline:
     def from_config(cls, data: dict, where: str = "pipeline") -> "Pipeline":
         classes = stage_classes()
         c = cfg.validate(data, where, classes)
+        output_keys = field_names(OutputSettings)
         stages: list[Stage] = []
         for i, s in enumerate(c.stages):
             stage_cls = classes[s.op]
             params = s.model_dump(exclude={"op"})
             for key in stage_cls.from_output:
-                if key not in type(c.output).model_fields:
+                if key not in output_keys:
                     raise ConfigError(f"{where}: stages[{i}] ({s.op}): the stage takes {key!r} from the output "
-                                      f"section, which has no such key (it has {', '.join(type(c.output).model_fields)})")
+                                      f"section, which has no such key (it has {', '.join(output_keys)})")
                 params[key] = getattr(c.output, key)
             try:
                 stages.append(stage_cls(**params))
             except (ConfigError, ValueError, TypeError) as e:
                 raise ConfigError(f"{where}: stages[{i}] ({s.op}): {e}") from None
-        src = c.source.model_dump()
-        cache = c.cache.model_dump() if c.cache.enabled else None
-        return cls(src, stages, batch_size=c.loader.batch_size, shuffle=c.loader.shuffle,
-                   shard_window=c.loader.shard_window, drop_last=c.loader.drop_last, num_workers=c.loader.num_workers,
-                   prefetch_factor=c.loader.prefetch_factor, persistent_workers=c.loader.persistent_workers,
-                   seed=c.loader.seed, on_error=c.loader.on_error, max_skipped=c.loader.max_skipped,
-                   timeout=c.loader.timeout, worker_memory=c.loader.worker_memory, device=c.output.device, cache=cache,
-                   engine=c.engine.model_dump(), name=c.name,
-                   executor=c.executor.model_dump(),
-                   definition=c.model_dump())
+        return cls(c.source, stages, loader=c.loader, output=c.output, cache=c.cache.settings(), engine=c.engine,
+                   executor=c.executor, name=c.name, definition=c.model_dump(mode="json"))
 
     # -- source ---------------------------------------------------------------------------
     @property
     def source(self) -> Source:
-        """The opened source (opened on first access when given as a mapping)."""
-        if isinstance(self._source, dict):
-            spec = dict(self._source)
+        """The opened source (opened on first access when given as settings or a mapping)."""
+        if isinstance(self._source, SourceSettings):
+            spec = dataclasses.asdict(self._source)
             fmt, path = spec.pop("format"), spec.pop("path", None)
             if path is None:
                 raise ConfigError("source.path is not set; pass --data PATH to feedgpu bench / pipeline explain, "
@@ -164,6 +248,8 @@ class Pipeline:
                 spec.pop("label_column", None)
             if fmt != "folder":
                 spec.pop("stat_files", None)
+            if fmt == "parquet" and spec.pop("index_dir") is not None:
+                raise ConfigError("source.index_dir applies to folder and tar sources (a parquet source keeps no index)")
             self._source = open_source(fmt, path, **spec)
         elif not isinstance(self._source, Source):
             self._source = DatasetSource(self._source)
@@ -171,8 +257,8 @@ class Pipeline:
 
     def source_label(self) -> str:
         s = self._source
-        if isinstance(s, dict):
-            return f"{s['format']} at {s.get('path') or '(path not set)'}"
+        if isinstance(s, SourceSettings):
+            return f"{s.format} at {s.path or '(path not set)'}"
         return s.describe() if isinstance(s, Source) else f"torch Dataset {type(s).__name__}"
 
     # -- planning ---------------------------------------------------------------------------

@@ -205,11 +205,6 @@ def why_idle(p, file: str, path: str, *, model: str | None, consumer_rate: float
 
 
 def _with_engine(pipeline, name: str):
-    """A shallow copy of ``pipeline`` running on engine ``name`` (for checking its plan)."""
-    import copy
-
-    from ..exec.engines import EngineSettings
-
-    q = copy.copy(pipeline)
-    q.engine = EngineSettings.make({"name": name, "device": "cpu"})
-    return q
+    """``pipeline`` running on engine ``name`` (for checking its plan): raises
+    :class:`ConfigError` when that engine cannot run its stages."""
+    return pipeline.replace(engine={"name": name, "device": "cpu"})

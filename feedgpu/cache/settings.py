@@ -3,12 +3,17 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Union
+
+from pydantic import Field, field_validator
 
 from ..errors import ConfigError
+from ..settings_base import settings_class
 
 CODECS = ("none", "zstd")
+#: the compressions :func:`parse_compression` accepts, for messages
+ALLOWED_COMPRESSION = "none, zstd, zstd:1 ... zstd:22"
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -23,24 +28,30 @@ def parse_size(value: int | str | None) -> int | None:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def parse_compression(value: str) -> tuple[str, int]:
-    """``"zstd:3"`` -> ``("zstd", 3)``; ``"zstd"`` -> level 1; ``"none"`` -> ``("none", 0)``.
-    zstd levels 1-22 are accepted. Raises :class:`ConfigError`."""
+def _compression(value) -> tuple[str, int] | str:
+    """``(codec, level)``, or what is wrong with ``value``."""
     codec, _, level = str(value).partition(":")
     codec = codec.strip().lower()
     if codec not in CODECS:
-        raise ConfigError(f"cache compression {value!r}: codec must be one of {list(CODECS)}")
+        return f"codec must be one of {list(CODECS)}"
     if codec == "none":
-        if level:
-            raise ConfigError(f"cache compression {value!r}: 'none' takes no level")
-        return "none", 0
+        return "'none' takes no level" if level else ("none", 0)
     try:
         lvl = int(level) if level else 1
     except ValueError:
-        raise ConfigError(f"cache compression {value!r}: the level must be an integer") from None
+        return "the level must be an integer"
     if not 1 <= lvl <= 22:
-        raise ConfigError(f"cache compression {value!r}: zstd level must be in 1..22")
+        return "zstd level must be in 1..22"
     return codec, lvl
+
+
+def parse_compression(value: str) -> tuple[str, int]:
+    """``"zstd:3"`` -> ``("zstd", 3)``; ``"zstd"`` -> level 1; ``"none"`` -> ``("none", 0)``.
+    zstd levels 1-22 are accepted (the codec case-insensitively). Raises :class:`ConfigError`."""
+    parsed = _compression(value)
+    if isinstance(parsed, str):
+        raise ConfigError(f"cache compression {value!r}: {parsed}")
+    return parsed
 
 
 def default_cache_root() -> Path:
@@ -49,43 +60,89 @@ def default_cache_root() -> Path:
     return default_cache_dir() / "cache"
 
 
-@dataclass(frozen=True)
+@settings_class("cache")
 class CacheSettings:
-    """Args:
-        dir: cache root (default ``<user cache dir>/feedgpu/cache``, or ``$FEEDGPU_CACHE_DIR/cache``).
-        compression: ``"none"`` (raw pixels with an xxh3-64 per sample) or ``"zstd:N"`` (per
-            sample, with zstd's frame checksum). Default ``"none"``: the fastest to fill and to
-            read (``bench/results/cache_epochs_uint8.md``); ``"zstd:1"`` stores about 2/3 of the
-            bytes (``bench/results/cache_formats.md``) at several times the CPU per sample.
-        max_size: size budget of the whole cache root (``"20GiB"``); least recently used
-            entries of other pipelines are evicted first; ``None``: no limit.
-        part_bytes: target size of one part file (default 64 MiB).
+    """Where the pixel cache lives, how it is compressed and how large it may grow.
+
+    Args:
+        dir (Path): cache root; default (``None``) ``<user cache dir>/feedgpu/cache``, or
+            ``$FEEDGPU_CACHE_DIR/cache``, read when the settings are made; ``~`` is expanded.
+        compression (str): ``"none"`` (default: raw pixels with an xxh3-64 per sample) or
+            ``"zstd"``/``"zstd:N"``, N in 1..22 (default level 1; per sample, with zstd's frame
+            checksum). ``"none"`` is the fastest to fill and to read
+            (``bench/results/cache_epochs_uint8.md``); ``"zstd:1"`` stores about 2/3 of the bytes
+            (``bench/results/cache_formats.md``) at several times the CPU per sample.
+        max_size (int | None): size budget of the whole cache root in bytes (> 0; a size string
+            such as ``"20GiB"`` is converted); least recently used entries of other pipelines are
+            evicted first; ``None`` (default): no limit.
+        part_bytes (int): target size of one part file in bytes (> 0, or a size string; default
+            64 MiB).
+
+    Raises :class:`ConfigError` naming the key (``cache.compression: ...``) for a bad value or
+    an unknown key. :attr:`codec` is the parsed compression.
     """
 
-    dir: Path
+    dir: Annotated[Path, Field(validate_default=True)] = None  # type: ignore[assignment]  # None: the default root
     compression: str = "none"
-    max_size: int | None = None
-    part_bytes: int = 64 << 20
+    max_size: Union[Annotated[int, Field(gt=0)], None] = None
+    part_bytes: Annotated[int, Field(gt=0)] = 64 << 20
+
+    @field_validator("dir", mode="before")
+    @classmethod
+    def _dir(cls, v):
+        return default_cache_root() if v is None or v == "" else Path(v).expanduser()
+
+    @field_validator("compression", mode="plain")
+    @classmethod
+    def _compression(cls, v):
+        parsed = _compression(v) if isinstance(v, str) else "expected a string"
+        if isinstance(parsed, str):
+            raise ValueError(f"got {v!r}; allowed: {ALLOWED_COMPRESSION} ({parsed})")
+        return v
+
+    @field_validator("max_size", "part_bytes", mode="before")
+    @classmethod
+    def _size(cls, v):
+        if isinstance(v, bool):
+            raise ValueError(f"expected bytes (int) or a size such as 20GiB, got {v!r}")
+        try:
+            return parse_size(v)
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
+
+    @property
+    def codec(self) -> tuple[str, int]:
+        """The compression as ``(codec, level)`` (see :func:`parse_compression`)."""
+        return parse_compression(self.compression)
 
     @classmethod
     def make(cls, value) -> "CacheSettings | None":
-        """From ``None``/``False`` (off), ``True`` (defaults), a path, a mapping or settings."""
+        """From ``None``/``False`` (off), ``True`` (defaults), a path, a mapping of the fields
+        (with ``enabled``: off when false, as in YAML) or settings.
+
+        Raises :class:`ConfigError` for another type or a bad field."""
         if value is None or value is False:
             return None
         if isinstance(value, CacheSettings):
-            return value
+            return value.settings() if isinstance(value, CacheSection) else value
         if value is True:
             value = {}
         if isinstance(value, (str, os.PathLike)):
             value = {"dir": value}
         if not isinstance(value, dict):
             raise ConfigError(f"cache: expected True, a directory or a mapping, got {value!r}")
-        d = dict(value)
-        d.pop("enabled", None)
-        unknown = set(d) - {"dir", "compression", "max_size", "part_bytes"}
-        if unknown:
-            raise ConfigError(f"cache: unknown keys {sorted(unknown)}; allowed: compression, dir, max_size, part_bytes")
-        root = Path(d["dir"]).expanduser() if d.get("dir") else default_cache_root()
-        compression = d.get("compression") or cls.compression
-        parse_compression(compression)
-        return cls(root, compression, parse_size(d.get("max_size")), parse_size(d.get("part_bytes")) or 64 << 20)
+        return CacheSection(**{"enabled": True, **value}).settings()
+
+
+@settings_class("cache")
+class CacheSection(CacheSettings):
+    """The YAML ``cache:`` section: :class:`CacheSettings` and ``enabled`` (bool, default False:
+    no cache)."""
+
+    enabled: bool = False
+
+    def settings(self) -> CacheSettings | None:
+        """The cache's settings, or None when it is not enabled."""
+        if not self.enabled:
+            return None
+        return CacheSettings(self.dir, self.compression, self.max_size, self.part_bytes)

@@ -1,6 +1,7 @@
 """``feedgpu cache build|verify|info|clear`` and ``feedgpu convert``."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -69,10 +70,9 @@ def build_cmd(pipeline_file, data, cache_dir, compression, workers, sets) -> Non
     if data:
         overrides["source.path"] = data
     p = Pipeline.from_yaml(pipeline_file, **overrides)
-    base = p.cache or CacheSettings.make(True)
-    settings = CacheSettings(Path(cache_dir) if cache_dir else base.dir, compression or base.compression,
-                             base.max_size, base.part_bytes)
-    CacheSettings.make({"dir": settings.dir, "compression": settings.compression})  # validates
+    base = p.cache or CacheSettings()
+    settings = dataclasses.replace(base, dir=Path(cache_dir) if cache_dir else base.dir,
+                                   compression=compression or base.compression)  # validates
     plan = p.plan("cpu")
     entry = open_entry(settings, p.source, p.stages, plan)
     if entry is None:

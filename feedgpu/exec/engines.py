@@ -1,52 +1,52 @@
 """Which engine runs a pipeline's stages: the Python process pool or NVIDIA DALI."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Annotated, Literal, Union
 
-from ..errors import ConfigError
-from .section import section_fields
+from pydantic import Field, model_validator
+
+from ..settings_base import from_value, settings_class
 
 ENGINES = ("python", "dali")
 DEVICES = ("auto", "cpu", "gpu")
 
 
-@dataclass(frozen=True)
+@settings_class("engine")
 class EngineSettings:
-    """Args:
-        name: ``"python"`` (worker processes, Pillow-SIMD; default) or ``"dali"``.
-        device: for DALI, ``"cpu"`` (``device_id=None``), ``"gpu"`` or ``"auto"`` (gpu when torch
-            sees CUDA).
-        threads: DALI threads (default: the loader's ``num_workers``, at least 1).
-        hw_decoder_load: DALI GPU only, share of JPEGs for the hardware decoder (default 0.75).
-        window_decode: DALI only: when the first stage after decode resizes a window (random
-            resized crop, resize + center crop), decode only that window of upright JPEGs
+    """The ``engine:`` section (a name alone, ``engine: dali``, is ``{name: dali}``).
+
+    Args:
+        name (str): ``"python"`` (worker processes, Pillow-SIMD; default) or ``"dali"``.
+        device (str): for DALI, ``"cpu"`` (``device_id=None``), ``"gpu"`` or ``"auto"`` (default:
+            gpu when torch sees CUDA and the batches go there).
+        threads (int | None): DALI threads, >= 1 (default None: the loader's ``num_workers``, at
+            least 1).
+        hw_decoder_load (float): DALI GPU only, share of JPEGs for the hardware decoder, in
+            [0, 1] (default 0.75).
+        window_decode (bool): DALI only: when the first stage after decode resizes a window
+            (random resized crop, resize + center crop), decode only that window of upright JPEGs
             (crop-on-decode; default True). Pixels stay within 1 level of decoding whole images.
+
+    Raises :class:`~feedgpu.errors.ConfigError` naming the key (``engine.hw_decoder_load: ...``)
+    for a bad value or an unknown key.
     """
 
-    name: str = "python"
-    device: str = "auto"
-    threads: int | None = None
-    hw_decoder_load: float = 0.75
+    name: Literal[ENGINES] = "python"  # type: ignore[valid-type]
+    device: Literal[DEVICES] = "auto"  # type: ignore[valid-type]
+    threads: Union[Annotated[int, Field(gt=0)], None] = None
+    hw_decoder_load: Annotated[float, Field(ge=0, le=1)] = 0.75
     window_decode: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_name(cls, v):
+        return {"name": v} if isinstance(v, str) else v  # `engine: dali` is `engine: {name: dali}`
 
     @classmethod
     def make(cls, value) -> "EngineSettings":
-        if value is None:
-            return cls()
-        if isinstance(value, EngineSettings):
-            return value
-        value = section_fields(value, "engine", "'python', 'dali'",
-                               ("device", "hw_decoder_load", "name", "threads", "window_decode"))
-        s = cls(**value)
-        if s.name not in ENGINES:
-            raise ConfigError(f"engine.name {s.name!r} is not one of {list(ENGINES)}")
-        if s.device not in DEVICES:
-            raise ConfigError(f"engine.device {s.device!r} is not one of {list(DEVICES)}")
-        if not 0.0 <= s.hw_decoder_load <= 1.0:
-            raise ConfigError(f"engine.hw_decoder_load must be in [0, 1], got {s.hw_decoder_load}")
-        if s.threads is not None and s.threads < 1:
-            raise ConfigError(f"engine.threads must be >= 1, got {s.threads}")
-        return s
+        """From ``None`` (defaults), a name (``"python"``, ``"dali"``), a mapping of the fields,
+        or an instance. Raises :class:`~feedgpu.errors.ConfigError`."""
+        return from_value(cls, value, "'python', 'dali'")
 
     def dali_device(self, output_device: str | None = None) -> str:
         """``"cpu"`` or ``"gpu"``. ``"auto"`` is the GPU when torch sees CUDA and the batches are

@@ -9,77 +9,73 @@ holds the pipeline's stages), and the batch arrays come back through Ray's objec
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Annotated, Literal, Union
+
+from pydantic import Field, model_validator
 
 from ..errors import ConfigError
-from .section import section_fields
+from ..settings_base import from_value, settings_class
 
 EXECUTORS = ("local", "ray")
-_KEYS = ("address", "cpus_per_worker", "max_local_workers", "max_remote_workers", "name", "remote_workers")
 
 
-@dataclass(frozen=True)
+@settings_class("executor")
 class ExecutorSettings:
-    """Args:
-        name: ``"local"`` (default) or ``"ray"``.
-        address: the Ray cluster: ``None`` (default) uses the one this process already joined
-            with ``ray.init``, else ``ray.init()``'s default (``RAY_ADDRESS``, a cluster started
-            on this node with ``ray start``, or a new local one with one CPU per core);
-            ``"auto"`` joins the cluster started on this node with ``ray start``;
+    """The ``executor:`` section (a name alone, ``executor: ray``, is ``{name: ray}``).
+
+    Args:
+        name (str): ``"local"`` (default) or ``"ray"``.
+        address (str | None): the Ray cluster: ``None`` (default) uses the one this process
+            already joined with ``ray.init``, else ``ray.init()``'s default (``RAY_ADDRESS``, a
+            cluster started on this node with ``ray start``, or a new local one with one CPU per
+            core); ``"auto"`` joins the cluster started on this node with ``ray start``;
             ``"ray://HOST:10001"`` connects through Ray Client (``pip install "ray[client]"``;
-            not covered by feedgpu's tests); any other value (``HOST:PORT``)
+            not covered by feedgpu's tests); any other non-empty value (``HOST:PORT``)
             is passed to ``ray.init(address=...)``. Unreachable: :class:`ConfigError` at the
             first iteration.
-        remote_workers: remote workers (Ray actors, each ``cpus_per_worker`` CPUs) to start with.
-            Default: ``max_remote_workers`` when ``num_workers`` is fixed, 0 under
-            ``num_workers="auto"`` (the balancer adds them when the local pool is saturated and
-            the training loop still waits).
-        max_remote_workers: the most remote workers the balancer may use (default 4).
-        cpus_per_worker: Ray CPUs each remote worker reserves (default 1.0; stages are single
-            threaded).
-        max_local_workers: the most local worker processes the balancer may use (default: the
-            cores this process may run on). With a fixed ``num_workers`` that count is used; with
-            ``num_workers=0`` every batch runs on the cluster.
+        remote_workers (int | None): remote workers (Ray actors, each ``cpus_per_worker`` CPUs)
+            to start with, in [0, ``max_remote_workers``]. Default: ``max_remote_workers`` when
+            ``num_workers`` is fixed, 0 under ``num_workers="auto"`` (the balancer adds them when
+            the local pool is saturated and the training loop still waits).
+        max_remote_workers (int): the most remote workers the balancer may use (>= 0, default 4).
+        cpus_per_worker (float): Ray CPUs each remote worker reserves (> 0, default 1.0; stages
+            are single threaded).
+        max_local_workers (int | None): the most local worker processes the balancer may use
+            (>= 1; default None: the cores this process may run on). With a fixed
+            ``num_workers`` that count is used; with ``num_workers=0`` every batch runs on the
+            cluster.
+
+    ``address`` and ``remote_workers`` need ``name="ray"``. Raises
+    :class:`~feedgpu.errors.ConfigError` naming the key (``executor.remote_workers: ...``).
     """
 
-    name: str = "local"
-    address: str | None = None
-    remote_workers: int | None = None
-    max_remote_workers: int = 4
-    cpus_per_worker: float = 1.0
-    max_local_workers: int | None = None
+    name: Literal[EXECUTORS] = "local"  # type: ignore[valid-type]
+    address: Union[Annotated[str, Field(min_length=1)], None] = None
+    remote_workers: Union[Annotated[int, Field(ge=0, strict=True)], None] = None
+    max_remote_workers: Annotated[int, Field(ge=0, strict=True)] = 4
+    cpus_per_worker: Annotated[float, Field(gt=0)] = 1.0
+    max_local_workers: Union[Annotated[int, Field(ge=1, strict=True)], None] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_name(cls, v):
+        return {"name": v} if isinstance(v, str) else v  # `executor: ray` is `executor: {name: ray}`
+
+    @model_validator(mode="after")
+    def _combination(self):
+        if self.name == "local" and (self.address is not None or self.remote_workers):
+            raise ValueError("executor.address and executor.remote_workers need executor.name 'ray'")
+        if self.remote_workers is not None and self.remote_workers > self.max_remote_workers:
+            raise ValueError(f"executor.remote_workers must be an int in [0, max_remote_workers="
+                             f"{self.max_remote_workers}], got {self.remote_workers!r}")
+        return self
 
     @classmethod
     def make(cls, value) -> "ExecutorSettings":
         """From ``None``, a name (``"local"``, ``"ray"``), a mapping of the fields, or an instance.
 
         Raises :class:`ConfigError` naming the bad key or value."""
-        if value is None:
-            return cls()
-        if isinstance(value, ExecutorSettings):
-            return value
-        s = cls(**section_fields(value, "executor", "'local', 'ray'", _KEYS))
-        if s.name not in EXECUTORS:
-            raise ConfigError(f"executor.name {s.name!r} is not one of {list(EXECUTORS)}")
-        if s.address is not None and (not isinstance(s.address, str) or not s.address):
-            raise ConfigError(f"executor.address must be a non-empty string or null, got {s.address!r}")
-        if s.name == "local" and (s.address is not None or s.remote_workers):
-            raise ConfigError("executor.address and executor.remote_workers need executor.name 'ray'")
-        if isinstance(s.max_remote_workers, bool) or not isinstance(s.max_remote_workers, int) \
-                or s.max_remote_workers < 0:
-            raise ConfigError(f"executor.max_remote_workers must be an int >= 0, got {s.max_remote_workers!r}")
-        if s.remote_workers is not None and (isinstance(s.remote_workers, bool) or not isinstance(s.remote_workers, int)
-                                             or not 0 <= s.remote_workers <= s.max_remote_workers):
-            raise ConfigError(f"executor.remote_workers must be an int in [0, max_remote_workers="
-                              f"{s.max_remote_workers}], got {s.remote_workers!r}")
-        if not isinstance(s.cpus_per_worker, (int, float)) or isinstance(s.cpus_per_worker, bool) \
-                or not s.cpus_per_worker > 0:
-            raise ConfigError(f"executor.cpus_per_worker must be > 0, got {s.cpus_per_worker!r}")
-        if s.max_local_workers is not None and (isinstance(s.max_local_workers, bool)
-                                                or not isinstance(s.max_local_workers, int)
-                                                or s.max_local_workers < 1):
-            raise ConfigError(f"executor.max_local_workers must be an int >= 1 or null, got {s.max_local_workers!r}")
-        return s
+        return from_value(cls, value, "'local', 'ray'")
 
     @property
     def remote(self) -> bool:

@@ -10,6 +10,7 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ..errors import ConfigError
+from ..settings_base import UNKNOWN_KEY, settings_class
 
 Cols = Union[str, list[str]]
 Pos = Annotated[int, Field(gt=0)]
@@ -134,10 +135,22 @@ class FitCfg(_Strict):
     mode: Literal["auto", "load", "refit"] = "auto"
 
 
-class EngineCfg(_Strict):
+@settings_class("engine")
+class TableEngineSettings:
+    """The ``engine:`` section of a table pipeline.
+
+    Args:
+        name (str): ``"python"`` (default) or ``"dali"``.
+        threads (int | None): DALI threads, >= 1 (default None: one).
+        device (str): DALI only: ``"cpu"`` (its CPU operators; default) or ``"gpu"`` (main
+            process only).
+
+    Raises :class:`~feedgpu.errors.ConfigError` naming the key (``engine.name: ...``).
+    """
+
     name: Literal["python", "dali"] = "python"
     threads: Union[Pos, None] = None
-    device: Literal["cpu", "gpu"] = "cpu"   # dali only: its CPU operators or the GPU (main process only)
+    device: Literal["cpu", "gpu"] = "cpu"
 
 
 class LoaderCfg(_Strict):
@@ -157,7 +170,7 @@ class TablePipelineCfg(_Strict):
     features: list[FeatureCfg]
     outputs: OutputsCfg
     fit: FitCfg = FitCfg()
-    engine: EngineCfg = EngineCfg()
+    engine: TableEngineSettings = Field(default_factory=TableEngineSettings)
     loader: LoaderCfg = LoaderCfg()
 
 
@@ -182,7 +195,7 @@ def validate(data: dict, where: str = "pipeline") -> TablePipelineCfg:
         for e in err.errors():
             loc = tuple(e["loc"])
             msg = e["msg"].removeprefix("Value error, ")
-            if e["type"] == "extra_forbidden":
+            if e["type"] in UNKNOWN_KEY:
                 msg = f"unknown key {loc[-1]!r}"
             elif e["type"] == "missing":
                 msg = "required key is missing"

@@ -72,9 +72,7 @@ class TablePipeline:
         columns = cfg.source.columns if cfg.source.columns is not None else needed
         self.source = TableSource(res(cfg.source.path), columns, cfg.source.cache_bytes)
         self.read_columns = [c for c in needed if c in self.source.columns]
-        self.engine = cfg.engine.name
-        self.threads = cfg.engine.threads
-        self.device = cfg.engine.device
+        self.engine_settings = cfg.engine
         self.loader_cfg = cfg.loader
         spec_hash = digest({"source": self.source.identity(), "joins": [j.model_dump() for j in cfg.joins],
                             "features": [s["config"] for s in specs]})
@@ -267,18 +265,32 @@ class TablePipeline:
                        "stages": [s.config() for s in self.stages], "fit": self.fit_store.hash(),
                        "outputs": self.cfg.outputs.model_dump()})
 
-    def with_engine(self, name: str, threads: int | None = None, device: str | None = None) -> "TablePipeline":
-        """A shallow copy running on engine ``name`` (``"python"`` or ``"dali"``; DALI ``device``
-        ``"cpu"`` or ``"gpu"``). The stages (and their fit states) are shared with this one."""
-        import copy
+    @property
+    def engine(self) -> str:
+        """``"python"`` or ``"dali"`` (``engine_settings.name``)."""
+        return self.engine_settings.name
 
-        if name not in ("python", "dali"):
-            raise ConfigError(f"engine {name!r}: allowed python, dali")
-        if device not in (None, "cpu", "gpu"):
-            raise ConfigError(f"engine device {device!r}: allowed cpu, gpu")
-        p = copy.copy(self)
-        p.engine, p.threads = name, threads if threads is not None else self.threads
-        p.device = device or self.device
+    @property
+    def threads(self) -> int | None:
+        return self.engine_settings.threads
+
+    @property
+    def device(self) -> str:
+        """DALI's device, ``"cpu"`` or ``"gpu"``."""
+        return self.engine_settings.device
+
+    def with_engine(self, name: str, threads: int | None = None, device: str | None = None) -> "TablePipeline":
+        """A copy running on engine ``name`` (``"python"`` or ``"dali"``; DALI ``device``
+        ``"cpu"`` or ``"gpu"``; unset ones stay). The stages (and their fit states) are shared
+        with this one; the engine settings are replaced (``dataclasses.replace``, validated:
+        :class:`ConfigError` naming the key)."""
+        import copy
+        import dataclasses
+
+        engine = dataclasses.replace(self.engine_settings, name=name,
+                                     **{k: v for k, v in (("threads", threads), ("device", device)) if v is not None})
+        p = copy.copy(self)   # shares the fitted stages, which a new pipeline would fit again
+        p.engine_settings = engine
         return p
 
     def make_work(self, seed: int = 0):

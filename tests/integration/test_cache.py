@@ -1015,7 +1015,7 @@ def test_bad_compression_strings(value, msg, tmp_path):
     with pytest.raises(ConfigError, match=f"cache compression {value!r}") as e:
         parse_compression(value)
     assert msg in str(e.value)
-    with pytest.raises(ConfigError, match="cache compression"):
+    with pytest.raises(ConfigError, match="cache.compression: got "):
         CacheSettings.make({"dir": str(tmp_path), "compression": value or "zstd:99"})
 
 
@@ -1040,7 +1040,7 @@ def test_settings_from_values(tmp_path, monkeypatch):
     assert s.dir == tmp_path / "x"
     s = CacheSettings.make({"dir": str(tmp_path), "compression": "zstd:3", "max_size": "512MiB", "enabled": True})
     assert (s.compression, s.max_size) == ("zstd:3", 512 * 2**20)
-    with pytest.raises(ConfigError, match=r"unknown keys \['compresion'\]"):
+    with pytest.raises(ConfigError, match=r"cache.compresion: unknown key 'compresion'; allowed keys: compression, dir"):
         CacheSettings.make({"compresion": "zstd"})
     with pytest.raises(ConfigError, match="expected True, a directory or a mapping"):
         CacheSettings.make(3)
@@ -1206,7 +1206,7 @@ def test_cli_build_default_root_and_compression(folder_ds, tmp_path, monkeypatch
     res = cli("cache", "clear", entry.name, "--yes")
     assert res.exit_code == 0 and "deleted 1 entry" in res.output
     res = cli("cache", "build", "--pipeline", CACHED_YAML, "--data", folder_ds, "--compression", "lz4")
-    assert res.exit_code == 2 and "cache compression 'lz4'" in res.stderr and "Traceback" not in res.output
+    assert res.exit_code == 2 and "cache.compression: got 'lz4'" in res.stderr and "Traceback" not in res.output
 
 
 def test_cli_build_quarantines_bad_files(bad_ds, tmp_path):

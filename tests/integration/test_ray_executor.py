@@ -284,7 +284,7 @@ def test_executor_settings_errors(sources):
         DataLoader(train(s), executor="ray", cache=True)
     with pytest.raises(ConfigError, match="engine 'dali'"):
         Pipeline(s, [Decode(), ResizeCenterCrop(40, 32)], engine="dali", executor="ray")
-    with pytest.raises(ConfigError, match="executor.name 'spark'"):
+    with pytest.raises(ConfigError, match="executor.name: Input should be 'local' or 'ray' \\(got 'spark'\\)"):
         DataLoader(train(s), executor="spark")
 
 

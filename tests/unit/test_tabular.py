@@ -399,3 +399,23 @@ def test_row_group_cache_budget_and_single_rows(flights_sub):
     row = p[17]
     assert row["di"].dtype == np.int64 and row["dense"].shape == (0,)
     assert row["di"] == p.transform(np.arange(18))["di"][17]
+
+
+def test_with_engine_replaces_validated_engine_settings():
+    """The table pipeline's ``engine:`` is one frozen settings object; with_engine replaces it
+    (validated) on a copy that shares the fitted stages."""
+    import dataclasses
+
+    p = build(TABLES / "planes.parquet", [], categorical=["engines"])
+    d = p.with_engine("dali", threads=2)
+    assert (d.engine, d.threads, d.device) == ("dali", 2, "cpu") and d.stages is p.stages
+    assert (p.engine, p.threads) == ("python", None)   # unchanged
+    assert d.with_engine("dali", device="gpu").threads == 2   # unset ones stay
+    for bad, key in ((dict(name="tensorrt"), "engine.name"), (dict(name="dali", device="tpu"), "engine.device"),
+                     (dict(name="dali", threads=0), "engine.threads")):
+        with pytest.raises(ConfigError, match=f"{key}: "):
+            p.with_engine(**bad)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.engine_settings.name = "dali"
+    with pytest.raises(ConfigError, match=r"engine\.gpu: unknown key 'gpu'"):
+        TablePipeline.from_config(cfg(TABLES / "planes.parquet", [], categorical=["engines"], engine={"gpu": 1}))

@@ -1,0 +1,166 @@
+"""One settings object per section of a pipeline: defaults and bounds written once.
+
+Each class is frozen and validated when it is made (:mod:`feedgpu.settings_base`): a bad value
+raises :class:`~feedgpu.errors.ConfigError` naming the key, also from
+``dataclasses.replace(settings, field=value)``, which is how settings are changed. The YAML
+schema (:mod:`feedgpu.config`) is made of these classes, and :class:`~feedgpu.Pipeline` holds one
+of each:
+
+=============  ==========================================  =======================
+YAML section   class                                       ``Pipeline`` attribute
+=============  ==========================================  =======================
+``source``     :class:`SourceSettings`                     ``source_settings``
+``loader``     :class:`LoaderSettings`                     ``loader``
+``output``     :class:`OutputSettings`                     ``output``
+``cache``      :class:`~feedgpu.cache.CacheSettings`       ``cache`` (None: off)
+``engine``     :class:`~feedgpu.exec.engines.EngineSettings`     ``engine``
+``executor``   :class:`~feedgpu.exec.executors.ExecutorSettings` ``executor``
+=============  ==========================================  =======================
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import Field, field_validator
+
+from .cache.settings import CacheSection, CacheSettings
+from .errors import ConfigError
+from .exec.engines import EngineSettings
+from .exec.executors import ExecutorSettings
+from .exec.memory_budget import parse_worker_memory
+from .settings_base import defaults, settings_class
+from .skips import max_skipped_problem
+
+__all__ = ["CacheSection", "CacheSettings", "EngineSettings", "ExecutorSettings", "LoaderSettings", "OutputSettings",
+           "SECTIONS", "SourceSettings", "defaults"]
+
+
+@settings_class("loader")
+class LoaderSettings:
+    """The ``loader:`` section: how a pipeline's samples are batched and delivered.
+
+    Args:
+        batch_size (int): samples per batch, >= 1 (default 256).
+        shuffle (bool | "shards"): reshuffle every epoch (default True); ``"shards"``: reshuffle
+            with about ``shard_window`` shards open at a time (:mod:`feedgpu.shard_order`; for
+            shards fetched from the network).
+        shard_window (int): shards open at a time with ``shuffle="shards"``, >= 1 (default 8;
+            not used otherwise).
+        drop_last (bool): drop each epoch's incomplete tail (default False; see
+            :mod:`feedgpu.sampling`).
+        num_workers (int | "auto"): worker processes, >= 0 (0: in the main process), or
+            ``"auto"`` (default): the throughput balancer sizes the pool while it runs.
+        prefetch_factor (int): batches in flight per worker, >= 1 (default 2).
+        persistent_workers (bool): keep worker processes between epochs (default True: a new
+            worker pays its page faults on the shared batch buffers again, at every epoch).
+        seed (int): base seed of shuffling and random stages (default 0).
+        on_error ("skip" | "raise"): ``"skip"`` bad samples (counted, named, replaced; default)
+            or ``"raise"`` them.
+        max_skipped (float | int | None): skip budget per epoch and rank: a share in [0, 1] of
+            the epoch's samples (default 0.01), an int count >= 0, or None (no limit); booleans
+            are refused. See :mod:`feedgpu.skips`.
+        timeout (float): seconds to wait for a batch before :class:`~feedgpu.errors.LoaderTimeout`,
+            >= 0 (default 0: forever).
+        worker_memory (int | str): bytes each worker may hold (its own memory and its batches in
+            flight), an int >= 1 MiB or a size such as ``"2GiB"`` (kept as given); ``"auto"``
+            (default): a share of the memory available divided by the workers
+            (:mod:`feedgpu.exec.memory_budget`).
+
+    Raises :class:`~feedgpu.errors.ConfigError` naming the key (``loader.batch_size: ...``).
+    """
+
+    batch_size: Annotated[int, Field(gt=0)] = 256
+    shuffle: Union[bool, Literal["shards"]] = True
+    shard_window: Annotated[int, Field(ge=1, strict=True)] = 8
+    drop_last: bool = False
+    num_workers: Union[Literal["auto"], Annotated[int, Field(ge=0)]] = "auto"
+    prefetch_factor: Annotated[int, Field(gt=0)] = 2
+    persistent_workers: bool = True
+    seed: int = 0
+    on_error: Literal["skip", "raise"] = "skip"
+    max_skipped: Union[int, float, None] = 0.01
+    timeout: Annotated[float, Field(ge=0)] = 0.0
+    worker_memory: Union[int, str] = "auto"
+
+    @field_validator("num_workers", "batch_size", "prefetch_factor", mode="before")
+    @classmethod
+    def _no_bool(cls, v):
+        if isinstance(v, bool):  # True would read as 1
+            raise ValueError(f"expected an int, got {v!r}")
+        return v
+
+    @field_validator("max_skipped", mode="plain")
+    @classmethod
+    def _max_skipped(cls, v):
+        problem = max_skipped_problem(v)
+        if problem is not None:
+            raise ValueError(problem)
+        return v
+
+    @field_validator("worker_memory", mode="plain")
+    @classmethod
+    def _worker_memory(cls, v):
+        try:
+            parse_worker_memory(v)
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
+        return v
+
+
+@settings_class("output")
+class OutputSettings:
+    """The ``output:`` section: where and how batches are delivered.
+
+    Args:
+        device (str): ``"auto"`` (default: ``"cuda"`` when torch sees a GPU, else ``"cpu"``),
+            ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+        dtype (str): the images' dtype, ``"float32"`` (default), ``"float16"`` (both made by a
+            normalize stage, which takes it from here) or ``"uint8"`` (no normalize stage).
+        layout (str): ``"NCHW"`` (default) or ``"NHWC"``; uint8 output is NHWC.
+
+    Raises :class:`~feedgpu.errors.ConfigError` naming the key (``output.device: ...``).
+    """
+
+    device: Annotated[str, Field(pattern=r"^(auto|cpu|cuda(:\d+)?)$")] = "auto"
+    dtype: Literal["float32", "float16", "uint8"] = "float32"
+    layout: Literal["NCHW", "NHWC"] = "NCHW"
+
+
+@settings_class("source")
+class SourceSettings:
+    """The ``source:`` section: what the samples are read from (opened on first use).
+
+    Args:
+        format (str): ``"folder"``, ``"tar"`` or ``"parquet"`` (required).
+        path (str | list[str] | None): a folder, shard files or URLs, or an index file (default
+            None: to be given later, e.g. ``--data``).
+        image_column, label_column (str): parquet only: the columns holding the encoded images
+            (default ``"image"``) and the labels (default ``"label"``; None: no labels).
+        stat_files (bool): folder only: stat each image file while indexing (default True;
+            False: list the folders only; zero-byte files are then counted as "empty" when read).
+        index_dir (str | bool | None): folder and tar only: where the saved index lives (default
+            None: feedgpu's cache dir; False: neither read nor write one; see
+            :class:`~feedgpu.sources.FolderSource`).
+        cache_dir (str | None), cache_budget (int > 0 | str | None), storage_options (dict | None):
+            tar and parquet sources read from URLs (s3://, gs://, http(s)://, file://, or an index
+            file): the node-local shard cache's folder and disk budget (``"200GiB"``), and options
+            passed to the store's fsspec filesystem (credentials come the store's standard way,
+            never here). See :func:`feedgpu.sources.open_source`.
+
+    Raises :class:`~feedgpu.errors.ConfigError` naming the key (``source.format: ...``).
+    """
+
+    format: Literal["folder", "tar", "parquet"]
+    path: Union[str, list[str], None] = None
+    image_column: str = "image"
+    label_column: Union[str, None] = "label"
+    stat_files: bool = True
+    index_dir: Union[str, bool, None] = None
+    cache_dir: Union[str, None] = None
+    cache_budget: Union[Annotated[int, Field(gt=0, strict=True)], str, None] = None
+    storage_options: Union[dict, None] = None
+
+
+#: ``{YAML section: its settings class}`` (``cache``: the section with ``enabled``)
+SECTIONS = {"source": SourceSettings, "loader": LoaderSettings, "output": OutputSettings, "cache": CacheSection,
+            "engine": EngineSettings, "executor": ExecutorSettings}
