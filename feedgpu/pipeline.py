@@ -293,7 +293,7 @@ class Pipeline:
         dev = resolve_device(device or self.device)
         plan = self.plan(dev)
         cached = self.cache is not None and plan.cache_prefix > 0
-        rows = [("stage", "runs on", "deterministic", "output per sample")] + plan.describe(self.batch_size, cached)
+        rows = [("stage", "runs on", "deterministic", "output per sample")] + plan.describe(self.batch_size, self.cache if cached else False)
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         lines = [f"pipeline {self.name!r}: {self.source_label()}"]
         for k, r in enumerate(rows):

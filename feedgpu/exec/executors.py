@@ -41,7 +41,8 @@ class ExecutorSettings:
         cpus_per_worker (float): Ray CPUs each remote worker reserves (> 0, default 1.0; stages
             are single threaded).
         max_local_workers (int | None): the most local worker processes the balancer may use
-            (>= 1; default None: the cores this process may run on). With a fixed
+            (>= 1, taken as given even above the cores; default None: one more than the cores
+            this process may run on, see :func:`feedgpu.exec.autoscale.default_config`). With a fixed
             ``num_workers`` that count is used; with ``num_workers=0`` every batch runs on the
             cluster.
 
