@@ -251,3 +251,13 @@ def test_the_library_core_does_not_import_the_bench():
                    and not (m == "feedgpu.bench" or m.startswith(("feedgpu.bench.", "feedgpu.cli."))))
     assert not users, f"modules outside feedgpu/bench and feedgpu/cli import the bench: {users}"
     assert "feedgpu.bench.runner" in g["feedgpu.cli.bench"], "the bench command runs feedgpu.bench"
+
+
+def test_no_two_test_files_share_a_name():
+    """Test modules are imported by their file name (rootdir, no packages): two tiers holding
+    the same name stop the whole suite at collection."""
+    seen: dict[str, Path] = {}
+    for f in sorted((REPO / "tests").glob("*/test_*.py")):
+        assert f.name not in seen, f"{f.relative_to(REPO)} and {seen[f.name].relative_to(REPO)} share a name"
+        seen[f.name] = f
+    assert len(seen) > 20
