@@ -266,12 +266,8 @@ class Policy:
         t = self._trial
         if t is None or t.phase != "dst" or key != t.dst or t.kind not in ("remove", "prefetch-down"):
             return None
-        scored = [(k, r, r.rate * (1 - self._noise() / math.sqrt(r.n))) for k, r in self._records.items()
-                  if r.n >= c.measure_windows or k == t.src]
-        if not scored:
-            return None
-        best_key, best, top = max(scored, key=lambda x: x[2])
         noise = self._noise()
+        best_key, best, top = self._best(t.src, noise)
         bar = top * (1 - c.tolerance)
         if top <= 0 or m.delivered_rate >= bar * (1 - c.confidence * noise * math.sqrt(1 + 1 / best.n)):
             return None
@@ -352,10 +348,7 @@ class Policy:
             ok = margin > 0
             return ok, margin, se, (f"{_fmt_rate(b.rate)} vs {_fmt_rate(a.rate)}, {gain:+.1%}: "
                                     + ("more" if ok else "not more") + f" than {_pct(tol)} faster")
-        # the best measured, each mean lowered by one standard error: the highest of several
-        # noisy means is biased up, and a lucky window must not set the bar
-        best_key, best, top = max(((k, r, r.rate * (1 - noise / math.sqrt(r.n))) for k, r in self._records.items()
-                                   if r.n >= c.measure_windows or k == src), key=lambda x: x[2])
+        best_key, best, top = self._best(src, noise)
         if top <= 0:
             return True, math.inf, 0.0, "nothing was trained at any setting"
         margin = b.rate * (1 + tol) / top - 1
@@ -364,6 +357,14 @@ class Policy:
         loss = 1 - b.rate / top
         return ok, margin, se, (f"{_fmt_rate(b.rate)} vs the best {_fmt_rate(top)} ({setting(best_key)}), "
                                 f"{-loss:+.1%}: " + ("within" if ok else "not within") + f" {_pct(tol)}")
+
+    def _best(self, src: Key, noise: float) -> tuple[Key, Record, float]:
+        """The best setting measured (enough windows, or ``src``), its record, and its mean
+        lowered by one standard error: the highest of several noisy means is biased up, and a
+        lucky window must not set the bar."""
+        c = self.config
+        return max(((k, r, r.rate * (1 - noise / math.sqrt(r.n))) for k, r in self._records.items()
+                    if r.n >= c.measure_windows or k == src), key=lambda x: x[2])
 
     # -- the next experiment --------------------------------------------------------------------
     def _candidates(self, key: Key, rec: Record, waiting: bool, limit: int, why_limit: str
