@@ -80,6 +80,18 @@ def _read(path: str) -> None:
             pass
 
 
+def _prepare(path: str, cold: bool) -> None:
+    """Before a timed step: drop the shard and its member table from the page cache (``cold``),
+    else read the shard so that it is in the page cache."""
+    if cold:
+        from feedgpu.sources import tar_table
+
+        evict(path)
+        evict(tar_table.table_path(path))
+    else:
+        _read(path)
+
+
 def _dd(path: str) -> None:
     subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=4M", "iflag=direct"], check=True, capture_output=True)
 
@@ -139,11 +151,7 @@ def per_shard(paths: list[str], rounds: int) -> dict:
                     continue
                 times, stored = [], []
                 for p in paths:
-                    if cold:
-                        evict(p)
-                        evict(tar_table.table_path(p))
-                    else:
-                        _read(p)
+                    _prepare(p, cold)
                     b0, t0 = storage_read(), time.perf_counter()
                     fn(p)
                     times.append(time.perf_counter() - t0)
@@ -177,11 +185,7 @@ def whole_set(paths: list[str], rounds: int) -> dict:
             for cold in (False, True):
                 for threads in (1, 2):
                     for p in paths:
-                        if cold:
-                            evict(p)
-                            evict(tar_table.table_path(p))
-                        else:
-                            _read(p)
+                        _prepare(p, cold)
                     tar_local.INDEX_THREADS = threads
                     if what == "scan":
                         tar_local.load_table = no_table
