@@ -24,7 +24,7 @@ from .exec.process_pool import ProcessPool
 from .metrics import ExecutorTotals, LoaderStats
 from .orders import (OrderRandomSampler, OrderSampler, OrderSequentialSampler, UserOrder, order_len,
                      reads_as_sharding, shard_settings, sharded)
-from .loader_setup import _UNSET, init_iterable, resolve_settings
+from .loader_setup import _UNSET, init_iterable, refuse_combinations, resolve_settings, with_sections
 from .loader_stats import loader_stats, source_fingerprint
 from .pipeline import Pipeline
 from .remote.ahead_loader import auto_attach
@@ -89,6 +89,11 @@ class DataLoader(tud.DataLoader[T_co]):
             stages and ``state_dict()`` do not depend on the count. Default: the pipeline's
             (``"auto"`` unless set); for a torch Dataset 0, as in torch. With the DALI engine,
             ``"auto"`` gives DALI one thread per core but one (fixed while it runs).
+        loader, output: for a pipeline, its ``loader:`` and ``output:`` sections replaced
+            (:class:`~feedgpu.settings.LoaderSettings`, :class:`~feedgpu.settings.OutputSettings`
+            or mappings, as :meth:`Pipeline.replace` takes them); the keywords above still
+            override single fields (``DataLoader(p, loader=ls, batch_size=64)``). Default None:
+            the pipeline's. ``dataset`` is then the pipeline with these sections.
         stats_callback: called after each balancer window as ``stats_callback(event)`` with the
             window's measurement and decision (dicts), to send them to your own logger.
         worker_memory: bytes each worker may hold (an int or ``"2GiB"``); default: the
@@ -123,27 +128,19 @@ class DataLoader(tud.DataLoader[T_co]):
                  pin_memory_device: str = "", in_order: bool = True, seed: int | None = None,
                  rank: int | None = None, world_size: int | None = None, device: str | None = None,
                  on_error: str | None = None, cache=None, engine=None, max_skipped=_UNSET, executor=None,
-                 stats_callback: Callable[[dict], None] | None = None, worker_memory=None):
-        self._iterable = None
+                 stats_callback: Callable[[dict], None] | None = None, worker_memory=None, loader=None, output=None):
+        self._iterable, self.loader, self.output = None, loader, output
+        dataset = with_sections(dataset, loader, output)
         if isinstance(dataset, tud.IterableDataset):  # run as torch runs it (feedgpu.exec.iterable)
             init_iterable(self, dataset, locals())
             return
-        if not in_order:
-            raise ConfigError("in_order=False: feedgpu always delivers batches in order (exact resume needs it)")
-        if pin_memory_device:
-            raise ConfigError("pin_memory_device is deprecated in torch; use device='cuda:N' instead")
         p = dataset if isinstance(dataset, Pipeline) else None
         self.pipeline = p
         unbatched = batch_size is None
         if unbatched and p is not None:
             raise ConfigError("batch_size=None (unbatched loading) needs a torch Dataset: a Pipeline assembles "
                               "whole batches in shared memory; give a batch size")
-        if batch_sampler is not None:
-            if batch_size is not _UNSET and batch_size != 1 or shuffle or sampler is not None or drop_last is True:
-                raise ConfigError("batch_sampler option is mutually exclusive with batch_size, shuffle, sampler, "
-                                  "and drop_last")
-        if sampler is not None and shuffle:
-            raise ConfigError("sampler option is mutually exclusive with shuffle")
+        refuse_combinations(in_order, pin_memory_device, batch_size, shuffle, sampler, batch_sampler, drop_last)
         user_sampler = (sampler is not None and not reads_as_sharding(sampler)) or batch_sampler is not None
         if user_sampler and (rank is not None or world_size is not None):
             raise ConfigError("rank/world_size shard feedgpu's own sampler; with a custom sampler, shard in the sampler")

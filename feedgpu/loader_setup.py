@@ -28,6 +28,35 @@ class _Unbatched:
         return self.collate_fn(items[0])
 
 
+def refuse_combinations(in_order, pin_memory_device, batch_size, shuffle, sampler, batch_sampler, drop_last) -> None:
+    """Raise :class:`ConfigError` for the argument combinations torch refuses (its own words) and
+    for the two feedgpu cannot honour (``in_order=False``, ``pin_memory_device``)."""
+    if not in_order:
+        raise ConfigError("in_order=False: feedgpu always delivers batches in order (exact resume needs it)")
+    if pin_memory_device:
+        raise ConfigError("pin_memory_device is deprecated in torch; use device='cuda:N' instead")
+    if batch_sampler is not None:
+        if batch_size is not _UNSET and batch_size != 1 or shuffle or sampler is not None or drop_last is True:
+            raise ConfigError("batch_sampler option is mutually exclusive with batch_size, shuffle, sampler, "
+                              "and drop_last")
+    if sampler is not None and shuffle:
+        raise ConfigError("sampler option is mutually exclusive with shuffle")
+
+
+def with_sections(dataset, loader, output):
+    """``dataset`` with the ``loader``/``output`` settings given to the DataLoader: a pipeline
+    with those sections replaced (:meth:`Pipeline.replace`, validated); ``dataset`` itself when
+    neither is given. Raises :class:`ConfigError` for a torch Dataset (it takes torch's keywords)."""
+    if loader is None and output is None:
+        return dataset
+    from .pipeline import Pipeline
+
+    if not isinstance(dataset, Pipeline):
+        raise ConfigError("loader=/output= settings objects go with a feedgpu Pipeline; a torch Dataset takes "
+                          "torch's keywords (batch_size=, shuffle=, num_workers=, ...)")
+    return dataset.replace(**{k: v for k, v in (("loader", loader), ("output", output)) if v is not None})
+
+
 def init_iterable(self, dataset, given: dict) -> None:
     """Set ``self`` (a DataLoader) up to run an ``IterableDataset`` as torch does
     (:mod:`feedgpu.exec.iterable`); ``given`` holds the constructor's arguments."""

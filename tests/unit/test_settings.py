@@ -168,6 +168,34 @@ def test_the_loader_overrides_through_the_same_validators(folder_ds):
     assert dl._max_skipped is None and p.max_skipped == 0.01
 
 
+def test_the_loader_takes_loader_and_output_settings_objects(folder_ds):
+    """``DataLoader(p, loader=LoaderSettings(...), output=OutputSettings(...))`` is the loader of
+    ``p.replace(loader=..., output=...)``: the same batches; single keywords still override a
+    field; mappings are validated with the key named; a torch Dataset is refused."""
+    import torch
+
+    p = Pipeline({"format": "folder", "path": str(folder_ds)}, [Decode(), ResizeCenterCrop(40, 32)], batch_size=4,
+                 num_workers=0)
+    ls = LoaderSettings(batch_size=10, shuffle=False, num_workers=0, seed=5)
+    out = OutputSettings(device="cpu", dtype="uint8", layout="NHWC")
+    dl = DataLoader(p, loader=ls, output=out)
+    want = DataLoader(p.replace(loader=ls, output=out))
+    assert (dl.batch_size, dl.shuffle, dl.num_workers, dl.seed) == (10, False, 0, 5)
+    assert dl.dataset.loader == ls and dl.dataset.output == out and p.batch_size == 4   # p is not changed
+    got, ref = list(dl), list(want)
+    assert len(got) == len(ref) > 1 and all(torch.equal(a.images, b.images) and torch.equal(a.labels, b.labels)
+                                            for a, b in zip(got, ref))
+    assert got[0].images.dtype == torch.uint8 and got[0].images.shape == (10, 32, 32, 3)
+    assert DataLoader(p, loader=ls, batch_size=3).batch_size == 3           # a keyword overrides one field
+    assert DataLoader(p, loader={"batch_size": 6, "num_workers": 0}).batch_size == 6
+    with pytest.raises(ConfigError, match="loader.batch_size: "):
+        DataLoader(p, loader={"batch_size": 0})
+    with pytest.raises(ConfigError, match="output.device: "):
+        DataLoader(p, output={"device": "tpu"})
+    with pytest.raises(ConfigError, match="go with a feedgpu Pipeline"):
+        DataLoader(list(range(8)), loader=ls)
+
+
 def test_compression_is_parsed_once():
     """YAML, CacheSettings and the store read the compression with one parser: what one accepts
     (any case), the others accept, and the level range is written once."""
