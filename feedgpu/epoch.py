@@ -97,8 +97,10 @@ class EpochIterator:
         self.work = loader._make_work()
         self.work.refresh()  # workers forked below inherit an up-to-date cache index
         self.pool = None if self.inline else loader._acquire_pool()
-        if self.pool is not None and loader._autoscaler is not None:
-            loader._autoscaler.start(self.pool.pids())
+        # the balancer sizes the pool, or the DALI engine's threads (set_threads)
+        self.balanced = loader._autoscaler is not None and (self.pool is not None or hasattr(self.work, "set_threads"))
+        if self.balanced:
+            loader._autoscaler.start(self._pids())
         watch = getattr(loader, "_memory_watch", None)   # a torch Dataset's copy-on-read growth
         if self.pool is not None and watch is not None:
             watch.start(self.pool.pids(), epoch)
@@ -279,9 +281,9 @@ class EpochIterator:
         watch = getattr(loader, "_memory_watch", None)
         if watch is not None and not watch.done and not self.inline:
             watch.on_batch(self.epoch, b, self.view.first, self.nb, self.pool.pids())
-        if loader._autoscaler is not None and not self.inline:
-            d = loader._autoscaler.on_batch(rows, waited, self.pool.pids(),
-                                            remote_started=self.pool.remote_started)
+        if self.balanced:
+            d = loader._autoscaler.on_batch(rows, waited, self._pids(),
+                                            remote_started=None if self.pool is None else self.pool.remote_started)
             if d is not None and d.changes:
                 self._apply(d)
         self.next_b = b + 1
@@ -295,9 +297,17 @@ class EpochIterator:
             self.close()
         return batch
 
+    def _pids(self) -> list[int]:
+        return [] if self.pool is None else self.pool.pids()
+
     def _apply(self, d) -> None:
-        """Resize the pool and the prefetch depth between two batches (the epoch goes on)."""
+        """Resize the pool (or DALI's threads) and the prefetch depth between two batches (the
+        epoch goes on)."""
         loader = self.loader
+        if self.pool is None:   # the DALI engine: its batches ahead follow loader._prefetch
+            self.work.set_threads(d.workers, d.prefetch)
+            loader._set_live(d.workers, d.prefetch)
+            return
         if d.workers != self.pool.num_workers:
             self.pool.resize(d.workers)
         if d.remote_workers != self.pool.remote_workers:

@@ -68,7 +68,8 @@ class DataLoader(tud.DataLoader[T_co]):
             by reason and the first skipped samples (rules in :mod:`feedgpu.skips`).
         engine: for a pipeline, overrides its engine (``"python"``, ``"dali"`` or a mapping; see
             :class:`~feedgpu.exec.engines.EngineSettings`). With DALI, ``num_workers`` gives DALI's
-            thread count unless ``engine.threads`` is set, and no worker process is started.
+            thread count unless ``engine.threads`` is set, and no worker process is started;
+            ``"auto"`` sizes DALI's threads and its batches ahead as it sizes a pool.
         executor: ``"local"``, ``"ray"`` or a mapping (see
             :class:`~feedgpu.exec.executors.ExecutorSettings`); for a pipeline, overrides its
             ``executor``. With ``"ray"`` batches also run on remote workers of a Ray cluster
@@ -88,7 +89,9 @@ class DataLoader(tud.DataLoader[T_co]):
             trains faster (the fewest workers within 3 % of the best measured). The batch order, random
             stages and ``state_dict()`` do not depend on the count. Default: the pipeline's
             (``"auto"`` unless set); for a torch Dataset 0, as in torch. With the DALI engine,
-            ``"auto"`` gives DALI one thread per core but one (fixed while it runs).
+            ``"auto"`` balances DALI's CPU threads the same way (one step at a time, 1 to cores
+            + 1; a change rebuilds DALI's pipelines between two batches), unless
+            ``engine.threads`` fixes them.
         loader, output: for a pipeline, its ``loader:`` and ``output:`` sections replaced
             (:class:`~feedgpu.settings.LoaderSettings`, :class:`~feedgpu.settings.OutputSettings`
             or mappings, as :meth:`Pipeline.replace` takes them); the keywords above still
@@ -251,17 +254,17 @@ class DataLoader(tud.DataLoader[T_co]):
                               stacklevel=2)
                 self.pin_memory = False
         self._autoscaler: Autoscaler | None = None
-        if self.auto_workers:
-            if self._engine.name == "dali":  # DALI's threads are fixed when its pipeline is built
-                self.num_workers = max(1, cpu_cores() - 1)
-            else:
-                ex = self._executor
-                cores = cpu_cores()
-                self._autoscaler = Autoscaler(prefetch=self._prefetch, device=self._device, callback=stats_callback,
-                                              config=default_config(cores, max_workers=ex.max_local_workers),
-                                              max_remote=ex.max_remote_workers if ex.remote else 0,
-                                              remote=self._remote_start)
-                self._set_live(self._autoscaler.workers, self._autoscaler.prefetch)
+        if self.auto_workers and self._engine.name == "dali" and self._engine.threads:
+            self.num_workers = self._engine.threads   # DALI threads given: fixed
+        elif self.auto_workers:   # the balancer sizes the pool, or DALI's CPU threads
+            ex, cores, dali = self._executor, cpu_cores(), self._engine.name == "dali"
+            self._autoscaler = Autoscaler(
+                prefetch=self._prefetch, device=self._device, callback=stats_callback,
+                config=default_config(cores, max_workers=ex.max_local_workers,
+                                      unit="DALI threads" if dali else "workers"),
+                max_remote=ex.max_remote_workers if ex.remote else 0, remote=self._remote_start,
+                engine=f"dali-{self._engine.dali_device(self._device)}" if dali else "python")
+            self._set_live(self._autoscaler.workers, self._autoscaler.prefetch)
         self._frozen = True
 
     # -- torch DataLoader surface --------------------------------------------------------------

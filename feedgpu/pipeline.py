@@ -7,7 +7,8 @@ from typing import Any
 
 from . import config as cfg
 from .errors import ConfigError
-from .exec.autoscale import fixed_workers
+from .exec.autoscale import cpu_cores, fixed_workers
+from .exec.balancer import start_workers
 from .exec.plan import Plan, make_plan
 from .exec.executors import check_executor
 from .settings import (CacheSettings, EngineSettings, ExecutorSettings, LoaderSettings, OutputSettings,
@@ -277,8 +278,11 @@ class Pipeline:
 
         dd = self.engine.dali_device(dev)
         threads = self.engine.threads or max(1, fixed_workers(self.num_workers))
+        count = f"{threads} thread{'' if threads == 1 else 's'}"
+        if self.num_workers == "auto" and not self.engine.threads:   # the balancer sizes them
+            count = f"threads balanced, from {start_workers(cpu_cores())}"
         where = (f"dali gpu (mixed decode, hw_decoder_load {self.engine.hw_decoder_load})" if dd == "gpu"
-                 else f"dali cpu ({threads} thread{'' if threads == 1 else 's'})")
+                 else f"dali cpu ({count})")
         plan = make_plan(self.stages, dev, pool_where=where, batch_on_device=None if dd == "cpu" else False)
         check_dali_plan(plan)
         return plan

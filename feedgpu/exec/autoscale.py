@@ -53,13 +53,15 @@ def fixed_workers(num_workers) -> int:
     return max(1, cpu_cores() - 1) if num_workers == "auto" else int(num_workers)
 
 
-def default_config(cores: int | None = None, max_prefetch: int = 4, max_workers: int | None = None) -> PolicyConfig:
+def default_config(cores: int | None = None, max_prefetch: int = 4, max_workers: int | None = None,
+                   unit: str = "workers") -> PolicyConfig:
     """The policy bounds used by the loader: 1 to ``max_workers`` workers (default one more than
     ``cores``: whether a worker more than the cores trains faster, because the training loop
     leaves cores idle between its steps, is measured, not assumed), prefetch 1 to
-    ``max_prefetch`` batches per worker (4: the batch buffers are sized for the maximum)."""
+    ``max_prefetch`` batches per worker (4: the batch buffers are sized for the maximum);
+    ``unit``: what the count counts (``"DALI threads"`` for the DALI engine)."""
     top = max_workers if max_workers is not None else (cores or cpu_cores()) + 1
-    return PolicyConfig(min_workers=1, max_workers=top, min_prefetch=1, max_prefetch=max_prefetch)
+    return PolicyConfig(min_workers=1, max_workers=top, min_prefetch=1, max_prefetch=max_prefetch, unit=unit)
 
 
 def _memory_available() -> int | None:
@@ -161,6 +163,9 @@ class Autoscaler:
         memory_budget: bytes the workers and the batch buffers may hold together (the
             per-worker budget times the largest pool, set by the loader from ``worker_memory``;
             None: only the available memory limits the pool).
+        engine: ``"python"`` (default: the count is worker processes) or ``"dali-cpu"`` /
+            ``"dali-gpu"`` (the count is DALI's CPU threads, in the main process; ``pids`` are
+            then empty and the main process's CPU time holds DALI's).
     """
 
     def __init__(self, workers: int | None = None, prefetch: int = 2, config: PolicyConfig | None = None,
@@ -168,8 +173,9 @@ class Autoscaler:
                  device: str = "cpu", callback: Callable[[dict], None] | None = None,
                  clock: Callable[[], float] = time.perf_counter, probe=None, cores: int | None = None,
                  max_remote: int = 0, remote: int = 0, memory_available: Callable[[], int | None] | None = None,
-                 memory_budget: int | None = None):
+                 memory_budget: int | None = None, engine: str = "python"):
         self.cores = cores or cpu_cores()
+        self.engine = engine
         self.policy = Policy(config or default_config(self.cores))
         self.max_remote = max_remote
         self.remote_policy = RemotePolicy(RemoteConfig(max_remote=max_remote)) if max_remote > 0 else None
@@ -290,7 +296,7 @@ class Autoscaler:
             cpu_budget=max(1.0, self.cores - (main_cpu + others) / wall), rss_bytes=int(rss) if self._uss else 0,
             ram_budget_bytes=ram_budget, gpu_mem_free_bytes=self._gpu_free(), prefetch=self.prefetch,
             remote_workers=self.remote, remote_started=self._remote_started,
-            network_wait_fraction=min(1.0, self._network / wall) if wall > 0 else 0.0)
+            network_wait_fraction=min(1.0, self._network / wall) if wall > 0 else 0.0, engine=self.engine)
 
     def _gpu_free(self) -> int | None:
         if not self.device.startswith("cuda"):
@@ -307,12 +313,12 @@ class Autoscaler:
         if m is None:
             return "no window measured yet"
         d = d or (self.policy.history[-1] if self.policy.history else None)
-        s = (f"the training loop took {m.delivered_rate:,.0f} samples/s with {m.workers} workers / prefetch "
-             f"{m.prefetch} and waited for batches {100 * m.wait_fraction:.1f} % of its step time")
+        s = (f"the training loop took {m.delivered_rate:,.0f} samples/s with {m.workers} {self.policy.config.unit} "
+             f"/ prefetch {m.prefetch} and waited for batches {100 * m.wait_fraction:.1f} % of its step time")
         if m.network_wait_fraction:
             s += f"; the loader waited for the network {100 * m.network_wait_fraction:.1f} % of the window"
         if d is not None:
-            s += f"; next: {d.kind} ({d.workers} workers / prefetch {d.prefetch}): {d.reason}"
+            s += f"; next: {d.kind} ({d.workers} {self.policy.config.unit} / prefetch {d.prefetch}): {d.reason}"
         return s
 
     def stats(self) -> dict:
@@ -322,7 +328,8 @@ class Autoscaler:
         waiting for a batch), ``waiting_share_mean`` (over all windows measured) and ``report``
         (:meth:`report`)."""
         d = self.policy.stats()
-        d.update(workers=self.workers, prefetch=self.prefetch, windows=self._windows,
+        d.update(workers=self.workers, prefetch=self.prefetch, windows=self._windows, engine=self.engine,
+                 unit=self.policy.config.unit,
                  cores=self.cores, window_s=self.window_s, remote_workers=self.remote,
                  memory_budget=self.memory_budget)
         ms = self.measurements

@@ -91,6 +91,7 @@ class DaliWork(WorkBase):
         check_dali_plan(plan)
         self.source, self.plan, self.seed, self.on_error = source, plan, int(seed), on_error
         self.batch_size, self.device, self.threads = batch_size, device, max(1, int(threads))
+        self._threads_asked = self.threads
         self.device_id, self.hw_decoder_load = device_id, float(hw_decoder_load)
         self.ahead = max(1, int(ahead))
         self.decode: Decode = plan.sample_stages[0]
@@ -132,6 +133,26 @@ class DaliWork(WorkBase):
     def can_submit(self) -> bool:
         return False
 
+    def set_threads(self, threads: int, ahead: int | None = None) -> None:
+        """Run DALI with ``threads`` CPU threads (>= 1) and compute ``ahead`` batches ahead (the
+        balancer's decision) from the batches started after this call. DALI fixes a pipeline's
+        thread count when it is built, so the pipelines are rebuilt on the runner thread once the
+        batches started before have been computed; a later batch fed to the old pipelines ahead
+        is fed to the new ones again (same samples, draws and order: the batches do not depend
+        on the thread count)."""
+        if ahead is not None:
+            self.ahead = max(1, int(ahead))
+        threads = max(1, int(threads))
+        if threads != self._threads_asked:
+            self._threads_asked = threads
+            self._runner.submit(self._retune, threads)
+
+    def _retune(self, threads: int) -> None:
+        if threads != self.threads:
+            self.threads = threads
+            self.counters["rebuilds"] += 1
+            self._reset()
+
     def refresh(self) -> None:
         pass
 
@@ -162,6 +183,7 @@ class DaliWork(WorkBase):
         self._prep.shutdown(wait=True, cancel_futures=True)
         self._runner.shutdown(wait=True, cancel_futures=True)
         self._pipes.clear()
+        self._threads_asked = self.threads
         self._start_threads()
 
     def stats(self) -> dict:
@@ -247,8 +269,9 @@ class DaliWork(WorkBase):
             self._reset()
 
     def _reset(self) -> None:
-        """A pipeline failed: drop them all (a failed pipeline is not run again) and schedule the
-        batches that were waiting in them again on new ones."""
+        """Drop the pipelines (after a failure: a failed pipeline is not run again; or to build
+        them with another thread count) and schedule the batches that were waiting in them again
+        on new ones."""
         self._pipes.clear()
         with self._lock:
             for j in self._queue:

@@ -39,7 +39,7 @@ pytest.importorskip("nvidia.dali")
 from conftest import CASES, REPO, batches_equal, clone_all, open_format  # noqa: E402
 from feedgpu import Batch, ConfigError, DataLoader, Pipeline, SkippedSampleWarning  # noqa: E402
 from feedgpu.errors import DecodeError  # noqa: E402
-from feedgpu.exec.autoscale import fixed_workers  # noqa: E402
+from feedgpu.exec.autoscale import cpu_cores  # noqa: E402
 from feedgpu.stages import (Decode, HorizontalFlip, Normalize, PythonStage, RandomResizedCrop,  # noqa: E402
                             Resize, ResizeCenterCrop)
 from feedgpu.stages.draws import sample_uniforms, stage_draw_ids  # noqa: E402
@@ -69,10 +69,6 @@ class IndexedPhotos(torch.utils.data.Dataset):
 @pytest.fixture(scope="module")
 def indexed(folder_ds):
     return IndexedPhotos(folder_ds)
-
-
-def threads_label(n: int) -> str:
-    return f"{n} thread" + ("" if n == 1 else "s")
 
 
 def val_stages(normalize=False, **norm):
@@ -277,6 +273,64 @@ def test_output_does_not_depend_on_dali_threads(indexed):
     loader = DataLoader(pipe(indexed, val_stages(), DALI_CPU), num_workers=1)
     next(iter(loader))
     assert loader.stats()["engine"]["threads"] == 1
+    loader.shutdown()
+
+
+def test_auto_rebuilds_dali_with_the_balancers_thread_counts_and_the_batches_do_not_change(indexed, monkeypatch):
+    """Under ``num_workers="auto"`` each decision of the balancer sets DALI's thread count and
+    batches ahead between two batches (the pipelines are rebuilt); the batches equal a fixed
+    thread count's, bit for bit, also those the loop holds across a rebuild (DALI's own output
+    buffers, no copy, on a machine without CUDA)."""
+    import feedgpu.exec.dali_engine as engine
+    from feedgpu.exec.balancer import Decision
+
+    built = []
+    real = engine.build_graph
+    monkeypatch.setattr(engine, "build_graph", lambda *a, **kw: built.append(kw["threads"]) or real(*a, **kw))
+    ref = DataLoader(pipe(indexed, train_stages(True), {**DALI_CPU, "threads": 1}, seed=5, batch_size=8))
+    want = [clone_all(ref), clone_all(ref)]
+    loader = DataLoader(pipe(indexed, train_stages(True), DALI_CPU, seed=5, batch_size=8, num_workers="auto"))
+    a = loader.balancer
+    assert a is not None and a.engine == "dali-cpu" and a.policy.config.unit == "DALI threads"
+    a.window_s, a.min_batches, a._skip = 0.0, 1, 0
+    plan = iter([(3, 1), (1, 1), (2, 2), (2, 1)] * 20)   # prefetch 1 mostly: few batches run ahead of a change
+    a.policy.decide = lambda m: Decision(*next(plan), "add", "test", t=m.t, engine=m.engine)
+    ref.shutdown()
+    built.clear()
+    seen = []
+    for epoch in (0, 1):
+        loader.set_epoch(epoch)
+        kept = list(loader)            # held, not cloned, while DALI is rebuilt under them
+        seen.append((loader.num_workers, loader.prefetch_factor, loader.stats()["engine"]))
+        assert batches_equal(kept, want[epoch]), f"epoch {epoch}"
+        del kept
+    eng = seen[-1][2]
+    assert eng["rebuilds"] >= 10 and eng["threads"] in (1, 2, 3) and eng["ahead"] == a.prefetch, eng
+    assert built[0] == min(cpu_cores(), 3) and set(built[1:]) == {1, 2, 3}, built   # one per core, then the decisions
+    assert seen[-1][:2] == (a.workers, a.prefetch) and a.workers in (1, 2, 3)
+    loader.shutdown()
+
+
+def test_auto_measures_the_loop_with_dali_and_says_dali_threads(indexed):
+    """The real policy on the DALI engine: windows are measured in the main process (no worker
+    processes), its experiments change DALI's threads, and its words say so."""
+    loader = DataLoader(pipe(indexed, val_stages(), DALI_CPU, batch_size=8, num_workers="auto"))
+    a = loader.balancer
+    a.window_s, a.min_batches = 0.05, 2
+    epoch = 0
+    while len(a.timeline) < 8 and epoch < 40:
+        loader.set_epoch(epoch)
+        for _ in loader:
+            pass
+        epoch += 1
+    st = loader.stats()
+    b = st["balancer"]
+    assert len(a.timeline) >= 8 and b["engine"] == "dali-cpu" and b["unit"] == "DALI threads", b
+    assert "DALI threads" in b["report"] and "worker" not in b["report"], b["report"]
+    assert all(m.engine == "dali-cpu" and m.cpu_cores_used == 0.0 for m in a.measurements)
+    assert st["engine"]["threads"] == a.workers == loader.num_workers
+    kinds = {p["decision"] for p in a.timeline}
+    assert kinds & {"add", "remove", "prefetch", "revert"}, kinds   # it experiments
     loader.shutdown()
 
 
@@ -729,8 +783,8 @@ def test_the_same_yaml_runs_on_either_engine(folder_ds):
     next(iter(loader))
     assert loader.stats()["engine"]["name"] == "dali"
     loader.shutdown()
-    # num_workers: auto gives DALI one thread per core but one
-    assert f"dali cpu ({threads_label(fixed_workers('auto'))})" in da.explain("cpu")
+    # num_workers: auto: the balancer sizes DALI's threads, from one per core
+    assert f"dali cpu (threads balanced, from {cpu_cores()})" in da.explain("cpu")
     assert "dali cpu (3 threads)" in Pipeline.from_yaml(VAL_YAML, **kw, **{"engine.name": "dali", "engine.device": "cpu",
                                                                          "engine.threads": 3}).explain("cpu")
 
@@ -799,10 +853,10 @@ def test_explain_shows_the_dali_engine(folder_ds):
     res = CliRunner().invoke(main, ["pipeline", "explain", str(VAL_YAML), "--data", str(folder_ds), "--device", "cpu",
                                     "--set", "engine.name=dali", "--set", "engine.device=cpu"])
     assert res.exit_code == 0, res.output
-    assert f"dali cpu ({threads_label(fixed_workers('auto'))})" in res.stdout
+    assert f"dali cpu (threads balanced, from {cpu_cores()})" in res.stdout
     for stage in ("decode", "resize_center_crop", "normalize"):
         line = next(ln for ln in res.stdout.splitlines() if ln.strip().startswith(stage))
-        assert f"dali cpu ({threads_label(fixed_workers('auto'))})" in line, line
+        assert f"dali cpu (threads balanced, from {cpu_cores()})" in line, line
     res = CliRunner().invoke(main, ["pipeline", "explain", str(VAL_YAML), "--device", "cpu",
                                     "--set", "engine.name=dali", "--set", "engine.device=cpu",
                                     "--set", "engine.threads=4"])

@@ -81,7 +81,8 @@ def diagnose(measurements: Measurement | Iterable[Measurement], *, wait_threshol
     if per_core and demand is not None:
         needed = math.inf if math.isinf(demand) else demand / per_core
         extra = max(0.0, needed - budget)
-    got = f"the loader delivers {_fmt_rate(delivered)} with {last.workers} workers on {cores:.1f} of {budget:.1f} cores"
+    unit = "workers" if last.engine == "python" else "DALI threads"
+    got = f"the loader delivers {_fmt_rate(delivered)} with {last.workers} {unit} on {cores:.1f} of {budget:.1f} cores"
     if wait <= wait_threshold:
         verdict = "meets demand"
         msg = f"meets demand: the consumer takes {_fmt_rate(demand)} and waits {_pct(wait)}; {got}"

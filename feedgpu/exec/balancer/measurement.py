@@ -157,6 +157,7 @@ def _gib(x: float) -> str:
     return f"{x / 2**30:.2f} GiB"
 
 
-def setting(key: tuple) -> str:
-    """``(workers, prefetch)`` in words."""
-    return f"{key[0]} workers / prefetch {key[1]}"
+def setting(key: tuple, unit: str = "workers") -> str:
+    """``(workers, prefetch)`` in words; ``unit``: what the count counts (``"DALI threads"``
+    under the DALI engine)."""
+    return f"{key[0]} {unit} / prefetch {key[1]}"

@@ -173,15 +173,18 @@ class Policy:
         if self._key is None or self._key not in self._records:
             return "no window measured yet"
         r = self._records[self._key]
-        s = (f"{setting(self._key)}: the loop trains {_fmt_rate(r.rate)} and waits {_pct(r.wait)} of its step "
+        s = (f"{self._setting(self._key)}: the loop trains {_fmt_rate(r.rate)} and waits {_pct(r.wait)} of its step "
              f"time ({r.n} windows)")
         kept = sum(e["kept"] for e in self._experiments)
         s += f"; {len(self._experiments)} experiments, {kept} kept"
         if self._trial is not None:
-            s += f"; trying {setting(self._trial.dst)} against {setting(self._trial.src)}"
+            s += f"; trying {self._setting(self._trial.dst)} against {self._setting(self._trial.src)}"
         elif self._settled:
             s += "; settled"
         return s
+
+    def _setting(self, key: Key) -> str:
+        return setting(key, self.config.unit)
 
     def _decision(self, m: Measurement, key: Key, kind: str, reason: str, experiment: dict | None = None) -> Decision:
         w, p = key
@@ -192,7 +195,7 @@ class Policy:
     def _limit(self, m: Measurement) -> tuple[int, str]:
         """The largest pool the hard limits allow, and which sets it."""
         c = self.config
-        limit, why = c.max_workers, f"the configured maximum ({c.max_workers} workers)"
+        limit, why = c.max_workers, f"the configured maximum ({c.max_workers} {c.unit})"
         if m.ram_budget_bytes is not None and m.rss_bytes > 0:
             per = self._rss_per_worker(m)
             fit = m.workers + math.floor((m.ram_budget_bytes - m.rss_bytes) / per)
@@ -226,26 +229,27 @@ class Policy:
         if self._key is None:
             self._key = key
         elif key != self._key:
-            notes.append(f"the loader runs {setting(key)}, not the {setting(self._key)} decided; going on from there")
+            notes.append(f"the loader runs {self._setting(key)}, not the {self._setting(self._key)} decided; "
+                         "going on from there")
             self._key, self._trial, self._settle = key, None, 0
         w, p = key
         limit, why = self._limit(m)
         self._tight = self._memory_tight(m, limit)
         if w > limit:
             self._trial = None
-            return self._decision(m, (limit, p), "remove", f"{w} workers exceed {why}: down to {limit}")
+            return self._decision(m, (limit, p), "remove", f"{w} {c.unit} exceed {why}: down to {limit}")
         if self._settle > 0:
             self._settle -= 1
             early = self._early_undo(m, key, notes)
             if early is not None:
                 return early
-            return self._decision(m, key, "settle", "; ".join(notes + [f"letting {setting(key)} settle"]))
+            return self._decision(m, key, "settle", "; ".join(notes + [f"letting {self._setting(key)} settle"]))
         rec = self._records.get(key)
         if self._trial is None and rec is not None and rec.n >= c.base_windows:
             moved = drifted(m, rec, c.drift_threshold)
             self._off = self._off + 1 if moved else 0
             if moved and self._off >= c.drift_windows:
-                notes.append(f"at unchanged {setting(key)} {moved} for {self._off} windows; records forgotten")
+                notes.append(f"at unchanged {self._setting(key)} {moved} for {self._off} windows; records forgotten")
                 self.forget()
                 rec = None
         if rec is None:
@@ -275,11 +279,11 @@ class Policy:
         rec.add(m)
         loss = 1 - m.delivered_rate / top
         verdict = (f"{_fmt_rate(m.delivered_rate)} while settling vs the best {_fmt_rate(top)} "
-                   f"({setting(best_key)}), {-loss:+.1%}: not within {_pct(c.tolerance)}, already while settling")
+                   f"({self._setting(best_key)}), {-loss:+.1%}: not within {_pct(c.tolerance)}, already while settling")
         self._trial = None
         self._refused[(t.src, t.dst)] = verdict
         exp = self._experiment(m, t, False, verdict)
-        step = f"{t.kind} from {setting(t.src)} to {setting(t.dst)}"
+        step = f"{t.kind} from {self._setting(t.src)} to {self._setting(t.dst)}"
         return self._decision(m, t.src, "revert", "; ".join(notes + [f"undid the {step}: {verdict}"]), exp)
 
     def _judge(self, m: Measurement, rec: Record, notes: list[str]) -> Decision | None:
@@ -289,10 +293,10 @@ class Policy:
         t = self._trial
         key = self._key
         if rec.n < c.measure_windows:
-            return self._decision(m, key, "measure", f"measuring {setting(key)} ({rec.n} of {c.measure_windows} "
+            return self._decision(m, key, "measure", f"measuring {self._setting(key)} ({rec.n} of {c.measure_windows} "
                                                      "windows)")
         ok, margin, se, verdict = self._verdict(t.src, t.dst, t.kind)
-        step = f"{t.kind} from {setting(t.src)} to {setting(t.dst)}"
+        step = f"{t.kind} from {self._setting(t.src)} to {self._setting(t.dst)}"
         close = abs(margin) < c.confidence * se
         if close and rec.n < c.max_measure_windows:
             return self._decision(m, key, "measure", f"close call on the {step}, measuring again ({verdict}; "
@@ -301,20 +305,20 @@ class Policy:
         if close and t.phase == "dst" and self._records[t.src].n < c.max_measure_windows:
             self._trial = replace(t, phase="src")
             return self._decision(m, t.src, "revert", "; ".join(notes + [
-                f"close call on the {step} ({verdict}): measuring {setting(t.src)} again before deciding"]))
+                f"close call on the {step} ({verdict}): measuring {self._setting(t.src)} again before deciding"]))
         self._trial = None
         exp = self._experiment(m, t, ok, verdict)
         if ok:
             self._refused[(t.dst, t.src)] = f"the opposite step was kept ({verdict})"
             if t.phase == "src":
                 return self._decision(m, t.dst, _kind(t.kind), "; ".join(
-                    notes + [f"measured both again, back to {setting(t.dst)}: kept, {verdict}"]), exp)
+                    notes + [f"measured both again, back to {self._setting(t.dst)}: kept, {verdict}"]), exp)
             notes.append(f"kept the {step}: {verdict}")
             self._pending = exp
             return None
         self._refused[(t.src, t.dst)] = verdict
         if t.phase == "src":
-            notes.append(f"measured both again, staying at {setting(t.src)}: {verdict}")
+            notes.append(f"measured both again, staying at {self._setting(t.src)}: {verdict}")
             self._pending = exp
             return None
         return self._decision(m, t.src, "revert", "; ".join(notes + [f"undid the {step}: {verdict}"]), exp)
@@ -322,7 +326,7 @@ class Policy:
     def _experiment(self, m: Measurement, t: _Trial, kept: bool, verdict: str) -> dict:
         a, b = self._records[t.src], self._records[t.dst]
         change = b.rate / a.rate - 1 if a.rate > 0 else math.inf
-        text = (f"tried {setting(t.dst)} ({t.kind}) against {setting(t.src)}: the loop trained "
+        text = (f"tried {self._setting(t.dst)} ({t.kind}) against {self._setting(t.src)}: the loop trained "
                 f"{_fmt_rate(b.rate)} vs {_fmt_rate(a.rate)} ({change:+.1%}) over {b.n} and {a.n} windows, "
                 f"waiting {_pct(b.wait)} vs {_pct(a.wait)} of its step time; "
                 + ("kept" if kept else "undone") + f": {verdict}")
@@ -355,7 +359,7 @@ class Policy:
         se = noise * math.sqrt(1 / b.n + 1 / best.n)
         ok = margin >= 0
         loss = 1 - b.rate / top
-        return ok, margin, se, (f"{_fmt_rate(b.rate)} vs the best {_fmt_rate(top)} ({setting(best_key)}), "
+        return ok, margin, se, (f"{_fmt_rate(b.rate)} vs the best {_fmt_rate(top)} ({self._setting(best_key)}), "
                                 f"{-loss:+.1%}: " + ("within" if ok else "not within") + f" {_pct(tol)}")
 
     def _best(self, src: Key, noise: float) -> tuple[Key, Record, float]:
@@ -398,7 +402,7 @@ class Policy:
         key = self._key
         rec = self._records[key]
         waiting = rec.wait > c.wait_threshold
-        state = f"{setting(key)} trains {_fmt_rate(rec.rate)}, waiting {_pct(rec.wait)} of the step time"
+        state = f"{self._setting(key)} trains {_fmt_rate(rec.rate)}, waiting {_pct(rec.wait)} of the step time"
         label = None
         if self._settled:
             self._held += 1
@@ -411,7 +415,7 @@ class Policy:
                 self._refused.pop((key, first[0]), None)
                 self._records.pop(first[0], None)
                 label = "probe"
-                notes.append(f"settled for a while: checking {setting(first[0])} again")
+                notes.append(f"settled for a while: checking {self._setting(first[0])} again")
         cands, _ = self._candidates(key, rec, waiting, limit, why_limit)
         for dst, kind in cands:
             if (key, dst) in self._refused or self._worker_step_refused(key, dst, kind):
@@ -424,13 +428,14 @@ class Policy:
                     continue
                 self._refused[(dst, key)] = f"the opposite step was taken ({verdict})"
                 return self._decision(m, dst, _kind(kind), "; ".join(notes + [f"{state}; measured before: "
-                                                                               f"{setting(dst)}, {verdict}"]))
+                                                                               f"{self._setting(dst)}, {verdict}"]))
             if rec.n < c.base_windows:
                 return self._decision(m, key, "measure", "; ".join(notes + [
-                    f"{state}; measuring it again before trying {setting(dst)} ({rec.n} of {c.base_windows} "
+                    f"{state}; measuring it again before trying {self._setting(dst)} ({rec.n} of {c.base_windows} "
                     "windows)"]))
             self._trial = _Trial(key, dst, kind, label or _kind(kind))
-            return self._decision(m, dst, label or _kind(kind), "; ".join(notes + [f"{state}; trying {setting(dst)}"]))
+            return self._decision(m, dst, label or _kind(kind),
+                                  "; ".join(notes + [f"{state}; trying {self._setting(dst)}"]))
         self._settled, self._held = True, 0
         return self._hold(m, notes, state, key, waiting, limit, why_limit)
 
@@ -444,5 +449,5 @@ class Policy:
 
     def _hold(self, m, notes, state, key, waiting, limit, why_limit) -> Decision:
         _, blocked = self._candidates(key, self._records[key], waiting, limit, why_limit)
-        tried = [f"{setting(b)}: {why}" for (a, b), why in self._refused.items() if a == key]
+        tried = [f"{self._setting(b)}: {why}" for (a, b), why in self._refused.items() if a == key]
         return self._decision(m, key, "hold", "; ".join(notes + [f"{state}; settled"] + blocked + tried))

@@ -53,6 +53,8 @@ class PolicyConfig:
         recheck_windows, recheck_max_windows: a settled policy starts its experiments again
             after this many windows, the interval doubling up to the maximum (120, 1920).
         history: decisions kept for :meth:`Policy.stats` (200).
+        unit: what the worker count counts, in the policy's words (``"workers"``; the DALI
+            engine's balancer sizes DALI's CPU threads: ``"DALI threads"``).
 
     Raises:
         ConfigError: on bounds out of order or a tolerance outside (0, 0.5).
@@ -77,6 +79,7 @@ class PolicyConfig:
     recheck_windows: int = 120
     recheck_max_windows: int = 1920
     history: int = 200
+    unit: str = "workers"
 
     def __post_init__(self):
         if not 0 < self.tolerance < 0.5:
