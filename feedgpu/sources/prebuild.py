@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import SourceError
+from ..remote.urls import is_url
 from . import folder_index, tar_local
 from .base import expand_paths
 from .folder import FolderSource, saved_index_file
@@ -47,8 +48,11 @@ def path_kind(path) -> str:
     """``"tar"``, ``"folder"`` or ``"parquet"`` for a command-line path: a glob (by its ending:
     ``.parquet``, else tar shards), a directory (holding ``*.tar``: shards; else ``*.parquet``:
     Parquet; else an ImageFolder) or a file (``.parquet``, else a tar shard). Raises
-    :class:`~feedgpu.errors.SourceError` for a path that does not exist."""
+    :class:`~feedgpu.errors.SourceError` for a path that does not exist and for a URL."""
     p = os.fspath(path)
+    if is_url(p):
+        raise SourceError(f"index: {p} is a URL: a tar source read from URLs takes its member tables from the "
+                          "_index.json feedgpu convert writes beside the shards; index local shards")
     if any(c in p for c in "*?["):
         return "parquet" if p.lower().endswith(".parquet") else "tar"
     if os.path.isdir(p):
@@ -63,24 +67,30 @@ def path_kind(path) -> str:
 @dataclass
 class TarReport:
     """What :func:`index_shards` did. ``indexed``: shards given a table; ``up_to_date``: shards
-    whose table held; ``failed``: ``[(shard or folder, reason)]``, nothing written for them;
+    whose table held; ``replaced``: ``[(shard, why its table did not hold)]`` (stale, corrupt or of
+    another feedgpu version; each also in ``indexed``); ``failed``: ``[(shard or folder,
+    reason)]``, nothing written for them;
     ``samples``: samples in the indexed and up-to-date shards (int); ``rejected``: ``{reason:
     records}`` those shards leave out; ``seconds``: wall time (float)."""
     indexed: list = field(default_factory=list)
     up_to_date: list = field(default_factory=list)
+    replaced: list = field(default_factory=list)
     failed: list = field(default_factory=list)
     samples: int = 0
     rejected: dict = field(default_factory=dict)
     seconds: float = 0.0
 
     def as_dict(self) -> dict:
-        return {"indexed": len(self.indexed), "up_to_date": len(self.up_to_date), "samples": self.samples,
+        return {"indexed": len(self.indexed), "up_to_date": len(self.up_to_date),
+                "replaced": [list(r) for r in self.replaced], "samples": self.samples,
                 "rejected": dict(self.rejected), "failed": [list(f) for f in self.failed],
                 "seconds": round(self.seconds, 3), "tables": [str(table_path(s)) for s in self.indexed]}
 
     def line(self) -> str:
         rej = ", ".join(f"{n} {r}" for r, n in sorted(self.rejected.items()))
-        return (f"tar: {len(self.indexed)} shard(s) indexed, {len(self.up_to_date)} up to date, {self.samples} "
+        return (f"tar: {len(self.indexed)} shard(s) indexed"
+                + (f" ({len(self.replaced)} replacing a table that did not hold)" if self.replaced else "")
+                + f", {len(self.up_to_date)} up to date, {self.samples} "
                 f"samples, {sum(self.rejected.values())} rejected record(s){' (' + rej + ')' if rej else ''}, "
                 f"{len(self.failed)} failed, {self.seconds:.2f} s")
 
@@ -105,23 +115,25 @@ def _counts(part: dict) -> tuple[int, int, bool, Counter]:
 
 
 def _one_shard(shard: str, force: bool):
-    """``(status, counts | reason)`` of one shard: ``"up to date"``, ``"indexed"`` or ``"failed"``."""
+    """``(status, counts | reason, why a table there did not hold | None)`` of one shard; status
+    ``"up to date"``, ``"indexed"`` or ``"failed"``."""
+    problem = None
     try:
         if not force:
-            part, _, _ = load_table(shard)
+            part, problem, _ = load_table(shard)
             if part is not None:
-                return "up to date", _counts(part)
+                return "up to date", _counts(part), None
         part, st, content, made = tar_local.index_for_table(shard)
         damage = [f"{r}: {d}" for _, r, d in part.get("rejected", ()) if r in DAMAGE_REASONS]
         if damage:
-            return "failed", "; ".join(damage)
+            return "failed", "; ".join(damage), None
         if write_table(shard, part, st, content, made) is None:
-            return "failed", "it changed while it was indexed"
-        return "indexed", _counts(part)
+            return "failed", "it changed while it was indexed", None
+        return "indexed", _counts(part), problem
     except SourceError as e:
-        return "failed", str(e)
+        return "failed", str(e), None
     except OSError as e:
-        return "failed", f"{type(e).__name__}: {e.strerror or e}"
+        return "failed", f"{type(e).__name__}: {e.strerror or e}", None
 
 
 def index_shards(shards, threads: int | None = None, force: bool = False) -> TarReport:
@@ -153,10 +165,12 @@ def index_shards(shards, threads: int | None = None, force: bool = False) -> Tar
     labeled = False
     rejected: Counter = Counter()
     results = tar_local.ordered_map(lambda s: (s, *_one_shard(s, force)), todo, threads)
-    for shard, status, got in results:
+    for shard, status, got, problem in results:
         if status == "failed":
             report.failed.append((shard, got))
             continue
+        if problem is not None:
+            report.replaced.append((shard, problem))
         (report.indexed if status == "indexed" else report.up_to_date).append(shard)
         n, none, lab, rej = got
         images, unlabeled, labeled = images + n, unlabeled + none, labeled or lab

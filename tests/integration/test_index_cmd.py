@@ -1,9 +1,11 @@
 """``feedgpu index``: member tables for tar shards feedgpu did not write, a folder's saved index."""
 from __future__ import annotations
 
+import io
 import json
-import os
 import shutil
+import tarfile
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -83,14 +85,32 @@ def test_tables_for_foreign_shards_are_taken_by_a_fresh_source(cli, tar_ds, tmp_
         {k: v for k, v in before.items() if not k.startswith(shards[0].name)}
 
 
-def test_the_library_counts_rejects_and_a_glob_picks_the_shards(tar_ds, tmp_path, monkeypatch):
+def write_shard(path: Path, members) -> Path:
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tf:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_the_library_counts_rejects_as_the_source_and_replaces_a_bad_table(folder_ds, tar_ds, tmp_path, monkeypatch):
     ds = foreign(tar_ds, tmp_path / "ds")
+    photo = next(folder_ds.rglob("*.jpg")).read_bytes()
+    odd = write_shard(ds / "zz-odd.tar", [("a.jpg", photo), ("a.cls", b"3"), ("b.jpg", photo),   # b: no label
+                                          ("c.jpg", photo), ("c.png", photo), ("c.cls", b"4")])  # c: two images
     first = sorted(ds.glob("*.tar"))[0]
+    table_path(str(first)).write_bytes(b"not a table")       # a table that does not hold
     rep = index_shards(str(ds / "*.tar"), threads=1)
-    assert len(rep.indexed) == 3 and rep.samples == 120 and rep.rejected == {} and rep.failed == []
+    assert len(rep.indexed) == 4 and rep.failed == [] and [s for s, _ in rep.replaced] == [str(first)]
+    assert "not a feedgpu tar index" in rep.replaced[0][1]
+    assert rep.rejected == {"missing label": 1, "duplicate key": 2} and rep.samples == 121
     with monkeypatch.context() as mp:
         mp.setattr(tar_local, "index_local", no_scan)
-        assert TarShardSource(first, index_dir=False).table_shards == 1
+        src = TarShardSource(ds, index_dir=False)
+    assert src.table_shards == 4 and len(src) == rep.samples
+    assert Counter(r for _, r in src.rejected) == rep.rejected
+    assert src.key(len(src) - 1) == f"{odd}:a.jpg" and src.labels[-1] == 3
 
 
 def test_a_damaged_shard_is_named_and_the_others_indexed(cli, tar_ds, tmp_path):
@@ -166,3 +186,5 @@ def test_parquet_needs_no_index_and_a_missing_path_is_refused(cli, tmp_path):
     assert res.exit_code == 0 and f"parquet {pq}: needs no index" in res.stdout
     res = run(cli, tmp_path / "nothing-here")
     assert res.exit_code == 2 and "does not exist" in res.stderr
+    res = run(cli, "s3://bucket/train/*.tar")
+    assert res.exit_code == 2 and "_index.json" in res.stderr
