@@ -145,9 +145,10 @@ def doctor(as_json: bool) -> None:
 def _register() -> None:
     from .bench import bench
     from .cache import cache, convert
+    from .index import index
     from .scan import scan
 
-    for cmd in (bench, cache, convert, scan):
+    for cmd in (bench, cache, convert, index, scan):
         main.add_command(cmd)
 
 

@@ -101,14 +101,11 @@ class FolderSource(Source):
         self._index_file: Path | None = None
         self._sizes = self._mtimes = None  # None: not read yet (see the sizes property)
         self._stats_fresh = False
-        settings = {"extensions": list(self._exts), "allow_empty": bool(allow_empty), "flat": bool(flat),
-                    "stat_files": self._stat_files}
         root_s = str(self.root)
         key = ""
         if index_dir is not False:
-            base = Path(index_dir) if index_dir not in (None, True) else _index.default_index_dir()
-            key = _index.index_key(root_s, settings)
-            self._index_file = base / f"{key}.idx"
+            self._index_file = saved_index_file(root_s, index_dir, self._exts, allow_empty, flat, stat_files)
+            key = self._index_file.stem
             saved = _index.load(self._index_file, root_s, key)
             if saved is not None:
                 self._open_saved(*saved)
@@ -429,6 +426,17 @@ class FolderSource(Source):
         h.update(self.sizes.tobytes())
         h.update(self.mtimes.tobytes())
         h.update(self.labels.tobytes())
+
+
+def saved_index_file(root, index_dir=None, extensions: tuple[str, ...] = IMAGE_EXTENSIONS,
+                     allow_empty: bool = False, flat: bool = False, stat_files: bool = True) -> Path:
+    """Where :class:`FolderSource` opened with these arguments keeps its saved index:
+    ``<index_dir>/<key>.idx`` (``index_dir`` None or True: the ``folder-index`` folder of
+    feedgpu's cache dir; the key: :func:`~feedgpu.sources.folder_index.index_key`)."""
+    settings = {"extensions": [e.lower() for e in extensions], "allow_empty": bool(allow_empty), "flat": bool(flat),
+                "stat_files": bool(stat_files)}
+    base = Path(index_dir) if index_dir not in (None, True) else _index.default_index_dir()
+    return base / f"{_index.index_key(str(root), settings)}.idx"
 
 
 _name = operator.attrgetter("name")

@@ -100,16 +100,24 @@ def ordered_map(fn, items: list, threads: int | None = None):
 _END = object()
 
 
+def index_for_table(shard: str) -> tuple[dict, os.stat_result, str, int]:
+    """``(part, stat, content, made_ns)`` of a local shard, the arguments after the shard of
+    :func:`~feedgpu.sources.tar_table.write_table`: its part of the index (:func:`index_local`),
+    its stat and xxh3-128 before it was read, and when (ns) that began. Raises what indexing
+    raises (:class:`~feedgpu.errors.SourceError`, :class:`OSError`)."""
+    made = _saved.now_ns()   # before the stat: a write while it is read gets a later mtime
+    st = os.stat(shard)
+    content = content_hash(shard)
+    return index_local(shard), st, content, made
+
+
 def write_tables(shards, threads: int | None = None) -> list[Path]:
     """Index each local shard (``shards``: paths) and write its table beside it; returns the
     tables written. A shard that changes while it is indexed gets none (a warning names it).
     Raises :class:`~feedgpu.errors.SourceError` for a shard that is not a readable tar (as
     :class:`~feedgpu.sources.tar.TarShardSource` would)."""
     def one(shard: str):
-        made = _saved.now_ns()   # before the stat: a write while it is read gets a later mtime
-        st = os.stat(shard)
-        content = content_hash(shard)
-        return shard, write_table(shard, index_local(shard), st, content, made)
+        return shard, write_table(shard, *index_for_table(shard))
 
     out = []
     for shard, table in ordered_map(one, [os.fspath(s) for s in shards], threads):
