@@ -13,7 +13,7 @@ from .imaging import pil_build
 from .loader import DataLoader
 from .metrics import SkippedSampleWarning
 from .pipeline import Pipeline
-from .sources import DatasetSource, FolderSource, ParquetSource, TarShardSource
+from .sources import DatasetSource, FolderSource, TarShardSource
 
 __all__ = [
     "Batch", "CacheFullError", "ConfigError", "CopyOnReadWarning", "DataLoader", "DatasetSource",
@@ -23,3 +23,12 @@ __all__ = [
     "SkippedSampleWarning", "SourceError", "StageError", "StateError", "TarShardSource",
     "UploadError", "WorkerError", "pil_build",
 ]
+
+
+def __getattr__(name: str):
+    # ParquetSource imports pyarrow, which a folder or tar pipeline does not need at start-up
+    if name == "ParquetSource":
+        from .sources.parquet import ParquetSource
+
+        return ParquetSource
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -29,7 +29,6 @@ Nothing else calls :meth:`CacheEntry.flush`.
 from .fingerprint import NotFingerprintable, fingerprint
 from .flush import FlushPolicy
 from .settings import CacheSettings, parse_compression, parse_size
-from .store import CacheEntry, clear, entries, evict_lru, verify
 
 __all__ = ["CacheEntry", "CacheSettings", "FlushPolicy", "NotFingerprintable", "clear", "entries", "evict_lru",
            "fingerprint", "open_entry", "parse_compression", "parse_size", "verify"]
@@ -52,4 +51,18 @@ def open_entry(settings: CacheSettings, source, stages, plan) -> "CacheEntry | N
         warnings.warn(f"feedgpu cache disabled: {e}", stacklevel=3)
         return None
     meta = {"source": source.describe(), "stages": [{"name": s.name, "config": s.config()} for s in prefix]}
+    from .store import CacheEntry
+
     return CacheEntry(settings, fp, len(source), meta)
+
+
+_STORE = ("CacheEntry", "clear", "entries", "evict_lru", "verify")
+
+
+def __getattr__(name: str):
+    # the store (pyarrow) is imported on first use: a loader without a cache does not need it
+    if name in _STORE:
+        from . import store
+
+        return getattr(store, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,7 +2,6 @@
 from .base import Record, Source
 from .dataset import DatasetSource
 from .folder import FolderSource
-from .parquet import ParquetSource
 from .tar import TarShardSource
 
 __all__ = ["DatasetSource", "FolderSource", "ParquetSource", "Record", "Source", "TarShardSource", "open_source"]
@@ -32,5 +31,16 @@ def open_source(format: str, path=None, **options) -> Source:
     if format == "tar":
         return TarShardSource(path, **options)
     if format == "parquet":
+        from .parquet import ParquetSource
+
         return ParquetSource(path, **options)
     raise ValueError(f"unknown source format {format!r}; allowed: folder, tar, parquet")
+
+
+def __getattr__(name: str):
+    # imported on first use: it imports pyarrow, which folder and tar sources do not need
+    if name == "ParquetSource":
+        from .parquet import ParquetSource
+
+        return ParquetSource
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
