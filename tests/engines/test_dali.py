@@ -930,3 +930,29 @@ def test_bench_compares_engines_side_by_side(folder_ds, tmp_path):
     if not torch.cuda.is_available():
         assert "dali-gpu skipped: torch sees no CUDA device" in res.output
     assert "feedgpu DALI CPU (1 thread)" in res.stdout
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_dali_gpu_auto_threads_change_nothing_in_the_batches(indexed):
+    """On the GPU engine the balancer's thread changes rebuild DALI's pipelines between batches;
+    the batches equal a fixed thread count's, bit for bit, and the engine reports dali-gpu."""
+    from feedgpu.exec.balancer import Decision
+
+    gpu = {"name": "dali", "device": "gpu"}
+    ref = DataLoader(Pipeline(indexed, train_stages(True), batch_size=8, seed=6, device="cuda",
+                              engine={**gpu, "threads": 2}))
+    want = [(b.images.cpu(), b.labels.clone()) for b in ref]
+    ref.shutdown()
+    loader = DataLoader(Pipeline(indexed, train_stages(True), batch_size=8, seed=6, device="cuda", engine=gpu,
+                                 num_workers="auto"))
+    a = loader.balancer
+    assert a.engine == "dali-gpu"
+    a.window_s, a.min_batches, a._skip = 0.0, 1, 0
+    plan = iter([(3, 1), (1, 1), (4, 2)] * 20)
+    a.policy.decide = lambda m: Decision(*next(plan), "add", "test", t=m.t, engine=m.engine)
+    got = [(b.images.cpu(), b.labels.clone()) for b in loader]
+    assert len(got) == len(want) and all(torch.equal(g[0], w[0]) and torch.equal(g[1], w[1])
+                                         for g, w in zip(got, want))
+    assert loader.stats()["engine"]["rebuilds"] >= 3
+    loader.shutdown()
