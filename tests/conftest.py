@@ -185,7 +185,12 @@ def no_leaked_workers():
 #: Ray clusters started by the tests talk over the loopback address: without this Ray uses the
 #: host's network address for its own processes (this switch is Ray's single-node mode). Ray
 #: reads it when imported, so it is set here, before any test module imports ray; only Ray reads it.
-RAY_LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+#: Ray runs its worker processes at niceness 15 unless told otherwise (``RAY_worker_niceness``,
+#: read when a cluster starts): on a machine whose cores other processes keep busy those workers
+#: get almost no CPU, and a test waits minutes for a remote worker to start; the test clusters
+#: run them at the training process's priority, as local workers run.
+RAY_LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
+                    "RAY_worker_niceness": "0"}
 os.environ.update(RAY_LOOPBACK_ENV)
 
 
