@@ -340,20 +340,29 @@ def test_workers_ignore_sigint(src, no_leaked_workers):
     assert len(got) == len(reference) and all(torch.equal(a, b) for a, b in zip(got, reference))
 
 
+def stuck_a_minute(img):
+    time.sleep(60)
+    return img
+
+
 def test_ctrl_c_while_waiting_for_a_batch_stops_the_workers(no_leaked_workers):
     import threading
 
-    loader = DataLoader(painted_pipeline(very_slow, batch_size=2))
+    # every sample takes a minute: no batch can be ready when the interrupt comes, however long
+    # the pool takes to start on a busy machine
+    loader = DataLoader(painted_pipeline(stuck_a_minute, batch_size=2))
     it = iter(loader)
     pids = loader.worker_pids()
     assert len(pids) == 2
     timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+    t0 = time.monotonic()
     timer.start()
     try:
         with pytest.raises(KeyboardInterrupt):
-            next(it)  # blocked: every sample takes 3 s
+            next(it)  # blocked
     finally:
         timer.cancel()
+    assert time.monotonic() - t0 < 30, "interrupted while waiting, not when a batch came"
     assert not wait_gone(pids, timeout=15)
 
 
