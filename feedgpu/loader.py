@@ -17,6 +17,7 @@ from .cache.settings import CacheSettings
 from .epoch import Ahead, EpochIterator, close_live
 from .errors import ConfigError
 from .exec.autoscale import Autoscaler, cpu_cores, default_config
+from .exec.balancer.measurement import count_unit
 from .exec.memory_budget import parse_worker_memory
 from .exec.build import make_pool, make_work
 from .exec.engines import EngineSettings
@@ -257,13 +258,12 @@ class DataLoader(tud.DataLoader[T_co]):
         if self.auto_workers and self._engine.name == "dali" and self._engine.threads:
             self.num_workers = self._engine.threads   # DALI threads given: fixed
         elif self.auto_workers:   # the balancer sizes the pool, or DALI's CPU threads
-            ex, cores, dali = self._executor, cpu_cores(), self._engine.name == "dali"
+            ex, cores = self._executor, cpu_cores()
+            engine = f"dali-{self._engine.dali_device(self._device)}" if self._engine.name == "dali" else "python"
             self._autoscaler = Autoscaler(
                 prefetch=self._prefetch, device=self._device, callback=stats_callback,
-                config=default_config(cores, max_workers=ex.max_local_workers,
-                                      unit="DALI threads" if dali else "workers"),
-                max_remote=ex.max_remote_workers if ex.remote else 0, remote=self._remote_start,
-                engine=f"dali-{self._engine.dali_device(self._device)}" if dali else "python")
+                config=default_config(cores, max_workers=ex.max_local_workers, unit=count_unit(engine)),
+                max_remote=ex.max_remote_workers if ex.remote else 0, remote=self._remote_start, engine=engine)
             self._set_live(self._autoscaler.workers, self._autoscaler.prefetch)
         self._frozen = True
 

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from typing import Iterable
 
 from ...errors import ConfigError
-from .measurement import Measurement, _fmt_rate, _pct
+from .measurement import Measurement, _fmt_rate, _pct, count_unit
 
 #: The consumer "waits" when it spends more than this share of its step time waiting for data.
 WAIT_THRESHOLD = 0.03
@@ -81,8 +81,8 @@ def diagnose(measurements: Measurement | Iterable[Measurement], *, wait_threshol
     if per_core and demand is not None:
         needed = math.inf if math.isinf(demand) else demand / per_core
         extra = max(0.0, needed - budget)
-    unit = "workers" if last.engine == "python" else "DALI threads"
-    got = f"the loader delivers {_fmt_rate(delivered)} with {last.workers} {unit} on {cores:.1f} of {budget:.1f} cores"
+    got = (f"the loader delivers {_fmt_rate(delivered)} with {last.workers} {count_unit(last.engine)} on "
+           f"{cores:.1f} of {budget:.1f} cores")
     if wait <= wait_threshold:
         verdict = "meets demand"
         msg = f"meets demand: the consumer takes {_fmt_rate(demand)} and waits {_pct(wait)}; {got}"

@@ -157,6 +157,12 @@ def _gib(x: float) -> str:
     return f"{x / 2**30:.2f} GiB"
 
 
+def count_unit(engine: str) -> str:
+    """What the balancer's count counts for ``engine``: ``"workers"`` (processes, ``"python"``)
+    or ``"DALI threads"`` (``"dali-cpu"``, ``"dali-gpu"``)."""
+    return "workers" if engine == "python" else "DALI threads"
+
+
 def setting(key: tuple, unit: str = "workers") -> str:
     """``(workers, prefetch)`` in words; ``unit``: what the count counts (``"DALI threads"``
     under the DALI engine)."""
