@@ -253,11 +253,11 @@ class Autoscaler:
                  "delivered_rate": m.delivered_rate, "demand_rate": m.demand_rate,
                  "wait_fraction": m.wait_fraction, "cpu_cores_used": m.cpu_cores_used,
                  "cpu_budget": m.cpu_budget, "rss_bytes": m.rss_bytes, "decision": d.kind,
-                 "next_workers": d.workers}
+                 "next_workers": d.workers, "next_prefetch": d.prefetch, "reason": d.reason}
         if m.network_wait_fraction:
             point["network_wait_fraction"] = m.network_wait_fraction
         if self.remote_policy is not None:
-            point.update(remote_workers=m.remote_workers, next_remote_workers=d.remote_workers, reason=d.reason)
+            point.update(remote_workers=m.remote_workers, next_remote_workers=d.remote_workers)
         if d.experiment is not None:
             point["experiment"] = d.experiment["text"]
         self.timeline.append(point)

@@ -425,6 +425,73 @@ def test_drift_at_a_held_setting_forgets_records():
     assert p.stats()["resets"] == 1
 
 
+def held_at_two_workers(**kw) -> Policy:
+    """A policy held at 2 workers that refused the worker less by -40 % and the worker more by
+    +1 % (the loop waits 20 %)."""
+    p = Policy(quiet(max_prefetch=2, max_workers=3, **kw))
+    assert p.decide(window(1, 2, 800)).kind == "add"
+    assert p.decide(window(2, 3, 808)).kind == "revert"       # +1 %: refused by a hair
+    assert p.decide(window(3, 2, 800)).kind == "remove"
+    assert p.decide(window(4, 1, 480)).kind == "revert"       # -40 %: refused by far
+    for t in range(5, 8):
+        assert p.decide(window(t, 2, 800)).kind == "hold"
+    return p
+
+
+def test_drift_keeps_the_refusals_a_move_that_size_cannot_undo():
+    p = held_at_two_workers()
+    p.decide(window(8, 2, 1000, demand=1300))                 # +25 % twice: drift
+    d = p.decide(window(9, 2, 1000, demand=1300))
+    assert "records forgotten but 1 refused step(s)" in d.reason, d.reason
+    assert (d.kind, d.workers) == ("add", 3)                  # the +1 % refusal is reopened
+    d = p.decide(window(10, 3, 1010, demand=1300))            # still +1 %: undone again
+    assert (d.kind, d.workers) == ("revert", 2)
+    d = p.decide(window(11, 2, 1000, demand=1300))
+    assert d.kind == "hold", d.reason                         # not the -40 % worker less again
+    assert "refused before the records were forgotten" in d.reason
+
+
+def test_windows_on_both_sides_of_the_mean_are_noise_not_drift():
+    p = held_at_two_workers()
+    for t, rate in enumerate([1000, 600, 1000, 600, 1000], start=8):   # +25 %, -25 %, ...
+        d = p.decide(window(t, 2, rate, demand=rate / 0.8))
+        assert d.kind == "hold" and "forgotten" not in d.reason, (t, d.reason)
+    assert p.stats()["resets"] == 0
+
+
+def test_drift_must_stand_out_of_the_noise_of_a_window():
+    """With windows 15 % noisy, two windows 18 % above the mean are not a drift; 40 % is."""
+    p = Policy(quiet(max_prefetch=2, min_workers=2, max_workers=2, noise_prior=0.15, noise_floor=0.15))
+    for t, rate in enumerate([800, 680, 920, 800, 680, 920]):
+        p.decide(window(t, 2, rate, demand=1000))
+    for t in (6, 7):
+        d = p.decide(window(t, 2, 944, demand=1180))           # +18 % rate and demand
+    assert "forgotten" not in d.reason and p.stats()["resets"] == 0, d.reason
+    for t in (8, 9):
+        d = p.decide(window(t, 2, 1120, demand=1400))
+    assert "records forgotten" in d.reason and p.stats()["resets"] == 1, d.reason
+
+
+def test_a_costlier_step_clearly_below_is_undone_after_one_window():
+    """A worker more whose first measured window is far below where it came from is undone
+    then, not after ``measure_windows``; a first window near the bar is measured again."""
+    cfg = dict(settle_windows=1, base_windows=2, measure_windows=2, max_prefetch=2, noise_prior=0.02,
+               noise_floor=0.02)
+    p = Policy(quiet(**cfg))
+    for t in range(3):
+        d = p.decide(window(t, 2, 700))                       # waiting 30 %
+    assert (d.kind, d.workers) == ("add", 3)
+    assert p.decide(window(3, 3, 500)).kind == "settle"       # a settle window is not judged
+    d = p.decide(window(4, 3, 560))                           # -20 %
+    assert (d.kind, d.workers) == ("revert", 2) and "clear after 1 window" in d.reason, d.reason
+    p = Policy(quiet(**cfg))
+    for t in range(3):
+        p.decide(window(t, 2, 700))
+    p.decide(window(3, 3, 500))
+    d = p.decide(window(4, 3, 710))                           # +1.4 %: not clear yet
+    assert d.kind == "measure", d.reason
+
+
 def test_loader_running_another_setting_is_followed():
     p = Policy(quiet())
     p.decide(window(1, 4, 400))                               # asks for 5

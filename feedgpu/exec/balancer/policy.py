@@ -28,14 +28,18 @@ Rules, applied to each window (:meth:`Policy.decide`):
    its threshold (the noise of a window is estimated from the windows themselves) after at
    least ``measure_windows`` windows; a close call is measured again, up to
    ``max_measure_windows`` at the new setting, then at the old one, then judged on the means.
-   A cheaper step whose settle window alone already misses the bar by that many standard
-   errors is undone at once (the batches in flight make a settle window look better than
-   the cheaper setting will be).
+   A step that is clearly worse is undone sooner: a cheaper one whose settle window alone
+   already misses the bar by that many standard errors (the batches in flight make a settle
+   window look better than the cheaper setting will be), any step whose first measured
+   window does. A step is never *kept* on fewer than ``measure_windows`` windows.
 5. With no neighbour left to try, the policy holds (settled). When the rate, or the loop's
-   demand, at an unchanged setting moves by more than ``drift_threshold`` for
-   ``drift_windows`` windows (another process takes cores, the model changed), every record is
-   forgotten and the experiments start again from there; a settled policy also starts again
-   after ``recheck_windows`` windows, the interval doubling up to ``recheck_max_windows``.
+   demand, at an unchanged setting moves by more than ``drift_threshold`` in each of
+   ``drift_windows`` windows, all in one direction, and their mean stands ``confidence``
+   standard errors out of a window's noise (another process takes cores, the model changed),
+   the records are forgotten and the experiments start again from there, except that a step
+   refused by a wider margin than the move stays refused (a move that size cannot have made
+   it good). A settled policy also starts again after ``recheck_windows`` windows, the
+   interval doubling up to ``recheck_max_windows``.
 
 Every decision carries its reason in plain words and is logged on the ``feedgpu.balancer``
 logger (INFO for changes, DEBUG for holds); :meth:`Policy.stats` is what ``loader.stats()``
@@ -85,7 +89,6 @@ class Policy:
         self._decisions = self._changes = self._forgotten = 0
         self._key: Key | None = None
         self._settle = self.config.settle_windows
-        self._off = 0
         self._recheck_every = self.config.recheck_windows
         self._held = 0
         self._pending: dict | None = None
@@ -104,19 +107,25 @@ class Policy:
             self._changes += 1
             self._key = (d.workers, d.prefetch)
             self._settle = self.config.settle_windows
-            self._off = 0
+            self._recent.clear()
         self._history.append(d)
         log.log(logging.INFO if d.changes else logging.DEBUG, "t=%.1f %s -> %d workers, prefetch %d: %s",
                 d.t, d.kind, d.workers, d.prefetch, d.reason)
         return d
 
-    def forget(self) -> None:
+    def forget(self, keep_beyond: float | None = None) -> int:
         """Forget every record and verdict (the next windows experiment again from the current
-        setting)."""
+        setting). With ``keep_beyond`` (a relative change of the rate, e.g. 0.2), a step refused
+        by a margin larger than that stays refused: a move of the rate that size cannot have
+        turned it into a good one. Returns how many refusals were kept."""
+        kept = {} if keep_beyond is None else {
+            k: (why, self._margins[k]) for k, why in self._refused.items() if self._margins.get(k, 0.0) > keep_beyond}
         self._forget_state()
-        self._off = 0
+        for k, (why, margin) in kept.items():
+            self._refuse(k, f"{why}; refused before the records were forgotten", margin)
         self._recheck_every = self.config.recheck_windows
         self._forgotten += 1
+        return len(kept)
 
     @property
     def history(self) -> tuple[Decision, ...]:
@@ -161,9 +170,17 @@ class Policy:
     def _forget_state(self) -> None:
         self._records: dict[Key, Record] = {}
         self._refused: dict[tuple[Key, Key], str] = {}   # (from, to) -> why the step is not taken
+        self._margins: dict[tuple[Key, Key], float] = {}  # (from, to) -> by how much (relative rate)
+        self._recent: deque[Measurement] = deque(maxlen=self.config.drift_windows)
         self._trial: _Trial | None = None
         self._settled = False
         self._held = 0
+
+    def _refuse(self, step: tuple[Key, Key], why: str, margin: float) -> None:
+        """Refuse ``step`` (from, to) because ``why``; ``margin``: by how much, as a relative
+        rate (what :meth:`forget` compares with the size of a drift)."""
+        self._refused[step] = why
+        self._margins[step] = abs(margin)
 
     def _noise(self) -> float:
         c = self.config
@@ -232,6 +249,7 @@ class Policy:
             notes.append(f"the loader runs {self._setting(key)}, not the {self._setting(self._key)} decided; "
                          "going on from there")
             self._key, self._trial, self._settle = key, None, 0
+            self._recent.clear()
         w, p = key
         limit, why = self._limit(m)
         self._tight = self._memory_tight(m, limit)
@@ -245,15 +263,25 @@ class Policy:
                 return early
             return self._decision(m, key, "settle", "; ".join(notes + [f"letting {self._setting(key)} settle"]))
         rec = self._records.get(key)
+        fresh = [m]
         if self._trial is None and rec is not None and rec.n >= c.base_windows:
-            moved = drifted(m, rec, c.drift_threshold)
-            self._off = self._off + 1 if moved else 0
-            if moved and self._off >= c.drift_windows:
-                notes.append(f"at unchanged {self._setting(key)} {moved} for {self._off} windows; records forgotten")
-                self.forget()
+            self._recent.append(m)
+            moved = (drifted(self._recent, rec, c.drift_threshold, self._noise(), c.confidence)
+                     if len(self._recent) >= c.drift_windows else None)
+            if moved is not None:
+                why, size = moved
+                fresh = list(self._recent)
+                kept = self.forget(keep_beyond=size)
+                notes.append(f"at unchanged {self._setting(key)} {why} over {len(fresh)} windows; records forgotten"
+                             + (f" but {kept} refused step(s), each refused by more than the {size:.0%} move"
+                                if kept else ""))
                 rec = None
+        else:
+            self._recent.clear()
         if rec is None:
             rec = self._records[key] = Record()
+            for x in fresh[:-1]:   # the windows that showed the drift are the new setting's first
+                rec.add(x)
         rec.add(m)
         if self._trial is not None:
             d = self._judge(m, rec, notes)
@@ -281,7 +309,7 @@ class Policy:
         verdict = (f"{_fmt_rate(m.delivered_rate)} while settling vs the best {_fmt_rate(top)} "
                    f"({self._setting(best_key)}), {-loss:+.1%}: not within {_pct(c.tolerance)}, already while settling")
         self._trial = None
-        self._refused[(t.src, t.dst)] = verdict
+        self._refuse((t.src, t.dst), verdict, loss - c.tolerance)
         exp = self._experiment(m, t, False, verdict)
         step = f"{t.kind} from {self._setting(t.src)} to {self._setting(t.dst)}"
         return self._decision(m, t.src, "revert", "; ".join(notes + [f"undid the {step}: {verdict}"]), exp)
@@ -292,12 +320,14 @@ class Policy:
         c = self.config
         t = self._trial
         key = self._key
-        if rec.n < c.measure_windows:
+        ok, margin, se, verdict = self._verdict(t.src, t.dst, t.kind)
+        close = abs(margin) < c.confidence * se
+        if rec.n < c.measure_windows and (ok or close or t.phase != "dst"):
             return self._decision(m, key, "measure", f"measuring {self._setting(key)} ({rec.n} of {c.measure_windows} "
                                                      "windows)")
-        ok, margin, se, verdict = self._verdict(t.src, t.dst, t.kind)
         step = f"{t.kind} from {self._setting(t.src)} to {self._setting(t.dst)}"
-        close = abs(margin) < c.confidence * se
+        if rec.n < c.measure_windows:
+            verdict += f", clear after {rec.n} window{'s' if rec.n > 1 else ''}"
         if close and rec.n < c.max_measure_windows:
             return self._decision(m, key, "measure", f"close call on the {step}, measuring again ({verdict}; "
                                                      f"{_pct(abs(margin))} from the threshold, noise needs "
@@ -309,14 +339,14 @@ class Policy:
         self._trial = None
         exp = self._experiment(m, t, ok, verdict)
         if ok:
-            self._refused[(t.dst, t.src)] = f"the opposite step was kept ({verdict})"
+            self._refuse((t.dst, t.src), f"the opposite step was kept ({verdict})", margin)
             if t.phase == "src":
                 return self._decision(m, t.dst, _kind(t.kind), "; ".join(
                     notes + [f"measured both again, back to {self._setting(t.dst)}: kept, {verdict}"]), exp)
             notes.append(f"kept the {step}: {verdict}")
             self._pending = exp
             return None
-        self._refused[(t.src, t.dst)] = verdict
+        self._refuse((t.src, t.dst), verdict, margin)
         if t.phase == "src":
             notes.append(f"measured both again, staying at {self._setting(t.src)}: {verdict}")
             self._pending = exp
@@ -413,6 +443,7 @@ class Policy:
             first = next(iter(self._candidates(key, rec, waiting, limit, why_limit)[0]), None)
             if first is not None:   # the most promising step only: the others stay refused
                 self._refused.pop((key, first[0]), None)
+                self._margins.pop((key, first[0]), None)
                 self._records.pop(first[0], None)
                 label = "probe"
                 notes.append(f"settled for a while: checking {self._setting(first[0])} again")
@@ -422,11 +453,11 @@ class Policy:
                 continue
             r = self._records.get(dst)
             if r is not None and r.n >= c.measure_windows:
-                ok, _, _, verdict = self._verdict(key, dst, kind)
+                ok, margin, _, verdict = self._verdict(key, dst, kind)
                 if not ok:
-                    self._refused[(key, dst)] = verdict
+                    self._refuse((key, dst), verdict, margin)
                     continue
-                self._refused[(dst, key)] = f"the opposite step was taken ({verdict})"
+                self._refuse((dst, key), f"the opposite step was taken ({verdict})", margin)
                 return self._decision(m, dst, _kind(kind), "; ".join(notes + [f"{state}; measured before: "
                                                                                f"{self._setting(dst)}, {verdict}"]))
             if rec.n < c.base_windows:

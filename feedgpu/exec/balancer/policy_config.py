@@ -37,7 +37,10 @@ class PolicyConfig:
         wait_threshold: the loop waits when more than this share of its step time goes to
             waiting for a batch (0.03); more workers or prefetch are tried only then.
         drift_threshold, drift_windows: forget the records when the rate or demand at an
-            unchanged setting moves more than this share (0.15) for this many windows (2).
+            unchanged setting moves more than this share (0.15) in each of this many windows
+            (2), all in one direction, and their mean by more than ``confidence`` standard
+            errors of a window's noise; steps refused by a wider margin than the move stay
+            refused.
         busy_threshold: workers using less than this share of a core are idle part of the time
             (0.8): a deeper prefetch is tried first.
         min_workers, max_workers: bounds of the pool (1, 64); ``max_workers`` is a hard limit.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from .measurement import Measurement
 
@@ -64,12 +64,37 @@ def pooled_noise(records: Iterable[Record], prior: float, floor: float, prior_df
     return max(floor, math.sqrt(ss / df))
 
 
-def drifted(m: Measurement, r: Record, threshold: float) -> str | None:
-    """Why the window ``m`` does not look like the record ``r`` of its own setting (its rate,
-    or the loop's demand, more than ``threshold`` away from the mean), or None."""
-    if r.rate > 0 and abs(m.delivered_rate / r.rate - 1) > threshold:
-        return f"the rate moved from {r.rate:,.0f}/s to {m.delivered_rate:,.0f}/s"
-    d = m.demand_rate
-    if r.demand_n and d is not None and not math.isinf(d) and abs(d / r.demand - 1) > threshold:
-        return f"demand moved from {r.demand:,.0f}/s to {d:,.0f}/s"
+def drifted(recent: Sequence[Measurement], r: Record, threshold: float, noise: float = 0.0,
+            confidence: float = 0.0) -> tuple[str, float] | None:
+    """Whether the windows ``recent`` (the last few at one unchanged setting) no longer look like
+    the record ``r`` of that setting: each window's rate, or the loop's demand, is more than
+    ``threshold`` away from the record's mean, all on the same side, and their mean (with the
+    relative ``noise`` of one window) more than ``confidence`` standard errors away. Windows on
+    both sides of the mean are noise, not drift.
+
+    Returns (why in words, the relative move), or None."""
+    k = len(recent)
+    if k == 0:
+        return None
+    bound = max(threshold, confidence * noise * math.sqrt(1 / k + 1 / max(r.n, 1)))
+    rates = [m.delivered_rate for m in recent]
+    moved = _moved(rates, r.rate, threshold, bound)
+    if moved is not None:
+        return f"the rate moved from {r.rate:,.0f}/s to {sum(rates) / k:,.0f}/s", moved
+    demands = [m.demand_rate for m in recent]
+    if r.demand_n and all(d is not None and not math.isinf(d) for d in demands):
+        moved = _moved(demands, r.demand, threshold, bound)
+        if moved is not None:
+            return f"demand moved from {r.demand:,.0f}/s to {sum(demands) / k:,.0f}/s", moved
     return None
+
+
+def _moved(values: list[float], base: float, each: float, bound: float) -> float | None:
+    """The relative move of the mean of ``values`` from ``base`` when every value lies more
+    than ``each`` from ``base`` on the same side and the mean more than ``bound``, else None."""
+    if base <= 0:
+        return None
+    rel = [v / base - 1 for v in values]
+    mean = sum(rel) / len(rel)
+    same_side = all(x > each for x in rel) or all(x < -each for x in rel)
+    return abs(mean) if same_side and abs(mean) > bound else None
