@@ -253,7 +253,9 @@ class Autoscaler:
                  "delivered_rate": m.delivered_rate, "demand_rate": m.demand_rate,
                  "wait_fraction": m.wait_fraction, "cpu_cores_used": m.cpu_cores_used,
                  "cpu_budget": m.cpu_budget, "rss_bytes": m.rss_bytes, "decision": d.kind,
-                 "next_workers": d.workers, "next_prefetch": d.prefetch, "reason": d.reason}
+                 "next_workers": d.workers, "next_prefetch": d.prefetch}
+        if d.kind != "hold" or self.remote_policy is not None:   # a hold's reason repeats: policy.history keeps it
+            point["reason"] = d.reason
         if m.network_wait_fraction:
             point["network_wait_fraction"] = m.network_wait_fraction
         if self.remote_policy is not None:

@@ -52,6 +52,7 @@ import logging
 import math
 from collections import deque
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from .diagnosis import Diagnosis, diagnose
 from .measurement import Decision, Measurement, _fmt_rate, _gib, _pct, setting
@@ -71,6 +72,11 @@ class _Trial:
     kind: str           # "add", "remove", "prefetch-up" or "prefetch-down"
     label: str          # the decision kind that started it ("add", "remove", "prefetch", "probe")
     phase: str = "dst"  # "dst": measuring the new setting; "src": measuring the old one again
+
+
+class _Refusal(NamedTuple):
+    why: str        # in words
+    margin: float   # by how much it missed its bar, as a relative rate (what a drift is compared with)
 
 
 def _kind(kind: str) -> str:
@@ -118,11 +124,10 @@ class Policy:
         setting). With ``keep_beyond`` (a relative change of the rate, e.g. 0.2), a step refused
         by a margin larger than that stays refused: a move of the rate that size cannot have
         turned it into a good one. Returns how many refusals were kept."""
-        kept = {} if keep_beyond is None else {
-            k: (why, self._margins[k]) for k, why in self._refused.items() if self._margins.get(k, 0.0) > keep_beyond}
+        kept = {} if keep_beyond is None else {k: r for k, r in self._refused.items() if r.margin > keep_beyond}
         self._forget_state()
-        for k, (why, margin) in kept.items():
-            self._refuse(k, f"{why}; refused before the records were forgotten", margin)
+        for k, r in kept.items():
+            self._refuse(k, f"{r.why}; refused before the records were forgotten", r.margin)
         self._recheck_every = self.config.recheck_windows
         self._forgotten += 1
         return len(kept)
@@ -169,8 +174,7 @@ class Policy:
     # -- state ----------------------------------------------------------------------------------
     def _forget_state(self) -> None:
         self._records: dict[Key, Record] = {}
-        self._refused: dict[tuple[Key, Key], str] = {}   # (from, to) -> why the step is not taken
-        self._margins: dict[tuple[Key, Key], float] = {}  # (from, to) -> by how much (relative rate)
+        self._refused: dict[tuple[Key, Key], _Refusal] = {}   # (from, to) -> why the step is not taken
         self._recent: deque[Measurement] = deque(maxlen=self.config.drift_windows)
         self._trial: _Trial | None = None
         self._settled = False
@@ -179,8 +183,7 @@ class Policy:
     def _refuse(self, step: tuple[Key, Key], why: str, margin: float) -> None:
         """Refuse ``step`` (from, to) because ``why``; ``margin``: by how much, as a relative
         rate (what :meth:`forget` compares with the size of a drift)."""
-        self._refused[step] = why
-        self._margins[step] = abs(margin)
+        self._refused[step] = _Refusal(why, abs(margin))
 
     def _noise(self) -> float:
         c = self.config
@@ -263,16 +266,17 @@ class Policy:
                 return early
             return self._decision(m, key, "settle", "; ".join(notes + [f"letting {self._setting(key)} settle"]))
         rec = self._records.get(key)
-        fresh = [m]
+        earlier: list[Measurement] = []   # windows before m that belong to a fresh record
         if self._trial is None and rec is not None and rec.n >= c.base_windows:
             self._recent.append(m)
             moved = (drifted(self._recent, rec, c.drift_threshold, self._noise(), c.confidence)
                      if len(self._recent) >= c.drift_windows else None)
             if moved is not None:
                 why, size = moved
-                fresh = list(self._recent)
+                earlier = list(self._recent)[:-1]   # the windows that showed the drift are the new record's first
                 kept = self.forget(keep_beyond=size)
-                notes.append(f"at unchanged {self._setting(key)} {why} over {len(fresh)} windows; records forgotten"
+                notes.append(f"at unchanged {self._setting(key)} {why} over {len(earlier) + 1} windows; "
+                             "records forgotten"
                              + (f" but {kept} refused step(s), each refused by more than the {size:.0%} move"
                                 if kept else ""))
                 rec = None
@@ -280,7 +284,7 @@ class Policy:
             self._recent.clear()
         if rec is None:
             rec = self._records[key] = Record()
-            for x in fresh[:-1]:   # the windows that showed the drift are the new setting's first
+            for x in earlier:
                 rec.add(x)
         rec.add(m)
         if self._trial is not None:
@@ -443,7 +447,6 @@ class Policy:
             first = next(iter(self._candidates(key, rec, waiting, limit, why_limit)[0]), None)
             if first is not None:   # the most promising step only: the others stay refused
                 self._refused.pop((key, first[0]), None)
-                self._margins.pop((key, first[0]), None)
                 self._records.pop(first[0], None)
                 label = "probe"
                 notes.append(f"settled for a while: checking {self._setting(first[0])} again")
@@ -480,5 +483,5 @@ class Policy:
 
     def _hold(self, m, notes, state, key, waiting, limit, why_limit) -> Decision:
         _, blocked = self._candidates(key, self._records[key], waiting, limit, why_limit)
-        tried = [f"{self._setting(b)}: {why}" for (a, b), why in self._refused.items() if a == key]
+        tried = [f"{self._setting(b)}: {r.why}" for (a, b), r in self._refused.items() if a == key]
         return self._decision(m, key, "hold", "; ".join(notes + [f"{state}; settled"] + blocked + tried))
