@@ -199,7 +199,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tail-from", type=float, default=30.0,
                     help="each run's rate is also measured from this many seconds on (default 30: the "
                          "goal is that auto reaches the best fixed count within 30 s)")
-    ap.add_argument("--auto-only", action="store_true",
+    ap.add_argument("--only", choices=["auto"], default=None,
                     help="run auto alone (a look at its decisions; no comparison, results not meant for bench/results)")
     ap.add_argument("--max-fixed", type=int, default=None, help="largest fixed count (default cores + 1)")
     ap.add_argument("--note", default="", help="a note recorded with the results (e.g. the machine was shared)")
@@ -220,7 +220,7 @@ def main(argv=None) -> int:
     p = Pipeline.from_config(doc, where=str(PIPELINE))
     cores = cpu_cores()
     counts = list(range(1, (a.max_fixed or cores + 1) + 1))
-    kinds = ["auto"] if a.auto_only else [*counts, "auto"]
+    kinds = ["auto"] if a.only == "auto" else [*counts, "auto"]
     results = []
     for name in names:
         runs: dict[str, list] = {str(k): [] for k in kinds}
@@ -233,7 +233,7 @@ def main(argv=None) -> int:
                 print(f"{name} round {rnd} workers {nw}: {r['samples_per_s']:,.0f} samples/s, waiting "
                       f"{100 * r['waiting_share']:.1f} %" + (f", ended at {r['final']}" if nw == "auto" else ""),
                       file=sys.stderr, flush=True)
-        if a.auto_only:
+        if a.only == "auto":
             results.append({"consumer": name, "runs": runs})
             continue
         med = {k: statistics.median(x["samples_per_s"] for x in v) for k, v in runs.items()}
@@ -261,7 +261,7 @@ def main(argv=None) -> int:
                         "crop": a.crop, "batch_size": a.batch_size, "seconds": a.seconds, "rounds": a.rounds,
                         "busy_rate": a.busy_rate, "fixed_counts": counts, "tie": TIE, "tail_from": a.tail_from},
            "consumers": results, "total_seconds": round(time.perf_counter() - t_start, 1)}
-    if a.auto_only:
+    if a.only == "auto":
         Path(a.out).mkdir(parents=True, exist_ok=True)
         (Path(a.out) / "balancer_auto.json").write_text(json.dumps(out, indent=1))
         return 0
