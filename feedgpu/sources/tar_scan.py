@@ -35,13 +35,16 @@ _MAX_LABEL_DIGITS = 18   # below 2**63 whatever the digits
 _NUMERIC = ((100, 8), (108, 8), (116, 8), (124, 12), (136, 12), (148, 8), (329, 8), (337, 8))
 
 
-def _octal_fields(f: np.ndarray) -> np.ndarray | None:
+def _octal_fields(f: np.ndarray, constant: bool | None = None) -> np.ndarray | None:
     """One numeric field per header (``f``: its bytes, one row a header) as :mod:`tarfile` reads
     it (``tarfile.nti``), or None when one cannot be read or is base-256. The usual forms
     (``width - 1`` or ``width - 2`` octal digits, then NULs or blanks) are read with numpy, any
-    other through ``nti`` itself, once per distinct value."""
+    other through ``nti`` itself, once per distinct value. ``constant``: whether every row is
+    the same (found here when None)."""
     width = f.shape[1]
-    if (f == f[0]).all():                                 # one value in every header (mode, uid, mtime...)
+    if constant is None:
+        constant = bool((f == f[0]).all())
+    if constant:                                          # one value in every header (mode, uid, mtime...)
         import tarfile
 
         b = f[0].tobytes()
@@ -49,21 +52,21 @@ def _octal_fields(f: np.ndarray) -> np.ndarray | None:
             return None if b[0] in (0o200, 0o377) else np.full(len(f), tarfile.nti(b), np.int64)
         except (ValueError, UnicodeError, tarfile.TarError):
             return None
-    octal = (f >= 48) & (f <= 55)
+    d = f - np.uint8(48)                                  # an octal digit is 0-7, anything else wraps above
+    for k in (width - 1, width - 2):                      # every header in one form (what one writer gives)
+        tail = f[:, k:]
+        if (d[:, :k] <= 7).all() and ((tail == 0) | (tail == 32)).all():
+            return _digits(d[:, :k])
+    octal = d <= 7
     pad = (f == 0) | (f == 32)
     value = np.zeros(len(f), np.int64)
     done = np.zeros(len(f), bool)
-    digits = f.astype(np.int64) - 48
     for k in (width - 1, width - 2):
         if done.all():
             break
         form = octal[:, :k].all(axis=1) & pad[:, k:].all(axis=1) & ~done
         if form.any():
-            v = np.zeros(len(f), np.int64)
-            for j in range(k):                            # Horner, column by column (rows not of the form are dropped)
-                v *= 8
-                v += digits[:, j]
-            value = np.where(form, v, value)
+            value = np.where(form, _digits(d[:, :k]), value)
             done |= form
     if not done.all():
         import tarfile
@@ -81,6 +84,21 @@ def _octal_fields(f: np.ndarray) -> np.ndarray | None:
                 return None
         value[odd] = np.asarray(parsed, dtype=np.int64)[inverse.ravel()]
     return value
+
+
+def _constant_columns(rows: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """Whether each byte column ``lo:hi`` of ``rows`` (``lo``, ``hi`` multiples of 8) holds one
+    value in every row: the columns as 64-bit words, each XOR the first row's, OR-ed over rows."""
+    w = np.ascontiguousarray(rows[:, lo:hi]).view("<u8")
+    diff = np.bitwise_or.reduce(w ^ w[0], axis=0)
+    return np.ascontiguousarray(diff).view(np.uint8) == 0
+
+
+def _digits(d: np.ndarray) -> np.ndarray:
+    """Octal digits (values 0-7, one row a number, most significant first) as int64: the digits
+    times their powers of 8 in one product, exact in float64 for up to 17 digits."""
+    k = d.shape[1]
+    return (d.astype(np.float64) @ (8.0 ** np.arange(k - 1, -1, -1))).astype(np.int64)
 
 
 def scan_plain(path: str, image_fields, label_fields) -> dict | None:
@@ -109,16 +127,18 @@ def _scan(data: np.ndarray, size: int, image_fields, label_fields) -> dict | Non
     cand = np.flatnonzero((magic & mask) == want)
     if cand.size == 0 or cand[0] != 0:
         return None
-    rows = blocks[cand]                                   # a copy: the headers only
+    rows = np.take(blocks, cand, axis=0)                  # a copy: the headers only
     if not np.all((rows[:, 156] == ord("0")) | (rows[:, 156] == 0)):
         return None
     if np.any(rows[:, 345:500]):                          # a ustar name prefix
         return None
-    numeric = {100: np.ascontiguousarray(rows[:, 100:157]), 329: np.ascontiguousarray(rows[:, 329:345])}
+    numeric = {100: rows[:, 100:157], 329: rows[:, 329:345]}
+    same = {100: _constant_columns(rows, 96, 160)[4:61], 329: _constant_columns(rows, 328, 352)[1:17]}
     values = {}
     for start, width in _NUMERIC:
         base = 100 if start < 329 else 329
-        value = _octal_fields(numeric[base][:, start - base:start - base + width])
+        cols_of = slice(start - base, start - base + width)
+        value = _octal_fields(numeric[base][:, cols_of], bool(same[base][cols_of].all()))
         if value is None:
             return None
         values[start] = value
@@ -134,7 +154,7 @@ def _scan(data: np.ndarray, size: int, image_fields, label_fields) -> dict | Non
     end = int(nxt[-1]) * _BLOCK
     if end + _BLOCK > size or np.any(data[end:]):
         return None
-    nul = np.ascontiguousarray(rows[:, :_NAME]) == 0
+    nul = rows[:, :_NAME] == 0
     lens = np.where(nul.any(axis=1), nul.argmax(axis=1), _NAME)
     width_n = int(lens.max())
     names = np.ascontiguousarray(rows[:, :width_n])       # the names' bytes, no column past the longest
@@ -146,7 +166,8 @@ def _scan(data: np.ndarray, size: int, image_fields, label_fields) -> dict | Non
     r = np.arange(n)
     if np.any(names[r, lens - 1] == ord("/")):
         return None
-    slash = np.where(inside & (names == ord("/")), cols, -1).max(axis=1)
+    at_slash = inside & (names == ord("/"))
+    slash = np.where(at_slash.any(axis=1), width_n - 1 - at_slash[:, ::-1].argmax(axis=1), -1)   # the last one
     dot_mask = inside & (names == ord(".")) & (cols > slash[:, None])
     if not dot_mask.any(axis=1).all():
         return None

@@ -14,7 +14,7 @@ import feedgpu
 from feedgpu.sources import tar_index, tar_local
 from feedgpu.sources.tar import TarShardSource
 from feedgpu.sources.tar_members import IMAGE_SUFFIXES, LABEL_SUFFIXES
-from feedgpu.sources.tar_scan import scan_plain
+from feedgpu.sources.tar_scan import _octal_fields, scan_plain
 
 CASES = Path(__file__).resolve().parents[2].parent / "shared" / "cases" / "images"
 OLD = 1_600_000_000   # an mtime far in the past: a saved index is written for the shard
@@ -128,6 +128,21 @@ def test_the_scan_gives_tarfiles_index_or_declines(tmp_path, monkeypatch):
     members, offsets, sizes, labels, _, _ = index_of(shards["plain"][0])
     assert offsets == [m.offset_data for m in jpgs] and sizes == [m.size for m in jpgs]
     assert labels == [i * 37 % 1000 for i in range(12)]
+
+
+@pytest.mark.parametrize("rows", [
+    [b"00000000521\0", b"00000000001\0", b"77777777777\0"],            # one form (tarfile's): one product
+    [b"0000000521\0\0", b"00000000001 ", b"0000000001  ", b"00000000521\0"],   # forms mixed row by row
+    [b"00000000521\0"] * 3,                                              # one value in every row
+    [b"     521 \0\0\0", b"00000000001\0"],                               # leading blanks: through nti
+])
+def test_octal_fields_read_as_tarfile_reads_them(rows):
+    f = np.frombuffer(b"".join(rows), np.uint8).reshape(len(rows), -1)
+    want = [tarfile.nti(r) for r in rows]
+    assert _octal_fields(f).tolist() == want
+    assert _octal_fields(f, constant=len(set(rows)) == 1).tolist() == want
+    bad = np.frombuffer(b"".join(rows[:-1] + [b"0000000x521\0"]), np.uint8).reshape(len(rows), -1)
+    assert _octal_fields(bad) is None   # tarfile rejects such a header: so does the scan
 
 
 # -- the saved index ------------------------------------------------------------------------------
