@@ -167,6 +167,10 @@ class Curve:
         noise: relative standard deviation of each window's rate.
         cores_per_worker: cores each worker uses (reported, busy workers by default).
         window_s, seed: seconds per window; seeds the noise.
+        start_dip, start_windows: after the worker count grows, the next ``start_windows``
+            windows train ``start_dip`` (a share) below the setting before it, as a real pool
+            does while a new worker starts and its first batch holds up the in-order hand-off
+            (0, 0: no start-up cost).
     """
 
     rate: Callable[[int, int], float]
@@ -175,10 +179,14 @@ class Curve:
     cores_per_worker: float = 1.0
     window_s: float = 1.0
     seed: int = 0
+    start_dip: float = 0.0
+    start_windows: int = 0
 
     def __post_init__(self):
         self.t = 0.0
         self._rng = random.Random(self.seed)
+        self._last: tuple[int, int] | None = None
+        self._starting = 0
 
     def waiting(self, workers: int, prefetch: int) -> float:
         if self.wait is not None:
@@ -195,6 +203,13 @@ class Curve:
         """Advance one window with this setting and return what the loader would measure."""
         self.t += self.window_s
         r = self.rate(workers, prefetch)
+        if self._last is not None and workers > self._last[0]:
+            self._starting = self.start_windows
+            self._before = self.rate(*self._last)
+        if self._starting > 0:
+            self._starting -= 1
+            r = self._before * (1 - self.start_dip)
+        self._last = (workers, prefetch)
         if self.noise > 0:
             r *= max(0.05, 1.0 + self._rng.gauss(0.0, self.noise))
         wait = min(1.0, max(0.0, self.waiting(workers, prefetch)))

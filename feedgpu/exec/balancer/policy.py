@@ -13,7 +13,9 @@ Rules, applied to each window (:meth:`Policy.decide`):
    memory budget (per-worker memory from the measurements). A pool above a limit shrinks to it
    at once. The CPU the training loop or other processes use is *not* a limit: whether a
    worker more trains faster on busy cores is measured, not assumed.
-2. The window after a change is not judged (``settle_windows``).
+2. The window after a change is not judged (``settle_windows``), nor, after a change that grows
+   the pool, the next ``start_windows``: a new worker starts cold and its first batch holds up
+   the in-order hand-off, so the loop trains below the old setting for about a second.
 3. An experiment moves to a neighbour: while the loop waits for batches (more than
    ``wait_threshold`` of its step time), one worker more or one batch of prefetch more
    (prefetch first when the workers are idle part of the time); in any case one worker less;
@@ -111,8 +113,9 @@ class Policy:
         self._decisions += 1
         if d.changes:
             self._changes += 1
+            grew = self._key is not None and d.workers > self._key[0]
             self._key = (d.workers, d.prefetch)
-            self._settle = self.config.settle_windows
+            self._settle = self.config.settle_windows + (self.config.start_windows if grew else 0)
             self._recent.clear()
         self._history.append(d)
         log.log(logging.INFO if d.changes else logging.DEBUG, "t=%.1f %s -> %d workers, prefetch %d: %s",

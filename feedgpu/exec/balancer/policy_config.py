@@ -46,6 +46,9 @@ class PolicyConfig:
         min_workers, max_workers: bounds of the pool (1, 64); ``max_workers`` is a hard limit.
         min_prefetch, max_prefetch: bounds of the prefetch depth (1, 8).
         settle_windows: windows not judged after each change (1).
+        start_windows: windows more not judged after a change that grows the pool (1): a new
+            worker starts cold, and until its first batch arrives the batches after it wait in
+            the in-order hand-off, so the loop trains below the old setting for about a second.
         measure_windows: windows measured at least at a new setting before a verdict (2).
         base_windows: windows measured at least at a setting before an experiment leaves it (2).
         max_measure_windows: windows measured at most on a close call, at each of the two
@@ -72,6 +75,7 @@ class PolicyConfig:
     min_prefetch: int = 1
     max_prefetch: int = 8
     settle_windows: int = 1
+    start_windows: int = 1
     measure_windows: int = 2
     base_windows: int = 2
     max_measure_windows: int = 6
@@ -92,9 +96,11 @@ class PolicyConfig:
                               f"{self.max_workers}")
         if not 1 <= self.min_prefetch <= self.max_prefetch:
             raise ConfigError("PolicyConfig: need 1 <= min_prefetch <= max_prefetch")
-        if (self.settle_windows < 0 or not 1 <= self.measure_windows <= self.max_measure_windows
+        if (self.settle_windows < 0 or self.start_windows < 0
+                or not 1 <= self.measure_windows <= self.max_measure_windows
                 or self.base_windows < 1 or self.drift_windows < 1):
-            raise ConfigError("PolicyConfig: need settle_windows >= 0, 1 <= measure_windows <= max_measure_windows, "
+            raise ConfigError("PolicyConfig: need settle_windows >= 0, start_windows >= 0, "
+                              "1 <= measure_windows <= max_measure_windows, "
                               "base_windows >= 1, drift_windows >= 1")
 
     @property
