@@ -14,8 +14,11 @@ process, as a training loop would be:
   side of a GPU training loop keeps a core busy;
 * ``sleep-R``: sleeps ``batch / R`` seconds per batch (no CPU), for each ``--sleep-rate``.
 
-For each consumer and round, every fixed count (1 .. cores + 1) and ``auto`` run in a fresh
-loader, in an order rotated each round, ``--seconds`` each, timed from the first batch.
+For each consumer and round, every fixed count (1 .. cores + 1), ``auto`` and a control (the
+count ``auto`` starts at, run a second time) run in a fresh loader, in an order rotated each
+round, ``--seconds`` each, timed from the first batch. Besides medians over rounds, ``auto`` is
+compared with the best fixed count of the same round, and the control with its twin: how far
+two runs of one setting spread within a round is the resolution of the comparison.
 Reported per run: trained samples/s (samples the loop consumed per second) and the waiting
 share (time in ``next()`` over wall time), and the rate from ``--tail-from`` seconds (30) to
 the end, once ``auto`` has had the time the goal gives it; for ``auto`` also its final setting, the time
@@ -47,6 +50,7 @@ import torch  # noqa: E402
 
 from feedgpu import DataLoader, Pipeline  # noqa: E402
 from feedgpu.exec.autoscale import cpu_cores  # noqa: E402
+from feedgpu.exec.balancer import start_workers  # noqa: E402
 from feedgpu.sample_data import default_sample  # noqa: E402
 
 PIPELINE = REPO / "pipelines" / "imagenet_train.yaml"
@@ -202,6 +206,9 @@ def main(argv=None) -> int:
     ap.add_argument("--only", choices=["auto"], default=None,
                     help="run auto alone (a look at its decisions; no comparison, results not meant for bench/results)")
     ap.add_argument("--max-fixed", type=int, default=None, help="largest fixed count (default cores + 1)")
+    ap.add_argument("--no-control", dest="control", action="store_false",
+                    help="leave out the control run (by default each round also runs the count auto starts at a "
+                         "second time, so the results say how far one setting's runs spread within a round)")
     ap.add_argument("--note", default="", help="a note recorded with the results (e.g. the machine was shared)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
     a = ap.parse_args(argv)
@@ -220,14 +227,16 @@ def main(argv=None) -> int:
     p = Pipeline.from_config(doc, where=str(PIPELINE))
     cores = cpu_cores()
     counts = list(range(1, (a.max_fixed or cores + 1) + 1))
-    kinds = ["auto"] if a.only == "auto" else [*counts, "auto"]
+    start = start_workers(cores)
+    kinds = ["auto"] if a.only == "auto" else [*counts, "auto"] + (["control"] if a.control else [])
     results = []
     for name in names:
         runs: dict[str, list] = {str(k): [] for k in kinds}
         for rnd in range(a.rounds):
             order = kinds[rnd % len(kinds):] + kinds[:rnd % len(kinds)]
             for nw in order:
-                r = train(p, nw, consumer(name, a), a.seconds, a.batch_size, a.tail_from)
+                r = train(p, start if nw == "control" else nw, consumer(name, a), a.seconds, a.batch_size,
+                          a.tail_from)
                 r["round"] = rnd
                 runs[str(nw)].append(r)
                 print(f"{name} round {rnd} workers {nw}: {r['samples_per_s']:,.0f} samples/s, waiting "
@@ -246,8 +255,13 @@ def main(argv=None) -> int:
         tail_med = {k: statistics.median(v) if v else None for k, v in tails.items()}
         tail_fixed = {k: tail_med[str(k)] for k in counts if tail_med[str(k)] is not None}
         tail_top = max(tail_fixed.values()) if tail_fixed else None
+        paired = [x["samples_per_s"] / y["samples_per_s"] for x, y in zip(runs["auto"], runs[str(best)])]
+        control = ([x["samples_per_s"] / y["samples_per_s"] for x, y in zip(runs["control"], runs[str(start)])]
+                   if "control" in runs else [])
         results.append({
             "consumer": name, "runs": runs, "median_samples_per_s": med,
+            "auto_vs_best_paired": paired, "auto_vs_best_paired_median": statistics.median(paired),
+            "control_workers": start if control else None, "control_vs_same": control,
             "median_waiting_share": {k: statistics.median(x["waiting_share"] for x in v) for k, v in runs.items()},
             "best_fixed": best, "best_fixed_rate": fixed[best], "top_fixed_rate": top,
             "auto_vs_top": med["auto"] / top, "auto_final": [x["final"] for x in runs["auto"]],
@@ -306,6 +320,18 @@ def markdown(doc: dict) -> str:
             lines.append(f"| {c['consumer']} | " + " | ".join(_f(tm.get(str(k))) for k in counts)
                          + f" | {_f(tm.get('auto'))} | {_f(c.get('auto_tail_vs_best_fixed_tail'), '.3f')} | "
                            f"{_f(c.get('auto_tail_vs_top_fixed_tail'), '.3f')} |")
+    if any(c.get("auto_vs_best_paired") for c in doc["consumers"]):
+        lines += ["", "Within each round (runs minutes apart, so a drift of the machine's speed between rounds cancels): "
+                  "auto over the best fixed count of the same round, and the control, the count auto starts at "
+                  "run a second time in the same round, over its first run (how far one setting spreads):", "",
+                  "| consumer | auto / best fixed, per round | median | control / same count, per round | "
+                  "median distance from 1 |", "|---|---|---|---|---|"]
+        for c in doc["consumers"]:
+            pr, ctl = c.get("auto_vs_best_paired") or [], c.get("control_vs_same") or []
+            spread = statistics.median(abs(x - 1) for x in ctl) if ctl else None
+            lines.append(f"| {c['consumer']} | {', '.join(f'{x:.3f}' for x in pr)} | "
+                         f"{_f(c.get('auto_vs_best_paired_median'), '.3f')} | "
+                         f"{', '.join(f'{x:.3f}' for x in ctl) or '-'} | {_f(spread, '.3f')} |")
     lines += ["", "Each round's runs (samples/s):", ""]
     for c in doc["consumers"]:
         per = "; ".join(f"{k}: " + ", ".join(_f(x["samples_per_s"]) for x in v) for k, v in c["runs"].items())
