@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import SourceError
+from . import file_stats
 from . import folder_index as _index
 from .base import Record, Source, StringTable
 
@@ -134,21 +135,7 @@ class FolderSource(Source):
     def _refresh_stats(self) -> None:
         """``stat`` every file; when they differ from what the saved index holds, remove the
         saved file, so the next run indexes afresh."""
-        n = len(self.paths)
-        sizes = np.empty(n, np.int64)
-        mtimes = np.empty(n, np.int64)
-        blob = self.paths.blob.tobytes()
-        off = self.paths.offsets.tolist()
-        rootb = os.fsencode(str(self.root)) + os.sep.encode()
-        stat_ = os.stat
-        for i in range(n):
-            try:
-                st = stat_(rootb + blob[off[i]:off[i + 1]])
-            except OSError:
-                sizes[i] = mtimes[i] = -1
-                continue
-            sizes[i] = st.st_size
-            mtimes[i] = st.st_mtime_ns
+        sizes, mtimes, _ = file_stats.stat_paths(self._prefix(), self.paths.blob, self.paths.offsets)
         if self._sizes is not None and not (np.array_equal(sizes, self._sizes)
                                             and np.array_equal(mtimes, self._mtimes)):
             if self._index_file is not None and self.from_saved_index:
@@ -209,8 +196,7 @@ class FolderSource(Source):
         self._dirs: list[list] = []        # [rel, dev, ino, mtime_ns] of every folder walked
         self._links: list[str] = []        # indexed files that are symbolic links
         # the index as it grows, in buffers that grow in place (no per-folder copies kept)
-        self._chunks = (bytearray(), array("q"), array("q"), array("q"), array("q"))  # paths, lengths,
-        #                                                             labels, sizes, mtimes
+        self._chunks = (bytearray(), array("q"), array("q"))  # paths, lengths, labels
         self._n = 0
         self._pending: list[tuple] = []    # one class's folders, walked, until put in order
         listed = _list(root_s)
@@ -254,28 +240,56 @@ class FolderSource(Source):
             self._warn_hidden(stacklevel=5)
             raise self._nothing_left(f"folder source: no images with endings {self._exts} under {self.root}"
                                       + (f" ({len(self.rejected)} left out while indexing)" if self.rejected else ""))
-        blob, lens, labels, sizes, mtimes = self._chunks
+        blob, lens, labels = self._chunks
         self.paths = StringTable.__new__(StringTable)
         self.paths.offsets = np.zeros(len(lens) + 1, dtype=np.int64)
         np.cumsum(np.frombuffer(lens, np.int64), out=self.paths.offsets[1:])
         self.paths.blob = np.frombuffer(blob, dtype=np.uint8)
         self.labels = np.frombuffer(labels, np.int64)
         if self._stat_files:
-            self._sizes = np.frombuffer(sizes, np.int64)
-            self._mtimes = np.frombuffer(mtimes, np.int64)
-            self._stats_fresh = True
+            self._stat_indexed()
+            if not len(self.labels):
+                self._warn_hidden(stacklevel=5)
+                raise self._nothing_left(f"folder source: no images with endings {self._exts} under {self.root} "
+                                         f"({len(self.rejected)} left out while indexing)")
+
+    def _stat_indexed(self) -> None:
+        """``stat`` every listed file (in forked processes when there are many,
+        :mod:`.file_stats`): sizes and mtimes, and each file found empty, gone or not a regular
+        file is left out, with the reason a ``stat`` in the walk gives (:meth:`_classify`)."""
+        sizes, mtimes, kinds = file_stats.stat_paths(self._prefix(), self.paths.blob, self.paths.offsets)
+        bad = (kinds != 0) | (sizes == 0)
+        if bad.any():
+            for i in np.flatnonzero(bad).tolist():
+                path, kind = self.key(i), int(kinds[i])
+                if kind == 0:
+                    self.reject(path, "empty")
+                elif kind == file_stats.NOT_REGULAR:
+                    self.reject(path, "not a regular file")
+                else:
+                    self._reject_stat_error(path, OSError(kind, os.strerror(kind), path))
+            keep = ~bad
+            lens = np.diff(self.paths.offsets)
+            self.paths.blob = self.paths.blob[np.repeat(keep, lens)]
+            self.paths.offsets = np.zeros(int(keep.sum()) + 1, np.int64)
+            np.cumsum(lens[keep], out=self.paths.offsets[1:])
+            self.labels, sizes, mtimes = self.labels[keep], sizes[keep], mtimes[keep]
+            self._n = len(self.labels)
+        self._sizes, self._mtimes = sizes, mtimes
+        self._stats_fresh = True
+
+    def _prefix(self) -> bytes:
+        return os.fsencode(str(self.root)) + os.sep.encode()
 
     def _flush_pending(self) -> None:
         """Append the walked folders of one class in torchvision's order: ``sorted(os.walk(...))``
         sorts by folder path, so ``sub-a/`` comes before ``sub/deep/`` ("-" sorts before "/"),
         which a depth-first walk does not give; each folder's files are sorted by name."""
         c = self._chunks
-        for _, text, lens, label, sizes, mtimes in sorted(self._pending, key=lambda t: t[0]):
+        for _, text, lens, label in sorted(self._pending, key=lambda t: t[0]):
             c[0].extend(text.encode("utf-8", "surrogateescape"))
             c[1].frombytes(lens.tobytes())
             c[2].frombytes(np.full(len(lens), label, np.int64).tobytes())
-            c[3].extend(sizes)
-            c[4].extend(mtimes)
         self._pending = []
 
     def _note_hidden(self, path: str) -> None:
@@ -309,23 +323,21 @@ class FolderSource(Source):
         if rel:
             self._note_dir(top, rel)
         exts = self._exts
-        stat_all = self._stat_files
-        subdirs, names, sizes, mtimes = [], [], [], []
-        entries = _list(top, sort=stat_all)
-        if not stat_all:
-            # regular files by the listing's file type (a syscall only where it gives none): no
-            # stat; the rest (folders, links, other types) go through the loop below
-            try:
-                files = [e for e in entries if e.is_file(follow_symlinks=False) and e.name.lower().endswith(exts)]
-                names = [e.name for e in files if e.name[0] != "."]
-                for e in files:
-                    if e.name[0] == ".":
-                        self._note_hidden(e.path)
-                entries = sorted((e for e in entries if not e.is_file(follow_symlinks=False)),
-                                 key=_name)
-            except OSError:
-                names = []
-                entries.sort(key=_name)
+        subdirs, names = [], []
+        entries = _list(top, sort=False)
+        # regular files by the listing's file type (a syscall only where it gives none), not
+        # stat-ed here (:meth:`_stat_indexed` does, after the walk); the rest (folders, links,
+        # other types) go through the loop below
+        try:
+            files = [e for e in entries if e.is_file(follow_symlinks=False) and e.name.lower().endswith(exts)]
+            names = [e.name for e in files if e.name[0] != "."]
+            for e in files:
+                if e.name[0] == ".":
+                    self._note_hidden(e.path)
+            entries = sorted((e for e in entries if not e.is_file(follow_symlinks=False)), key=_name)
+        except OSError:
+            names = []
+            entries.sort(key=_name)
         for e in entries:
             name = e.name
             if name[:1] == ".":
@@ -337,23 +349,18 @@ class FolderSource(Source):
                 continue
             if not name.lower().endswith(exts):
                 continue
-            if not stat_all and not e.is_symlink():
+            if not e.is_symlink():
                 if e.is_file(follow_symlinks=False):
                     names.append(name)
                 else:
                     self._classify(e)
                 continue
-            st = self._classify(e)
-            if st is None:
+            if self._classify(e) is None:
                 continue
-            if e.is_symlink():
-                self._links.append(e.path)
+            self._links.append(e.path)
             names.append(name)
-            sizes.append(st.st_size)
-            mtimes.append(st.st_mtime_ns)
         if names:
-            if not stat_all:
-                names.sort()
+            names.sort()
             prefix = rel + os.sep if rel else ""
             text = prefix + prefix.join(names) if prefix else "".join(names)
             if text.isascii():   # one byte per character
@@ -362,7 +369,7 @@ class FolderSource(Source):
                 lens = np.fromiter((len(n.encode("utf-8", "surrogateescape")) for n in names),
                                    dtype=np.int64, count=len(names))
             lens += len(prefix.encode("utf-8", "surrogateescape"))
-            self._pending.append((top, text, lens, label, sizes, mtimes))
+            self._pending.append((top, text, lens, label))
             self._n += len(names)
         inner = ancestors | {ident}
         for e in subdirs:
@@ -374,12 +381,7 @@ class FolderSource(Source):
         try:
             st = e.stat()
         except OSError as err:
-            if err.errno == errno.ELOOP:
-                self.reject(path, "symlink loop", str(err))
-            elif err.errno == errno.ENOENT and os.path.islink(path):
-                self.reject(path, "dangling link", f"links to {os.readlink(path)!r}, which does not exist")
-            else:
-                self.reject(path, "unreadable", str(err))
+            self._reject_stat_error(path, err)
             return None
         if not stat.S_ISREG(st.st_mode):
             self.reject(path, "not a regular file")
@@ -388,6 +390,14 @@ class FolderSource(Source):
             self.reject(path, "empty")
             return None
         return st
+
+    def _reject_stat_error(self, path: str, err: OSError) -> None:
+        if err.errno == errno.ELOOP:
+            self.reject(path, "symlink loop", str(err))
+        elif err.errno == errno.ENOENT and os.path.islink(path):
+            self.reject(path, "dangling link", f"links to {os.readlink(path)!r}, which does not exist")
+        else:
+            self.reject(path, "unreadable", str(err))
 
     def _has_images(self, top: str, look: int = 10_000) -> bool:
         """Whether a hidden folder holds image files (for the warning), looking at up to ``look``
