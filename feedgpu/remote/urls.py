@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError, SourceError
+from ..sources.base import braces
 
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 #: Stores that cannot list a folder: a shard list or an index file is needed.
@@ -124,7 +125,8 @@ def parent(url: str) -> str:
 
 
 def expand_urls(spec, suffix: str, storage_options: dict | None = None) -> list[tuple[str, dict | None]]:
-    """``[(url, info or None)]`` for a URL spec: a list of URLs, a glob (``s3://b/train-*.tar``),
+    """``[(url, info or None)]`` for a URL spec: a list of URLs, a brace pattern
+    (``s3://b/train-{0000..0099}.tar``: each URL it names, in its order), a glob (``s3://b/train-*.tar``),
     a folder (its ``*<suffix>`` files), or one file; sorted within each item. ``info`` is the
     store's listing entry when the listing gave one (no second request for the ETag). Over HTTP,
     which cannot list, a glob or a folder raises :class:`SourceError`: give a list of URLs or
@@ -132,6 +134,9 @@ def expand_urls(spec, suffix: str, storage_options: dict | None = None) -> list[
     if isinstance(spec, (list, tuple)):
         return [x for s in spec for x in expand_urls(s, suffix, storage_options)]
     url = str(spec)
+    expanded = braces(url)
+    if expanded != [url]:   # s3://b/train-{0000..0099}.tar: each URL it names, in its order
+        return [x for s in expanded for x in expand_urls(s, suffix, storage_options)]
     glob = any(c in url.partition("://")[2] for c in "*[") or (scheme(url) not in UNLISTABLE and "?" in url)
     folder = url.endswith("/")
     if (glob or folder) and scheme(url) in UNLISTABLE:

@@ -35,8 +35,8 @@ class Record:
 
 
 def expand_paths(spec, suffix: str) -> list[str]:
-    """A directory (its ``*<suffix>`` files), a glob pattern, one path, or a list of those;
-    sorted within each item. A file named twice (overlapping items, a link to a file already
+    """A directory (its ``*<suffix>`` files), a glob pattern, a brace pattern (:func:`braces`:
+    each path it names, in its order), one path, or a list of those; sorted within each item. A file named twice (overlapping items, a link to a file already
     named) is kept once, where it first comes, with one warning naming the repeats: its records
     would otherwise be delivered twice an epoch."""
     paths = _expand(spec, suffix)
@@ -59,10 +59,33 @@ def expand_paths(spec, suffix: str) -> list[str]:
     return out
 
 
+def missing_files(paths: list[str], what: str, spec) -> None:
+    """Raise :class:`SourceError` naming the ``paths`` that do not exist (each was named, by a
+    path or a brace pattern: leaving it out would lose its records without a word)."""
+    missing = [p for p in paths if not os.path.exists(p)]
+    if missing:
+        raise SourceError(f"{what}: {len(missing)} of the {len(paths)} file(s) {spec!r} names do not exist: "
+                          + ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else ""))
+
+
+def braces(spec: str) -> list[str]:
+    """Bash-style brace patterns in a path or URL, expanded in their order, as WebDataset and
+    the shell write shard sets (``train-{000000..000146}.tar``, ``{train,val}/x.tar``):
+    :mod:`braceexpand`. A path that exists as written, or holds no pattern, is itself."""
+    if "{" not in spec or "}" not in spec or os.path.exists(spec):
+        return [spec]
+    from braceexpand import braceexpand
+
+    return list(braceexpand(spec))
+
+
 def _expand(spec, suffix: str) -> list[str]:
     if isinstance(spec, (list, tuple)):
         return [p for s in spec for p in _expand(s, suffix)]
     spec = os.fspath(spec)
+    expanded = braces(spec)
+    if expanded != [spec]:
+        return [p for s in expanded for p in _expand(s, suffix)]
     if os.path.isdir(spec):
         return sorted(glob.glob(os.path.join(spec, f"*{suffix}")))
     if any(c in spec for c in "*?["):

@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 
 from ..errors import DownloadError, SampleError, SourceError
 from .base import CLASS_NAMES_FILE, Record, Source, class_names, class_names_from_text, expand_paths, index_array, \
-    release_freed_memory
+    missing_files, release_freed_memory
 
 _NULL = np.iinfo(np.int64).min   # a null label while indexing
 _HUGE = _NULL + 1                 # a uint64 label that int64 cannot hold
@@ -121,6 +121,7 @@ class ParquetSource(Source):
             self.files = self._remote.urls
         else:
             self.files = expand_paths(files, ".parquet")
+            missing_files(self.files, "parquet source", files)
         if not self.files:
             raise SourceError(f"parquet source: no files match {files!r}")
         self.image_column = image_column

@@ -54,7 +54,7 @@ import numpy as np
 from ..errors import DownloadError, SampleError, SourceError
 from . import tar_index as _saved
 from .base import CLASS_NAMES_FILE, Record, Source, StringTable, class_names, class_names_from_text, expand_paths, \
-    index_array, release_freed_memory
+    index_array, missing_files, release_freed_memory
 from .tar_local import local_part, ordered_map
 from .tar_members import LABEL_SUFFIXES, OTHER_LABEL_FIELDS, part_arrays
 from .tar_walk import index_with_tarfile
@@ -118,6 +118,7 @@ class TarShardSource(Source):
             self.shards = self._remote.urls
         else:
             self.shards = expand_paths(shards, ".tar")
+            missing_files(self.shards, "tar source", shards)
         if not self.shards:
             raise SourceError(f"tar source: no shards match {shards!r}")
         self._index_dir = None if self._remote is not None or index_dir is False else \
