@@ -212,8 +212,8 @@ def markdown(doc: dict) -> str:
     m = doc["machine"]
     lines = ["# A cold open of tar shards, split: bytes, numpy, headers only, member table, threads", "",
              f"Machine: {m.get('cpu_count', '?')} CPUs ({m.get('cpu_model', '')}), {m.get('ram_gb', '?')} GiB, "
-             f"{m.get('platform', '')}; shared with other agents (load average "
-             f"{doc['load_before']} before, {doc['load_after']} after). Commit {doc['commit']}. Script: "
+             f"{m.get('platform', '')}; load average "
+             f"{doc['load_before']} before, {doc['load_after']} after. Commit {doc['commit']}. Script: "
              "`bench/tar_cold.py`; every round in `tar_cold.json`.", "",
              f"Data: {s['shards']} shards of {s['per_shard']:,} samples (8x8 JPEG of {doc['payload_bytes']} B + "
              f".cls), {doc['shard_bytes'] / 1e6:.1f} MB a shard, with member tables. \"disk\" = the shard's pages "
