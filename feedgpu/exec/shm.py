@@ -127,6 +127,56 @@ def _alive(slots) -> callable:
     return lambda: (s := ref()) is not None and s._mm is not None
 
 
+def _check_fits(nbytes: int) -> None:
+    """``OSError`` (ENOMEM) when ``nbytes`` is more than the memory the machine has available."""
+    try:
+        import psutil
+
+        available = psutil.virtual_memory().available
+    except Exception:  # noqa: BLE001 - no reading: the allocation itself will tell
+        return
+    if nbytes > available:
+        raise OSError(errno.ENOMEM, f"{nbytes / 2**30:,.2f} GiB asked, {available / 2**30:,.2f} GiB available")
+
+
+def _allocate_rest(ref) -> None:
+    """The allocating thread of a :class:`BatchSlots` (held weakly): each pre-allocated slot after
+    the first in turn (``posix_fallocate``, which releases the GIL), then this process's page
+    tables for them (:func:`populate_soon`'s work, from this thread)."""
+    s = ref()
+    if s is None or s._mm is None:
+        return
+    fd, stride, total = os.dup(s._fd), s.stride, s.populated   # its own descriptor: never a reused number
+    start = s._ready
+    del s
+    try:
+        for k in range(start, total):
+            s = ref()
+            if s is None or s._mm is None:
+                return
+            try:
+                os.posix_fallocate(fd, k * stride, stride)
+            except OSError as e:
+                s._allocated(k, e)
+                return
+            s._allocated(k + 1)
+            del s
+    finally:
+        os.close(fd)
+    s = ref()
+    if s is None or s._mm is None:
+        return
+    mm, alive = s._mm, _alive(s)
+    del s
+    for begin in range(stride, total * stride, POPULATE_CHUNK):
+        if not alive():
+            return
+        try:
+            mm.madvise(MADV_POPULATE_WRITE, begin, min(POPULATE_CHUNK, total * stride - begin))
+        except (OSError, ValueError):   # no MADV_POPULATE_WRITE here, or the mapping was closed
+            return
+
+
 class BatchSlots:
     """``count`` buffers, each holding ``images`` (``batch_size`` x ``sample_shape``, ``dtype``)
     followed by ``labels`` (int64, ``batch_size``). The first ``populate`` (default: all) are
@@ -147,31 +197,60 @@ class BatchSlots:
         self.nbytes = self.label_offset + 8 * batch_size
         self.stride = (self.nbytes + PAGE - 1) // PAGE * PAGE   # each slot starts on a page
         self.count = count
-        # Allocating the pages here zero-fills them once: a worker's first write to a page then
-        # costs a minor fault, not a fault plus zeroing; it costs that zeroing when the loader
-        # starts. Persistent workers (the pipeline default) take their faults once per run.
+        # Allocating the pages zero-fills them once: a worker's first write to a page then
+        # costs a minor fault, not a fault plus zeroing. The first slot is allocated here, the
+        # others from a thread while the first batch is made (a slot is handed out only once it
+        # is allocated); that they fit in memory is checked here, so a shortage is a clear
+        # error, not a worker killed later. Persistent workers take their faults once per run.
         populate = count if populate is None else min(count, populate)
         self.populated = populate
         try:
-            self._fd, self._mm = shared_file(max(1, count * self.stride), "feedgpu-batches", populate * self.stride)
+            _check_fits(populate * self.stride)
+            self._fd, self._mm = shared_file(max(1, count * self.stride), "feedgpu-batches",
+                                             min(populate, 1) * self.stride)
         except OSError as e:
-            from ..errors import SharedMemoryError
-
-            raise SharedMemoryError(
-                f"could not map {count} batch buffers of {self.nbytes / 2**20:,.0f} MiB "
-                f"({count * self.nbytes / 2**30:,.2f} GiB) of shared memory: {e}. Lower batch_size, "
-                "prefetch_factor or num_workers, or deliver uint8/float16 (output.dtype)") from None
+            raise self._no_memory(e) from None
         self._closer = weakref.finalize(self, _close_fd, self._fd)
-        # this process reads them: map the first slot in now, the others from a thread
-        populate_soon(self._mm, populate * self.stride, self.stride, _alive(self))
         self._free = list(range(count))[::-1]   # pop() takes the pre-allocated ones first
         self._lock = threading.Lock()
         self.held = 0       # slots the consumer still holds
+        self._ready = populate if self._fd < 0 else min(populate, 1)   # slots allocated so far
+        self._alloc_error: OSError | None = None
+        self._alloc_cond = threading.Condition(threading.Lock())
+        madvise_populate(self._mm, min(populate, 1) * self.stride)   # this process reads them
+        if populate > 1 and self._fd >= 0:
+            threading.Thread(target=_allocate_rest, args=(weakref.ref(self),), name="feedgpu-allocate",
+                             daemon=True).start()
+
+    def _no_memory(self, e: OSError):
+        from ..errors import SharedMemoryError
+
+        return SharedMemoryError(
+            f"could not map {self.count} batch buffers of {self.nbytes / 2**20:,.0f} MiB "
+            f"({self.count * self.nbytes / 2**30:,.2f} GiB) of shared memory: {e}. Lower batch_size, "
+            "prefetch_factor or num_workers, or deliver uint8/float16 (output.dtype)")
+
+    def _allocated(self, k: int, error: OSError | None = None) -> None:
+        with self._alloc_cond:
+            if error is not None:
+                self._alloc_error = error
+            else:
+                self._ready = k
+            self._alloc_cond.notify_all()
+
+    def _wait_allocated(self, slot: int) -> None:
+        """Block until ``slot`` is allocated; :class:`SharedMemoryError` when it cannot be."""
+        with self._alloc_cond:
+            while slot >= self._ready and self._alloc_error is None:
+                self._alloc_cond.wait(1.0)
+            if slot >= self._ready:
+                raise self._no_memory(self._alloc_error)
 
     def __getstate__(self) -> dict:
         if self._mm is None:
             raise ValueError("these batch buffers are closed")
-        state = {k: v for k, v in self.__dict__.items() if k not in ("_fd", "_mm", "_free", "_lock", "_closer")}
+        state = {k: v for k, v in self.__dict__.items()
+                 if k not in ("_fd", "_mm", "_free", "_lock", "_closer", "_alloc_cond", "_alloc_error")}
         state["_shared"] = share_fd(self._fd)
         return state
 
@@ -181,6 +260,7 @@ class BatchSlots:
         self._fd, self._mm = attach_fd(shared, max(1, self.count * self.stride))
         self._closer = weakref.finalize(self, _close_fd, self._fd)
         self._free, self._lock, self.held = [], threading.Lock(), 0   # a worker hands out nothing
+        self._alloc_error, self._alloc_cond = None, threading.Condition(threading.Lock())
 
     def map_in(self) -> None:
         """In a worker: map the pre-allocated buffers into this process's page tables
@@ -202,8 +282,17 @@ class BatchSlots:
         return images, labels
 
     def acquire(self) -> int | None:
+        """A free slot (pre-allocated ones first, each once allocated), None when none is free.
+        Raises :class:`SharedMemoryError` when a slot's memory could not be allocated."""
         with self._lock:
-            return self._free.pop() if self._free else None
+            slot = self._free.pop() if self._free else None
+        if slot is not None and self._ready <= slot < self.populated:
+            try:
+                self._wait_allocated(slot)
+            except BaseException:
+                self.release(slot)
+                raise
+        return slot
 
     def release(self, slot: int) -> None:
         with self._lock:

@@ -67,3 +67,66 @@ def test_batch_slots_hand_out_zeroed_buffers_while_mapping_in():
         seen.add(s)
     assert seen == set(range(6))
     slots.close()
+
+
+def test_slots_after_the_first_are_allocated_by_a_thread_and_handed_out_once_allocated(monkeypatch):
+    """The first slot is allocated when the buffers are made, the others from a thread; a slot
+    is handed out only once its memory is there, and one that cannot be had raises
+    SharedMemoryError (the slot stays free) instead of a worker dying on it later."""
+    import threading
+
+    import feedgpu.exec.shm as shm
+    from feedgpu.errors import SharedMemoryError
+
+    gate = threading.Event()
+    real = os.posix_fallocate
+    calls = []
+
+    def slow(fd, offset, length):
+        calls.append(offset)
+        if len(calls) > 1:      # the thread's calls wait for the test
+            gate.wait(10)
+        return real(fd, offset, length)
+
+    monkeypatch.setattr(shm.os, "posix_fallocate", slow)
+    slots = BatchSlots(4, 4, (8, 8, 3), "float32")
+    assert slots.acquire() == 0 and slots._ready >= 1          # the first at once
+    got = []
+    t = threading.Thread(target=lambda: got.append(slots.acquire()))
+    t.start()
+    t.join(0.3)
+    assert t.is_alive() and not got                            # slot 1 waits for its memory
+    gate.set()
+    t.join(10)
+    assert got == [1] and slots._ready >= 2
+    assert {slots.acquire(), slots.acquire()} == {2, 3}
+    slots.close()
+
+    def fails(fd, offset, length):
+        if offset:
+            raise OSError(12, "Cannot allocate memory")
+        return real(fd, offset, length)
+
+    monkeypatch.setattr(shm.os, "posix_fallocate", fails)
+    slots = BatchSlots(3, 4, (8, 8, 3), "float32")
+    assert slots.acquire() == 0
+    with pytest.raises(SharedMemoryError, match="could not map 3 batch buffers.*Cannot allocate memory"):
+        slots.acquire()
+    assert slots.free == 2                                     # the slot went back
+    slots.close()
+
+
+def test_batch_buffers_larger_than_the_available_memory_are_refused_up_front(monkeypatch):
+    import feedgpu.exec.shm as shm
+    from feedgpu.errors import SharedMemoryError
+
+    with pytest.raises(OSError, match="EiB|GiB asked"):
+        shm._check_fits(1 << 62)                               # 4 EiB: more than any machine has
+    shm._check_fits(1 << 20)
+
+    def short(n):
+        raise OSError(12, f"{n / 2**30:.2f} GiB asked, 0.01 GiB available")
+
+    monkeypatch.setattr(shm, "_check_fits", short)
+    with pytest.raises(SharedMemoryError, match="could not map 8 batch buffers.*GiB asked, 0.01 GiB available"):
+        BatchSlots(8, 256, (224, 224, 3), "float32")
