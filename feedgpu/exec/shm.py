@@ -142,7 +142,17 @@ def _check_fits(nbytes: int) -> None:
 def _allocate_rest(ref) -> None:
     """The allocating thread of a :class:`BatchSlots` (held weakly): each pre-allocated slot after
     the first in turn (``posix_fallocate``, which releases the GIL), then this process's page
-    tables for them (:func:`populate_soon`'s work, from this thread)."""
+    tables for them (:func:`populate_soon`'s work, from this thread). Whatever stops it before
+    every slot is allocated is recorded, so no :meth:`BatchSlots.acquire` waits for ever."""
+    try:
+        _allocate(ref)
+    except BaseException as e:  # noqa: BLE001 - out of descriptors, or a bug: acquire() raises it
+        s = ref()
+        if s is not None:
+            s._allocated(s._ready, e if isinstance(e, OSError) else OSError(errno.EIO, repr(e)))
+
+
+def _allocate(ref) -> None:
     s = ref()
     if s is None or s._mm is None:
         return

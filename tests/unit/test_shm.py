@@ -130,3 +130,17 @@ def test_batch_buffers_larger_than_the_available_memory_are_refused_up_front(mon
     monkeypatch.setattr(shm, "_check_fits", short)
     with pytest.raises(SharedMemoryError, match="could not map 8 batch buffers.*GiB asked, 0.01 GiB available"):
         BatchSlots(8, 256, (224, 224, 3), "float32")
+
+
+def test_an_allocating_thread_that_stops_early_never_leaves_acquire_waiting(monkeypatch):
+    import feedgpu.exec.shm as shm
+    from feedgpu.errors import SharedMemoryError
+
+    real_dup = os.dup
+    monkeypatch.setattr(shm.os, "dup", lambda fd: (_ for _ in ()).throw(OSError(24, "Too many open files")))
+    slots = BatchSlots(3, 4, (8, 8, 3), "float32")
+    monkeypatch.setattr(shm.os, "dup", real_dup)
+    assert slots.acquire() == 0
+    with pytest.raises(SharedMemoryError, match="Too many open files"):
+        slots.acquire()
+    slots.close()
