@@ -106,18 +106,22 @@ def populate_soon(mm: mmap.mmap, length: int, now: int, alive=lambda: True) -> t
     if length <= now:
         return None
 
-    def run():
-        for start in range(now, length, POPULATE_CHUNK):
-            if not alive():
-                return
-            try:
-                mm.madvise(MADV_POPULATE_WRITE, start, min(POPULATE_CHUNK, length - start))
-            except (OSError, ValueError):   # no MADV_POPULATE_WRITE here, or the mapping was closed
-                return
-
-    t = threading.Thread(target=run, name="feedgpu-populate", daemon=True)
+    t = threading.Thread(target=_populate_range, args=(mm, now, length, alive), name="feedgpu-populate",
+                         daemon=True)
     t.start()
     return t
+
+
+def _populate_range(mm: mmap.mmap, start: int, end: int, alive) -> None:
+    """Map bytes ``start:end`` of ``mm`` in, ``POPULATE_CHUNK`` bytes per call, while ``alive()``
+    holds (a thread's work: :func:`populate_soon`, :func:`_allocate_rest`)."""
+    for begin in range(start, end, POPULATE_CHUNK):
+        if not alive():
+            return
+        try:
+            mm.madvise(MADV_POPULATE_WRITE, begin, min(POPULATE_CHUNK, end - begin))
+        except (OSError, ValueError):   # no MADV_POPULATE_WRITE here, or the mapping was closed
+            return
 
 
 def _alive(slots) -> callable:
@@ -178,13 +182,7 @@ def _allocate(ref) -> None:
         return
     mm, alive = s._mm, _alive(s)
     del s
-    for begin in range(stride, total * stride, POPULATE_CHUNK):
-        if not alive():
-            return
-        try:
-            mm.madvise(MADV_POPULATE_WRITE, begin, min(POPULATE_CHUNK, total * stride - begin))
-        except (OSError, ValueError):   # no MADV_POPULATE_WRITE here, or the mapping was closed
-            return
+    _populate_range(mm, stride, total * stride, alive)
 
 
 class BatchSlots:

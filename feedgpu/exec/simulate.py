@@ -185,8 +185,9 @@ class Curve:
     def __post_init__(self):
         self.t = 0.0
         self._rng = random.Random(self.seed)
-        self._last: tuple[int, int] | None = None
-        self._starting = 0
+        self._last: tuple[int, int] | None = None   # the setting of the last window
+        self._starting = 0                          # windows of the start-up dip left
+        self._before = 0.0                          # the rate before the pool grew
 
     def waiting(self, workers: int, prefetch: int) -> float:
         if self.wait is not None:

@@ -36,9 +36,10 @@ class Record:
 
 def expand_paths(spec, suffix: str) -> list[str]:
     """A directory (its ``*<suffix>`` files), a glob pattern, a brace pattern (:func:`braces`:
-    each path it names, in its order), one path, or a list of those; sorted within each item. A file named twice (overlapping items, a link to a file already
-    named) is kept once, where it first comes, with one warning naming the repeats: its records
-    would otherwise be delivered twice an epoch."""
+    each path it names, in its order), one path, or a list of those; sorted within each item. A
+    file named twice (overlapping items, a link to a file already named) is kept once, where it
+    first comes, with one warning naming the repeats: its records would otherwise be delivered
+    twice an epoch."""
     paths = _expand(spec, suffix)
     seen: dict = {}
     out, repeats = [], []

@@ -236,10 +236,6 @@ class FolderSource(Source):
             raise SourceError(f"folder source: no images (endings {', '.join(self._exts)}) in the class "
                               f"folder(s) {', '.join(empty)} under {self.root}; remove them, or pass "
                               "allow_empty=True to keep them as classes without samples")
-        if not self._n:
-            self._warn_hidden(stacklevel=5)
-            raise self._nothing_left(f"folder source: no images with endings {self._exts} under {self.root}"
-                                      + (f" ({len(self.rejected)} left out while indexing)" if self.rejected else ""))
         blob, lens, labels = self._chunks
         self.paths = StringTable.__new__(StringTable)
         self.paths.offsets = np.zeros(len(lens) + 1, dtype=np.int64)
@@ -247,11 +243,11 @@ class FolderSource(Source):
         self.paths.blob = np.frombuffer(blob, dtype=np.uint8)
         self.labels = np.frombuffer(labels, np.int64)
         if self._stat_files:
-            self._stat_indexed()
-            if not len(self.labels):
-                self._warn_hidden(stacklevel=5)
-                raise self._nothing_left(f"folder source: no images with endings {self._exts} under {self.root} "
-                                         f"({len(self.rejected)} left out while indexing)")
+            self._stat_indexed()   # leaves out the files found empty, gone or not regular
+        if not self._n:
+            self._warn_hidden(stacklevel=5)
+            raise self._nothing_left(f"folder source: no images with endings {self._exts} under {self.root}"
+                                      + (f" ({len(self.rejected)} left out while indexing)" if self.rejected else ""))
 
     def _stat_indexed(self) -> None:
         """``stat`` every listed file (in forked processes when there are many,
