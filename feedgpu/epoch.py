@@ -27,6 +27,9 @@ from .sampling import ShardedOrder
 from .skips import SkipBudget, epoch_samples
 
 _tags = itertools.count(1)
+#: Seconds a worker that a balancer experiment stopped using stays parked (idle, warm) before it is
+#: retired: an experiment is judged within about a dozen one-second windows.
+PARK_S = 30.0
 
 
 class BatchFailed(Exception):
@@ -284,7 +287,7 @@ class EpochIterator:
         if self.balanced:
             d = loader._autoscaler.on_batch(rows, waited, self._pids(),
                                             remote_started=None if self.pool is None else self.pool.remote_started)
-            if d is not None and d.changes:
+            if d is not None:
                 self._apply(d)
         self.next_b = b + 1
         if loader.pin_memory:
@@ -302,14 +305,20 @@ class EpochIterator:
 
     def _apply(self, d) -> None:
         """Resize the pool (or DALI's threads) and the prefetch depth between two batches (the
-        epoch goes on)."""
+        epoch goes on). A worker that an experiment stops using is parked for ``PARK_S``
+        seconds, so that undoing the experiment takes it back warm instead of starting one; a
+        kept experiment retires it."""
         loader = self.loader
+        if self.pool is not None and d.experiment is not None and d.experiment.get("kept"):
+            self.pool.retire_parked()
+        if not d.changes:
+            return
         if self.pool is None:   # the DALI engine: its batches ahead follow loader._prefetch
             self.work.set_threads(d.workers, d.prefetch)
             loader._set_live(d.workers, d.prefetch)
             return
         if d.workers != self.pool.num_workers:
-            self.pool.resize(d.workers)
+            self.pool.resize(d.workers, park_s=PARK_S if d.tentative else 0.0)
         if d.remote_workers != self.pool.remote_workers:
             self.pool.resize_remote(d.remote_workers)
         loader._set_live(d.workers, d.prefetch)

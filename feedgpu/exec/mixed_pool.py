@@ -62,10 +62,14 @@ class MixedPool:
         """Local worker process ids (the autoscaler measures their CPU)."""
         return self.local.pids() if self.local is not None else []
 
-    def resize(self, n: int) -> None:
+    def resize(self, n: int, park_s: float = 0.0) -> None:
         """Local workers from now on (see :meth:`ProcessPool.resize`)."""
         if self.local is not None:
-            self.local.resize(n)
+            self.local.resize(n, park_s)
+
+    def retire_parked(self) -> int:
+        """See :meth:`ProcessPool.retire_parked`."""
+        return self.local.retire_parked() if self.local is not None else 0
 
     def resize_remote(self, n: int) -> None:
         """Remote workers from now on (see :meth:`RemoteWorkers.resize`)."""

@@ -18,7 +18,10 @@ Each worker has its own task queue and its own result pipe, and the pool remembe
 each worker holds. That is what makes the rest possible:
 
 * :meth:`ProcessPool.resize` adds workers (forked at once) or retires some: a retiring worker
-  finishes the tasks it holds, runs ``on_exit`` and stops, so no task is lost or run twice.
+  finishes the tasks it holds, runs ``on_exit`` and stops, so no task is lost or run twice. With
+  ``park_s``, a shrink parks the surplus workers instead (they finish what they hold and take no
+  new task) for that many seconds, and a grow within them takes a parked worker back, warm, before
+  it forks one: what the balancer does for a step that it may undo.
 * A worker that dies (segfault, SIGKILL, OOM) is replaced and the tasks it held are given to
   the replacement, in order (``respawn=True``, the default). A task whose worker died
   ``max_task_deaths`` times, or more than ``max_respawns`` deaths in all, raises
@@ -96,9 +99,15 @@ class _Worker:
         self.wid, self.proc, self.tasks, self.conn = wid, proc, tasks, conn
         self.held: dict[tuple, tuple] = {}   # (tag, seq) -> task, in submission order
         self.retiring = False
+        self.parked_until: float | None = None   # parked (takes no task) until then, then retired
         self.put_count = 0                    # items put on its queue (tasks, flushes, the sentinel)
         self.ordinal: dict[tuple, int] = {}   # (tag, seq) -> which item of the queue it was
         self.started = time.monotonic()
+
+    @property
+    def taking(self) -> bool:
+        """Takes new tasks: neither retiring nor parked."""
+        return not self.retiring and self.parked_until is None
 
     def put(self, item, key: tuple | None = None) -> None:
         """Queue ``item`` (a task whose key is ``key``, a flush, or None: stop)."""
@@ -276,8 +285,8 @@ class ProcessPool:
 
     @property
     def num_workers(self) -> int:
-        """Workers taking new tasks (retiring ones are not counted)."""
-        return sum(not w.retiring for w in self._workers.values())
+        """Workers taking new tasks (retiring and parked ones are not counted)."""
+        return sum(w.taking for w in self._workers.values())
 
     @property
     def closed(self) -> bool:
@@ -285,7 +294,7 @@ class ProcessPool:
 
     def pids(self) -> list[int]:
         """Process ids of the workers taking tasks, by worker id."""
-        return [w.proc.pid for _, w in sorted(self._workers.items()) if not w.retiring]
+        return [w.proc.pid for _, w in sorted(self._workers.items()) if w.taking]
 
     def _spawn(self, wid: int | None = None) -> _Worker:
         if wid is None:
@@ -306,33 +315,59 @@ class ProcessPool:
         w = self._workers[wid] = _Worker(wid, p, tasks, reader)
         return w
 
-    def resize(self, n: int) -> None:
-        """Run ``n`` (>= 1) workers from now on. New workers are forked at once; surplus ones
-        finish the tasks they hold, run ``on_exit`` and stop (the least loaded go first)."""
+    def resize(self, n: int, park_s: float = 0.0) -> None:
+        """Run ``n`` (>= 1) workers from now on. Parked workers are taken back first (the last
+        parked first), then new ones forked at once; surplus ones finish the tasks they hold, run
+        ``on_exit`` and stop (the least loaded go first), or with ``park_s`` > 0 (seconds) are
+        parked: they finish what they hold, take no new task, and are retired once ``park_s``
+        have passed (checked at each :meth:`submit`) or at :meth:`retire_parked`."""
         if n < 1:
             raise WorkerError(f"a process pool needs at least one worker, got {n}")
         if n > MAX_WORKERS:
             raise WorkerError(f"a process pool runs at most {MAX_WORKERS} workers, got {n}")
         self._target = n
-        active = [w for w in self._workers.values() if not w.retiring]
-        for _ in range(n - len(active)):
+        active = [w for w in self._workers.values() if w.taking]
+        parked = sorted((w for w in self._workers.values() if w.parked_until is not None and not w.retiring),
+                        key=lambda w: -w.parked_until)
+        for w in parked[:max(0, n - len(active))]:
+            w.parked_until = None
+        for _ in range(n - len(active) - min(len(parked), max(0, n - len(active)))):
             self._spawn()
         for w in sorted(active, key=lambda w: (len(w.held), -w.wid))[:max(0, len(active) - n)]:
-            w.retiring = True
-            w.put(None)
-            self.retired += 1
+            if park_s > 0:
+                w.parked_until = time.monotonic() + park_s
+            else:
+                self._retire(w)
         if n != len(active):
-            log.debug("pool resized from %d to %d workers", len(active), n)
+            log.debug("pool resized from %d to %d workers%s", len(active), n,
+                      f" ({len(active) - n} parked for {park_s:g} s)" if park_s > 0 and n < len(active) else "")
+
+    def _retire(self, w: _Worker) -> None:
+        w.parked_until = None
+        w.retiring = True
+        w.put(None)
+        self.retired += 1
+
+    def retire_parked(self, due_only: bool = False) -> int:
+        """Retire the parked workers (``due_only``: those whose time is up); returns how many."""
+        now = time.monotonic()
+        due = [w for w in self._workers.values() if w.parked_until is not None and not w.retiring
+               and (not due_only or w.parked_until <= now)]
+        for w in due:
+            self._retire(w)
+        return len(due)
 
     # -- tasks ----------------------------------------------------------------------------------
     def submit(self, task: tuple) -> None:
         """Give ``task`` to the active worker holding the fewest tasks."""
-        w = min((w for w in self._workers.values() if not w.retiring), key=lambda w: (len(w.held), w.wid))
+        if any(w.parked_until is not None for w in self._workers.values()):
+            self.retire_parked(due_only=True)
+        w = min((w for w in self._workers.values() if w.taking), key=lambda w: (len(w.held), w.wid))
         w.put(task, (task[0], task[1]))
 
     def least_held(self) -> int:
         """Tasks held by the least loaded worker taking tasks (what :meth:`submit` picks)."""
-        return min((len(w.held) for w in self._workers.values() if not w.retiring), default=0)
+        return min((len(w.held) for w in self._workers.values() if w.taking), default=0)
 
     def get(self, timeout: float | None = None, wake=None) -> tuple | None:
         """Next ``(tag, seq, worker_id, ok, payload)``; ``None`` when ``wake`` (an object with
@@ -435,6 +470,7 @@ class ProcessPool:
             log.warning("%s while retiring; nothing was lost", what)
             return
         new = self._spawn(w.wid)
+        new.parked_until = w.parked_until   # parked, it stays parked
         if w.retiring:  # it was leaving anyway: the replacement finishes its tasks, then leaves
             new.retiring = True
         log.warning("%s; replaced by pid %d, which redoes %d task(s)", what, new.proc.pid, len(w.held))

@@ -56,6 +56,44 @@ def test_grow_and_shrink_while_tasks_are_in_flight():
     assert not wait_gone(pids)
 
 
+def test_a_parked_worker_finishes_its_tasks_takes_none_and_comes_back_warm():
+    """resize(n, park_s): the surplus worker stops taking tasks but stays alive, so a grow
+    within park_s takes the same process back instead of starting one; then it is retired."""
+    pool = ProcessPool(square, 2)
+    try:
+        first_pids = pool.pids()
+        for i in range(8):
+            pool.submit(("t", i, 0.05))
+        pool.resize(1, park_s=30)
+        assert pool.num_workers == 1 and len(pool.pids()) == 1
+        parked = next(w for w in pool._workers.values() if w.parked_until is not None)
+        assert parked.proc.pid not in pool.pids() and parked.proc.is_alive()
+        for i in range(8, 16):                 # new tasks go to the worker still taking them
+            pool.submit(("t", i, 0.01))
+        got = collect(pool, 16)
+        assert sorted(got) == list(range(16)) and all(v[0] == k * k for k, v in got.items())
+        assert {got[i][1] for i in range(8, 16)} == set(pool.pids())
+        pool.resize(2)                          # taken back: no process started
+        assert sorted(pool.pids()) == sorted(first_pids) and pool.retired == 0
+        pool.resize(1, park_s=0.2)
+        time.sleep(0.3)
+        pool.submit(("t", 16, 0.0))             # a submit retires the parked worker whose time is up
+        assert collect(pool, 1)[16][0] == 256
+        assert pool.retired == 1
+        gone = [p for p in first_pids if p not in pool.pids()]
+        pool.resize(2, park_s=30)
+        assert len(set(pool.pids()) - set(first_pids)) == 1   # a new process: the old one was retired
+        pool.resize(1, park_s=30)
+        assert pool.retire_parked() == 1 and pool.retired == 2
+        with pytest.raises(LoaderTimeout):     # meanwhile the retired workers finish and are reaped
+            pool.get(1.0)
+        assert len(pool._workers) == 1
+    finally:
+        pids = pool.pids()
+        pool.close()
+    assert not wait_gone(pids + gone)
+
+
 def test_killed_worker_is_replaced_and_its_tasks_redone():
     pool = ProcessPool(square, 2)
     try:

@@ -332,6 +332,22 @@ def test_cheaper_kept_within_the_tolerance_of_the_best():
     assert p.decide(window(4, 5, 985)).kind == "hold"         # a shallower prefetch saves no CPU
 
 
+def test_only_a_step_that_starts_an_experiment_is_tentative():
+    """The loader parks a worker that a tentative step stops using (undoing it then costs no
+    worker start) and retires parked workers once an experiment is kept."""
+    p = Policy(quiet())
+    d = p.decide(window(1, 6, 1000))
+    assert (d.kind, d.tentative) == ("remove", True)          # an experiment: may be undone
+    d = p.decide(window(2, 5, 985))
+    assert d.experiment["kept"] and (d.kind, d.tentative) == ("remove", True)   # kept, and the next one
+    d = p.decide(window(3, 4, 960))
+    assert (d.kind, d.tentative) == ("revert", False)         # the undo itself is no experiment
+    assert not p.decide(window(4, 5, 985)).tentative          # hold
+    limited = Policy(quiet(max_workers=3))
+    d = limited.decide(window(1, 6, 1000))
+    assert (d.kind, d.workers, d.tentative) == ("remove", 3, False)   # a hard limit: for good
+
+
 def test_cheaper_step_undone_from_its_settle_window_when_clearly_worse():
     """A worker less whose settle window already trains far below the bar is undone at once,
     not measured for more windows; a settle window near the bar is not judged."""

@@ -115,6 +115,8 @@ class Decision:
             ``"remote-add"`` and ``"remote-remove"`` change only this count.
         experiment: when this window concluded an experiment, what it was, what it measured and
             whether it was kept (see :meth:`Policy.stats`, ``"experiments"``), else None.
+        tentative: this change starts an experiment that the next windows may undo (a pool that
+            shrinks for it may keep the worker it stops using, idle and warm, for a while).
     """
 
     workers: int
@@ -127,6 +129,7 @@ class Decision:
     hw_decoder_load: float | None = None
     remote_workers: int = 0
     experiment: dict | None = None
+    tentative: bool = False
 
     @property
     def changes(self) -> bool:

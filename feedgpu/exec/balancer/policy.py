@@ -209,11 +209,13 @@ class Policy:
     def _setting(self, key: Key) -> str:
         return setting(key, self.config.unit)
 
-    def _decision(self, m: Measurement, key: Key, kind: str, reason: str, experiment: dict | None = None) -> Decision:
+    def _decision(self, m: Measurement, key: Key, kind: str, reason: str, experiment: dict | None = None,
+                  tentative: bool = False) -> Decision:
         w, p = key
         dali = m.engine.startswith("dali")
         return Decision(w, p, kind, reason, t=m.t, engine=m.engine, dali_threads=w if dali else None,
-                        hw_decoder_load=m.hw_decoder_load, remote_workers=m.remote_workers, experiment=experiment)
+                        hw_decoder_load=m.hw_decoder_load, remote_workers=m.remote_workers, experiment=experiment,
+                        tentative=tentative)
 
     def _limit(self, m: Measurement) -> tuple[int, str]:
         """The largest pool the hard limits allow, and which sets it."""
@@ -472,7 +474,7 @@ class Policy:
                     "windows)"]))
             self._trial = _Trial(key, dst, kind, label or _kind(kind))
             return self._decision(m, dst, label or _kind(kind),
-                                  "; ".join(notes + [f"{state}; trying {self._setting(dst)}"]))
+                                  "; ".join(notes + [f"{state}; trying {self._setting(dst)}"]), tentative=True)
         self._settled, self._held = True, 0
         return self._hold(m, notes, state, key, waiting, limit, why_limit)
 
