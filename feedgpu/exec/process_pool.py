@@ -58,12 +58,12 @@ import multiprocessing.connection as mpc
 import multiprocessing.util as mputil
 import os
 import pickle
-import signal
 import time
 from typing import Any, Callable
 
 from ..errors import LoaderTimeout, WorkerError
 from .fd_channel import Channel
+from .pool_errors import _death, seconds_text, torch_death, unpack_exception  # noqa: F401  (importers' names)
 from .pool_start import frozen_gc, resolve_context
 from .pool_worker import FLUSH, _Load, _pack_exception, _worker_main  # noqa: F401  (_pack_exception: ray)
 from .progress import MAX_WORKERS, Board
@@ -72,23 +72,6 @@ log = logging.getLogger("feedgpu.pool")
 POLL_S = 0.1
 MAX_SEED = 2**63 - 1               # worker seeds stay int64 (collatable, torch.manual_seed accepts them)
 EXIT_PRIORITY = 20                 # multiprocessing finalizers: before queues (10) and daemon termination
-
-
-def seconds_text(t) -> str:
-    """``t`` seconds as torch prints its ``timeout`` (a whole float as an int, as it was given)."""
-    return str(int(t)) if isinstance(t, float) and t.is_integer() else str(t)
-
-
-def unpack_exception(packed: tuple, context: str) -> BaseException:
-    """Rebuild a worker's exception in the main process, its traceback as a note."""
-    blob, summary, tb, wid = packed
-    exc = pickle.loads(blob) if blob is not None else WorkerError(summary)
-    note = f"raised in feedgpu worker {wid} {context}; worker traceback:\n{tb}"
-    if hasattr(exc, "add_note"):
-        exc.add_note(note)
-    else:  # Python 3.10
-        exc.args = (f"{exc.args[0] if exc.args else ''}\n{note}", *exc.args[1:])
-    return exc
 
 
 class _Worker:
@@ -166,29 +149,6 @@ class _State:
                 w.proc.join(1.0)
             w.drop()
         self.workers.clear()
-
-
-def _death(proc) -> str:
-    code = proc.exitcode
-    if code is not None and code < 0:
-        try:
-            return f"signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"signal {-code}"
-    return f"exit code {code}"
-
-
-def torch_death(pid: int, exitcode: int | None) -> str:
-    """How torch's DataLoader begins the error for a dead worker: ``DataLoader worker (pid N) is
-    killed by signal: <the C library's description>. `` or ``DataLoader worker (pid N) exited
-    unexpectedly with exit code C. ``"""
-    if exitcode is not None and exitcode < 0:
-        try:
-            desc = signal.strsignal(-exitcode)
-        except ValueError:  # pragma: no cover
-            desc = None
-        return f"DataLoader worker (pid {pid}) is killed by signal: {desc or f'Unknown signal {-exitcode}'}. "
-    return f"DataLoader worker (pid {pid}) exited unexpectedly with exit code {exitcode}. "
 
 
 class ProcessPool:
