@@ -33,8 +33,8 @@ PAGE = mmap.ALLOCATIONGRANULARITY
 def shared_file(nbytes: int, name: str, allocate: int = 0) -> tuple[int, mmap.mmap]:
     """``(fd, mapping)``: a shared-memory file of ``nbytes`` (``memfd_create``) mapped
     ``MAP_SHARED``, its first ``allocate`` bytes allocated now (``posix_fallocate``: zeroed pages,
-    so that a first write costs a minor fault, and a shortage raises ``OSError`` here rather
-    than ``SIGBUS`` at a write). ``fd`` is -1 where ``memfd_create`` is missing: an
+    so that a worker's first write costs a minor fault, and a shortage raises ``OSError`` here
+    rather than ``SIGBUS`` in a worker). ``fd`` is -1 where ``memfd_create`` is missing: an
     anonymous mapping, which forked workers inherit but spawned ones cannot get.
 
     Raises ``OSError`` when the memory cannot be had."""
@@ -78,17 +78,57 @@ def attach_fd(shared, nbytes: int) -> tuple[int, mmap.mmap]:
     return fd, mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
 
 
-def madvise_populate(mm: mmap.mmap, length: int, start: int = 0) -> None:
-    """Map bytes ``start:start + length`` of ``mm`` into this process's page tables now, in one
-    call (``MADV_POPULATE_WRITE``, Linux >= 5.14), instead of one page fault per 4 KiB page later.
-    A no-op where the kernel does not have it."""
+def madvise_populate(mm: mmap.mmap, length: int) -> None:
+    """Map the first ``length`` bytes of ``mm`` into this process's page tables now, in one call
+    (``MADV_POPULATE_WRITE``, Linux >= 5.14), instead of one page fault per 4 KiB page later. A
+    no-op where the kernel does not have it."""
     if length <= 0:
         return
     try:
-        mm.madvise(MADV_POPULATE_WRITE, start, length)
+        mm.madvise(MADV_POPULATE_WRITE, 0, length)
     except OSError as e:
         if e.errno not in (errno.EINVAL, errno.ENOSYS, errno.EPERM):
             raise
+
+
+#: Bytes mapped in per call by :func:`populate_soon`'s thread (``madvise`` holds the GIL).
+POPULATE_CHUNK = 8 << 20
+
+
+def populate_soon(mm: mmap.mmap, length: int, now: int, alive=lambda: True) -> threading.Thread | None:
+    """Map the first ``now`` bytes of ``mm`` in at once (:func:`madvise_populate`) and the rest of
+    the first ``length`` from a daemon thread, ``POPULATE_CHUNK`` bytes per call, while
+    ``alive()`` holds, so that the first batch does not wait for the whole buffer's page
+    tables. Mapping a page in never changes its contents, so the thread may run while workers
+    write into the slots. Returns the thread (None when nothing is left for it)."""
+    now = min(now, length)
+    madvise_populate(mm, now)
+    if length <= now:
+        return None
+
+    t = threading.Thread(target=_populate_range, args=(mm, now, length, alive), name="feedgpu-populate",
+                         daemon=True)
+    t.start()
+    return t
+
+
+def _populate_range(mm: mmap.mmap, start: int, end: int, alive) -> None:
+    """Map bytes ``start:end`` of ``mm`` in, ``POPULATE_CHUNK`` bytes per call, while ``alive()``
+    holds (a thread's work: :func:`populate_soon`, :func:`_allocate_rest`)."""
+    for begin in range(start, end, POPULATE_CHUNK):
+        if not alive():
+            return
+        try:
+            mm.madvise(MADV_POPULATE_WRITE, begin, min(POPULATE_CHUNK, end - begin))
+        except (OSError, ValueError):   # no MADV_POPULATE_WRITE here, or the mapping was closed
+            return
+
+
+def _alive(slots) -> callable:
+    """``() -> bool``: ``slots`` still exists and is not closed (held weakly: a thread mapping
+    its pages in does not keep it alive)."""
+    ref = weakref.ref(slots)
+    return lambda: (s := ref()) is not None and s._mm is not None
 
 
 def _check_fits(nbytes: int) -> None:
@@ -103,15 +143,53 @@ def _check_fits(nbytes: int) -> None:
         raise OSError(errno.ENOMEM, f"{nbytes / 2**30:,.2f} GiB asked, {available / 2**30:,.2f} GiB available")
 
 
+def _allocate_rest(ref) -> None:
+    """The allocating thread of a :class:`BatchSlots` (held weakly): each pre-allocated slot after
+    the first in turn (``posix_fallocate``, which releases the GIL), then this process's page
+    tables for them (:func:`populate_soon`'s work, from this thread). Whatever stops it before
+    every slot is allocated is recorded, so no :meth:`BatchSlots.acquire` waits for ever."""
+    try:
+        _allocate(ref)
+    except BaseException as e:  # noqa: BLE001 - out of descriptors, or a bug: acquire() raises it
+        s = ref()
+        if s is not None:
+            s._allocated(s._ready, e if isinstance(e, OSError) else OSError(errno.EIO, repr(e)))
+
+
+def _allocate(ref) -> None:
+    s = ref()
+    if s is None or s._mm is None:
+        return
+    fd, stride, total = os.dup(s._fd), s.stride, s.populated   # its own descriptor: never a reused number
+    start = s._ready
+    del s
+    try:
+        for k in range(start, total):
+            s = ref()
+            if s is None or s._mm is None:
+                return
+            try:
+                os.posix_fallocate(fd, k * stride, stride)
+            except OSError as e:
+                s._allocated(k, e)
+                return
+            s._allocated(k + 1)
+            del s
+    finally:
+        os.close(fd)
+    s = ref()
+    if s is None or s._mm is None:
+        return
+    mm, alive = s._mm, _alive(s)
+    del s
+    _populate_range(mm, stride, total * stride, alive)
+
+
 class BatchSlots:
     """``count`` buffers, each holding ``images`` (``batch_size`` x ``sample_shape``, ``dtype``)
-    followed by ``labels`` (int64, ``batch_size``). ``populate`` (default: all) is how many are
-    expected in use: that they fit in the memory available is checked here; the others are the
-    balancer's spare buffers for a larger pool.
-
-    A slot's memory is allocated by the first process that writes into it, :meth:`prepare` (the
-    worker that fills it, before its first sample), not ahead: allocating and mapping in every
-    slot while the first batches are made takes the cores those batches need.
+    followed by ``labels`` (int64, ``batch_size``). The first ``populate`` (default: all) are
+    allocated now and handed out first; the others take memory only when first written (the
+    balancer's spare buffers for a larger pool).
 
     Picklable for a worker started with ``spawn`` or ``forkserver`` while the pool starts it (the
     shared file's descriptor is passed, see :func:`share_fd`); the copy maps the same memory.
@@ -127,18 +205,30 @@ class BatchSlots:
         self.nbytes = self.label_offset + 8 * batch_size
         self.stride = (self.nbytes + PAGE - 1) // PAGE * PAGE   # each slot starts on a page
         self.count = count
+        # Allocating the pages zero-fills them once: a worker's first write to a page then
+        # costs a minor fault, not a fault plus zeroing. The first slot is allocated here, the
+        # others from a thread while the first batch is made (a slot is handed out only once it
+        # is allocated); that they fit in memory is checked here, so a shortage is a clear
+        # error, not a worker killed later. Persistent workers take their faults once per run.
         populate = count if populate is None else min(count, populate)
         self.populated = populate
         try:
-            _check_fits(populate * self.stride)   # a shortage is a clear error now, not a worker killed later
-            self._fd, self._mm = shared_file(max(1, count * self.stride), "feedgpu-batches")
+            _check_fits(populate * self.stride)
+            self._fd, self._mm = shared_file(max(1, count * self.stride), "feedgpu-batches",
+                                             min(populate, 1) * self.stride)
         except OSError as e:
             raise self._no_memory(e) from None
         self._closer = weakref.finalize(self, _close_fd, self._fd)
-        self._free = list(range(count))[::-1]   # pop() takes the lowest first
+        self._free = list(range(count))[::-1]   # pop() takes the pre-allocated ones first
         self._lock = threading.Lock()
         self.held = 0       # slots the consumer still holds
-        self._prepared: set[int] = set()   # slots this process has allocated and mapped in
+        self._ready = populate if self._fd < 0 else min(populate, 1)   # slots allocated so far
+        self._alloc_error: OSError | None = None
+        self._alloc_cond = threading.Condition(threading.Lock())
+        madvise_populate(self._mm, min(populate, 1) * self.stride)   # this process reads them
+        if populate > 1 and self._fd >= 0:
+            threading.Thread(target=_allocate_rest, args=(weakref.ref(self),), name="feedgpu-allocate",
+                             daemon=True).start()
 
     def _no_memory(self, e: OSError):
         from ..errors import SharedMemoryError
@@ -148,10 +238,27 @@ class BatchSlots:
             f"({self.count * self.nbytes / 2**30:,.2f} GiB) of shared memory: {e}. Lower batch_size, "
             "prefetch_factor or num_workers, or deliver uint8/float16 (output.dtype)")
 
+    def _allocated(self, k: int, error: OSError | None = None) -> None:
+        with self._alloc_cond:
+            if error is not None:
+                self._alloc_error = error
+            else:
+                self._ready = k
+            self._alloc_cond.notify_all()
+
+    def _wait_allocated(self, slot: int) -> None:
+        """Block until ``slot`` is allocated; :class:`SharedMemoryError` when it cannot be."""
+        with self._alloc_cond:
+            while slot >= self._ready and self._alloc_error is None:
+                self._alloc_cond.wait(1.0)
+            if slot >= self._ready:
+                raise self._no_memory(self._alloc_error)
+
     def __getstate__(self) -> dict:
         if self._mm is None:
             raise ValueError("these batch buffers are closed")
-        state = {k: v for k, v in self.__dict__.items() if k not in ("_fd", "_mm", "_free", "_lock", "_closer")}
+        state = {k: v for k, v in self.__dict__.items()
+                 if k not in ("_fd", "_mm", "_free", "_lock", "_closer", "_alloc_cond", "_alloc_error")}
         state["_shared"] = share_fd(self._fd)
         return state
 
@@ -161,32 +268,14 @@ class BatchSlots:
         self._fd, self._mm = attach_fd(shared, max(1, self.count * self.stride))
         self._closer = weakref.finalize(self, _close_fd, self._fd)
         self._free, self._lock, self.held = [], threading.Lock(), 0   # a worker hands out nothing
-        self._prepared = set()
+        self._alloc_error, self._alloc_cond = None, threading.Condition(threading.Lock())
 
     def map_in(self) -> None:
-        """In a worker as it starts: no slot is mapped into its page tables yet (a forked child
-        does not inherit the parent's for a shared mapping); :meth:`prepare` maps each in when
-        the worker first writes into it."""
-        self._prepared = set()
-
-    def prepare(self, slot: int) -> None:
-        """Before this process's first write into ``slot``: allocate its pages, zeroed, unless
-        another process already has (``posix_fallocate``, so that a shortage raises here rather
-        than ``SIGBUS`` at a write), and map them into this process's page tables in one call
-        (:func:`madvise_populate`: a write then costs no page fault). Once per slot and process.
-
-        Raises :class:`~feedgpu.errors.SharedMemoryError` when the memory cannot be had."""
-        if slot in self._prepared:
-            return
-        if not 0 <= slot < self.count:
-            raise IndexError(f"batch slot {slot} of {self.count}")
-        try:
-            if self._fd >= 0:
-                os.posix_fallocate(self._fd, slot * self.stride, self.stride)
-            madvise_populate(self._mm, self.stride, slot * self.stride)
-        except OSError as e:
-            raise self._no_memory(e) from None
-        self._prepared.add(slot)
+        """In a worker: map the pre-allocated buffers into this process's page tables
+        (``MADV_POPULATE_WRITE``, Linux >= 5.14) instead of one page fault per 4 KiB page during
+        its first batches: the first slot now, the others from a thread while the worker runs
+        its first tasks (:func:`populate_soon`). A no-op where the kernel does not have it."""
+        populate_soon(self._mm, self.populated * self.stride, self.stride, _alive(self))
 
     def __len__(self) -> int:
         return self.count
@@ -201,9 +290,17 @@ class BatchSlots:
         return images, labels
 
     def acquire(self) -> int | None:
-        """A free slot (the lowest numbers first), None when none is free."""
+        """A free slot (pre-allocated ones first, each once allocated), None when none is free.
+        Raises :class:`SharedMemoryError` when a slot's memory could not be allocated."""
         with self._lock:
-            return self._free.pop() if self._free else None
+            slot = self._free.pop() if self._free else None
+        if slot is not None and self._ready <= slot < self.populated:
+            try:
+                self._wait_allocated(slot)
+            except BaseException:
+                self.release(slot)
+                raise
+        return slot
 
     def release(self, slot: int) -> None:
         with self._lock:

@@ -68,7 +68,7 @@ class PipelineWork(WorkBase):
             self.assembler.cache.refresh()
 
     def on_start(self) -> None:
-        """In each worker as it starts (see :meth:`BatchSlots.map_in`)."""
+        """In each worker as it starts: map the batch buffers in (see :meth:`BatchSlots.map_in`)."""
         if self.slots is not None:
             self.slots.map_in()
 
@@ -87,7 +87,6 @@ class PipelineWork(WorkBase):
 
     def handle(self, task: tuple) -> BatchReport:
         _, _, slot, epoch, indices, spares = task
-        self.slots.prepare(slot)
         images, labels = self.slots.arrays(slot)
         return self.assembler.fill(images, labels, indices, spares, epoch)
 
@@ -108,7 +107,6 @@ class PipelineWork(WorkBase):
         """Copy a remote worker's ``(images, labels, report)`` into the task's slot (one copy,
         in the main process), so :meth:`finish` hands it out as a local batch."""
         images, labels, report = payload
-        self.slots.prepare(task[2])
         dst_images, dst_labels = self.slots.arrays(task[2])
         dst_images[:report.rows] = images
         dst_labels[:report.rows] = labels
