@@ -100,6 +100,7 @@ def unpack_error(packed: tuple) -> BaseException:
     """The worker's exception, same type where it pickled (else :class:`WorkerError`), with
     torch's wording and the worker's traceback as a note."""
     from ..errors import WorkerError
+    from .pool_errors import with_note
 
     blob, name, msg, tb, wid, pid = packed
     exc = None
@@ -110,12 +111,7 @@ def unpack_error(packed: tuple) -> BaseException:
             exc = None
     if exc is None:
         exc = WorkerError(f"{name}: {msg}")
-    note = f"Caught {name} in DataLoader worker process {wid} (pid {pid}).\nOriginal {tb}"
-    if hasattr(exc, "add_note"):
-        exc.add_note(note)
-    else:  # Python 3.10
-        exc.args = (f"{exc.args[0] if exc.args else ''}\n{note}", *exc.args[1:])
-    return exc
+    return with_note(exc, f"Caught {name} in DataLoader worker process {wid} (pid {pid}).\nOriginal {tb}")
 
 
 def _numpy_seed(base_seed: int, wid: int):

@@ -17,7 +17,12 @@ def unpack_exception(packed: tuple, context: str) -> BaseException:
     """Rebuild a worker's exception in the main process, its traceback as a note."""
     blob, summary, tb, wid = packed
     exc = pickle.loads(blob) if blob is not None else WorkerError(summary)
-    note = f"raised in feedgpu worker {wid} {context}; worker traceback:\n{tb}"
+    return with_note(exc, f"raised in feedgpu worker {wid} {context}; worker traceback:\n{tb}")
+
+
+def with_note(exc: BaseException, note: str) -> BaseException:
+    """``exc`` with ``note`` attached (an exception note; on Python 3.10, appended to its first
+    argument)."""
     if hasattr(exc, "add_note"):
         exc.add_note(note)
     else:  # Python 3.10
