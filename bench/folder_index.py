@@ -223,8 +223,8 @@ def markdown(doc: dict) -> str:
              "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
     for r in doc["runs"]:
         lines.append(f"| {r.get('round', 1)} | {r['label']} | {'yes' if r['from_saved_index'] else 'no'} | "
-                     f"{r.get('torch_import_s', float('nan')):.2f} | {r['import_s']:.2f} | "
-                     f"{r['index_s']:.2f} | {r['first_batch_s']:.2f} | {r.get('after_torch_s', float('nan')):.2f} | "
+                     f"{r['torch_import_s']:.2f} | {r['import_s']:.2f} | "
+                     f"{r['index_s']:.2f} | {r['first_batch_s']:.2f} | {r['after_torch_s']:.2f} | "
                      f"{r['index_rss_mib']:.0f} | "
                      f"{r['rss_after_index_mib']:.0f} | {r['main_rss_mib']:.0f} | {', '.join(f'{u:.0f}' for u in r['worker_uss_mib'])} | "
                      + (f"{r['identity_s']:.2f}" if "identity_s" in r else "-") + f" | {r['load_avg_1min_before']:.1f} |")
@@ -238,7 +238,7 @@ def markdown(doc: dict) -> str:
     for label in dict.fromkeys(r["label"].replace(" (1st)", "").replace(" (2nd)", "") for r in doc["runs"]):
         rs = [r for r in doc["runs"] if r["label"].replace(" (1st)", "").replace(" (2nd)", "") == label]
         lines.append(f"- {label}: {statistics.median(r['first_batch_s'] for r in rs):.2f} / "
-                     f"{statistics.median(r.get('after_torch_s', float('nan')) for r in rs):.2f} / "
+                     f"{statistics.median(r['after_torch_s'] for r in rs):.2f} / "
                      f"{statistics.median(r['index_s'] for r in rs):.2f} ({len(rs)} runs)")
     lines.append("")
     return "\n".join(lines)

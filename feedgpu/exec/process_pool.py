@@ -82,7 +82,7 @@ class _Worker:
         self.wid, self.proc, self.tasks, self.conn = wid, proc, tasks, conn
         self.held: dict[tuple, tuple] = {}   # (tag, seq) -> task, in submission order
         self.retiring = False
-        self.parked_until: float | None = None   # parked (takes no task) until then, then retired
+        self.parked_until: float | None = None   # parked (takes no task) until then, then retired; never retiring
         self.put_count = 0                    # items put on its queue (tasks, flushes, the sentinel)
         self.ordinal: dict[tuple, int] = {}   # (tag, seq) -> which item of the queue it was
         self.started = time.monotonic()
@@ -287,11 +287,12 @@ class ProcessPool:
             raise WorkerError(f"a process pool runs at most {MAX_WORKERS} workers, got {n}")
         self._target = n
         active = [w for w in self._workers.values() if w.taking]
-        parked = sorted((w for w in self._workers.values() if w.parked_until is not None and not w.retiring),
+        parked = sorted((w for w in self._workers.values() if w.parked_until is not None),
                         key=lambda w: -w.parked_until)
-        for w in parked[:max(0, n - len(active))]:
+        back = parked[:max(0, n - len(active))]
+        for w in back:
             w.parked_until = None
-        for _ in range(n - len(active) - min(len(parked), max(0, n - len(active)))):
+        for _ in range(n - len(active) - len(back)):
             self._spawn()
         for w in sorted(active, key=lambda w: (len(w.held), -w.wid))[:max(0, len(active) - n)]:
             if park_s > 0:
@@ -311,8 +312,8 @@ class ProcessPool:
     def retire_parked(self, due_only: bool = False) -> int:
         """Retire the parked workers (``due_only``: those whose time is up); returns how many."""
         now = time.monotonic()
-        due = [w for w in self._workers.values() if w.parked_until is not None and not w.retiring
-               and (not due_only or w.parked_until <= now)]
+        due = [w for w in self._workers.values()
+               if w.parked_until is not None and (not due_only or w.parked_until <= now)]
         for w in due:
             self._retire(w)
         return len(due)
@@ -320,8 +321,7 @@ class ProcessPool:
     # -- tasks ----------------------------------------------------------------------------------
     def submit(self, task: tuple) -> None:
         """Give ``task`` to the active worker holding the fewest tasks."""
-        if any(w.parked_until is not None for w in self._workers.values()):
-            self.retire_parked(due_only=True)
+        self.retire_parked(due_only=True)
         w = min((w for w in self._workers.values() if w.taking), key=lambda w: (len(w.held), w.wid))
         w.put(task, (task[0], task[1]))
 
