@@ -136,8 +136,10 @@ class SourceSettings:
             None: to be given later, e.g. ``--data``).
         image_column, label_column (str): parquet only: the columns holding the encoded images
             (default ``"image"``) and the labels (default ``"label"``; None: no labels).
-        stat_files (bool): folder only: stat each image file while indexing (default True;
-            False: list the folders only; zero-byte files are then counted as "empty" when read).
+        stat_files (bool | "auto"): folder only: stat each image file while indexing (True), or
+            list the folders only (False: zero-byte files are then counted as "empty" when read);
+            default ``"auto"``: True up to 250,000 image files, False above
+            (:data:`feedgpu.sources.file_stats.AUTO_MAX`).
         index_dir (str | bool | None): folder and tar only: where the saved index lives (default
             None: feedgpu's cache dir; False: neither read nor write one; see
             :class:`~feedgpu.sources.FolderSource`).
@@ -154,7 +156,7 @@ class SourceSettings:
     path: Union[str, list[str], None] = None
     image_column: str = "image"
     label_column: Union[str, None] = "label"
-    stat_files: bool = True
+    stat_files: Union[bool, Literal["auto"]] = "auto"
     index_dir: Union[str, bool, None] = None
     cache_dir: Union[str, None] = None
     cache_budget: Union[Annotated[int, Field(gt=0, strict=True)], str, None] = None

@@ -15,8 +15,9 @@ import click
 @click.option("--index-dir", type=click.Path(file_okay=False), default=None,
               help="Folders: where the saved index goes, as source.index_dir (default: "
                    "<feedgpu cache dir>/folder-index).")
-@click.option("--stat-files/--no-stat-files", default=True, show_default=True,
-              help="Folders: as source.stat_files (the saved index is kept per setting).")
+@click.option("--stat-files/--no-stat-files", default=None,
+              help="Folders: as source.stat_files (default: auto, as the source's default; the saved "
+                   "index is kept per setting).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the text.")
 def index(paths, threads, force, index_dir, stat_files, as_json) -> None:
     """Build indexes ahead of training, for data feedgpu did not write.
@@ -35,6 +36,7 @@ def index(paths, threads, force, index_dir, stat_files, as_json) -> None:
     from ..errors import SourceError
     from ..sources.prebuild import index_folder, index_shards, path_kind
 
+    stat_files = "auto" if stat_files is None else stat_files
     kinds: dict[str, list] = {"tar": [], "folder": [], "parquet": []}
     for p in paths:
         try:

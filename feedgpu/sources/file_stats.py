@@ -20,6 +20,10 @@ log = logging.getLogger("feedgpu.sources")
 
 #: Fewer files than this are stat-ed in this process (starting processes costs more).
 PARALLEL_MIN = 100_000
+#: With ``stat_files="auto"`` (a folder source's default) the listed files are stat-ed while
+#: indexing when there are at most this many; above it a stat of every file would cost more than
+#: the rest of a cold start (``bench/results/folder_index.md``), so the folders are only listed.
+AUTO_MAX = 250_000
 #: Processes at most (one per usable core up to this).
 MAX_PROCESSES = 8
 #: ``kinds`` value of a path whose ``stat`` (following links) gives something other than a

@@ -24,7 +24,9 @@ The rules, and where they differ from ``torchvision.datasets.ImageFolder``:
   something that is not a regular file, such as a FIFO (``"not a regular file"``), a file
   ``stat`` fails on (``"unreadable"``). torchvision indexes them and fails when they are read.
   With ``stat_files=False`` regular files are not ``stat``-ed while indexing (their type comes
-  from the folder listing): a zero-byte one is then counted as ``"empty"`` when it is read.
+  from the folder listing): a zero-byte one is then counted as ``"empty"`` when it is read. The
+  default, ``"auto"``, stats them when the listing holds at most
+  :data:`~feedgpu.sources.file_stats.AUTO_MAX` image files and lists only above that.
 
 The index (paths relative to ``root`` as one UTF-8 blob with int64 offsets, int64 labels, sizes
 and mtimes) is numpy buffers only, so forked workers share it without copy-on-read growth. It is
@@ -63,8 +65,10 @@ class FolderSource(Source):
         allow_empty: keep class folders without images as classes (default False: raise).
         flat: index the image files of ``root`` and its sub-folders as one unlabeled set (label
             -1, no classes), as ``feedgpu scan`` reads a folder without class sub-folders.
-        stat_files: ``stat`` each image file while indexing (default True), so zero-byte files
-            are index-time rejects (``"empty"``) and sizes and mtimes are known. False lists the
+        stat_files: True: ``stat`` each image file while indexing, so zero-byte files
+            are index-time rejects (``"empty"``) and sizes and mtimes are known. ``"auto"``
+            (default): True for a listing of at most :data:`~feedgpu.sources.file_stats.AUTO_MAX`
+            image files, False above (logged at INFO). False lists the
             folders only (file types from the listing; links and entries of unknown type are
             still ``stat``-ed and rejected as above): a zero-byte file is then a counted skip
             with reason ``"empty"`` when it is read, as in a Parquet source, and sizes and
@@ -90,14 +94,16 @@ class FolderSource(Source):
     format = "folder"
 
     def __init__(self, root: str | os.PathLike, extensions: tuple[str, ...] = IMAGE_EXTENSIONS,
-                 allow_empty: bool = False, flat: bool = False, stat_files: bool = True,
+                 allow_empty: bool = False, flat: bool = False, stat_files: bool | str = "auto",
                  index_dir: str | os.PathLike | bool | None = None):
         super().__init__()
         self.root = Path(root)
         if not self.root.is_dir():
             raise SourceError(f"folder source: {self.root} is not a directory")
         self._exts = tuple(e.lower() for e in extensions)
-        self._stat_files = bool(stat_files)
+        if stat_files not in (True, False, "auto"):
+            raise ValueError(f"folder source: stat_files must be True, False or 'auto', not {stat_files!r}")
+        self._stat_files = stat_files
         self._hidden: list[str] = []       # hidden folders holding images, for one warning
         self._index_file: Path | None = None
         self._sizes = self._mtimes = None  # None: not read yet (see the sizes property)
@@ -242,6 +248,12 @@ class FolderSource(Source):
         np.cumsum(np.frombuffer(lens, np.int64), out=self.paths.offsets[1:])
         self.paths.blob = np.frombuffer(blob, dtype=np.uint8)
         self.labels = np.frombuffer(labels, np.int64)
+        if self._stat_files == "auto":
+            self._stat_files = self._n <= file_stats.AUTO_MAX
+            if not self._stat_files:
+                file_stats.log.info("folder source %s: %d image files, more than %d: listed, not stat-ed "
+                                    "(stat_files='auto'); a zero-byte file is counted as 'empty' when read "
+                                    "(stat_files=True finds them now)", self.root, self._n, file_stats.AUTO_MAX)
         if self._stat_files:
             self._stat_indexed()   # leaves out the files found empty, gone or not regular
         if not self._n:
@@ -435,12 +447,12 @@ class FolderSource(Source):
 
 
 def saved_index_file(root, index_dir=None, extensions: tuple[str, ...] = IMAGE_EXTENSIONS,
-                     allow_empty: bool = False, flat: bool = False, stat_files: bool = True) -> Path:
+                     allow_empty: bool = False, flat: bool = False, stat_files: bool | str = "auto") -> Path:
     """Where :class:`FolderSource` opened with these arguments keeps its saved index:
     ``<index_dir>/<key>.idx`` (``index_dir`` None or True: the ``folder-index`` folder of
     feedgpu's cache dir; the key: :func:`~feedgpu.sources.folder_index.index_key`)."""
     settings = {"extensions": [e.lower() for e in extensions], "allow_empty": bool(allow_empty), "flat": bool(flat),
-                "stat_files": bool(stat_files)}
+                "stat_files": "auto" if stat_files == "auto" else bool(stat_files)}
     base = Path(index_dir) if index_dir not in (None, True) else _index.default_index_dir()
     return base / f"{_index.index_key(str(root), settings)}.idx"
 

@@ -207,7 +207,7 @@ class FolderReport:
                 f"{self.classes} classes, {rej} rejected, {self.seconds:.2f} s -> {self.index_file}")
 
 
-def index_folder(root, index_dir=None, stat_files: bool = True, force: bool = False) -> FolderReport:
+def index_folder(root, index_dir=None, stat_files: bool | str = "auto", force: bool = False) -> FolderReport:
     """Build and save the index a :class:`~feedgpu.sources.folder.FolderSource` opened as
     ``FolderSource(root, stat_files=stat_files, index_dir=index_dir)`` (a pipeline's ``source:``
     section) looks for, unless a current one is saved (``force``: build it again). ``index_dir``:

@@ -12,6 +12,7 @@ import pytest
 
 from conftest import PHOTOS
 from feedgpu import DataLoader, FolderSource, Pipeline
+from feedgpu.errors import ConfigError
 from feedgpu.sources import folder_index
 from feedgpu.stages import Decode, ResizeCenterCrop
 
@@ -284,8 +285,10 @@ def test_pipeline_files_can_turn_the_per_file_stat_off(tree, tmp_path, monkeypat
         listed = Pipeline.from_yaml(yaml, source={"path": str(tree), "stat_files": False}).source
         default = Pipeline.from_yaml(yaml, source={"path": str(tree)}).source
     assert len(listed) == len(default) + 1
-    assert (str(tree / "b" / "e.jpg"), "empty") in default.rejected
+    assert (str(tree / "b" / "e.jpg"), "empty") in default.rejected   # "auto" on a small tree stats
     assert (str(tree / "b" / "e.jpg"), "empty") not in listed.rejected
+    with pytest.raises(ConfigError, match="source.stat_files: .*'auto'"):
+        Pipeline.from_yaml(yaml, source={"path": str(tree), "stat_files": "sometimes"})
 
 
 def test_cache_clear_and_info_cover_the_saved_indexes(tree, tmp_path, monkeypatch):
@@ -327,3 +330,40 @@ def test_cache_clear_and_info_cover_the_saved_indexes(tree, tmp_path, monkeypatc
     res = cli("cache", "clear", "--yes", "--index-dir", str(other))
     assert "deleted 1 saved folder index " in res.output and list(other.glob("*.idx")) == []
     assert len(list(idx.glob("*.idx"))) == 1          # the default folder was not touched
+
+
+@pytest.mark.parametrize("auto_max, stats", [(100, True), (3, False)])
+def test_stat_files_auto_stats_small_trees_and_lists_large_ones(tree, tmp_path, monkeypatch, caplog, auto_max, stats):
+    """The default, stat_files="auto": the same index as True for a listing of at most
+    file_stats.AUTO_MAX image files (the zero-byte file rejected while indexing), as False above
+    it (indexed, counted as "empty" when read, said at INFO); its saved index is its own."""
+    from conftest import CASES
+    from feedgpu.sources import file_stats
+
+    (tree / "b" / "empty.jpg").write_bytes((CASES / "empty.jpg").read_bytes())
+    age(tree.parent)
+    monkeypatch.setattr(file_stats, "AUTO_MAX", auto_max)
+    idx = tmp_path / "idx"
+    with caplog.at_level("INFO", logger="feedgpu.sources"):
+        auto = open_(tree, idx)
+    same_index(auto, open_(tree, False, stat_files=stats))
+    assert ((str(tree / "b" / "empty.jpg"), "empty") in auto.rejected) is stats
+    assert ("listed, not stat-ed" in caplog.text) is not stats
+    assert not open_(tree, idx, stat_files=stats).from_saved_index   # kept apart from True's and False's
+    again = open_(tree, idx)
+    assert again.from_saved_index
+    same_index(again, auto)
+    if not stats:
+        p = Pipeline(again, [Decode(), ResizeCenterCrop(32, 32)], batch_size=len(again), shuffle=False, seed=0,
+                     device="cpu", num_workers=0, on_error="skip", max_skipped=None)
+        loader = DataLoader(p)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            rows = sum(len(b.labels) for b in loader)
+        assert rows == len(again)   # the batch keeps its size: a spare refills the empty file's row
+        assert loader.stats()["skipped"] == {"dangling link": 1, "empty": 1}
+
+
+def test_stat_files_takes_true_false_or_auto(tree):
+    with pytest.raises(ValueError, match="stat_files must be True, False or 'auto'"):
+        FolderSource(tree, index_dir=False, stat_files="yes")
