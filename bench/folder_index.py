@@ -16,7 +16,8 @@ worker processes (feedgpu's ``DataLoader``; torch's over the same transforms, :m
 then the main process's RSS and the workers' USS (psutil), and for feedgpu the time of
 ``source.identity()`` (what a cache or a loader state costs on top; on a saved index it
 ``stat``-s every file). Order: feedgpu cold (empty index dir), torch, feedgpu warm (the index the
-cold run saved), torch again, then the same two for ``stat_files=False``. "Cold" means no saved
+cold run saved), torch again, then the same two for ``stat_files=True`` (the default, ``"auto"``,
+lists only at this size: a ``stat`` of every file is what ``stat_files=True`` adds). "Cold" means no saved
 index, not a cold page cache: dropping the page cache needs root on the host, which this
 machine's sandbox does not allow, so every run after the tree was built finds its folders and
 inodes in memory. Results: ``bench/results/folder_index.{json,md}``.
@@ -108,7 +109,8 @@ def child(kind: str, root: str, workers: int) -> dict:
 
         out["import_s"] = time.perf_counter() - t
         rss0 = psutil.Process().memory_info().rss
-        p = Pipeline.from_yaml(YAML, source={"path": root, "stat_files": kind == "feedgpu"})
+        # "feedgpu": the source's default (stat_files "auto": at this size, list only)
+        p = Pipeline.from_yaml(YAML, source={"path": root, **({"stat_files": True} if kind == "feedgpu-stat" else {})})
         t = time.perf_counter()
         src = p.source
         out["index_s"] = time.perf_counter() - t
@@ -273,8 +275,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="feedgpu-index-bench-") as tmp:
             for kind, cache, label in [("feedgpu", "a", "feedgpu cold"), ("torch", "t", "torch (1st)"),
                                        ("feedgpu", "a", "feedgpu warm"), ("torch", "t", "torch (2nd)"),
-                                       ("feedgpu-list", "b", "feedgpu stat_files=False cold"),
-                                       ("feedgpu-list", "b", "feedgpu stat_files=False warm")]:
+                                       ("feedgpu-stat", "b", "feedgpu stat_files=True cold"),
+                                       ("feedgpu-stat", "b", "feedgpu stat_files=True warm")]:
                 r = run_child(kind, root, args.workers, Path(tmp) / cache)
                 r["label"], r["round"] = label, rnd
                 runs.append(r)
