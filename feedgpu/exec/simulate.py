@@ -165,7 +165,10 @@ class Curve:
         wait: ``wait(workers, prefetch) -> share of step time waiting`` (default: 0.3 while
             one worker more trains faster, else 0.01: the loop waits while the loader limits it).
         noise: relative standard deviation of each window's rate.
-        cores_per_worker: cores each worker uses (reported, busy workers by default).
+        cores_per_worker: cores a worker uses while busy (1.0). The cores reported are what the
+            rate needs at the cost per sample of one busy worker (``rate(1, prefetch)`` samples/s
+            on ``cores_per_worker``), at most every worker busy: a worker the loop does not keep
+            busy uses less than its core, as a real pool's does.
         window_s, seed: seconds per window; seeds the noise.
         start_dip, start_windows: after the worker count grows, the next ``start_windows``
             windows train ``start_dip`` (a share) below the setting before it, as a real pool
@@ -215,8 +218,11 @@ class Curve:
             r *= max(0.05, 1.0 + self._rng.gauss(0.0, self.noise))
         wait = min(1.0, max(0.0, self.waiting(workers, prefetch)))
         demand = r / (1 - wait) if wait < 1 else math.inf
+        one = self.rate(1, prefetch)
+        busy = self.cores_per_worker * workers
+        cores = min(busy, self.cores_per_worker * r / one) if one > 0 else busy
         return Measurement(t=self.t, workers=workers, delivered_rate=r, demand_rate=demand, wait_fraction=wait,
-                           cpu_cores_used=self.cores_per_worker * workers, cpu_budget=1.0, prefetch=prefetch)
+                           cpu_cores_used=cores, cpu_budget=1.0, prefetch=prefetch)
 
 
 @dataclass(frozen=True)
