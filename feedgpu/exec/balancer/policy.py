@@ -19,10 +19,10 @@ Rules, applied to each window (:meth:`Policy.decide`):
 3. An experiment moves to a neighbour: while the loop waits for batches (more than
    ``wait_threshold`` of its step time), one worker more or one batch of prefetch more
    (prefetch first when the workers are idle part of the time); in any case one worker less,
-   unless it cannot train within ``tolerance``: while the loop waits, ``w`` workers using
-   ``cores`` (at most one each) deliver ``rate``, and ``w - 1`` could deliver at most
-   ``(w - 1) * rate / cores`` (a worker process or DALI thread runs on one core at a time: a
-   bound, not a model of the speed); one batch of prefetch less only while memory is short (a shallower prefetch saves memory,
+   unless it cannot train within ``tolerance``: ``w`` workers using ``cores`` (at most one
+   each) deliver ``rate``, so ``w - 1`` could deliver at most ``(w - 1) * rate / cores`` (a
+   worker process or DALI thread runs on one core at a time: a bound, not a model of the
+   speed, whether the loop waits or not); one batch of prefetch less only while memory is short (a shallower prefetch saves memory,
    not CPU). A worker step refused at one prefetch depth is not tried at another. A costlier
    neighbour is kept when it trains more than
    ``tolerance`` faster than where it came from; a cheaper one when it trains within
@@ -432,10 +432,10 @@ class Policy:
         else:
             blocked.append(f"the loop waits only {_pct(rec.wait)}: a worker more cannot train faster")
         if w > c.min_workers:
-            cap = (w - 1) * rec.rate / rec.cores if waiting and 0 < rec.cores <= w else math.inf
+            cap = (w - 1) * rec.rate / rec.cores if 0 < rec.cores <= w else math.inf
             if cap < (1 - c.tolerance) * rec.rate:
-                blocked.append(f"no worker less: the loop waits {_pct(rec.wait)} with {w} workers on "
-                               f"{rec.cores:.1f} cores; {w - 1} at one core each deliver at most {_fmt_rate(cap)}")
+                blocked.append(f"no worker less: {w} workers deliver {_fmt_rate(rec.rate)} on {rec.cores:.1f} "
+                               f"cores; {w - 1} at one core each deliver at most {_fmt_rate(cap)}")
             else:
                 out.append(((w - 1, p), "remove"))
         if self._tight and p > c.min_prefetch:
