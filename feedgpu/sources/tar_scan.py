@@ -86,12 +86,27 @@ def _octal_fields(f: np.ndarray, constant: bool | None = None) -> np.ndarray | N
     return value
 
 
-def _constant_columns(rows: np.ndarray, lo: int, hi: int) -> np.ndarray:
-    """Whether each byte column ``lo:hi`` of ``rows`` (``lo``, ``hi`` multiples of 8) holds one
-    value in every row: the columns as 64-bit words, each XOR the first row's, OR-ed over rows."""
-    w = np.ascontiguousarray(rows[:, lo:hi]).view("<u8")
-    diff = np.bitwise_or.reduce(w ^ w[0], axis=0)
-    return np.ascontiguousarray(diff).view(np.uint8) == 0
+def _varying_bytes(rows: np.ndarray) -> np.ndarray:
+    """Which of the 512 byte columns of ``rows`` (one header a row) differ from the first row in
+    any row, as 512 booleans: first the 64-bit words that differ anywhere, then, for those only,
+    which of their bytes (each word XOR the first header's, OR-ed over the headers)."""
+    w = rows.view("<u8")
+    idx = np.flatnonzero((w != w[0]).any(axis=0))
+    diff = np.zeros(64, np.uint64)
+    if idx.size:
+        sub = w[:, idx]
+        diff[idx] = np.bitwise_or.reduce(sub ^ sub[0], axis=0)
+    return diff.view(np.uint8) != 0
+
+
+def _byte_sums(words: np.ndarray) -> np.ndarray:
+    """The sum of the bytes of each row of ``words`` (uint64, at most 64 a row) as int64: the
+    bytes of each word added in four 16-bit lanes (at most 2 * 255 a word, 32,640 a row), the
+    lanes added at the end."""
+    lanes = np.uint64(0x00FF00FF00FF00FF)
+    s = ((words & lanes) + ((words >> np.uint64(8)) & lanes)).sum(axis=1, dtype=np.uint64)
+    m = np.uint64(0xFFFF)
+    return ((s & m) + ((s >> np.uint64(16)) & m) + ((s >> np.uint64(32)) & m) + (s >> np.uint64(48))).astype(np.int64)
 
 
 def _digits(d: np.ndarray) -> np.ndarray:
@@ -128,23 +143,30 @@ def _scan(data: np.ndarray, size: int, image_fields, label_fields) -> dict | Non
     if cand.size == 0 or cand[0] != 0:
         return None
     rows = np.take(blocks, cand, axis=0)                  # a copy: the headers only
-    if not np.all((rows[:, 156] == ord("0")) | (rows[:, 156] == 0)):
+    vary = _varying_bytes(rows)                           # a column the same in every header is checked once
+    if (not vary[156] and rows[0, 156] not in (0, ord("0"))) or \
+            (vary[156] and not np.all((rows[:, 156] == ord("0")) | (rows[:, 156] == 0))):
         return None
-    if np.any(rows[:, 345:500]):                          # a ustar name prefix
+    if rows[0, 345:500].any() or vary[345:500].any():    # a ustar name prefix in some header
         return None
-    numeric = {100: rows[:, 100:157], 329: rows[:, 329:345]}
-    same = {100: _constant_columns(rows, 96, 160)[4:61], 329: _constant_columns(rows, 328, 352)[1:17]}
     values = {}
     for start, width in _NUMERIC:
-        base = 100 if start < 329 else 329
-        cols_of = slice(start - base, start - base + width)
-        value = _octal_fields(numeric[base][:, cols_of], bool(same[base][cols_of].all()))
+        value = _octal_fields(rows[:, start:start + width], not vary[start:start + width].any())
         if value is None:
             return None
         values[start] = value
-    # a header's bytes sum to at most 512 * 255: uint32 holds it (and sums faster than int64)
-    summed = rows.sum(axis=1, dtype=np.uint32).astype(np.int64) \
-        - numeric[100][:, 48:56].sum(axis=1, dtype=np.int64) + 8 * 32
+    # the checksum: the header's bytes with its own field as 8 blanks; the words that are the same
+    # in every header add the same to each
+    w = rows.view("<u8")
+    moving = vary.reshape(64, 8).any(axis=1)
+    moving[18:20] = False                                 # bytes 144-159, which hold the checksum field
+    rest = ~moving
+    rest[18:20] = False
+    fixed = int(rows[0].reshape(64, 8)[rest].sum())
+    own = w[:, 18:20].copy()
+    own[:, 0] &= np.uint64(0x00000000FFFFFFFF)            # less bytes 148-151
+    own[:, 1] &= np.uint64(0xFFFFFFFF00000000)            # less bytes 152-155
+    summed = fixed + _byte_sums(w[:, np.flatnonzero(moving)]) + _byte_sums(own) + 8 * 32
     if not np.array_equal(summed, values[148]):
         return None
     sizes = values[124]
@@ -154,33 +176,30 @@ def _scan(data: np.ndarray, size: int, image_fields, label_fields) -> dict | Non
     end = int(nxt[-1]) * _BLOCK
     if end + _BLOCK > size or np.any(data[end:]):
         return None
-    nul = rows[:, :_NAME] == 0
-    lens = np.where(nul.any(axis=1), nul.argmax(axis=1), _NAME)
-    width_n = int(lens.max())
-    names = np.ascontiguousarray(rows[:, :width_n])       # the names' bytes, no column past the longest
-    cols = np.arange(width_n)
-    inside = cols < lens[:, None]
-    if np.any(names[inside] >= 128) or np.any(lens == 0):
+    used = np.flatnonzero(vary[:_NAME] | (rows[0, :_NAME] != 0))
+    bound = int(used[-1]) + 1 if used.size else 0        # the columns from here on are NUL in every name
+    if bound == 0:
+        return None
+    raw = np.ascontiguousarray(rows[:, :bound])
+    if np.any(raw >= 128):                                # a name that is not ASCII
+        return None
+    names = raw.view(f"S{bound}").ravel()                 # numpy's bytes strings: trailing NULs dropped
+    lens = np.strings.str_len(names)
+    # tarfile ends a name at its first NUL, numpy's string at its last byte that is not NUL: the
+    # same when no NUL lies inside a name, i.e. when the names' non-NUL bytes number their lengths
+    if np.count_nonzero(raw) != int(lens.sum()) or np.any(lens == 0) or np.strings.endswith(names, b"/").any():
         return None
     n = len(cand)
-    r = np.arange(n)
-    if np.any(names[r, lens - 1] == ord("/")):
-        return None
-    at_slash = inside & (names == ord("/"))
-    slash = np.where(at_slash.any(axis=1), width_n - 1 - at_slash[:, ::-1].argmax(axis=1), -1)   # the last one
-    dot_mask = inside & (names == ord(".")) & (cols > slash[:, None])
-    if not dot_mask.any(axis=1).all():
-        return None
-    dot = dot_mask.argmax(axis=1)
-    if np.any(dot == slash + 1):                          # a base name starting with a dot
+    slash = np.strings.rfind(names, b"/")                 # -1 when none
+    dot = np.strings.find(names, b".", slash + 1)         # the first dot of the base name
+    if np.any(dot < 0) or np.any(dot == slash + 1):       # no field, or a base name starting with a dot
         return None
     width = 8
     field_len = lens - dot - 1
     if np.any(field_len > width) or np.any(field_len < 1):
         return None
-    col = dot[:, None] + 1 + np.arange(width)
-    field = names[r[:, None], np.minimum(col, width_n - 1)].copy()
-    field[np.arange(width) >= field_len[:, None]] = 0
+    field = np.strings.slice(names, dot + 1, lens).astype(f"S{width}")
+    field = np.ascontiguousarray(field).view(np.uint8).reshape(n, width).copy()
     upper = (field >= ord("A")) & (field <= ord("Z"))
     field[upper] += 32
     field = field.view("<u8").ravel()                    # the lower-cased field, NUL-padded, as one integer
@@ -188,9 +207,7 @@ def _scan(data: np.ndarray, size: int, image_fields, label_fields) -> dict | Non
     is_label = np.isin(field, _codes(label_fields))
     if not np.all(is_image | is_label):
         return None
-    keys = names.copy()
-    keys[cols >= dot[:, None]] = 0
-    keys = np.ascontiguousarray(keys).view(f"S{width_n}").ravel()
+    keys = np.strings.slice(names, 0, dot)
     order = np.argsort(keys, kind="stable")
     if n % 2:
         return None
@@ -218,8 +235,7 @@ def _scan(data: np.ndarray, size: int, image_fields, label_fields) -> dict | Non
     labels = np.zeros(len(lab), np.int64)
     for j in range(longest):                              # Horner over the digit columns
         labels = np.where(used[:, j], labels * 10 + (digits[:, j].astype(np.int64) - 48), labels)
-    img_names = names[img]
-    blob = img_names[cols < lens[img][:, None]]
+    blob = raw[img][np.arange(bound) < lens[img][:, None]]
     return {"blob": np.ascontiguousarray(blob, dtype=np.uint8), "lens": narrow(lens[img]),
             "offsets": narrow((cand[img] + 1) * _BLOCK), "sizes": narrow(sizes[img]), "labels": labels}
 

@@ -130,6 +130,46 @@ def test_the_scan_gives_tarfiles_index_or_declines(tmp_path, monkeypatch):
     assert labels == [i * 37 % 1000 for i in range(12)]
 
 
+def rewrite_header(data: bytes, at: int, **fields) -> bytes:
+    """``data`` with the header at byte ``at`` given new field bytes (``name=b"..."``: the bytes
+    at the field's offset) and its checksum recomputed as tarfile computes it."""
+    offsets = {"name": 0, "mode": 100, "mtime": 136, "type": 156}
+    h = bytearray(data[at:at + 512])
+    for k, v in fields.items():
+        h[offsets[k]:offsets[k] + len(v)] = v
+    h[148:156] = b" " * 8
+    h[148:156] = b"%06o\0 " % sum(h)
+    return data[:at] + bytes(h) + data[at + 512:]
+
+
+def test_headers_that_differ_beyond_name_and_size_are_read_as_tarfile_reads_them(tmp_path, monkeypatch):
+    """The scan checks a header field that every header shares once, on the first header, and the
+    fields that differ header by header one by one: a shard whose mtimes, modes and type flags
+    (``0`` and NUL) differ is still plain and indexed as tarfile indexes it; a name with a NUL inside
+    it (tarfile ends the name there) is not plain, and the tarfile path decides."""
+    base = write_tar(tmp_path / "base.tar", pairs(12))
+    data = base.read_bytes()
+    with tarfile.open(base) as tf:
+        heads = [m.offset for m in tf.getmembers()]
+    for i, at in enumerate(heads):
+        data = rewrite_header(data, at, mtime=b"%011o" % (OLD + i), mode=b"%07o" % (0o644 if i % 3 else 0o600),
+                              type=b"\0" if i % 2 else b"0")
+    mixed = tmp_path / "mixed.tar"
+    mixed.write_bytes(data)
+    os.utime(mixed, ns=(OLD * 10**9, OLD * 10**9))
+    assert scan_plain(str(mixed), IMAGE_SUFFIXES, LABEL_SUFFIXES) is not None
+    assert index_of(mixed) == index_of(mixed, monkeypatch, slow=True)
+    assert index_of(mixed)[3] == [i * 37 % 1000 for i in range(12)]
+    nul = tmp_path / "nul.tar"
+    data = rewrite_header(base.read_bytes(), heads[4], name=b"s0\0002.jpg\0")   # "s0" to tarfile
+    nul.write_bytes(rewrite_header(data, heads[5], name=b"s0\0002.cls\0"))
+    os.utime(nul, ns=(OLD * 10**9, OLD * 10**9))
+    assert scan_plain(str(nul), IMAGE_SUFFIXES, LABEL_SUFFIXES) is None
+    with tarfile.open(nul) as tf:
+        assert [m.name for m in tf.getmembers()[4:6]] == ["s0", "s0"]
+    assert index_of(nul) == index_of(nul, monkeypatch, slow=True)
+
+
 @pytest.mark.parametrize("rows", [
     [b"00000000521\0", b"00000000001\0", b"77777777777\0"],            # one form (tarfile's): one product
     [b"0000000521\0\0", b"00000000001 ", b"0000000001  ", b"00000000521\0"],   # forms mixed row by row
