@@ -727,3 +727,15 @@ def test_curve_model():
     assert sim.measure(1, 2).wait_fraction == pytest.approx(0.3)      # one more trains faster
     m = sim.measure(2, 2)
     assert (m.delivered_rate, m.wait_fraction) == (870, pytest.approx(0.01))
+
+
+def test_the_summary_names_a_step_just_taken_before_its_first_window():
+    """Right after a step (the setting it moved to has no window yet), the summary says where the
+    loader is and what is being tried, not that nothing was measured."""
+    p = Policy(quiet())
+    assert p.stats()["summary"] == "no window measured yet"
+    d = p.decide(window(1, 4, 400))                           # the loop waits 60 %: a worker more
+    assert d.kind == "add"
+    summary = p.stats()["summary"]
+    assert summary.startswith("5 workers / prefetch 2: no window measured there yet")
+    assert "trying 5 workers / prefetch 2 against 4 workers / prefetch 2" in summary

@@ -196,11 +196,11 @@ class Policy:
         return pooled_noise(self._records.values(), c.noise_prior, c.noise_floor)
 
     def _summary(self) -> str:
-        if self._key is None or self._key not in self._records:
+        if self._key is None:
             return "no window measured yet"
-        r = self._records[self._key]
+        r = self._records.get(self._key)
         s = (f"{self._setting(self._key)}: the loop trains {_fmt_rate(r.rate)} and waits {_pct(r.wait)} of its step "
-             f"time ({r.n} windows)")
+             f"time ({r.n} windows)" if r is not None else f"{self._setting(self._key)}: no window measured there yet")
         kept = sum(e["kept"] for e in self._experiments)
         s += f"; {len(self._experiments)} experiments, {kept} kept"
         if self._trial is not None:
