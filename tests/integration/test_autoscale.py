@@ -26,14 +26,16 @@ class FakeClock:
 
 
 class FakeProbe:
-    """Workers each burn ``per_worker`` cores; the main process burns ``main``."""
+    """Workers each burn ``per_worker`` cores (a number, or a function of the number of workers:
+    a worker waiting for a free batch slot burns none); the main process burns ``main``."""
 
     def __init__(self, clock, per_worker=1.0, main=0.1, others=0.0):
         self.clock, self.per_worker, self.main, self.others, self.last = clock, per_worker, main, others, 0.0
 
     def sample(self, pids, memory):
         dt, self.last = self.clock.t - self.last, self.clock.t
-        return (self.per_worker * len(pids) * dt, self.main * dt, 100 * 2**20 * len(pids) if memory else 0,
+        each = self.per_worker(len(pids)) if callable(self.per_worker) else self.per_worker
+        return (each * len(pids) * dt, self.main * dt, 100 * 2**20 * len(pids) if memory else 0,
                 self.others * dt)
 
 
@@ -101,10 +103,22 @@ def test_autoscaler_grows_to_meet_demand_and_stays():
 
 
 def test_autoscaler_shrinks_when_demand_drops():
+    """Six workers of 100/s feed a loop that takes 150/s: each is busy a quarter of the time (1.5
+    cores in all), so a worker less can still deliver, and the pool shrinks to 2 or 3."""
     clock = FakeClock()
-    a = scaler(clock, workers=6, prefetch=2)
+    a = scaler(clock, workers=6, prefetch=2, probe=FakeProbe(clock, per_worker=lambda n: min(1.0, 150 / (100 * n))))
     drive(a, clock, rate_per_worker=100, demand=150, seconds=60)
     assert a.workers in (2, 3)
+
+
+def test_workers_busy_on_every_core_are_not_dropped_by_a_loop_that_does_not_wait():
+    """Six workers of 100/s, each busy all the time, feed a loop that takes 600/s and waits for
+    none of it: five could deliver at most 500/s, so the balancer never tries a worker less."""
+    clock = FakeClock()
+    a = scaler(clock, workers=6, prefetch=2)
+    decisions = drive(a, clock, rate_per_worker=100, demand=600, seconds=30)
+    assert a.workers == 6 and not any(d.kind == "remove" for d in decisions)
+    assert "no worker less" in a.policy.stats()["last"][-1]["reason"]
 
 
 def test_a_busy_training_process_does_not_stop_a_worker_that_trains_faster():
