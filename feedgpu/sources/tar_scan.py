@@ -144,8 +144,7 @@ def _scan(data: np.ndarray, size: int, image_fields, label_fields) -> dict | Non
         return None
     rows = np.take(blocks, cand, axis=0)                  # a copy: the headers only
     vary = _varying_bytes(rows)                           # a column the same in every header is checked once
-    if (not vary[156] and rows[0, 156] not in (0, ord("0"))) or \
-            (vary[156] and not np.all((rows[:, 156] == ord("0")) | (rows[:, 156] == 0))):
+    if not np.all((rows[:, 156] == ord("0")) | (rows[:, 156] == 0)):
         return None
     if rows[0, 345:500].any() or vary[345:500].any():    # a ustar name prefix in some header
         return None
@@ -157,16 +156,14 @@ def _scan(data: np.ndarray, size: int, image_fields, label_fields) -> dict | Non
         values[start] = value
     # the checksum: the header's bytes with its own field as 8 blanks; the words that are the same
     # in every header add the same to each
-    w = rows.view("<u8")
     moving = vary.reshape(64, 8).any(axis=1)
-    moving[18:20] = False                                 # bytes 144-159, which hold the checksum field
-    rest = ~moving
-    rest[18:20] = False
-    fixed = int(rows[0].reshape(64, 8)[rest].sum())
-    own = w[:, 18:20].copy()
-    own[:, 0] &= np.uint64(0x00000000FFFFFFFF)            # less bytes 148-151
-    own[:, 1] &= np.uint64(0xFFFFFFFF00000000)            # less bytes 152-155
-    summed = fixed + _byte_sums(w[:, np.flatnonzero(moving)]) + _byte_sums(own) + 8 * 32
+    moving[18:20] = True                                  # words 18-19 (bytes 144-159) hold the checksum field
+    idx = np.flatnonzero(moving)
+    words = rows.view("<u8")[:, idx]                      # a copy: the checksum bytes are cleared in it
+    k = int(np.searchsorted(idx, 18))
+    words[:, k] &= np.uint64(0x00000000FFFFFFFF)          # less bytes 148-151
+    words[:, k + 1] &= np.uint64(0xFFFFFFFF00000000)      # less bytes 152-155
+    summed = int(rows[0].reshape(64, 8)[~moving].sum()) + _byte_sums(words) + 8 * 32
     if not np.array_equal(summed, values[148]):
         return None
     sizes = values[124]
