@@ -33,6 +33,10 @@ Rules, applied to each window (:meth:`Policy.decide`):
    its threshold (the noise of a window is estimated from the windows themselves) after at
    least ``measure_windows`` windows; a close call is measured again, up to
    ``max_measure_windows`` at the new setting, then at the old one, then judged on the means.
+   A costlier step is confirmed (A-B-A) unless it gains more than ``drift_threshold``: the old
+   setting is measured afresh after it and the step kept only if it still trains more than
+   ``tolerance`` faster than that (windows are correlated in time: a run warms up, the machine's
+   speed drifts, and a gain a drift could explain may be when the step was measured, not the step).
    A step that is clearly worse is undone sooner: a cheaper one whose settle window alone
    already misses the bar by that many standard errors (the batches in flight make a settle
    window look better than the cheaper setting will be), any step whose first measured
@@ -61,6 +65,7 @@ from typing import NamedTuple
 
 from .diagnosis import Diagnosis, diagnose
 from .measurement import Decision, Measurement, _fmt_rate, _gib, _pct, setting
+from .neighbours import candidates
 from .policy_config import MEMORY_TIGHT, PolicyConfig
 from .window import Record, drifted, pooled_noise
 
@@ -77,6 +82,7 @@ class _Trial:
     kind: str           # "add", "remove", "prefetch-up" or "prefetch-down"
     label: str          # the decision kind that started it ("add", "remove", "prefetch", "probe")
     phase: str = "dst"  # "dst": measuring the new setting; "src": measuring the old one again
+    before: Record | None = None  # a costlier step's src record before the step, while src is measured afresh
 
 
 class _Refusal(NamedTuple):
@@ -344,11 +350,17 @@ class Policy:
             return self._decision(m, key, "measure", f"close call on the {step}, measuring again ({verdict}; "
                                                      f"{_pct(abs(margin))} from the threshold, noise needs "
                                                      f"{_pct(c.confidence * se)})")
-        if close and t.phase == "dst" and self._records[t.src].n < c.max_measure_windows:
+        costlier = t.kind in _COSTLIER
+        if t.phase == "dst" and costlier and (close or (ok and margin + c.tolerance < c.drift_threshold)):
+            return self._measure_src_afresh(m, t, notes, step, verdict, close)
+        if close and t.phase == "dst" and not costlier and self._records[t.src].n < c.max_measure_windows:
             self._trial = replace(t, phase="src")
             return self._decision(m, t.src, "revert", "; ".join(notes + [
                 f"close call on the {step} ({verdict}): measuring {self._setting(t.src)} again before deciding"]))
         self._trial = None
+        if t.before is not None:
+            verdict += (f" ({self._setting(t.src)} measured again after the step; before it "
+                        f"{_fmt_rate(t.before.rate)} over {t.before.n} windows)")
         exp = self._experiment(m, t, ok, verdict)
         if ok:
             self._refuse((t.dst, t.src), f"the opposite step was kept ({verdict})", margin)
@@ -364,6 +376,20 @@ class Policy:
             self._pending = exp
             return None
         return self._decision(m, t.src, "revert", "; ".join(notes + [f"undid the {step}: {verdict}"]), exp)
+
+    def _measure_src_afresh(self, m: Measurement, t: _Trial, notes: list[str], step: str, verdict: str,
+                            close: bool) -> Decision:
+        """A costlier step is kept only once ``src``, measured again after it, is still slower
+        (A-B-A; rule 4): the windows of one setting are correlated in time (the machine's speed
+        drifts, a run warms up), so a gain smaller than a drift must move, or a close call, may
+        be the time the step was measured at, not the step. ``src`` starts a fresh record."""
+        self._trial = replace(t, phase="src", before=self._records[t.src])
+        self._records[t.src] = Record()
+        why = (f"close call on the {step} ({verdict})" if close else
+               f"the {step} looks faster ({verdict}), by less than the {_pct(self.config.drift_threshold)} "
+               "a drift must move")
+        return self._decision(m, t.src, "revert", "; ".join(notes + [
+            f"{why}: measuring {self._setting(t.src)} afresh before deciding"]))
 
     def _experiment(self, m: Measurement, t: _Trial, kept: bool, verdict: str) -> dict:
         a, b = self._records[t.src], self._records[t.dst]
@@ -415,34 +441,7 @@ class Policy:
     # -- the next experiment --------------------------------------------------------------------
     def _candidates(self, key: Key, rec: Record, waiting: bool, limit: int, why_limit: str
                     ) -> tuple[list[tuple[Key, str]], list[str]]:
-        """Neighbours worth an experiment, in order, and why the others are not."""
-        c = self.config
-        w, p = key
-        out, blocked = [], []
-        up, deeper = [], []
-        if waiting:
-            if w < limit:
-                up = [((w + 1, p), "add")]
-            else:
-                blocked.append(f"no worker more: {why_limit} allows no more than {limit}")
-            if p < c.max_prefetch:
-                deeper = [((w, p + 1), "prefetch-up")]
-            idle = rec.cores > 0 and rec.cores < c.busy_threshold * w
-            out += deeper + up if idle else up + deeper
-        else:
-            blocked.append(f"the loop waits only {_pct(rec.wait)}: a worker more cannot train faster")
-        if w > c.min_workers:
-            cap = (w - 1) * rec.rate / rec.cores if 0 < rec.cores <= w else math.inf
-            if cap < (1 - c.tolerance) * rec.rate:
-                blocked.append(f"no worker less: {w} workers deliver {_fmt_rate(rec.rate)} on {rec.cores:.1f} "
-                               f"cores; {w - 1} at one core each deliver at most {_fmt_rate(cap)}")
-            else:
-                out.append(((w - 1, p), "remove"))
-        if self._tight and p > c.min_prefetch:
-            out.append(((w, p - 1), "prefetch-down"))
-        elif p > c.min_prefetch:
-            blocked.append("no shallower prefetch: it saves memory, not CPU, and memory is not short")
-        return out, blocked
+        return candidates(self.config, key, rec, waiting, limit, why_limit, self._tight)
 
     def _next(self, m: Measurement, notes: list[str], limit: int, why_limit: str) -> Decision:
         c = self.config

@@ -1,0 +1,50 @@
+"""Which neighbouring settings the balancer's policy may try next (rule 3 of :mod:`.policy`),
+and why the others are left out. Pure: a setting's record and the limits in, steps out."""
+from __future__ import annotations
+
+import math
+
+from .measurement import _fmt_rate, _pct
+from .policy_config import PolicyConfig
+from .window import Record
+
+Key = tuple  # (workers, prefetch)
+
+
+def candidates(config: PolicyConfig, key: Key, rec: Record, waiting: bool, limit: int, why_limit: str,
+               memory_tight: bool) -> tuple[list[tuple[Key, str]], list[str]]:
+    """Neighbours of ``key`` worth an experiment, most promising first, as ``(setting, kind)``
+    (kind ``"add"``, ``"remove"``, ``"prefetch-up"`` or ``"prefetch-down"``), and in words why
+    the others are not.
+
+    ``rec``: what ``key`` measured; ``waiting``: the loop waits for batches there; ``limit``:
+    the largest pool the hard limits allow (``why_limit`` says which); ``memory_tight``: the
+    loader holds most of its memory budget (only then is a shallower prefetch tried)."""
+    c = config
+    w, p = key
+    out, blocked = [], []
+    if waiting:
+        up, deeper = [], []
+        if w < limit:
+            up = [((w + 1, p), "add")]
+        else:
+            blocked.append(f"no worker more: {why_limit} allows no more than {limit}")
+        if p < c.max_prefetch:
+            deeper = [((w, p + 1), "prefetch-up")]
+        idle = rec.cores > 0 and rec.cores < c.busy_threshold * w
+        out += deeper + up if idle else up + deeper
+    else:
+        blocked.append(f"the loop waits only {_pct(rec.wait)}: a worker more cannot train faster")
+    if w > c.min_workers:
+        # w workers on `cores` cores (one each at most) deliver rec.rate: w - 1 deliver at most this
+        cap = (w - 1) * rec.rate / rec.cores if 0 < rec.cores <= w else math.inf
+        if cap < (1 - c.tolerance) * rec.rate:
+            blocked.append(f"no worker less: {w} workers deliver {_fmt_rate(rec.rate)} on {rec.cores:.1f} "
+                           f"cores; {w - 1} at one core each deliver at most {_fmt_rate(cap)}")
+        else:
+            out.append(((w - 1, p), "remove"))
+    if memory_tight and p > c.min_prefetch:
+        out.append(((w, p - 1), "prefetch-down"))
+    elif p > c.min_prefetch:
+        blocked.append("no shallower prefetch: it saves memory, not CPU, and memory is not short")
+    return out, blocked
