@@ -37,6 +37,10 @@ Rules, applied to each window (:meth:`Policy.decide`):
    setting is measured afresh after it and the step kept only if it still trains more than
    ``tolerance`` faster than that (windows are correlated in time: a run warms up, the machine's
    speed drifts, and a gain a drift could explain may be when the step was measured, not the step).
+   A cheaper step still a close call then, while the loop waits more than ``wait_threshold``
+   more of its step time at it, must also train within ``tolerance`` of where it came from
+   (the loop stalling on data there is the evidence the rates could not give). A kept cheaper
+   step is judged again as its windows add up, and undone once it clearly misses the bar.
    A step that is clearly worse is undone sooner: a cheaper one whose settle window alone
    already misses the bar by that many standard errors (the batches in flight make a settle
    window look better than the cheaper setting will be), any step whose first measured
@@ -64,15 +68,17 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from .diagnosis import Diagnosis, diagnose
-from .measurement import Decision, Measurement, _fmt_rate, _gib, _pct, setting
+from .limits import memory_tight, pool_limit
+from .measurement import Decision, Measurement, _fmt_rate, _pct, setting
 from .neighbours import candidates
-from .policy_config import MEMORY_TIGHT, PolicyConfig
+from .verdict import COSTLIER as _COSTLIER
+from .verdict import best, stalls_below, verdict
+from .policy_config import PolicyConfig
 from .window import Record, drifted, pooled_noise
 
 log = logging.getLogger("feedgpu.balancer")
 
 Key = tuple  # (workers, prefetch)
-_COSTLIER = ("add", "prefetch-up")
 
 
 @dataclass(frozen=True)
@@ -189,6 +195,7 @@ class Policy:
         self._refused: dict[tuple[Key, Key], _Refusal] = {}   # (from, to) -> why the step is not taken
         self._recent: deque[Measurement] = deque(maxlen=self.config.drift_windows)
         self._trial: _Trial | None = None
+        self._watch: _Trial | None = None   # a kept cheaper step, judged again as its windows add up
         self._settled = False
         self._held = 0
 
@@ -226,35 +233,6 @@ class Policy:
                         hw_decoder_load=m.hw_decoder_load, remote_workers=m.remote_workers, experiment=experiment,
                         tentative=tentative)
 
-    def _limit(self, m: Measurement) -> tuple[int, str]:
-        """The largest pool the hard limits allow, and which sets it."""
-        c = self.config
-        limit, why = c.max_workers, f"the configured maximum ({c.max_workers} {c.unit})"
-        if m.ram_budget_bytes is not None and m.rss_bytes > 0:
-            per = self._rss_per_worker(m)
-            fit = m.workers + math.floor((m.ram_budget_bytes - m.rss_bytes) / per)
-            if fit < limit:
-                limit = max(c.min_workers, fit)
-                why = f"the RAM budget ({_gib(m.ram_budget_bytes)}, ~{_gib(per)} per worker)"
-        return limit, why
-
-    def _memory_tight(self, m: Measurement, limit: int) -> bool:
-        """Memory is short: the loader holds more than ``MEMORY_TIGHT`` of its budget, or the
-        budget is what keeps the pool from a worker more."""
-        if m.ram_budget_bytes is None or m.rss_bytes <= 0:
-            return False
-        return m.rss_bytes > MEMORY_TIGHT * m.ram_budget_bytes or limit < self.config.max_workers
-
-    def _rss_per_worker(self, m: Measurement) -> float:
-        """Memory one more worker costs: the slope between the two farthest worker counts
-        measured at this prefetch depth, else (conservatively) all memory over the workers."""
-        pts = sorted((k[0], r.rss) for k, r in self._records.items() if k[1] == m.prefetch and r.rss > 0)
-        if len(pts) >= 2 and pts[-1][0] > pts[0][0]:
-            slope = (pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0])
-            if slope > 0:
-                return slope
-        return m.rss_bytes / m.workers
-
     # -- one window -----------------------------------------------------------------------------
     def _decide(self, m: Measurement) -> Decision:
         c = self.config
@@ -268,8 +246,8 @@ class Policy:
             self._key, self._trial, self._settle = key, None, 0
             self._recent.clear()
         w, p = key
-        limit, why = self._limit(m)
-        self._tight = self._memory_tight(m, limit)
+        limit, why = pool_limit(c, self._records, m)
+        self._tight = memory_tight(m, limit, c.max_workers)
         if w > limit:
             self._trial = None
             return self._decision(m, (limit, p), "remove", f"{w} {c.unit} exceed {why}: down to {limit}")
@@ -305,7 +283,34 @@ class Policy:
             d = self._judge(m, rec, notes)
             if d is not None:
                 return d
+        elif self._watch is not None:
+            d = self._rejudge(m, rec, notes)
+            if d is not None:
+                return d
         return self._next(m, notes, limit, why)
+
+    def _rejudge(self, m: Measurement, rec: Record, notes: list[str]) -> Decision | None:
+        """Judge the last kept cheaper step again as the windows at it add up (rule 4): a step
+        kept on a few windows that, over up to ``recheck_windows`` of them, clearly trains below
+        the bar (or, after ``2 * max_measure_windows``, misses it while the loop stalls there:
+        :func:`.verdict.stalls_below`) is undone, and not tried again."""
+        c, t = self.config, self._watch
+        src = self._records.get(t.src)
+        if self._key != t.dst or src is None or src.n == 0 or rec.n > c.recheck_windows:
+            self._watch = None
+            return None
+        ok, margin, se, verdict = self._verdict(t.src, t.dst, t.kind)
+        stalls = rec.n >= 2 * c.max_measure_windows and stalls_below(c, src, rec)
+        if ok or (abs(margin) < c.confidence * se and not stalls):
+            return None
+        self._watch = None
+        verdict += f" over {rec.n} windows, kept on fewer"
+        self._refused.pop((t.dst, t.src), None)
+        self._refuse((t.src, t.dst), verdict, margin)
+        exp = self._experiment(m, t, False, verdict)
+        step = f"{t.kind} from {self._setting(t.src)} to {self._setting(t.dst)}"
+        return self._decision(m, t.src, "revert", "; ".join(notes + [f"undid the {step} kept before: {verdict}"]),
+                              exp)
 
     def _early_undo(self, m: Measurement, key: Key, notes: list[str]) -> Decision | None:
         """Undo a cheaper step from its settle window when that window alone is already clearly
@@ -364,6 +369,7 @@ class Policy:
         exp = self._experiment(m, t, ok, verdict)
         if ok:
             self._refuse((t.dst, t.src), f"the opposite step was kept ({verdict})", margin)
+            self._watch = None if costlier else t
             if t.phase == "src":
                 return self._decision(m, t.dst, _kind(t.kind), "; ".join(
                     notes + [f"measured both again, back to {self._setting(t.dst)}: kept, {verdict}"]), exp)
@@ -407,36 +413,12 @@ class Policy:
         return e
 
     def _verdict(self, src: Key, dst: Key, kind: str) -> tuple[bool, float, float, str]:
-        """Is ``dst`` better than staying at ``src``? Returns (kept, distance of the deciding
-        ratio from its threshold, the ratio's standard error, why in words)."""
-        c = self.config
-        a, b = self._records[src], self._records[dst]
-        tol = c.tolerance
-        noise = self._noise()
-        if kind in _COSTLIER:
-            gain = b.rate / a.rate - 1 if a.rate > 0 else (math.inf if b.rate > 0 else 0.0)
-            margin = gain - tol
-            se = noise * math.sqrt(1 / a.n + 1 / b.n)
-            ok = margin > 0
-            return ok, margin, se, (f"{_fmt_rate(b.rate)} vs {_fmt_rate(a.rate)}, {gain:+.1%}: "
-                                    + ("more" if ok else "not more") + f" than {_pct(tol)} faster")
-        best_key, best, top = self._best(src, noise)
-        if top <= 0:
-            return True, math.inf, 0.0, "nothing was trained at any setting"
-        margin = b.rate * (1 + tol) / top - 1
-        se = noise * math.sqrt(1 / b.n + 1 / best.n)
-        ok = margin >= 0
-        loss = 1 - b.rate / top
-        return ok, margin, se, (f"{_fmt_rate(b.rate)} vs the best {_fmt_rate(top)} ({self._setting(best_key)}), "
-                                f"{-loss:+.1%}: " + ("within" if ok else "not within") + f" {_pct(tol)}")
+        """Is ``dst`` better than staying at ``src``? (kept, distance of the deciding ratio from
+        its threshold, the ratio's standard error, why in words): :func:`.verdict.verdict`."""
+        return verdict(self.config, self._records, src, dst, kind, self._noise(), self._setting)
 
     def _best(self, src: Key, noise: float) -> tuple[Key, Record, float]:
-        """The best setting measured (enough windows, or ``src``), its record, and its mean
-        lowered by one standard error: the highest of several noisy means is biased up, and a
-        lucky window must not set the bar."""
-        c = self.config
-        return max(((k, r, r.rate * (1 - noise / math.sqrt(r.n))) for k, r in self._records.items()
-                    if r.n >= c.measure_windows or k == src), key=lambda x: x[2])
+        return best(self._records, src, noise, self.config.measure_windows)
 
     # -- the next experiment --------------------------------------------------------------------
     def _candidates(self, key: Key, rec: Record, waiting: bool, limit: int, why_limit: str
@@ -473,6 +455,7 @@ class Policy:
                     self._refuse((key, dst), verdict, margin)
                     continue
                 self._refuse((dst, key), f"the opposite step was taken ({verdict})", margin)
+                self._watch = None if kind in _COSTLIER else _Trial(key, dst, kind, _kind(kind))
                 return self._decision(m, dst, _kind(kind), "; ".join(notes + [f"{state}; measured before: "
                                                                                f"{self._setting(dst)}, {verdict}"]))
             if rec.n < c.base_windows:

@@ -1,0 +1,83 @@
+"""The balancer policy's verdict on one step (rule 4 of :mod:`.policy`): is the setting a step
+leads to better than the one it left, by how much, and how sure are the windows? Pure: the
+records of the settings measured in, the verdict out."""
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+from .measurement import _fmt_rate, _pct
+from .policy_config import PolicyConfig
+from .window import Record
+
+Key = tuple  # (workers, prefetch)
+#: Steps that cost more CPU or memory than staying: kept only when they train faster.
+COSTLIER = ("add", "prefetch-up")
+
+
+class Verdict(NamedTuple):
+    """``ok``: the step is better (kept); ``margin``: distance of the deciding ratio from its
+    threshold (a relative rate, negative on the refused side); ``se``: that ratio's standard
+    error; ``why``: in words."""
+    ok: bool
+    margin: float
+    se: float
+    why: str
+
+
+def is_close(v: Verdict, confidence: float) -> bool:
+    """The windows cannot tell the step's side of the threshold: ``|margin| < confidence * se``."""
+    return abs(v.margin) < confidence * v.se
+
+
+def best(records: dict[Key, Record], src: Key, noise: float, measure_windows: int) -> tuple[Key, Record, float]:
+    """The best setting measured (at least ``measure_windows`` windows, or ``src``), its record,
+    and its mean lowered by one standard error (``noise`` is the relative noise of one window):
+    the highest of several noisy means is biased up, and a lucky window must not set the bar."""
+    return max(((k, r, r.rate * (1 - noise / math.sqrt(r.n))) for k, r in records.items()
+                if r.n >= measure_windows or k == src), key=lambda x: x[2])
+
+
+def verdict(c: PolicyConfig, records: dict[Key, Record], src: Key, dst: Key, kind: str, noise: float,
+            name: Callable[[Key], str]) -> Verdict:
+    """Is ``dst`` better than staying at ``src``? A costlier step (``kind`` in :data:`COSTLIER`)
+    must train more than ``c.tolerance`` faster than ``src``; a cheaper one within
+    ``c.tolerance`` of the best setting measured (:func:`best`). ``name`` words a setting.
+
+    A cheaper step the windows cannot settle (a close call, :func:`is_close`) while the loop waits
+    more than ``c.wait_threshold`` more of its step time at it than at ``src`` must also train
+    within ``c.tolerance`` of ``src``'s mean: the lowered bar corrects the bias of picking the
+    highest of settings that train alike, and the loop stalling on data at the cheaper setting
+    is evidence that they do not (the loader limits it there), so the loss is measured against
+    where the step came from, on equal terms."""
+    a, b = records[src], records[dst]
+    tol = c.tolerance
+    if kind in COSTLIER:
+        gain = b.rate / a.rate - 1 if a.rate > 0 else (math.inf if b.rate > 0 else 0.0)
+        margin = gain - tol
+        se = noise * math.sqrt(1 / a.n + 1 / b.n)
+        ok = margin > 0
+        return Verdict(ok, margin, se, f"{_fmt_rate(b.rate)} vs {_fmt_rate(a.rate)}, {gain:+.1%}: "
+                                       + ("more" if ok else "not more") + f" than {_pct(tol)} faster")
+    best_key, top_rec, top = best(records, src, noise, c.measure_windows)
+    if top <= 0:
+        return Verdict(True, math.inf, 0.0, "nothing was trained at any setting")
+    margin = b.rate * (1 + tol) / top - 1
+    se = noise * math.sqrt(1 / b.n + 1 / top_rec.n)
+    ok = margin >= 0
+    loss = 1 - b.rate / top
+    why = (f"{_fmt_rate(b.rate)} vs the best {_fmt_rate(top)} ({name(best_key)}), {-loss:+.1%}: "
+           + ("within" if ok else "not within") + f" {_pct(tol)}")
+    if ok and abs(margin) < c.confidence * se and stalls_below(c, a, b):   # still a close call: the caller
+        ok = False                                                          # measures on before it decides
+        why += (f", a close call while the loop waits {_pct(b.wait)} of its step time there vs {_pct(a.wait)} at "
+                f"{name(src)}, and {b.rate / a.rate - 1:+.1%} vs {name(src)} ({_fmt_rate(a.rate)}): "
+                f"not within {_pct(tol)} of it")
+    return Verdict(ok, margin, se, why)
+
+
+def stalls_below(c: PolicyConfig, a: Record, b: Record) -> bool:
+    """At ``b`` (a cheaper setting than ``a``) the loop waits more than ``c.wait_threshold``
+    more of its step time for batches, and its mean trains more than ``c.tolerance`` below
+    ``a``'s."""
+    return b.wait - a.wait > c.wait_threshold and a.rate > 0 and b.rate < a.rate * (1 - c.tolerance)
