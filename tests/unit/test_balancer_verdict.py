@@ -115,3 +115,33 @@ def test_a_kept_cheaper_step_is_undone_when_its_later_windows_clearly_miss_the_b
     # a kept step whose later windows stay within the bar stays kept
     ds = run(Policy(cfg), iter([800, 790, 792] + [770, 776, 772] * 20))
     assert kept and all(d.workers == 1 for d in ds[kept[0]:]), [(d.kind, d.reason) for d in ds]
+
+
+def test_a_costlier_step_from_the_windows_of_a_drift_is_confirmed_against_fresh_ones():
+    """cnn-1t, round 1 of balancer_stall: the rate at two workers / prefetch 2 fell from 727/s to
+    576/s for two windows (the machine's speed swung), the records were forgotten, and the
+    deeper prefetch tried next met the recovered speed: +48 % on 2 windows against those two,
+    kept at once. The old setting's record then starts with a swing that may be over, so the
+    step is confirmed against fresh windows there: here it trains the same, and is undone."""
+    cfg = PolicyConfig(min_workers=2, max_workers=2, max_prefetch=3)
+    P2, P3 = (2, 2), (2, 3)
+
+    def run(slow_from, slow_to):
+        p, key, ds = Policy(cfg), P2, []
+        for t in range(50):
+            rate = 600.0 if key == P2 and slow_from <= t < slow_to else 800.0
+            d = p.decide(m(t, key[0], rate, 0.05, prefetch=key[1]))
+            ds.append(d)
+            key = (d.workers, d.prefetch)
+        return ds
+
+    ds = run(20, 22)
+    forgot = [i for i, d in enumerate(ds) if "records forgotten" in d.reason]
+    assert forgot and ds[forgot[0]].prefetch == 3, [(d.kind, d.reason) for d in ds]
+    exps = [d.experiment for d in ds[forgot[0]:] if d.experiment]
+    assert exps and not exps[0]["kept"] and "measured again after the step" in exps[0]["why"], exps
+    assert ds[-1].prefetch == 2, ds[-1].reason
+    # prefetch 2 stays slow: the fresh windows confirm the gain, and the deeper prefetch is kept
+    ds = run(20, 50)
+    kept = [d.experiment for d in ds if d.experiment and d.experiment["kept"]]
+    assert ds[-1].prefetch == 3 and kept and "measured again after the step" in kept[0]["why"], ds[-1].reason

@@ -33,7 +33,8 @@ Rules, applied to each window (:meth:`Policy.decide`):
    its threshold (the noise of a window is estimated from the windows themselves) after at
    least ``measure_windows`` windows; a close call is measured again, up to
    ``max_measure_windows`` at the new setting, then at the old one, then judged on the means.
-   A costlier step is confirmed (A-B-A) unless it gains more than ``drift_threshold``: the old
+   A costlier step is confirmed (A-B-A) unless it gains more than ``drift_threshold`` (always
+   when the old setting's record starts with the windows of a drift: a swing may be over): the old
    setting is measured afresh after it and the step kept only if it still trains more than
    ``tolerance`` faster than that (windows are correlated in time: a run warms up, the machine's
    speed drifts, and a gain a drift could explain may be when the step was measured, not the step).
@@ -89,6 +90,7 @@ class _Trial:
     label: str          # the decision kind that started it ("add", "remove", "prefetch", "probe")
     phase: str = "dst"  # "dst": measuring the new setting; "src": measuring the old one again
     before: Record | None = None  # a costlier step's src record before the step, while src is measured afresh
+    confirm: bool = False  # src's record starts with the windows of a drift: a costlier step is confirmed
 
 
 class _Refusal(NamedTuple):
@@ -196,6 +198,7 @@ class Policy:
         self._recent: deque[Measurement] = deque(maxlen=self.config.drift_windows)
         self._trial: _Trial | None = None
         self._watch: _Trial | None = None   # a kept cheaper step, judged again as its windows add up
+        self._drift_key: Key | None = None  # the setting whose record starts with the windows of a drift
         self._settled = False
         self._held = 0
 
@@ -267,6 +270,7 @@ class Policy:
                 why, size = moved
                 earlier = list(self._recent)[:-1]   # the windows that showed the drift are the new record's first
                 kept = self.forget(keep_beyond=size)
+                self._drift_key = key
                 notes.append(f"at unchanged {self._setting(key)} {why} over {len(earlier) + 1} windows; "
                              "records forgotten"
                              + (f" but {kept} refused step(s), each refused by more than the {size:.0%} move"
@@ -356,7 +360,7 @@ class Policy:
                                                      f"{_pct(abs(margin))} from the threshold, noise needs "
                                                      f"{_pct(c.confidence * se)})")
         costlier = t.kind in _COSTLIER
-        if t.phase == "dst" and costlier and (close or (ok and margin + c.tolerance < c.drift_threshold)):
+        if t.phase == "dst" and costlier and (close or (ok and (t.confirm or margin + c.tolerance < c.drift_threshold))):
             return self._measure_src_afresh(m, t, notes, step, verdict, close)
         if close and t.phase == "dst" and not costlier and self._records[t.src].n < c.max_measure_windows:
             self._trial = replace(t, phase="src")
@@ -462,7 +466,8 @@ class Policy:
                 return self._decision(m, key, "measure", "; ".join(notes + [
                     f"{state}; measuring it again before trying {self._setting(dst)} ({rec.n} of {c.base_windows} "
                     "windows)"]))
-            self._trial = _Trial(key, dst, kind, label or _kind(kind))
+            self._trial = _Trial(key, dst, kind, label or _kind(kind), confirm=key == self._drift_key)
+            self._drift_key = None
             return self._decision(m, dst, label or _kind(kind),
                                   "; ".join(notes + [f"{state}; trying {self._setting(dst)}"]), tentative=True)
         self._settled, self._held = True, 0
