@@ -186,7 +186,7 @@ def _worker_uss_after_epoch(path, worker_memory: str, cache_bytes: int = 0) -> t
     """One epoch with one persistent worker, in a fresh interpreter: a forked worker's USS also
     counts the pages of its parent it touches (reference counts), and those grow with whatever
     the test process ran before (in the full suite the same worker measured over the budget)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     out = subprocess.run([sys.executable, "-c", _USS_SCRIPT, str(path), worker_memory, str(cache_bytes)],
                          capture_output=True, text=True, timeout=240, env=env, check=True)
     r = json.loads(out.stdout.strip().splitlines()[-1])

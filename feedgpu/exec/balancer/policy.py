@@ -72,9 +72,9 @@ from .diagnosis import Diagnosis, diagnose
 from .limits import memory_tight, pool_limit
 from .measurement import Decision, Measurement, _fmt_rate, _pct, setting
 from .neighbours import candidates
-from .verdict import COSTLIER as _COSTLIER
-from .verdict import best, stalls_below, verdict
 from .policy_config import PolicyConfig
+from .verdict import COSTLIER as _COSTLIER
+from .verdict import Verdict, best, stalls_below, verdict
 from .window import Record, drifted, pooled_noise
 
 log = logging.getLogger("feedgpu.balancer")
@@ -416,7 +416,7 @@ class Policy:
         log.info("balancer experiment: %s", text)
         return e
 
-    def _verdict(self, src: Key, dst: Key, kind: str) -> tuple[bool, float, float, str]:
+    def _verdict(self, src: Key, dst: Key, kind: str) -> Verdict:
         """Is ``dst`` better than staying at ``src``? (kept, distance of the deciding ratio from
         its threshold, the ratio's standard error, why in words): :func:`.verdict.verdict`."""
         return verdict(self.config, self._records, src, dst, kind, self._noise(), self._setting)

@@ -66,14 +66,15 @@ def verdict(c: PolicyConfig, records: dict[Key, Record], src: Key, dst: Key, kin
     se = noise * math.sqrt(1 / b.n + 1 / top_rec.n)
     ok = margin >= 0
     loss = 1 - b.rate / top
-    why = (f"{_fmt_rate(b.rate)} vs the best {_fmt_rate(top)} ({name(best_key)}), {-loss:+.1%}: "
-           + ("within" if ok else "not within") + f" {_pct(tol)}")
-    if ok and abs(margin) < c.confidence * se and stalls_below(c, a, b):   # still a close call: the caller
-        ok = False                                                          # measures on before it decides
-        why += (f", a close call while the loop waits {_pct(b.wait)} of its step time there vs {_pct(a.wait)} at "
-                f"{name(src)}, and {b.rate / a.rate - 1:+.1%} vs {name(src)} ({_fmt_rate(a.rate)}): "
-                f"not within {_pct(tol)} of it")
-    return Verdict(ok, margin, se, why)
+    v = Verdict(ok, margin, se, f"{_fmt_rate(b.rate)} vs the best {_fmt_rate(top)} ({name(best_key)}), "
+                                f"{-loss:+.1%}: " + ("within" if ok else "not within") + f" {_pct(tol)}")
+    if ok and is_close(v, c.confidence) and stalls_below(c, a, b):
+        # refused, and still a close call (margin unchanged): the caller measures on before it decides
+        v = v._replace(ok=False, why=v.why + (
+            f", a close call while the loop waits {_pct(b.wait)} of its step time there vs {_pct(a.wait)} at "
+            f"{name(src)}, and {b.rate / a.rate - 1:+.1%} vs {name(src)} ({_fmt_rate(a.rate)}): "
+            f"not within {_pct(tol)} of it"))
+    return v
 
 
 def stalls_below(c: PolicyConfig, a: Record, b: Record) -> bool:
