@@ -52,8 +52,9 @@ Rules, applied to each window (:meth:`Policy.decide`):
    standard errors out of a window's noise (another process takes cores, the model changed),
    the records are forgotten and the experiments start again from there, except that a step
    refused by a wider margin than the move stays refused (a move that size cannot have made
-   it good). A settled policy also starts again after ``recheck_windows`` windows, the
-   interval doubling up to ``recheck_max_windows``.
+   it good), and the first step tried is back to where a kept cheaper step, still judged
+   again, came from. A settled policy also starts again after ``recheck_windows`` windows,
+   the interval doubling up to ``recheck_max_windows``.
 
 Every decision carries its reason in plain words and is logged on the ``feedgpu.balancer``
 logger (INFO for changes, DEBUG for holds); :meth:`Policy.stats` is what ``loader.stats()``
@@ -74,7 +75,7 @@ from .measurement import Decision, Measurement, _fmt_rate, _pct, setting
 from .neighbours import candidates
 from .policy_config import PolicyConfig
 from .verdict import COSTLIER as _COSTLIER
-from .verdict import Verdict, best, stalls_below, verdict
+from .verdict import Verdict, best, experiment, stalls_below, verdict
 from .window import Record, drifted, pooled_noise
 
 log = logging.getLogger("feedgpu.balancer")
@@ -132,6 +133,7 @@ class Policy:
             self._changes += 1
             grew = self._key is not None and d.workers > self._key[0]
             self._key = (d.workers, d.prefetch)
+            self._revisit = None
             self._settle = self.config.settle_windows + (self.config.start_windows if grew else 0)
             self._recent.clear()
         self._history.append(d)
@@ -145,7 +147,11 @@ class Policy:
         by a margin larger than that stays refused: a move of the rate that size cannot have
         turned it into a good one. Returns how many refusals were kept."""
         kept = {} if keep_beyond is None else {k: r for k, r in self._refused.items() if r.margin > keep_beyond}
+        watch = self._watch if self._watch is not None and self._watch.dst == self._key else None
         self._forget_state()
+        if watch is not None:   # the kept cheaper step's second look: its reverse is tried first
+            self._revisit = watch
+            kept.pop((watch.dst, watch.src), None)
         for k, r in kept.items():
             self._refuse(k, f"{r.why}; refused before the records were forgotten", r.margin)
         self._recheck_every = self.config.recheck_windows
@@ -199,6 +205,7 @@ class Policy:
         self._trial: _Trial | None = None
         self._watch: _Trial | None = None   # a kept cheaper step, judged again as its windows add up
         self._drift_key: Key | None = None  # the setting whose record starts with the windows of a drift
+        self._revisit: _Trial | None = None  # a watched cheaper step whose records were forgotten
         self._settled = False
         self._held = 0
 
@@ -396,24 +403,17 @@ class Policy:
         self._trial = replace(t, phase="src", before=self._records[t.src])
         self._records[t.src] = Record()
         why = (f"close call on the {step} ({verdict})" if close else
+               f"the {step} looks faster ({verdict}), against the windows of a drift" if t.confirm else
                f"the {step} looks faster ({verdict}), by less than the {_pct(self.config.drift_threshold)} "
                "a drift must move")
         return self._decision(m, t.src, "revert", "; ".join(notes + [
             f"{why}: measuring {self._setting(t.src)} afresh before deciding"]))
 
     def _experiment(self, m: Measurement, t: _Trial, kept: bool, verdict: str) -> dict:
-        a, b = self._records[t.src], self._records[t.dst]
-        change = b.rate / a.rate - 1 if a.rate > 0 else math.inf
-        text = (f"tried {self._setting(t.dst)} ({t.kind}) against {self._setting(t.src)}: the loop trained "
-                f"{_fmt_rate(b.rate)} vs {_fmt_rate(a.rate)} ({change:+.1%}) over {b.n} and {a.n} windows, "
-                f"waiting {_pct(b.wait)} vs {_pct(a.wait)} of its step time; "
-                + ("kept" if kept else "undone") + f": {verdict}")
-        e = {"t": m.t, "kind": t.kind, "from": f"{t.src[0]}w/p{t.src[1]}", "to": f"{t.dst[0]}w/p{t.dst[1]}",
-             "rate_from": round(a.rate, 1), "rate_to": round(b.rate, 1), "change": round(change, 4),
-             "wait_from": round(a.wait, 4), "wait_to": round(b.wait, 4), "windows": [a.n, b.n],
-             "kept": kept, "why": verdict, "text": text}
+        e = experiment(m.t, t.kind, t.src, t.dst, self._records[t.src], self._records[t.dst], kept, verdict,
+                       self._setting)
         self._experiments.append(e)
-        log.info("balancer experiment: %s", text)
+        log.info("balancer experiment: %s", e["text"])
         return e
 
     def _verdict(self, src: Key, dst: Key, kind: str) -> Verdict:
@@ -449,6 +449,7 @@ class Policy:
                 label = "probe"
                 notes.append(f"settled for a while: checking {self._setting(first[0])} again")
         cands, _ = self._candidates(key, rec, waiting, limit, why_limit)
+        cands = self._revisit_first(key, cands, notes)
         for dst, kind in cands:
             if (key, dst) in self._refused or self._worker_step_refused(key, dst, kind):
                 continue
@@ -472,6 +473,18 @@ class Policy:
                                   "; ".join(notes + [f"{state}; trying {self._setting(dst)}"]), tentative=True)
         self._settled, self._held = True, 0
         return self._hold(m, notes, state, key, waiting, limit, why_limit)
+
+    def _revisit_first(self, key: Key, cands: list[tuple[Key, str]], notes: list[str]) -> list[tuple[Key, str]]:
+        """After a forget, the step back from a kept cheaper step still judged again goes first
+        (rule 5): its records went with the drift before they could undo it."""
+        t = self._revisit
+        if t is None or key != t.dst:
+            return cands
+        back = [c for c in cands if c[0] == t.src]
+        if back:
+            notes.append(f"the {t.kind} to {self._setting(t.dst)} was still being judged: "
+                         f"{self._setting(t.src)} first")
+        return back + [c for c in cands if c[0] != t.src]
 
     def _worker_step_refused(self, key: Key, dst: Key, kind: str) -> bool:
         """A worker more or less that was refused at another prefetch depth is refused here too:

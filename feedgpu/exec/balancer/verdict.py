@@ -82,3 +82,21 @@ def stalls_below(c: PolicyConfig, a: Record, b: Record) -> bool:
     more of its step time for batches, and its mean trains more than ``c.tolerance`` below
     ``a``'s."""
     return b.wait - a.wait > c.wait_threshold and a.rate > 0 and b.rate < a.rate * (1 - c.tolerance)
+
+
+def experiment(t: float, kind: str, src: Key, dst: Key, a: Record, b: Record, kept: bool, why: str,
+               name: Callable[[Key], str]) -> dict:
+    """One concluded experiment as :meth:`.Policy.stats` lists it: ``t`` (s), ``kind``,
+    ``from``/``to`` (``"<workers>w/p<prefetch>"``), ``rate_from``/``rate_to`` (samples/s
+    trained), ``change`` (relative), ``wait_from``/``wait_to`` (share of step time),
+    ``windows`` ([at src, at dst]), ``kept``, ``why`` and ``text`` (all of it in words).
+    ``a``, ``b``: the records of ``src`` and ``dst``."""
+    change = b.rate / a.rate - 1 if a.rate > 0 else math.inf
+    text = (f"tried {name(dst)} ({kind}) against {name(src)}: the loop trained "
+            f"{_fmt_rate(b.rate)} vs {_fmt_rate(a.rate)} ({change:+.1%}) over {b.n} and {a.n} windows, "
+            f"waiting {_pct(b.wait)} vs {_pct(a.wait)} of its step time; "
+            + ("kept" if kept else "undone") + f": {why}")
+    return {"t": t, "kind": kind, "from": f"{src[0]}w/p{src[1]}", "to": f"{dst[0]}w/p{dst[1]}",
+            "rate_from": round(a.rate, 1), "rate_to": round(b.rate, 1), "change": round(change, 4),
+            "wait_from": round(a.wait, 4), "wait_to": round(b.wait, 4), "windows": [a.n, b.n],
+            "kept": kept, "why": why, "text": text}
