@@ -12,9 +12,9 @@ from feedgpu.exec.balancer import Measurement, Policy, PolicyConfig, Record
 from feedgpu.exec.balancer.verdict import is_close, stalls_below, verdict
 
 
-def m(t, workers, rate, wait, prefetch=2) -> Measurement:
+def m(t, workers, rate, wait, prefetch=2, cores=0.0) -> Measurement:
     return Measurement(t=t, workers=workers, delivered_rate=rate, demand_rate=rate / (1 - wait),
-                       wait_fraction=wait, cpu_cores_used=0.0, cpu_budget=2.0, prefetch=prefetch)
+                       wait_fraction=wait, cpu_cores_used=cores, cpu_budget=2.0, prefetch=prefetch)
 
 
 def record(rates, wait, workers) -> Record:
@@ -162,9 +162,7 @@ def test_after_a_drift_the_step_back_from_a_kept_cheaper_step_is_tried_first():
     p, key, ds = Policy(cfg), TWO, []
     for t in range(60):
         rate, wait, cores = (after if t >= 21 else before)[key]
-        d = p.decide(Measurement(t=t, workers=key[0], delivered_rate=rate * spread[t % 4],
-                                 demand_rate=rate / (1 - wait), wait_fraction=wait, cpu_cores_used=cores,
-                                 cpu_budget=2.0, prefetch=key[1]))
+        d = p.decide(m(t, key[0], rate * spread[t % 4], wait, prefetch=key[1], cores=cores))
         ds.append(d)
         key = (d.workers, d.prefetch)
     kept = [i for i, d in enumerate(ds) if d.experiment and d.experiment["kept"]]
