@@ -516,7 +516,9 @@ def test_windows_on_both_sides_of_the_mean_are_noise_not_drift():
 
 
 def test_drift_must_stand_out_of_the_noise_of_a_window():
-    """With windows 15 % noisy, two windows 18 % above the mean are not a drift; 40 % is."""
+    """With windows 15 % noisy, two windows 18 % above the mean are not a drift, nor 34 % (the
+    test is made at every window, so it asks for ``drift_confidence`` standard errors); 49 % is,
+    measured against the record as it was before the two windows."""
     p = Policy(quiet(max_prefetch=2, min_workers=2, max_workers=2, noise_prior=0.15, noise_floor=0.15))
     for t, rate in enumerate([800, 680, 920, 800, 680, 920]):
         p.decide(window(t, 2, rate, demand=1000))
@@ -524,7 +526,13 @@ def test_drift_must_stand_out_of_the_noise_of_a_window():
         d = p.decide(window(t, 2, 944, demand=1180))           # +18 % rate and demand
     assert "forgotten" not in d.reason and p.stats()["resets"] == 0, d.reason
     for t in (8, 9):
-        d = p.decide(window(t, 2, 1120, demand=1400))
+        d = p.decide(window(t, 2, 1120, demand=1400))          # +34 % of the record's mean (836/s)
+    assert "forgotten" not in d.reason and p.stats()["resets"] == 0, d.reason
+    assert PolicyConfig().drift_confidence == 3.5
+    for t, rate in enumerate([800, 680, 920], start=10):
+        p.decide(window(t, 2, rate, demand=1000))
+    for t in (13, 14):
+        d = p.decide(window(t, 2, 1300, demand=1625))          # +49 % of the mean (871/s)
     assert "records forgotten" in d.reason and p.stats()["resets"] == 1, d.reason
 
 

@@ -48,8 +48,8 @@ Rules, applied to each window (:meth:`Policy.decide`):
    window does. A step is never *kept* on fewer than ``measure_windows`` windows.
 5. With no neighbour left to try, the policy holds (settled). When the rate, or the loop's
    demand, at an unchanged setting moves by more than ``drift_threshold`` in each of
-   ``drift_windows`` windows, all in one direction, and their mean stands ``confidence``
-   standard errors out of a window's noise (another process takes cores, the model changed),
+   ``drift_windows`` windows, all in one direction, and their mean ``drift_confidence`` standard
+   errors out of a window's noise (checked every window; another process took cores, the model changed),
    the records are forgotten and the experiments start again from there, except that a step
    refused by a wider margin than the move stays refused (a move that size cannot have made
    it good), and the first step tried is back to where a kept cheaper step, still judged
@@ -76,7 +76,7 @@ from .neighbours import candidates
 from .policy_config import PolicyConfig
 from .verdict import COSTLIER as _COSTLIER
 from .verdict import Verdict, best, experiment, stalls_below, verdict
-from .window import Record, drifted, pooled_noise
+from .window import Record, drift_of, pooled_noise
 
 log = logging.getLogger("feedgpu.balancer")
 
@@ -271,8 +271,7 @@ class Policy:
         earlier: list[Measurement] = []   # windows before m that belong to a fresh record
         if self._trial is None and rec is not None and rec.n >= c.base_windows:
             self._recent.append(m)
-            moved = (drifted(self._recent, rec, c.drift_threshold, self._noise(), c.confidence)
-                     if len(self._recent) >= c.drift_windows else None)
+            moved = drift_of(self._recent, self._records, key, c)
             if moved is not None:
                 why, size = moved
                 earlier = list(self._recent)[:-1]   # the windows that showed the drift are the new record's first

@@ -18,6 +18,11 @@ DRIFT_THRESHOLD = 0.15
 BUSY_THRESHOLD = 0.8
 #: Standard errors a difference must clear to be judged before ``max_measure_windows``.
 CONFIDENCE = 2.0
+#: Standard errors the mean of the last ``drift_windows`` windows must stand from its setting's
+#: record to count as a drift. Higher than ``CONFIDENCE``: the test is made at every window of
+#: a run that lasts thousands, so at 2 a loop whose windows are noisy forgets its records on
+#: noise alone again and again, and each forget starts experiments that may keep a wrong step.
+DRIFT_CONFIDENCE = 3.5
 #: Relative noise of a window's rate assumed before enough windows are seen, and the least.
 NOISE_PRIOR = 0.02
 NOISE_FLOOR = 0.01
@@ -38,9 +43,9 @@ class PolicyConfig:
             waiting for a batch (0.03); more workers or prefetch are tried only then.
         drift_threshold, drift_windows: forget the records when the rate or demand at an
             unchanged setting moves more than this share (0.15) in each of this many windows
-            (2), all in one direction, and their mean by more than ``confidence`` standard
-            errors of a window's noise; steps refused by a wider margin than the move stay
-            refused.
+            (2), all in one direction, and their mean by more than ``drift_confidence``
+            standard errors of a window's noise (3.5: made at every window, the test must rarely
+            fire on noise alone); steps refused by a wider margin than the move stay refused.
         busy_threshold: workers using less than this share of a core are idle part of the time
             (0.8): a deeper prefetch is tried first.
         min_workers, max_workers: bounds of the pool (1, 64); ``max_workers`` is a hard limit.
@@ -80,6 +85,7 @@ class PolicyConfig:
     base_windows: int = 2
     max_measure_windows: int = 6
     confidence: float = CONFIDENCE
+    drift_confidence: float = DRIFT_CONFIDENCE
     noise_prior: float = NOISE_PRIOR
     noise_floor: float = NOISE_FLOOR
     drift_windows: int = 2

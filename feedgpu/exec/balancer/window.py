@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from dataclasses import replace
+from typing import Iterable, Mapping, Sequence
 
 from .measurement import Measurement
 
@@ -62,6 +63,34 @@ def pooled_noise(records: Iterable[Record], prior: float, floor: float, prior_df
             ss += r.rate_m2 / r.rate ** 2
             df += r.n - 1
     return max(floor, math.sqrt(ss / df))
+
+
+def without(r: Record, last: Sequence[Measurement]) -> Record:
+    """The rate and demand statistics of ``r`` before its last windows ``last`` (oldest first)
+    were folded in: Welford's update in reverse. The other means are left as they are."""
+    n, rate, m2, demand, dn = r.n, r.rate, r.rate_m2, r.demand, r.demand_n
+    for m in reversed(last):
+        if n <= 1:
+            break
+        x, prev = m.delivered_rate, (n * rate - m.delivered_rate) / (n - 1)
+        m2, rate, n = max(0.0, m2 - (x - prev) * (x - rate)), prev, n - 1
+        if m.demand_rate is not None and not math.isinf(m.demand_rate) and dn > 1:
+            demand, dn = (dn * demand - m.demand_rate) / (dn - 1), dn - 1
+    return replace(r, n=n, rate=rate, rate_m2=m2, demand=demand, demand_n=dn)
+
+
+def drift_of(recent: Sequence[Measurement], records: Mapping[tuple, Record], key: tuple, config
+             ) -> tuple[str, float] | None:
+    """:func:`drifted` for the policy: the last ``config.drift_windows`` windows at ``key`` (the
+    newest not folded into its record yet) against that record as it was before them, with the
+    noise pooled over the records so (windows of a drift judged against a record that already
+    holds some of them would move its mean and widen its noise towards them)."""
+    if len(recent) < config.drift_windows:
+        return None
+    base = without(records[key], list(recent)[:-1])
+    noise = pooled_noise([base if k == key else r for k, r in records.items()], config.noise_prior,
+                         config.noise_floor)
+    return drifted(recent, base, config.drift_threshold, noise, config.drift_confidence)
 
 
 def drifted(recent: Sequence[Measurement], r: Record, threshold: float, noise: float = 0.0,
