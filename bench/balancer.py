@@ -18,7 +18,9 @@ For each consumer and round, every fixed count (1 .. cores + 1), ``auto`` and a 
 count ``auto`` starts at, run a second time) run in a fresh loader, in an order rotated each
 round, ``--seconds`` each, timed from the first batch. Besides medians over rounds, ``auto`` is
 compared with the best fixed count of the same round, and the control with its twin: how far
-two runs of one setting spread within a round is the resolution of the comparison.
+two runs of one setting spread within a round is the resolution of the comparison. The control
+runs right after ``auto``, so where its count is the best fixed count, ``auto`` over it is the
+pair closest in time.
 Reported per run: trained samples/s (samples the loop consumed per second) and the waiting
 share (time in ``next()`` over wall time), and the rate from ``--tail-from`` seconds (30) to
 the end, once ``auto`` has had the time the goal gives it; for ``auto`` also its final setting, the time
@@ -171,9 +173,11 @@ def train(p: Pipeline, nw, cons, seconds: float, batch_size: int, tail_from: flo
         r["final_workers"] = b.workers
         r["timeline"] = [{"t": round(x["t"] - t0, 2), "rate": round(x["delivered_rate"], 1),
                           "wait": round(x["wait_fraction"], 4), "workers": x["workers"], "prefetch": x["prefetch"],
-                          "decision": x["decision"], "reason": x.get("reason")} for x in b.timeline]
+                          "decision": x["decision"], "reason": x.get("reason"), "resets": x.get("resets")}
+                         for x in b.timeline]
         r["experiments"] = [e["text"] for e in st["experiments"]]
         r["summary"] = st["summary"]
+        r["resets"] = st["resets"]
     loader.shutdown()
     del it
     return r
@@ -234,10 +238,10 @@ def main(argv=None) -> int:
         runs: dict[str, list] = {str(k): [] for k in kinds}
         for rnd in range(a.rounds):
             order = kinds[rnd % len(kinds):] + kinds[:rnd % len(kinds)]
-            for nw in order:
+            for pos, nw in enumerate(order):
                 r = train(p, start if nw == "control" else nw, consumer(name, a), a.seconds, a.batch_size,
                           a.tail_from)
-                r["round"] = rnd
+                r["round"], r["position"] = rnd, pos
                 runs[str(nw)].append(r)
                 print(f"{name} round {rnd} workers {nw}: {r['samples_per_s']:,.0f} samples/s, waiting "
                       f"{100 * r['waiting_share']:.1f} %" + (f", ended at {r['final']}" if nw == "auto" else ""),
@@ -258,8 +262,14 @@ def main(argv=None) -> int:
         paired = [x["samples_per_s"] / y["samples_per_s"] for x, y in zip(runs["auto"], runs[str(best)])]
         control = ([x["samples_per_s"] / y["samples_per_s"] for x, y in zip(runs["control"], runs[str(start)])]
                    if "control" in runs else [])
+        # auto against the control when the two ran one after the other (minutes closer than the
+        # fixed run of the same count) and the control's count is the best fixed count
+        next_to = ([x["samples_per_s"] / y["samples_per_s"] for x, y in zip(runs["auto"], runs["control"])
+                    if abs(x["position"] - y["position"]) == 1] if control and start == best else [])
         results.append({
             "consumer": name, "runs": runs, "median_samples_per_s": med,
+            "auto_vs_adjacent_control": next_to,
+            "auto_vs_adjacent_control_median": statistics.median(next_to) if next_to else None,
             "auto_vs_best_paired": paired, "auto_vs_best_paired_median": statistics.median(paired),
             "control_workers": start if control else None, "control_vs_same": control,
             "median_waiting_share": {k: statistics.median(x["waiting_share"] for x in v) for k, v in runs.items()},
@@ -325,13 +335,20 @@ def markdown(doc: dict) -> str:
                   "auto over the best fixed count of the same round, and the control, the count auto starts at "
                   "run a second time in the same round, over its first run (how far one setting spreads):", "",
                   "| consumer | auto / best fixed, per round | median | control / same count, per round | "
-                  "median distance from 1 |", "|---|---|---|---|---|"]
+                  "median distance from 1 | auto / control run next to it, per round | median |",
+                  "|---|---|---|---|---|---|---|"]
         for c in doc["consumers"]:
             pr, ctl = c.get("auto_vs_best_paired") or [], c.get("control_vs_same") or []
+            nxt = c.get("auto_vs_adjacent_control") or []
             spread = statistics.median(abs(x - 1) for x in ctl) if ctl else None
             lines.append(f"| {c['consumer']} | {', '.join(f'{x:.3f}' for x in pr)} | "
                          f"{_f(c.get('auto_vs_best_paired_median'), '.3f')} | "
-                         f"{', '.join(f'{x:.3f}' for x in ctl) or '-'} | {_f(spread, '.3f')} |")
+                         f"{', '.join(f'{x:.3f}' for x in ctl) or '-'} | {_f(spread, '.3f')} | "
+                         f"{', '.join(f'{x:.3f}' for x in nxt) or '-'} | "
+                         f"{_f(c.get('auto_vs_adjacent_control_median'), '.3f')} |")
+        lines += ["", "The control runs right after auto unless a round's rotation splits the two; where its count is "
+                  "the best fixed count, auto over the control next to it is the comparison the machine's drift "
+                  "moves least (the last two columns)."]
     lines += ["", "Each round's runs (samples/s):", ""]
     for c in doc["consumers"]:
         per = "; ".join(f"{k}: " + ", ".join(_f(x["samples_per_s"]) for x in v) for k, v in c["runs"].items())

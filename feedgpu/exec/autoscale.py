@@ -198,6 +198,7 @@ class Autoscaler:
         self._uss = 0
         self._uss_workers, self._uss_reads = None, 0   # the pool size of the last USS readings
         self._remote_started: int | None = None
+        self._resets = 0
 
     def _reset_window(self, now: float | None) -> None:
         self._t0, self._rows, self._batches, self._wait, self._network = now, 0, 0, 0.0, 0.0
@@ -254,8 +255,11 @@ class Autoscaler:
                  "wait_fraction": m.wait_fraction, "cpu_cores_used": m.cpu_cores_used,
                  "cpu_budget": m.cpu_budget, "rss_bytes": m.rss_bytes, "decision": d.kind,
                  "next_workers": d.workers, "next_prefetch": d.prefetch}
-        if d.kind != "hold" or self.remote_policy is not None:   # a hold's reason repeats: policy.history keeps it
-            point["reason"] = d.reason
+        resets = self.policy.stats()["resets"]
+        point["resets"] = resets   # times the records were forgotten so far
+        if d.kind != "hold" or self.remote_policy is not None or resets != self._resets:
+            point["reason"] = d.reason   # a plain hold's reason repeats: policy.history keeps it
+        self._resets = resets
         if m.network_wait_fraction:
             point["network_wait_fraction"] = m.network_wait_fraction
         if self.remote_policy is not None:

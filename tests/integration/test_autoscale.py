@@ -342,3 +342,21 @@ def test_timeout_names_the_dataset_item(no_leaked_workers):
     loader = DataLoader(SlowSeven(), batch_size=4, num_workers=1, timeout=1.0)
     with pytest.raises(LoaderTimeout, match=r"in stage '__getitem__' on SlowSeven\[7\]"):
         list(loader)
+
+
+def test_the_timeline_counts_forgets_and_keeps_the_reason_of_a_hold_that_forgot():
+    """A pool held at its only setting whose rate halves: the window that forgets the records is
+    a hold, and its timeline point keeps the reason; plain holds leave it to the policy's history,
+    and every point carries the count of forgets so far (``resets``)."""
+    clock = FakeClock()
+    only = PolicyConfig(min_workers=2, max_workers=2, min_prefetch=2, max_prefetch=2)
+    a = scaler(clock, workers=2, prefetch=2, window_s=1.0, min_batches=3, config=only)
+    a.start([100, 101])
+    for interval in [0.1] * 200 + [0.2] * 30:     # 320 samples/s, then 160
+        clock.t += interval
+        a.on_batch(32, 0.0, [100, 101])
+    points = list(a.timeline)
+    forgot = [p for p in points if "records forgotten" in p.get("reason", "")]
+    assert len(forgot) == 1 and forgot[0]["decision"] == "hold", forgot
+    assert points[-1]["resets"] == 1 and points[0]["resets"] == 0
+    assert all("reason" not in p for p in points if p["decision"] == "hold" and p is not forgot[0])
