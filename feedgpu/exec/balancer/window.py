@@ -4,8 +4,7 @@ all settings. Pure arithmetic (Welford's running mean and variance)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Iterable, Mapping, Sequence
 
 from .measurement import Measurement
