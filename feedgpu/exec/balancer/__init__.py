@@ -15,6 +15,7 @@ Modules, each tested apart:
 * :mod:`.policy`: :class:`Policy`, which finds the worker count and prefetch depth at which the
   training loop trains fastest, by experiment (its module doc gives the rules).
 * :mod:`.verdict`: whether one step is kept, from the records of the two settings;
+  :mod:`.second_look`: a step undone from its settle window, a kept step judged again;
   :mod:`.neighbours`: which steps may be tried next; :mod:`.limits`: the hard limits (the
   configured maximum, the memory budget).
 * :mod:`.diagnosis`: :func:`diagnose`, whether the loader keeps the loop fed and if not why.

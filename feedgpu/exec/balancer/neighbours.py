@@ -48,3 +48,12 @@ def candidates(config: PolicyConfig, key: Key, rec: Record, waiting: bool, limit
     elif p > c.min_prefetch:
         blocked.append("no shallower prefetch: it saves memory, not CPU, and memory is not short")
     return out, blocked
+
+
+def worker_step_refused(refused, key: Key, dst: Key, kind: str) -> bool:
+    """A worker more or less (``kind`` ``"add"`` or ``"remove"``, from ``key`` to ``dst``) refused
+    at another prefetch depth (``refused``: the refused ``(from, to)`` steps) is refused here
+    too: the depth does not change what a worker costs or gives (rule 3)."""
+    if kind not in ("add", "remove"):
+        return False
+    return any(a[0] == key[0] and b[0] == dst[0] and a[1] == b[1] for a, b in refused if a != key)

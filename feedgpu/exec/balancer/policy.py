@@ -40,8 +40,10 @@ Rules, applied to each window (:meth:`Policy.decide`):
    speed drifts, and a gain a drift could explain may be when the step was measured, not the step).
    A cheaper step still a close call then, while the loop waits more than ``wait_threshold``
    more of its step time at it, must also train within ``tolerance`` of where it came from
-   (the loop stalling on data there is the evidence the rates could not give). A kept cheaper
-   step is judged again as its windows add up, and undone once it clearly misses the bar.
+   (the loop stalling on data there is the evidence the rates could not give). A kept step is
+   judged again as its windows add up: a cheaper one is undone once it clearly misses the bar; a
+   costlier one that after ``second_look_windows`` windows does not clearly train faster has the
+   old setting measured afresh once more, and is kept or undone on that.
    A step that is clearly worse is undone sooner: a cheaper one whose settle window alone
    already misses the bar by that many standard errors (the batches in flight make a settle
    window look better than the cheaper setting will be), any step whose first measured
@@ -65,7 +67,6 @@ it was kept and why.
 from __future__ import annotations
 
 import logging
-import math
 from collections import deque
 from dataclasses import dataclass, replace
 from typing import NamedTuple
@@ -73,8 +74,9 @@ from typing import NamedTuple
 from .diagnosis import Diagnosis, diagnose
 from .limits import memory_tight, pool_limit
 from .measurement import Decision, Measurement, _fmt_rate, _pct, setting
-from .neighbours import candidates
+from .neighbours import candidates, worker_step_refused
 from .policy_config import PolicyConfig
+from .second_look import AGAIN, DONE, WATCH, rejudge, settle_miss
 from .verdict import COSTLIER as _COSTLIER
 from .verdict import Verdict, best, experiment, stalls_below, verdict
 from .window import Record, drift_of, pooled_noise
@@ -93,6 +95,7 @@ class _Trial:
     phase: str = "dst"  # "dst": measuring the new setting; "src": measuring the old one again
     before: Record | None = None  # a costlier step's src record before the step, while src is measured afresh
     confirm: bool = False  # src's record starts with the windows of a drift: a costlier step is confirmed
+    looked: bool = False   # the second look at a kept costlier step: src measured afresh once more
 
 
 class _Refusal(NamedTuple):
@@ -148,7 +151,8 @@ class Policy:
         by a margin larger than that stays refused: a move of the rate that size cannot have
         turned it into a good one. Returns how many refusals were kept."""
         kept = {} if keep_beyond is None else {k: r for k, r in self._refused.items() if r.margin > keep_beyond}
-        watch = self._watch if self._watch is not None and self._watch.dst == self._key else None
+        watch = self._watch if (self._watch is not None and self._watch.dst == self._key
+                                and self._watch.kind not in _COSTLIER) else None
         self._forget_state()
         if watch is not None:   # the kept cheaper step's second look: its reverse is tried first
             self._revisit = watch
@@ -301,52 +305,53 @@ class Policy:
         return self._next(m, notes, limit, why)
 
     def _rejudge(self, m: Measurement, rec: Record, notes: list[str]) -> Decision | None:
-        """Judge the last kept cheaper step again as the windows at it add up (rule 4): a step
-        kept on a few windows that, over up to ``recheck_windows`` of them, clearly trains below
-        the bar (or, after ``2 * max_measure_windows``, misses it while the loop stalls there:
-        :func:`.verdict.stalls_below`) is undone, and not tried again."""
+        """Judge the last kept step again as the windows at it add up, over up to
+        ``recheck_windows`` of them (rule 4; :func:`.second_look.rejudge`): a cheaper step that
+        clearly misses its bar is undone, a costlier one not clearly faster has its old setting
+        measured afresh once more."""
         c, t = self.config, self._watch
         src = self._records.get(t.src)
         if self._key != t.dst or src is None or src.n == 0 or rec.n > c.recheck_windows:
             self._watch = None
             return None
-        ok, margin, se, verdict = self._verdict(t.src, t.dst, t.kind)
-        stalls = rec.n >= 2 * c.max_measure_windows and stalls_below(c, src, rec)
-        if ok or (abs(margin) < c.confidence * se and not stalls):
+        v = self._verdict(t.src, t.dst, t.kind)
+        look = rejudge(c, t.kind, src, rec, v, t.looked)
+        if look == WATCH:
             return None
         self._watch = None
-        verdict += f" over {rec.n} windows, kept on fewer"
+        if look == DONE:
+            return None
+        if look == AGAIN:
+            self._trial = replace(t, phase="src", before=src, looked=True)
+            self._records[t.src] = Record()
+            return self._decision(m, t.src, "revert", "; ".join(notes + [
+                f"the {t.kind} from {self._setting(t.src)} to {self._setting(t.dst)} kept before is not clearly "
+                f"faster over {rec.n} windows ({v.why}): measuring {self._setting(t.src)} afresh once more"]))
+        why = v.why + f" over {rec.n} windows, kept on fewer"
         self._refused.pop((t.dst, t.src), None)
-        self._refuse((t.src, t.dst), verdict, margin)
-        exp = self._experiment(m, t, False, verdict)
-        step = f"{t.kind} from {self._setting(t.src)} to {self._setting(t.dst)}"
-        return self._decision(m, t.src, "revert", "; ".join(notes + [f"undid the {step} kept before: {verdict}"]),
-                              exp)
+        self._refuse((t.src, t.dst), why, v.margin)
+        return self._undo(m, t, notes, why, " kept before")
 
     def _early_undo(self, m: Measurement, key: Key, notes: list[str]) -> Decision | None:
         """Undo a cheaper step from its settle window when that window alone is already clearly
-        below the bar (rule 4a). While a worker retires or the prefetch drains, the batches in
-        flight still arrive, so the settle window's rate overstates the cheaper setting's: a
-        window that misses the bar by more than ``confidence`` standard errors settles it."""
-        c = self.config
+        below the bar (rule 4; :func:`.second_look.settle_miss`)."""
         t = self._trial
         if t is None or t.phase != "dst" or key != t.dst or t.kind not in ("remove", "prefetch-down"):
             return None
-        noise = self._noise()
-        best_key, best, top = self._best(t.src, noise)
-        bar = top * (1 - c.tolerance)
-        if top <= 0 or m.delivered_rate >= bar * (1 - c.confidence * noise * math.sqrt(1 + 1 / best.n)):
+        miss = settle_miss(self.config, self._records, t.src, m.delivered_rate, self._noise(), self._setting)
+        if miss is None:
             return None
         rec = self._records[key] = Record()
         rec.add(m)
-        loss = 1 - m.delivered_rate / top
-        verdict = (f"{_fmt_rate(m.delivered_rate)} while settling vs the best {_fmt_rate(top)} "
-                   f"({self._setting(best_key)}), {-loss:+.1%}: not within {_pct(c.tolerance)}, already while settling")
         self._trial = None
-        self._refuse((t.src, t.dst), verdict, loss - c.tolerance)
-        exp = self._experiment(m, t, False, verdict)
+        self._refuse((t.src, t.dst), miss.why, miss.margin)
+        return self._undo(m, t, notes, miss.why)
+
+    def _undo(self, m: Measurement, t: _Trial, notes: list[str], why: str, what: str = "") -> Decision:
+        """Back to ``t.src``: the step ``t`` (``what``, e.g. " kept before") is undone because ``why``."""
+        exp = self._experiment(m, t, False, why)
         step = f"{t.kind} from {self._setting(t.src)} to {self._setting(t.dst)}"
-        return self._decision(m, t.src, "revert", "; ".join(notes + [f"undid the {step}: {verdict}"]), exp)
+        return self._decision(m, t.src, "revert", "; ".join(notes + [f"undid the {step}{what}: {why}"]), exp)
 
     def _judge(self, m: Measurement, rec: Record, notes: list[str]) -> Decision | None:
         """Judge the experiment once enough windows are in (rule 4). Returns the decision, or
@@ -380,13 +385,14 @@ class Policy:
         exp = self._experiment(m, t, ok, verdict)
         if ok:
             self._refuse((t.dst, t.src), f"the opposite step was kept ({verdict})", margin)
-            self._watch = None if costlier else t
+            self._watch = None if t.looked else t
             if t.phase == "src":
                 return self._decision(m, t.dst, _kind(t.kind), "; ".join(
                     notes + [f"measured both again, back to {self._setting(t.dst)}: kept, {verdict}"]), exp)
             notes.append(f"kept the {step}: {verdict}")
             self._pending = exp
             return None
+        self._refused.pop((t.dst, t.src), None)
         self._refuse((t.src, t.dst), verdict, margin)
         if t.phase == "src":
             notes.append(f"measured both again, staying at {self._setting(t.src)}: {verdict}")
@@ -451,7 +457,7 @@ class Policy:
         cands, _ = self._candidates(key, rec, waiting, limit, why_limit)
         cands = self._revisit_first(key, cands, notes)
         for dst, kind in cands:
-            if (key, dst) in self._refused or self._worker_step_refused(key, dst, kind):
+            if (key, dst) in self._refused or worker_step_refused(self._refused, key, dst, kind):
                 continue
             r = self._records.get(dst)
             if r is not None and r.n >= c.measure_windows:
@@ -460,7 +466,7 @@ class Policy:
                     self._refuse((key, dst), verdict, margin)
                     continue
                 self._refuse((dst, key), f"the opposite step was taken ({verdict})", margin)
-                self._watch = None if kind in _COSTLIER else _Trial(key, dst, kind, _kind(kind))
+                self._watch = _Trial(key, dst, kind, _kind(kind))
                 return self._decision(m, dst, _kind(kind), "; ".join(notes + [f"{state}; measured before: "
                                                                                f"{self._setting(dst)}, {verdict}"]))
             if rec.n < c.base_windows:
@@ -485,14 +491,6 @@ class Policy:
             notes.append(f"the {t.kind} to {self._setting(t.dst)} was still being judged: "
                          f"{self._setting(t.src)} first")
         return back + [c for c in cands if c[0] != t.src]
-
-    def _worker_step_refused(self, key: Key, dst: Key, kind: str) -> bool:
-        """A worker more or less that was refused at another prefetch depth is refused here too:
-        the depth does not change what a worker costs or gives (rule 3)."""
-        if kind not in ("add", "remove"):
-            return False
-        return any(a[0] == key[0] and b[0] == dst[0] and a[1] == b[1]
-                   for a, b in self._refused if a != key)
 
     def _hold(self, m, notes, state, key, waiting, limit, why_limit) -> Decision:
         _, blocked = self._candidates(key, self._records[key], waiting, limit, why_limit)

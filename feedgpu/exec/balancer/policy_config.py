@@ -58,6 +58,8 @@ class PolicyConfig:
         base_windows: windows measured at least at a setting before an experiment leaves it (2).
         max_measure_windows: windows measured at most on a close call, at each of the two
             settings (6).
+        second_look_windows: windows at a kept costlier setting after which, unless it clearly
+            trains faster than where it came from, that setting is measured afresh once more (24).
         confidence: standard errors a difference must clear to be judged early (2.0).
         noise_prior, noise_floor: relative noise of one window's rate assumed before enough
             windows are seen, and the least assumed (0.02, 0.01).
@@ -84,6 +86,7 @@ class PolicyConfig:
     measure_windows: int = 2
     base_windows: int = 2
     max_measure_windows: int = 6
+    second_look_windows: int = 24
     confidence: float = CONFIDENCE
     drift_confidence: float = DRIFT_CONFIDENCE
     noise_prior: float = NOISE_PRIOR

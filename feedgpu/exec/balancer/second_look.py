@@ -1,0 +1,61 @@
+"""The balancer policy's later looks at a step (rule 4 of :mod:`.policy`): a cheaper step
+undone from its settle window, and a kept step judged again as the windows at it add up. Pure:
+the records and the verdict in, what to do out."""
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+from .measurement import _fmt_rate, _pct
+from .policy_config import PolicyConfig
+from .verdict import COSTLIER, Verdict, best, is_close, stalls_below
+from .window import Record
+
+Key = tuple  # (workers, prefetch)
+
+#: What the second look at a kept step decides (:func:`rejudge`).
+WATCH, DONE, UNDO, AGAIN = "watch", "done", "undo", "again"
+
+
+class SettleMiss(NamedTuple):
+    """A cheaper step's settle window already clearly below the bar: ``why`` in words, ``loss``
+    (relative to the best's lowered mean) minus the tolerance, the margin it was refused by."""
+    why: str
+    margin: float
+
+
+def settle_miss(c: PolicyConfig, records: dict[Key, Record], src: Key, rate: float, noise: float,
+                name: Callable[[Key], str]) -> SettleMiss | None:
+    """Is a cheaper step from ``src`` clearly below the bar on its settle window alone (``rate``,
+    samples/s)? While a worker retires or the prefetch drains, the batches in flight still
+    arrive, so the settle window overstates the cheaper setting's rate: a window that misses the
+    bar (``c.tolerance`` below the best's lowered mean, :func:`.verdict.best`) by more than
+    ``c.confidence`` standard errors (``noise``: relative noise of one window) settles it."""
+    best_key, top_rec, top = best(records, src, noise, c.measure_windows)
+    bar = top * (1 - c.tolerance)
+    if top <= 0 or rate >= bar * (1 - c.confidence * noise * math.sqrt(1 + 1 / top_rec.n)):
+        return None
+    loss = 1 - rate / top
+    return SettleMiss(f"{_fmt_rate(rate)} while settling vs the best {_fmt_rate(top)} ({name(best_key)}), "
+                      f"{-loss:+.1%}: not within {_pct(c.tolerance)}, already while settling", loss - c.tolerance)
+
+
+def rejudge(c: PolicyConfig, kind: str, src: Record, dst: Record, v: Verdict, looked: bool) -> str:
+    """What the second look at a step kept from ``src`` to ``dst`` decides, given the verdict
+    ``v`` on the records as they are now (``dst`` adds up, the policy being there):
+
+    * a cheaper step (``kind`` not in :data:`.verdict.COSTLIER`) is undone (:data:`UNDO`) once
+      it clearly misses its bar, or, after ``2 * c.max_measure_windows`` windows, misses it
+      while the loop stalls there (:func:`.verdict.stalls_below`); else :data:`WATCH`;
+    * a costlier step, once ``dst`` has ``c.second_look_windows`` windows: :data:`DONE` when it
+      clearly trains more than ``c.tolerance`` faster, else :data:`AGAIN`: ``src`` is measured
+      afresh once more and the step judged on that (a close call kept on the means of a few
+      windows each, and the windows of one setting correlated in time); ``looked``: that was
+      done already (then :data:`DONE`, the verdict stands until a recheck or a drift).
+    """
+    if kind in COSTLIER:
+        if dst.n < c.second_look_windows:
+            return WATCH
+        return DONE if looked or (v.ok and not is_close(v, c.confidence)) else AGAIN
+    stalls = dst.n >= 2 * c.max_measure_windows and stalls_below(c, src, dst)
+    return WATCH if v.ok or (is_close(v, c.confidence) and not stalls) else UNDO
