@@ -17,8 +17,10 @@ process, as a training loop would be:
 For each consumer and round, every fixed count (1 .. cores + 1), ``auto`` and a control (the
 count ``auto`` starts at, run a second time) run in a fresh loader, in an order rotated each
 round, ``--seconds`` each, timed from the first batch. Besides medians over rounds, ``auto`` is
-compared with the best fixed count of the same round, and the control with its twin: how far
-two runs of one setting spread within a round is the resolution of the comparison. The control
+compared with the best fixed count of the same round (per round, median, and the geometric
+mean with its standard error over rounds: the resolution more rounds buy), and the control with
+its twin: how far two runs of one setting spread within a round. ``--counts`` runs some fixed
+counts only (the best ones known from a full run), leaving time for more rounds. The control
 runs right after ``auto``, so where its count is the best fixed count, ``auto`` over it is the
 pair closest in time.
 Reported per run: trained samples/s (samples the loop consumed per second) and the waiting
@@ -38,6 +40,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import statistics
 import sys
 import time
@@ -183,6 +186,16 @@ def train(p: Pipeline, nw, cons, seconds: float, batch_size: int, tail_from: flo
     return r
 
 
+def paired_mean(ratios: list[float]) -> dict:
+    """The geometric mean of within-round ratios and its relative standard error (the spread of
+    the log ratios over rounds / sqrt(rounds); None with fewer than two rounds)."""
+    logs = [math.log(x) for x in ratios if x > 0]
+    if not logs:
+        return {"auto_vs_best_paired_mean": None, "auto_vs_best_paired_se": None}
+    se = statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else None
+    return {"auto_vs_best_paired_mean": math.exp(statistics.fmean(logs)), "auto_vs_best_paired_se": se}
+
+
 def reached(auto: dict, best_rate: float) -> float | None:
     """Seconds from the clock's start until three consecutive windows average within TIE of
     ``best_rate`` (None: never)."""
@@ -210,6 +223,9 @@ def main(argv=None) -> int:
     ap.add_argument("--only", choices=["auto"], default=None,
                     help="run auto alone (a look at its decisions; no comparison, results not meant for bench/results)")
     ap.add_argument("--max-fixed", type=int, default=None, help="largest fixed count (default cores + 1)")
+    ap.add_argument("--counts", default=None,
+                    help="fixed counts to run, comma-separated (default 1 .. --max-fixed): fewer runs a round leave "
+                         "time for more rounds where the best count is known, and more rounds narrow the comparison")
     ap.add_argument("--no-control", dest="control", action="store_false",
                     help="leave out the control run (by default each round also runs the count auto starts at a "
                          "second time, so the results say how far one setting's runs spread within a round)")
@@ -230,7 +246,8 @@ def main(argv=None) -> int:
             s["size"] = a.crop
     p = Pipeline.from_config(doc, where=str(PIPELINE))
     cores = cpu_cores()
-    counts = list(range(1, (a.max_fixed or cores + 1) + 1))
+    counts = ([int(x) for x in a.counts.split(",")] if a.counts
+              else list(range(1, (a.max_fixed or cores + 1) + 1)))
     start = start_workers(cores)
     kinds = ["auto"] if a.only == "auto" else [*counts, "auto"] + (["control"] if a.control else [])
     results = []
@@ -271,6 +288,7 @@ def main(argv=None) -> int:
             "auto_vs_adjacent_control": next_to,
             "auto_vs_adjacent_control_median": statistics.median(next_to) if next_to else None,
             "auto_vs_best_paired": paired, "auto_vs_best_paired_median": statistics.median(paired),
+            **paired_mean(paired),
             "control_workers": start if control else None, "control_vs_same": control,
             "median_waiting_share": {k: statistics.median(x["waiting_share"] for x in v) for k, v in runs.items()},
             "best_fixed": best, "best_fixed_rate": fixed[best], "top_fixed_rate": top,
@@ -334,15 +352,17 @@ def markdown(doc: dict) -> str:
         lines += ["", "Within each round (runs minutes apart, so a drift of the machine's speed between rounds cancels): "
                   "auto over the best fixed count of the same round, and the control, the count auto starts at "
                   "run a second time in the same round, over its first run (how far one setting spreads):", "",
-                  "| consumer | auto / best fixed, per round | median | control / same count, per round | "
+                  "| consumer | auto / best fixed, per round | median | geometric mean ± standard error | "
+                  "control / same count, per round | "
                   "median distance from 1 | auto / control run next to it, per round | median |",
-                  "|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|"]
         for c in doc["consumers"]:
             pr, ctl = c.get("auto_vs_best_paired") or [], c.get("control_vs_same") or []
             nxt = c.get("auto_vs_adjacent_control") or []
             spread = statistics.median(abs(x - 1) for x in ctl) if ctl else None
             lines.append(f"| {c['consumer']} | {', '.join(f'{x:.3f}' for x in pr)} | "
                          f"{_f(c.get('auto_vs_best_paired_median'), '.3f')} | "
+                         f"{_f(c.get('auto_vs_best_paired_mean'), '.3f')} ± {_f(c.get('auto_vs_best_paired_se'), '.3f')} | "
                          f"{', '.join(f'{x:.3f}' for x in ctl) or '-'} | {_f(spread, '.3f')} | "
                          f"{', '.join(f'{x:.3f}' for x in nxt) or '-'} | "
                          f"{_f(c.get('auto_vs_adjacent_control_median'), '.3f')} |")
