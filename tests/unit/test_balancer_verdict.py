@@ -245,18 +245,17 @@ def test_rejudge_decides_on_the_records_as_they_are():
     from feedgpu.exec.balancer.second_look import AGAIN, DONE, UNDO, WATCH, rejudge
     c = PolicyConfig()
     two = record([414] * 6, 0.04, 2)
-    for rates, noise, looked, want in [
-            ([430] * 10, 0.10, False, WATCH),       # fewer than second_look_windows
-            ([460] * 24, 0.01, False, DONE),        # clearly more than 3 % faster
-            ([430] * 24, 0.10, False, AGAIN),       # +3.9 %: a close call at this noise
-            ([390] * 24, 0.01, False, AGAIN),       # clearly slower: measured afresh, not undone on old windows
-            ([430] * 24, 0.10, True, DONE)]:        # looked once already
+    for rates, noise, want in [
+            ([430] * 10, 0.10, WATCH),       # fewer than second_look_windows
+            ([460] * 24, 0.01, DONE),        # clearly more than 3 % faster
+            ([430] * 24, 0.10, AGAIN),       # +3.9 %: a close call at this noise
+            ([390] * 24, 0.01, AGAIN)]:      # clearly slower: measured afresh, not undone on old windows
         three = record(rates, 0.02, 3)
         v = verdict(c, {TWO: two, THREE: three}, TWO, THREE, "add", noise, name)
-        assert rejudge(c, "add", two, three, v, looked) == want, (rates[0], noise, looked, v)
+        assert rejudge(c, "add", two, three, v) == want, (rates[0], noise, v)
     one = record([380] * 10, 0.02, 1)                 # a kept worker less, clearly below the bar
     v = verdict(c, {TWO: two, ONE: one}, TWO, ONE, "remove", 0.02, name)
-    assert rejudge(c, "remove", two, one, v, False) == UNDO
+    assert rejudge(c, "remove", two, one, v) == UNDO
     one = record([410] * 10, 0.02, 1)
     v = verdict(c, {TWO: two, ONE: one}, TWO, ONE, "remove", 0.02, name)
-    assert rejudge(c, "remove", two, one, v, False) == WATCH
+    assert rejudge(c, "remove", two, one, v) == WATCH

@@ -78,7 +78,7 @@ from .neighbours import candidates, worker_step_refused
 from .policy_config import PolicyConfig
 from .second_look import AGAIN, DONE, WATCH, rejudge, settle_miss
 from .verdict import COSTLIER as _COSTLIER
-from .verdict import Verdict, best, experiment, stalls_below, verdict
+from .verdict import Verdict, experiment, verdict
 from .window import Record, drift_of, pooled_noise
 
 log = logging.getLogger("feedgpu.balancer")
@@ -315,7 +315,7 @@ class Policy:
             self._watch = None
             return None
         v = self._verdict(t.src, t.dst, t.kind)
-        look = rejudge(c, t.kind, src, rec, v, t.looked)
+        look = rejudge(c, t.kind, src, rec, v)
         if look == WATCH:
             return None
         self._watch = None
@@ -426,9 +426,6 @@ class Policy:
         """Is ``dst`` better than staying at ``src``? (kept, distance of the deciding ratio from
         its threshold, the ratio's standard error, why in words): :func:`.verdict.verdict`."""
         return verdict(self.config, self._records, src, dst, kind, self._noise(), self._setting)
-
-    def _best(self, src: Key, noise: float) -> tuple[Key, Record, float]:
-        return best(self._records, src, noise, self.config.measure_windows)
 
     # -- the next experiment --------------------------------------------------------------------
     def _candidates(self, key: Key, rec: Record, waiting: bool, limit: int, why_limit: str

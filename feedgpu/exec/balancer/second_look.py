@@ -18,8 +18,9 @@ WATCH, DONE, UNDO, AGAIN = "watch", "done", "undo", "again"
 
 
 class SettleMiss(NamedTuple):
-    """A cheaper step's settle window already clearly below the bar: ``why`` in words, ``loss``
-    (relative to the best's lowered mean) minus the tolerance, the margin it was refused by."""
+    """A cheaper step's settle window already clearly below the bar: ``why`` in words, and
+    ``margin``, by how much it was refused: its loss against the best's lowered mean, minus the
+    tolerance."""
     why: str
     margin: float
 
@@ -40,7 +41,7 @@ def settle_miss(c: PolicyConfig, records: dict[Key, Record], src: Key, rate: flo
                       f"{-loss:+.1%}: not within {_pct(c.tolerance)}, already while settling", loss - c.tolerance)
 
 
-def rejudge(c: PolicyConfig, kind: str, src: Record, dst: Record, v: Verdict, looked: bool) -> str:
+def rejudge(c: PolicyConfig, kind: str, src: Record, dst: Record, v: Verdict) -> str:
     """What the second look at a step kept from ``src`` to ``dst`` decides, given the verdict
     ``v`` on the records as they are now (``dst`` adds up, the policy being there):
 
@@ -50,12 +51,12 @@ def rejudge(c: PolicyConfig, kind: str, src: Record, dst: Record, v: Verdict, lo
     * a costlier step, once ``dst`` has ``c.second_look_windows`` windows: :data:`DONE` when it
       clearly trains more than ``c.tolerance`` faster, else :data:`AGAIN`: ``src`` is measured
       afresh once more and the step judged on that (a close call kept on the means of a few
-      windows each, and the windows of one setting correlated in time); ``looked``: that was
-      done already (then :data:`DONE`, the verdict stands until a recheck or a drift).
+      windows each, and the windows of one setting correlated in time). The policy looks once:
+      a step kept again on that is not watched any more.
     """
     if kind in COSTLIER:
         if dst.n < c.second_look_windows:
             return WATCH
-        return DONE if looked or (v.ok and not is_close(v, c.confidence)) else AGAIN
+        return DONE if v.ok and not is_close(v, c.confidence) else AGAIN
     stalls = dst.n >= 2 * c.max_measure_windows and stalls_below(c, src, dst)
     return WATCH if v.ok or (is_close(v, c.confidence) and not stalls) else UNDO
