@@ -8,18 +8,22 @@ decides on windows drawn from a throughput curve with the noise measured in real
 thousands of windows and many seeds cost seconds, and two versions of the policy compare on the
 same draws. No loader runs: this measures the policy's decisions, not the loader's speed.
 
-A curve gives, per worker count, the samples/s the loop trains and the share of its step time
-it waits (the prefetch depth changes neither). One window's rate is the curve's at the setting
-decided, times the machine's speed (a slow mean-reverting walk), times AR(1) noise (relative
-standard deviation ``--noise``, lag-one correlation ``--phi``: the windows of one setting in
+A curve gives, per worker count, the samples/s the loop trains, the share of its step time it
+waits and the cores the workers use (the prefetch depth changes none). The windows are drawn by
+:class:`feedgpu.exec.simulate.Curve` and the policy driven by :func:`feedgpu.exec.simulate.run`,
+as the policy tests do: a window's rate is the curve's at the setting decided, times the
+machine's speed (a slow mean-reverting walk), times AR(1) noise (relative standard deviation
+``--noise``, lag-one correlation ``--phi``: the windows of one setting in
 ``bench/results/balancer_long_run.json`` spread 10-21 % with correlations 0-0.6). The first
 ``--warmup`` windows train ``--dip`` slower (a run warms up); the window after a change is the
 mean of the two settings (batches in flight), and after a worker more, one more window trains at
 the old setting (the new worker starts cold).
 
 Reported per curve and noise, over ``--seeds`` seeds of ``--windows`` windows: the mean share
-of the best rate trained after the first ``--lead`` windows and within them, the forgets, the
-changes, and the share of windows at each worker count.
+of the best rate trained (before the machine's speed and the noise) after the first ``--lead``
+windows and within them, the forgets, the changes, and the share of windows at each worker
+count. ``--compare LABEL=policy_sim.json`` puts the rows of runs made at other commits beside
+this one's (the same seeds draw the same windows while the policies decide alike).
 
     .venv/bin/python -m bench.policy_sim --out /tmp/sim        # writes policy_sim.{json,md}
 """
@@ -27,12 +31,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import random
 import statistics
 from pathlib import Path
 
-from feedgpu.exec.balancer import Measurement, Policy, PolicyConfig
+from feedgpu.exec import simulate
+from feedgpu.exec.balancer import Policy, PolicyConfig
+from feedgpu.exec.simulate import Curve
 
 #: workers -> (samples/s trained, share of step time waiting, cores the workers use). From
 #: bench/results/balancer_long_run.md and balancer_drift35.md (cnn-all, cnn-1t, busy-core) and a
@@ -45,39 +49,22 @@ CURVES = {
 }
 
 
-def run(curve: dict, noise: float, phi: float, windows: int, seed: int, warmup: int, dip: float,
+def curve(table: dict, noise: float, phi: float, seed: int, warmup: int, dip: float) -> Curve:
+    """The simulated loop of one ``CURVES`` table."""
+    return Curve(rate=lambda w, p: table[w][0], wait=lambda w, p: table[w][1], cores=lambda w, p: table[w][2],
+                 noise=noise, phi=phi, speed_walk=0.01, wait_noise=0.3, cpu_budget=2.0, seed=seed,
+                 start_windows=1, settle_mix=True, warmup_windows=warmup, warmup_dip=dip)
+
+
+def run(table: dict, noise: float, phi: float, windows: int, seed: int, warmup: int, dip: float,
         start: tuple[int, int] = (2, 2)) -> dict:
     """One simulated run; returns what :func:`summarise` needs."""
-    rnd = random.Random(seed)
-    cfg = PolicyConfig(max_workers=max(curve), max_prefetch=4)
-    p = Policy(cfg)
-    best = max(r for r, _, _ in curve.values())
-    key, prev, cold = start, start, 0
-    e, speed = 0.0, 1.0
-    trained, workers = [], []
-    sd_e = noise * math.sqrt(1 - phi * phi)
-    for t in range(windows):
-        e = phi * e + rnd.gauss(0.0, sd_e)
-        speed = 1.0 + 0.97 * (speed - 1.0) + rnd.gauss(0.0, 0.01)
-        rate, wait, cores = curve[key[0]]
-        if cold:
-            rate = curve[prev[0]][0]
-            cold -= 1
-        elif prev != key:
-            rate = (rate + curve[prev[0]][0]) / 2
-        trained.append(rate / best)
-        workers.append(key[0])
-        f = speed * max(0.2, 1.0 + e) * (1 - dip if t < warmup else 1.0)
-        w = min(0.9, max(0.0, wait * (1 + rnd.gauss(0.0, 0.3))))
-        r = rate * f
-        d = p.decide(Measurement(t=float(t), workers=key[0], delivered_rate=r, demand_rate=r / (1 - w),
-                                 wait_fraction=w, cpu_cores_used=cores, cpu_budget=2.0, prefetch=key[1]))
-        new = (d.workers, d.prefetch)
-        prev = key
-        cold = 1 if new[0] > key[0] else 0
-        key = new
-    s = p.stats()
-    return {"trained": trained, "workers": workers, "resets": s["resets"], "changes": s["changes"]}
+    policy = Policy(PolicyConfig(max_workers=max(table), max_prefetch=4))
+    best = max(r for r, _, _ in table.values())
+    steps = simulate.run(policy, curve(table, noise, phi, seed, warmup, dip), windows, *start)
+    s = policy.stats()
+    return {"trained": [st.expected / best for st in steps], "workers": [st.measurement.workers for st in steps],
+            "resets": s["resets"], "changes": s["changes"]}
 
 
 def summarise(runs: list[dict], lead: int) -> dict:
@@ -95,6 +82,29 @@ def summarise(runs: list[dict], lead: int) -> dict:
             "workers_share": {str(k): round(v / total, 3) for k, v in sorted(counts.items())}}
 
 
+#: The columns of the table: (row key, heading, format).
+COLUMNS = (("after_lead", "after {lead} windows", "{:.3f}"), ("after_lead_min", "worst seed", "{:.3f}"),
+           ("first", "first {lead} windows", "{:.3f}"), ("resets_per_run", "forgets / run", "{}"),
+           ("changes_per_run", "changes / run", "{}"))
+
+
+def table(docs: dict[str, dict], lead: int) -> list[str]:
+    """A markdown table of the rows of ``docs`` (label -> a policy_sim.json document), one line per
+    curve and noise, each cell the labels' values in order, separated by ``/``."""
+    labels = list(docs)
+    by = {lab: {(r["curve"], r["noise"]): r for r in doc["rows"]} for lab, doc in docs.items()}
+    keys = list(by[labels[-1]])
+    heads = [h.format(lead=lead) for _, h, _ in COLUMNS] + ["windows at 1/2/3 workers"]
+    lines = ["| curve | noise | " + " | ".join(heads) + " |", "| --- | ---: |" + " ---: |" * len(COLUMNS) + " --- |"]
+    for key in keys:
+        rows = [by[lab].get(key) for lab in labels]
+        cells = [" / ".join("-" if r is None else fmt.format(r[k]) for r in rows) for k, _, fmt in COLUMNS]
+        cells.append(" ; ".join("-" if r is None else " / ".join(f"{r['workers_share'].get(str(w), 0):.2f}"
+                                                                 for w in (1, 2, 3)) for r in rows))
+        lines.append(f"| {key[0]} | {key[1]:.2f} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--windows", type=int, default=600)
@@ -105,6 +115,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dip", type=float, default=0.3)
     ap.add_argument("--lead", type=int, default=35)
     ap.add_argument("--curve", action="append", choices=sorted(CURVES))
+    ap.add_argument("--label", default="this run", help="this run's name in a comparison (a commit)")
+    ap.add_argument("--compare", action="append", default=[], metavar="LABEL=JSON",
+                    help="a policy_sim.json of another run to put beside this one (repeatable)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--note", default="")
     a = ap.parse_args(argv)
@@ -119,21 +132,21 @@ def main(argv=None) -> int:
                   f"(worst seed {r['after_lead_min']:.3f}), first {a.lead} {r['first']:.3f}, "
                   f"forgets {r['resets_per_run']}, changes {r['changes_per_run']}, workers {r['workers_share']}",
                   flush=True)
+    settings = {k: v for k, v in vars(a).items() if k not in ("out", "compare")}
+    settings["noise"], settings["curve"] = noises, a.curve or list(CURVES)
+    doc = {"format": "feedgpu.bench.policy-sim/1", "settings": settings, "curves": CURVES, "rows": rows}
+    docs = {}
+    for spec in a.compare:
+        label, _, path = spec.partition("=")
+        docs[label] = json.loads(Path(path).read_text())
+    docs[a.label] = doc
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
-        settings = {k: v for k, v in vars(a).items() if k not in ("out",)}
-        settings["noise"], settings["curve"] = noises, a.curve or list(CURVES)
-        doc = {"format": "feedgpu.bench.policy-sim/1", "settings": settings, "curves": CURVES, "rows": rows}
         (a.out / "policy_sim.json").write_text(json.dumps(doc, indent=1))
         lines = [f"# Balancer policy on simulated loops\n\n{a.note}\n",
                  f"{a.seeds} seeds x {a.windows} windows, AR(1) phi {a.phi}, warm-up {a.warmup} windows "
-                 f"{a.dip:.0%} slower; share of the best curve rate trained.\n",
-                 f"| curve | noise | after {a.lead} windows | worst seed | first {a.lead} | forgets/run | "
-                 "changes/run | windows at 1/2/3/4 workers |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
-        for r in rows:
-            ws = " / ".join(f"{r['workers_share'].get(str(k), 0):.2f}" for k in (1, 2, 3, 4))
-            lines.append(f"| {r['curve']} | {r['noise']:.2f} | {r['after_lead']:.3f} | {r['after_lead_min']:.3f} | "
-                         f"{r['first']:.3f} | {r['resets_per_run']} | {r['changes_per_run']} | {ws} |")
+                 f"{a.dip:.0%} slower; share of the best curve rate trained. Each cell: "
+                 + " / ".join(docs) + ".\n", *table(docs, a.lead)]
         (a.out / "policy_sim.md").write_text("\n".join(lines) + "\n")
     return 0
 

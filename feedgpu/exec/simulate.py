@@ -102,6 +102,7 @@ class Simulation:
 
     def __post_init__(self):
         self.t = 0.0
+        self.expected = math.nan   # the last window's noise-free delivered rate
         self._rng = random.Random(self.seed)
 
     def _noisy(self, x: float) -> float:
@@ -138,6 +139,7 @@ class Simulation:
         self.t += self.window_s
         t = self.t
         contention = at(self.contention, t)
+        self.expected = self.delivered(workers, prefetch, t)
         cap = self._noisy(self.producer.capacity(workers, prefetch, contention))
         demand = self._noisy(at(self.demand, t))
         delivered = min(cap, demand)
@@ -160,37 +162,69 @@ class Curve:
     model trained on the CPU next to the workers gives: it may rise with the workers, stay
     flat, or fall past an optimum (workers take the cores the model needs).
 
+    One window trains ``rate(workers, prefetch)`` samples/s, changed by the start-up and settle
+    effects below (:attr:`expected`: what the policy's setting trained, to score it by), times
+    the warm-up dip and the machine's speed (``speed_walk``), times ``1 + e`` with ``e`` the
+    window noise: AR(1) with relative standard deviation ``noise`` and lag-one correlation
+    ``phi`` (each factor at least 0.05).
+
     Args:
         rate: ``rate(workers, prefetch) -> samples/s`` the loop trains (noise-free).
         wait: ``wait(workers, prefetch) -> share of step time waiting`` (default: 0.3 while
             one worker more trains faster, else 0.01: the loop waits while the loader limits it).
         noise: relative standard deviation of each window's rate.
+        phi: lag-one correlation of the window noise (0: independent windows; real windows of
+            one setting correlate, ``bench/results/balancer_long_run.json``).
+        speed_walk: standard deviation per window of the machine's speed, a walk reverting to 1
+            by 3 % a window (0: a constant speed; a shared VM's other tenants move it).
+        wait_noise: relative standard deviation of each window's waiting share (0).
+        cores: ``cores(workers, prefetch) -> cores the workers use`` (default: the model under
+            ``cores_per_worker``).
         cores_per_worker: cores a worker uses while busy (1.0). The cores reported are what the
             rate needs at the cost per sample of one busy worker (``rate(1, prefetch)`` samples/s
             on ``cores_per_worker``), at most every worker busy: a worker the loop does not keep
             busy uses less than its core, as a real pool's does.
+        cpu_budget: the CPU budget reported (1.0 cores).
         window_s, seed: seconds per window; seeds the noise.
         start_dip, start_windows: after the worker count grows, the next ``start_windows``
             windows train ``start_dip`` (a share) below the setting before it, as a real pool
             does while a new worker starts and its first batch holds up the in-order hand-off
             (0, 0: no start-up cost).
+        settle_mix: the first window after a change that does not grow the pool trains the mean
+            of the two settings' rates (batches of the old setting still in flight; False).
+        warmup_windows, warmup_dip: the first ``warmup_windows`` windows train ``warmup_dip``
+            (a share) slower, as a run does while it warms up (0, 0).
     """
 
     rate: Callable[[int, int], float]
     wait: Callable[[int, int], float] | None = None
     noise: float = 0.0
+    phi: float = 0.0
+    speed_walk: float = 0.0
+    wait_noise: float = 0.0
+    cores: Callable[[int, int], float] | None = None
     cores_per_worker: float = 1.0
+    cpu_budget: float = 1.0
     window_s: float = 1.0
     seed: int = 0
     start_dip: float = 0.0
     start_windows: int = 0
+    settle_mix: bool = False
+    warmup_windows: int = 0
+    warmup_dip: float = 0.0
 
     def __post_init__(self):
+        if not -1.0 < self.phi < 1.0:
+            raise ValueError(f"Curve: need -1 < phi < 1, got {self.phi}")
         self.t = 0.0
+        self.expected = math.nan                    # the last window's rate before speed and noise
         self._rng = random.Random(self.seed)
         self._last: tuple[int, int] | None = None   # the setting of the last window
         self._starting = 0                          # windows of the start-up dip left
         self._before = 0.0                          # the rate before the pool grew
+        self._windows = 0
+        self._e = 0.0                               # the AR(1) noise of the last window
+        self._speed = 1.0
 
     def waiting(self, workers: int, prefetch: int) -> float:
         if self.wait is not None:
@@ -203,34 +237,57 @@ class Curve:
         top = max(rates.values())
         return min(w for w, r in rates.items() if r >= (1 - tolerance) * top), top
 
-    def measure(self, workers: int, prefetch: int) -> Measurement:
-        """Advance one window with this setting and return what the loader would measure."""
-        self.t += self.window_s
+    def _trained(self, workers: int, prefetch: int) -> float:
+        """This window's rate before the machine's speed and the noise."""
         r = self.rate(workers, prefetch)
-        if self._last is not None and workers > self._last[0]:
+        last = self._last
+        if last is not None and workers > last[0]:
             self._starting = self.start_windows
-            self._before = self.rate(*self._last)
+            self._before = self.rate(*last)
         if self._starting > 0:
             self._starting -= 1
             r = self._before * (1 - self.start_dip)
+        elif self.settle_mix and last is not None and last != (workers, prefetch):
+            r = (r + self.rate(*last)) / 2
+        return r
+
+    def measure(self, workers: int, prefetch: int) -> Measurement:
+        """Advance one window with this setting and return what the loader would measure."""
+        self.t += self.window_s
+        r = self.expected = self._trained(workers, prefetch)
+        if self._windows < self.warmup_windows:
+            r *= 1 - self.warmup_dip
+        self._windows += 1
         self._last = (workers, prefetch)
         if self.noise > 0:
-            r *= max(0.05, 1.0 + self._rng.gauss(0.0, self.noise))
-        wait = min(1.0, max(0.0, self.waiting(workers, prefetch)))
+            self._e = self.phi * self._e + self._rng.gauss(0.0, self.noise * math.sqrt(1 - self.phi ** 2))
+            r *= max(0.05, 1.0 + self._e)
+        if self.speed_walk > 0:
+            self._speed = 1.0 + 0.97 * (self._speed - 1.0) + self._rng.gauss(0.0, self.speed_walk)
+            r *= max(0.05, self._speed)
+        wait = self.waiting(workers, prefetch)
+        if self.wait_noise > 0:
+            wait *= 1 + self._rng.gauss(0.0, self.wait_noise)
+        wait = min(1.0, max(0.0, wait))
         demand = r / (1 - wait) if wait < 1 else math.inf
-        one = self.rate(1, prefetch)
-        busy = self.cores_per_worker * workers
-        cores = min(busy, self.cores_per_worker * r / one) if one > 0 else busy
+        if self.cores is not None:
+            cores = self.cores(workers, prefetch)
+        else:
+            one = self.rate(1, prefetch)
+            busy = self.cores_per_worker * workers
+            cores = min(busy, self.cores_per_worker * r / one) if one > 0 else busy
         return Measurement(t=self.t, workers=workers, delivered_rate=r, demand_rate=demand, wait_fraction=wait,
-                           cpu_cores_used=cores, cpu_budget=1.0, prefetch=prefetch)
+                           cpu_cores_used=cores, cpu_budget=self.cpu_budget, prefetch=prefetch)
 
 
 @dataclass(frozen=True)
 class Step:
-    """One window of a run: what was measured and what the policy decided."""
+    """One window of a run: what was measured, what the policy decided, and the rate the
+    setting trained before noise (``expected``, samples/s: the simulation's :attr:`expected`)."""
 
     measurement: Measurement
     decision: Decision
+    expected: float = math.nan
 
 
 def run(policy: Policy, sim: Simulation | Curve, windows: int, workers: int, prefetch: int = 2) -> list[Step]:
@@ -240,6 +297,6 @@ def run(policy: Policy, sim: Simulation | Curve, windows: int, workers: int, pre
     for _ in range(windows):
         m = sim.measure(workers, prefetch)
         d = policy.decide(m)
-        steps.append(Step(m, d))
+        steps.append(Step(m, d, sim.expected))
         workers, prefetch = d.workers, d.prefetch
     return steps
