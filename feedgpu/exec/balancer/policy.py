@@ -33,8 +33,9 @@ Rules, applied to each window (:meth:`Policy.decide`):
    its threshold (the noise of a window is estimated from the windows themselves) after at
    least ``measure_windows`` windows; a close call is measured again, up to
    ``max_measure_windows`` at the new setting, then at the old one, then judged on the means.
-   A costlier step is confirmed (A-B-A) unless it gains more than ``drift_threshold`` (always
-   when the old setting's record starts with the windows of a drift: a swing may be over): the old
+   A costlier step is confirmed (A-B-A) unless it gains more than a drift must move
+   (``drift_threshold``, or ``drift_confidence`` standard errors of the ratio when the windows
+   are noisier; always when the old setting's record starts with the windows of a drift): the old
    setting is measured afresh after it and the step kept only if it still trains more than
    ``tolerance`` faster than that (windows are correlated in time: a run warms up, the machine's
    speed drifts, and a gain a drift could explain may be when the step was measured, not the step).
@@ -78,7 +79,7 @@ from .neighbours import candidates, worker_step_refused
 from .policy_config import PolicyConfig
 from .second_look import AGAIN, DONE, WATCH, rejudge, settle_miss
 from .verdict import COSTLIER as _COSTLIER
-from .verdict import Verdict, experiment, verdict
+from .verdict import Verdict, confirmation, experiment, verdict
 from .window import Record, drift_of, pooled_noise
 
 log = logging.getLogger("feedgpu.balancer")
@@ -372,8 +373,10 @@ class Policy:
                                                      f"{_pct(abs(margin))} from the threshold, noise needs "
                                                      f"{_pct(c.confidence * se)})")
         costlier = t.kind in _COSTLIER
-        if t.phase == "dst" and costlier and (close or (ok and (t.confirm or margin + c.tolerance < c.drift_threshold))):
-            return self._measure_src_afresh(m, t, notes, step, verdict, close)
+        why = (confirmation(c, Verdict(ok, margin, se, verdict), step, t.confirm)
+               if t.phase == "dst" and costlier else None)
+        if why is not None:
+            return self._measure_src_afresh(m, t, notes, why)
         if close and t.phase == "dst" and not costlier and self._records[t.src].n < c.max_measure_windows:
             self._trial = replace(t, phase="src")
             return self._decision(m, t.src, "revert", "; ".join(notes + [
@@ -400,18 +403,13 @@ class Policy:
             return None
         return self._decision(m, t.src, "revert", "; ".join(notes + [f"undid the {step}: {verdict}"]), exp)
 
-    def _measure_src_afresh(self, m: Measurement, t: _Trial, notes: list[str], step: str, verdict: str,
-                            close: bool) -> Decision:
+    def _measure_src_afresh(self, m: Measurement, t: _Trial, notes: list[str], why: str) -> Decision:
         """A costlier step is kept only once ``src``, measured again after it, is still slower
         (A-B-A; rule 4): the windows of one setting are correlated in time (the machine's speed
-        drifts, a run warms up), so a gain smaller than a drift must move, or a close call, may
-        be the time the step was measured at, not the step. ``src`` starts a fresh record."""
+        drifts, a run warms up), so a gain a drift could explain, or a close call, may be the
+        time the step was measured at, not the step. ``src`` starts a fresh record."""
         self._trial = replace(t, phase="src", before=self._records[t.src])
         self._records[t.src] = Record()
-        why = (f"close call on the {step} ({verdict})" if close else
-               f"the {step} looks faster ({verdict}), against the windows of a drift" if t.confirm else
-               f"the {step} looks faster ({verdict}), by less than the {_pct(self.config.drift_threshold)} "
-               "a drift must move")
         return self._decision(m, t.src, "revert", "; ".join(notes + [
             f"{why}: measuring {self._setting(t.src)} afresh before deciding"]))
 

@@ -77,6 +77,28 @@ def verdict(c: PolicyConfig, records: dict[Key, Record], src: Key, dst: Key, kin
     return v
 
 
+def confirmation(c: PolicyConfig, v: Verdict, step: str, after_drift: bool) -> str | None:
+    """Why a costlier ``step`` (in words) with the verdict ``v`` is confirmed (A-B-A: where it
+    came from measured afresh before it is kept), or None to judge it now. Confirmed: a close
+    call (:func:`is_close`), and a step ``v`` keeps that a drift could explain: from a record that
+    starts with the windows of a drift (``after_drift``), or gaining less than a drift must move,
+    ``c.drift_threshold`` or ``c.drift_confidence`` standard errors of the ratio (``v.se``),
+    whichever is more (at the noise of a real training loop's windows, a gain far above
+    ``c.drift_threshold`` is one standard error or two)."""
+    if is_close(v, c.confidence):
+        return f"close call on the {step} ({v.why})"
+    if not v.ok:
+        return None
+    looks = f"the {step} looks faster ({v.why})"
+    if after_drift:
+        return f"{looks}, against the windows of a drift"
+    gain, bar = v.margin + c.tolerance, max(c.drift_threshold, c.drift_confidence * v.se)
+    if gain < bar:
+        return (f"{looks}, by less than the {_pct(bar)} a drift must move"
+                + ("" if bar == c.drift_threshold else f" at this noise ({c.drift_confidence:g} standard errors)"))
+    return None
+
+
 def stalls_below(c: PolicyConfig, a: Record, b: Record) -> bool:
     """At ``b`` (a cheaper setting than ``a``) the loop waits more than ``c.wait_threshold``
     more of its step time for batches, and its mean trains more than ``c.tolerance`` below
