@@ -47,24 +47,42 @@ CURVES = {
     "busy-core": {1: (520, 0.30, 0.9), 2: (640, 0.03, 1.3), 3: (615, 0.02, 1.5), 4: (600, 0.02, 1.6)},
     "sleep-300": {1: (300, 0.01, 0.4), 2: (300, 0.005, 0.4), 3: (300, 0.005, 0.4), 4: (300, 0.005, 0.4)},
 }
+#: Loops whose curve changes shape during the run: name -> (curve before, curve after, window of
+#: the change). "cnn-all, then one worker": another process takes a core, and one worker now
+#: trains fastest (the cost of a sample, cores per samples/s, stays what it was at one worker).
+CHANGES = {
+    "cnn-all, then one worker": ("cnn-all", {1: (357, 0.05, 0.85), 2: (280, 0.03, 0.67), 3: (250, 0.02, 0.6),
+                                             4: (240, 0.02, 0.57)}, 300),
+}
 
 
-def curve(table: dict, noise: float, phi: float, seed: int, warmup: int, dip: float) -> Curve:
-    """The simulated loop of one ``CURVES`` table."""
-    return Curve(rate=lambda w, p: table[w][0], wait=lambda w, p: table[w][1], cores=lambda w, p: table[w][2],
+def curve(table: dict | list, noise: float, phi: float, seed: int, warmup: int, dip: float) -> Curve:
+    """The simulated loop of one ``CURVES`` table (or of ``table[0]`` of a list, which the
+    caller may swap between windows)."""
+    now = table if isinstance(table, list) else [table]
+    return Curve(rate=lambda w, p: now[0][w][0], wait=lambda w, p: now[0][w][1], cores=lambda w, p: now[0][w][2],
                  noise=noise, phi=phi, speed_walk=0.01, wait_noise=0.3, cpu_budget=2.0, seed=seed,
                  start_windows=1, settle_mix=True, warmup_windows=warmup, warmup_dip=dip)
 
 
 def run(table: dict, noise: float, phi: float, windows: int, seed: int, warmup: int, dip: float,
-        start: tuple[int, int] = (2, 2)) -> dict:
-    """One simulated run; returns what :func:`summarise` needs."""
+        start: tuple[int, int] = (2, 2), then: tuple[dict, int] | None = None) -> dict:
+    """One simulated run; returns what :func:`summarise` needs. ``then``: (the curve after, the
+    window it takes over at); each window is scored against the best of the curve it ran on."""
     policy = Policy(PolicyConfig(max_workers=max(table), max_prefetch=4))
-    best = max(r for r, _, _ in table.values())
-    steps = simulate.run(policy, curve(table, noise, phi, seed, warmup, dip), windows, *start)
+    now = [table]
+    loop = curve(now, noise, phi, seed, warmup, dip)
+    phases = [(table, windows)] if then is None else [(table, then[1]), (then[0], windows - then[1])]
+    trained, workers, setting = [], [], start
+    for t, n in phases:
+        now[0] = t
+        best = max(r for r, _, _ in t.values())
+        steps = simulate.run(policy, loop, n, *setting)
+        trained += [st.expected / best for st in steps]
+        workers += [st.measurement.workers for st in steps]
+        setting = (steps[-1].decision.workers, steps[-1].decision.prefetch)
     s = policy.stats()
-    return {"trained": [st.expected / best for st in steps], "workers": [st.measurement.workers for st in steps],
-            "resets": s["resets"], "changes": s["changes"]}
+    return {"trained": trained, "workers": workers, "resets": s["resets"], "changes": s["changes"]}
 
 
 def summarise(runs: list[dict], lead: int) -> dict:
@@ -83,16 +101,19 @@ def summarise(runs: list[dict], lead: int) -> dict:
 
 
 #: The columns of the table: (row key, heading, format).
-COLUMNS = (("after_lead", "after {lead} windows", "{:.3f}"), ("after_lead_min", "worst seed", "{:.3f}"),
-           ("first", "first {lead} windows", "{:.3f}"), ("resets_per_run", "forgets / run", "{}"),
+COLUMNS = (("after_lead", "after {lead}", "{:.3f}"), ("after_lead_min", "worst seed", "{:.3f}"),
+           ("first", "before {lead}", "{:.3f}"), ("resets_per_run", "forgets / run", "{}"),
            ("changes_per_run", "changes / run", "{}"))
 
 
-def table(docs: dict[str, dict], lead: int) -> list[str]:
-    """A markdown table of the rows of ``docs`` (label -> a policy_sim.json document), one line per
-    curve and noise, each cell the labels' values in order, separated by ``/``."""
-    labels = list(docs)
-    by = {lab: {(r["curve"], r["noise"]): r for r in doc["rows"]} for lab, doc in docs.items()}
+def table(docs: dict[str, dict], lead: str, rows: str = "rows") -> list[str]:
+    """A markdown table of the ``rows`` of ``docs`` (label -> a policy_sim.json document), one
+    line per curve and noise, each cell the labels' values in order, separated by ``/``; ``lead``
+    names the windows the first column leaves out and the third holds."""
+    labels = [lab for lab, doc in docs.items() if doc.get(rows)]
+    if not labels:
+        return []
+    by = {lab: {(r["curve"], r["noise"]): r for r in docs[lab][rows]} for lab in labels}
     keys = list(by[labels[-1]])
     heads = [h.format(lead=lead) for _, h, _ in COLUMNS] + ["windows at 1/2/3 workers"]
     lines = ["| curve | noise | " + " | ".join(heads) + " |", "| --- | ---: |" + " ---: |" * len(COLUMNS) + " --- |"]
@@ -132,9 +153,20 @@ def main(argv=None) -> int:
                   f"(worst seed {r['after_lead_min']:.3f}), first {a.lead} {r['first']:.3f}, "
                   f"forgets {r['resets_per_run']}, changes {r['changes_per_run']}, workers {r['workers_share']}",
                   flush=True)
+    change_rows = []
+    for name, (before, after, at) in CHANGES.items() if not a.curve else ():
+        for nz in noises:
+            runs = [run(CURVES[before], nz, a.phi, a.windows, seed, a.warmup, a.dip, then=(after, at))
+                    for seed in range(a.seeds)]
+            change_rows.append({"curve": name, "noise": nz, "at": at, **summarise(runs, at)})
+            r = change_rows[-1]
+            print(f"{name} noise {nz:.2f}: after the change {r['after_lead']:.3f} of the new best "
+                  f"(worst seed {r['after_lead_min']:.3f}), workers {r['workers_share']}", flush=True)
     settings = {k: v for k, v in vars(a).items() if k not in ("out", "compare")}
     settings["noise"], settings["curve"] = noises, a.curve or list(CURVES)
-    doc = {"format": "feedgpu.bench.policy-sim/1", "settings": settings, "curves": CURVES, "rows": rows}
+    doc = {"format": "feedgpu.bench.policy-sim/1", "settings": settings, "curves": CURVES, "rows": rows,
+           "changes": {k: {"before": b, "after": c, "at": t} for k, (b, c, t) in CHANGES.items()},
+           "change_rows": change_rows}
     docs = {}
     for spec in a.compare:
         label, _, path = spec.partition("=")
@@ -146,7 +178,11 @@ def main(argv=None) -> int:
         lines = [f"# Balancer policy on simulated loops\n\n{a.note}\n",
                  f"{a.seeds} seeds x {a.windows} windows, AR(1) phi {a.phi}, warm-up {a.warmup} windows "
                  f"{a.dip:.0%} slower; share of the best curve rate trained. Each cell: "
-                 + " / ".join(docs) + ".\n", *table(docs, a.lead)]
+                 + " / ".join(docs) + ".\n", *table(docs, f"{a.lead} windows")]
+        if change_rows:
+            lines += ["", "Curves that change shape (``CHANGES``): the first columns are the share of the new curve's "
+                      "best trained after the change, the windows at each count are those after it.\n",
+                      *table(docs, "the change", "change_rows")]
         (a.out / "policy_sim.md").write_text("\n".join(lines) + "\n")
     return 0
 

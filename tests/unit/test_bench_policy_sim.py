@@ -60,3 +60,12 @@ def test_curve_start_settle_and_warmup_windows():
                    (400.0, 400.0),
                    (350.0, 350.0),     # a worker less: the mean of the two (batches in flight)
                    (300.0, 300.0)]
+
+
+def test_a_curve_that_changes_shape_is_followed_and_scored_against_its_new_best():
+    from bench.policy_sim import CHANGES
+    before, after, at = CHANGES["cnn-all, then one worker"]
+    r = run(CURVES[before], 0.03, 0.0, at + 200, 0, 0, 0.0, then=(after, at))
+    assert r["workers"][at - 1] == 2 and r["workers"][-100:].count(1) > 90, r["workers"][at - 5:]
+    assert statistics.fmean(r["trained"][-100:]) > 0.95  # against the new best: one worker, 357/s
+    assert r["trained"][at - 1] == 1.0                 # two workers: the old curve's best, 414/s
