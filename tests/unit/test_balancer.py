@@ -328,8 +328,9 @@ def test_a_worker_less_is_not_tried_when_the_rest_could_not_deliver_within_the_t
     """The loop waits with 2 workers busy on 2 cores at 770/s: one worker, on one core at most,
     delivers at most 385/s, so the step is not tried (and the hold says why). With the same rate
     on 1.2 cores (the workers idle part of the time) one worker could deliver 642/s, still too
-    few; on 1.0 core it could deliver 770/s, so it is tried. Unmeasured cores (0), or more cores
-    than workers (threads inside a worker), leave the step to be measured. The bound holds
+    few; on 1.0 core it could deliver 770/s, so it is tried. Unmeasured cores (0), or clearly more
+    cores than workers (threads inside a worker), leave the step to be measured; up to 10 % more
+    is the measurement's grain on a fully busy pool. The bound holds
     whether the loop waits or not (sleep-800 waits 1-3 %, below the wait threshold)."""
     def first(cores, workers=2):
         p = Policy(quiet(max_workers=workers, max_prefetch=2))
@@ -340,6 +341,11 @@ def test_a_worker_less_is_not_tried_when_the_rest_could_not_deliver_within_the_t
     assert first(1.2).kind == "hold"
     assert (first(1.0).kind, first(1.0).workers) == ("remove", 1)
     assert first(0.0).kind == "remove" and first(2.5).kind == "remove"
+    # a pool busy on both cores reads a little above them (CPU time in clock ticks): still busy
+    # (sleep-3000 in bench/results/balancer_full.md tried the worker less so, -46 % for a window)
+    d = first(2.04)
+    assert d.kind == "hold" and "on 2.0 cores" in d.reason and "385" in d.reason, d.reason
+    assert first(2.2).kind == "hold" and first(2.21).kind == "remove"
     d = Policy(quiet(max_workers=2)).decide(window(1, 2, 770, demand=780, cores=2.0))   # waits 1 %
     assert d.kind == "hold" and "no worker less" in d.reason
     d = Policy(quiet(max_workers=2)).decide(window(1, 2, 770, demand=780, cores=1.0))

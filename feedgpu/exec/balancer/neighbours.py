@@ -10,6 +10,12 @@ from .window import Record
 
 Key = tuple  # (workers, prefetch)
 
+#: A pool that reads at most this share above one core per worker is read as fully busy: the
+#: workers' CPU time comes in clock ticks and the window's ends are read a moment apart, so a
+#: pool busy on every core reads a little above it about half the time. Beyond this, the
+#: workers run threads of their own and the one-core bound does not apply.
+CORES_SLACK = 0.1
+
 
 def candidates(config: PolicyConfig, key: Key, rec: Record, waiting: bool, limit: int, why_limit: str,
                memory_tight: bool) -> tuple[list[tuple[Key, str]], list[str]]:
@@ -37,9 +43,10 @@ def candidates(config: PolicyConfig, key: Key, rec: Record, waiting: bool, limit
         blocked.append(f"the loop waits only {_pct(rec.wait)}: a worker more cannot train faster")
     if w > c.min_workers:
         # w workers on `cores` cores (one each at most) deliver rec.rate: w - 1 deliver at most this
-        cap = (w - 1) * rec.rate / rec.cores if 0 < rec.cores <= w else math.inf
+        cores = min(rec.cores, w)
+        cap = (w - 1) * rec.rate / cores if 0 < rec.cores <= w * (1 + CORES_SLACK) else math.inf
         if cap < (1 - c.tolerance) * rec.rate:
-            blocked.append(f"no worker less: {w} workers deliver {_fmt_rate(rec.rate)} on {rec.cores:.1f} "
+            blocked.append(f"no worker less: {w} workers deliver {_fmt_rate(rec.rate)} on {cores:.1f} "
                            f"cores; {w - 1} at one core each deliver at most {_fmt_rate(cap)}")
         else:
             out.append(((w - 1, p), "remove"))
