@@ -176,6 +176,7 @@ def train(p: Pipeline, nw, cons, seconds: float, batch_size: int, tail_from: flo
         r["final_workers"] = b.workers
         r["timeline"] = [{"t": round(x["t"] - t0, 2), "rate": round(x["delivered_rate"], 1),
                           "wait": round(x["wait_fraction"], 4), "workers": x["workers"], "prefetch": x["prefetch"],
+                          "cores": round(x["cpu_cores_used"], 2),
                           "decision": x["decision"], "reason": x.get("reason"), "resets": x.get("resets")}
                          for x in b.timeline]
         r["experiments"] = [e["text"] for e in st["experiments"]]

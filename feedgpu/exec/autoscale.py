@@ -192,6 +192,7 @@ class Autoscaler:
         self.timeline: deque[dict] = deque(maxlen=100_000)
         self.measurements: deque[Measurement] = deque(maxlen=1000)
         self._reset_window(None)
+        self._cpu_t = 0.0            # the clock at the last CPU reading
         self._skip = 0
         self._memory_every = 5      # USS reads smaps: every 5th window is enough to see a trend
         self._windows = 0
@@ -217,9 +218,18 @@ class Autoscaler:
             return
         if self._probe is None:
             self._probe = _Probe()
-        self._probe.sample(pids, memory=False)
+        self._sample(pids, memory=False)
         self._skip = 1  # the first window holds the pool's start-up: not judged
         self._reset_window(self.clock())
+
+    def _sample(self, pids: list[int], memory: bool) -> tuple[tuple, float]:
+        """The probe's sample and the seconds since the last one: CPU time is divided by the time
+        between the two CPU readings, not by the window's wall time (the policy's decision and
+        the callback run between a window's end and the next one's start)."""
+        t = self.clock()
+        out = self._probe.sample(pids, memory)
+        span, self._cpu_t = t - self._cpu_t, t
+        return out, span
 
     def add_network_wait(self, seconds: float) -> None:
         """The loader waited ``seconds`` for shard downloads (:mod:`feedgpu.shard_ahead`): counted
@@ -243,7 +253,7 @@ class Autoscaler:
             return None
         if self._skip:
             self._skip -= 1
-            self._probe.sample(pids, memory=False)
+            self._sample(pids, memory=False)
             self._reset_window(self.clock())
             return None
         m = self._measure(now, wall, pids)
@@ -285,7 +295,8 @@ class Autoscaler:
         if resized:
             self._uss_workers, self._uss_reads = self.workers, 0
         memory = self._windows % self._memory_every == 1 or self._uss_reads < 2
-        worker_cpu, main_cpu, uss, others = self._probe.sample(pids, memory)
+        (worker_cpu, main_cpu, uss, others), span = self._sample(pids, memory)
+        span = span if span > 0 else wall
         if memory:
             self._uss = uss
             self._uss_reads += 1
@@ -298,8 +309,8 @@ class Autoscaler:
             ram_budget = self.memory_budget if ram_budget is None else min(ram_budget, int(self.memory_budget))
         return Measurement(
             t=now, workers=self.workers, delivered_rate=self._rows / wall, demand_rate=demand,
-            wait_fraction=min(1.0, self._wait / wall), cpu_cores_used=max(0.0, worker_cpu / wall),
-            cpu_budget=max(1.0, self.cores - (main_cpu + others) / wall), rss_bytes=int(rss) if self._uss else 0,
+            wait_fraction=min(1.0, self._wait / wall), cpu_cores_used=max(0.0, worker_cpu / span),
+            cpu_budget=max(1.0, self.cores - (main_cpu + others) / span), rss_bytes=int(rss) if self._uss else 0,
             ram_budget_bytes=ram_budget, gpu_mem_free_bytes=self._gpu_free(), prefetch=self.prefetch,
             remote_workers=self.remote, remote_started=self._remote_started,
             network_wait_fraction=min(1.0, self._network / wall) if wall > 0 else 0.0, engine=self.engine)

@@ -90,6 +90,24 @@ def test_windows_build_measurements_and_skip_the_start_up_window():
     assert len(decisions) == 2
 
 
+def test_worker_cores_are_the_cpu_time_over_the_time_between_its_readings():
+    """A callback that takes 0.2 s after each window (a user's logger) runs between one window's
+    end and the next one's start: the workers' CPU time over that stretch is not divided by the
+    window's wall time, so two workers busy on two cores read 2 cores, not 2.4 (over one core
+    per worker, the policy could no longer bound what a worker less delivers)."""
+    clock = FakeClock()
+
+    def slow_logger(event):
+        clock.t += 0.2
+
+    a = scaler(clock, workers=2, prefetch=2, callback=slow_logger,
+               config=PolicyConfig(min_workers=2, max_workers=2, min_prefetch=2, max_prefetch=2))
+    drive(a, clock, rate_per_worker=100, demand=1000, seconds=8.0)
+    assert len(a.measurements) >= 3
+    assert all(m.cpu_cores_used == pytest.approx(2.0) for m in a.measurements)
+    assert all(m.cpu_budget == pytest.approx(8 - 0.1) for m in a.measurements)
+
+
 def test_autoscaler_grows_to_meet_demand_and_stays():
     clock = FakeClock()
     a = scaler(clock, workers=1, prefetch=2)
