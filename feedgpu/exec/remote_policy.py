@@ -10,7 +10,12 @@ remote workers one step at a time:
    delivered rate rose more than the local rule's :meth:`PolicyConfig.add_threshold` for the
    pool's total size, or more than ``loss_threshold`` and the loop stopped waiting; else go back
    and do not try that step again until demand moves (the cluster's CPUs may be the same
-   machine's, as on a one-node test cluster, or the network may be the limit).
+   machine's, as on a one-node test cluster, or the network may be the limit). As with the
+   local policy's costlier steps, an add that looks worth it by less than a drift must move
+   (the local ``drift_threshold``, or ``drift_confidence`` standard errors of the ratio at the
+   windows' noise) is confirmed (A-B-A): the remote worker is given back, the old count
+   measured afresh for ``measure_windows`` windows, and the add made again only if the rate
+   it measured still beats that by the same rule.
 2. **Release** a remote worker when the loop has not waited for ``release_windows`` windows in a
    row (remote workers first: local ones cost no network and no cluster share). Keep the
    release while the loop still does not wait; else go back and stop releasing until demand
@@ -31,10 +36,12 @@ step is being judged; a local change goes first and the remote count stays.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, replace
 
 from ..errors import ConfigError
-from .balancer import DRIFT_THRESHOLD, WAIT_THRESHOLD, Decision, Measurement, Policy, _fmt_rate, _pct
+from .balancer import DRIFT_THRESHOLD, WAIT_THRESHOLD, Decision, Measurement, Policy, Record, _fmt_rate, _pct
+from .balancer.window import pooled_noise
 
 log = logging.getLogger("feedgpu.balancer")
 
@@ -86,6 +93,9 @@ class _Step:
     base_rate: float   # delivered rate at src before the step
     base_wait: float
     base_demand: float
+    base: Record | None = None   # the windows at src before the step
+    phase: str = "dst"           # "dst": measuring the new count; "src": the old one afresh (A-B-A)
+    at_dst: Record | None = None  # while phase is "src": what the new count measured
 
 
 class RemotePolicy:
@@ -179,7 +189,8 @@ class RemotePolicy:
     def _change(self, m: Measurement, local: Policy, src: int, dst: int, kind: str, reason: str,
                 judge: bool = True) -> Decision:
         rate, wait, demand = self._base(m)
-        self._step = _Step(src, dst, kind.split("-")[1], rate, wait, demand) if judge else None
+        self._step = (_Step(src, dst, kind.split("-")[1], rate, wait, demand, _record(self._recent or [m]))
+                      if judge else None)
         self._judging, self._recent, self._calm, self._starting = [], [], 0, 0
         self._settle = self.config.settle_windows
         self.steps += 1
@@ -198,25 +209,57 @@ class RemotePolicy:
         if len(self._judging) < c.measure_windows:
             return self._same(m, "measure", f"measuring {m.remote_workers} remote worker(s) "
                                             f"({len(self._judging)}/{c.measure_windows} windows)")
-        n = len(self._judging)
-        rate = sum(x.delivered_rate for x in self._judging) / n
-        wait = sum(x.wait_fraction for x in self._judging) / n
+        judged = _record(self._judging)
         self._step, self._judging = None, []
+        if s.kind == "add":
+            return self._judge_add(m, local, s, judged)
         local.forget()   # its records were measured with another remote count
+        rate, wait = judged.rate, judged.wait
         gain = rate / s.base_rate - 1 if s.base_rate > 0 else float("inf")
         got = (f"{s.src} -> {s.dst} remote workers: {_fmt_rate(s.base_rate)} -> {_fmt_rate(rate)} "
                f"({gain:+.1%}), wait {_pct(s.base_wait)} -> {_pct(wait)}")
-        if s.kind == "add":
-            need = local.config.add_threshold(m.workers + s.src)
-            if gain > need or (gain > local.config.loss_threshold and wait <= c.wait_threshold):
-                return self._same(m, "hold", f"kept: {got}")
-            self._no_add[s.src] = f"{got}, needed more than {_pct(need)}"
-            self._since_no_add = 0
-            return self._revert(m, s, f"undone: {got}, needed more than {_pct(need)}")
         if wait <= c.wait_threshold:
             return self._same(m, "hold", f"kept: {got}; the loop still does not wait")
         self._no_remove[s.src] = (got, s.base_demand)
         return self._revert(m, s, f"undone: {got}; the loop waits again")
+
+    def _judge_add(self, m: Measurement, local: Policy, s: _Step, judged: Record) -> Decision:
+        """An add measured at ``s.dst`` (phase "dst", ``judged``) or its old count measured afresh
+        (phase "src", ``judged``): keep, undo, or confirm first (rule 1)."""
+        c, lc = self.config, local.config
+        src, dst = (s.base, judged) if s.phase == "dst" else (judged, s.at_dst)
+        local.forget()   # its records were measured with another remote count
+        gain = dst.rate / src.rate - 1 if src.rate > 0 else math.inf
+        need = lc.add_threshold(m.workers + s.src)
+        ok = gain > need or (gain > lc.loss_threshold and dst.wait <= c.wait_threshold)
+        got = (f"{s.src} -> {s.dst} remote workers: {_fmt_rate(src.rate)} -> {_fmt_rate(dst.rate)} "
+               f"({gain:+.1%}), wait {_pct(src.wait)} -> {_pct(dst.wait)}")
+        if s.phase == "src":
+            got += f" ({s.src} measured afresh after the add; before it {_fmt_rate(s.base.rate)})"
+        if ok and s.phase == "dst":
+            noise = pooled_noise([src, judged], lc.noise_prior, lc.noise_floor)
+            bar = max(lc.drift_threshold, lc.drift_confidence * noise * math.sqrt(1 / src.n + 1 / dst.n))
+            if gain < bar:   # a gain a drift could explain: measure the old count afresh (A-B-A)
+                self._step = replace(s, phase="src", at_dst=judged)
+                self._settle = c.settle_windows
+                self._recent = []
+                self.steps += 1
+                why = (f"{got} looks worth it by less than the {_pct(bar)} a drift must move: "
+                       f"measuring {s.src} remote workers afresh before deciding")
+                log.info("t=%.1f revert -> %d remote workers: %s", m.t, s.src, why)
+                return Decision(m.workers, m.prefetch, "revert", why, t=m.t, engine=m.engine, remote_workers=s.src)
+        if ok:
+            if s.phase == "dst":
+                return self._same(m, "hold", f"kept: {got}")
+            self._settle, self._recent, self.steps = c.settle_windows, [], self.steps + 1
+            log.info("t=%.1f remote-add -> %d remote workers: kept: %s", m.t, s.dst, got)
+            return Decision(m.workers, m.prefetch, "remote-add", f"kept: {got}", t=m.t, engine=m.engine,
+                            remote_workers=s.dst)
+        self._no_add[s.src] = f"{got}, needed more than {_pct(need)}"
+        self._since_no_add = 0
+        if s.phase == "src":   # already back at the old count
+            return self._same(m, "hold", f"undone: {got}, needed more than {_pct(need)}")
+        return self._revert(m, s, f"undone: {got}, needed more than {_pct(need)}")
 
     def _revert(self, m: Measurement, s: _Step, reason: str) -> Decision:
         self._settle = self.config.settle_windows
@@ -227,10 +270,18 @@ class RemotePolicy:
 
     def stats(self) -> dict:
         """``{steps, judging, not_worth_adding, not_worth_releasing}``: remote steps taken
-        (reverts included), the step being judged, and the counts found not worth a step, with
-        why."""
+        (reverts included), the step being judged (``phase`` ``"src"``: the old count measured
+        afresh), and the counts found not worth a step, with why."""
         s = self._step
         return {"steps": self.steps,
-                "judging": None if s is None else {"kind": s.kind, "from": s.src, "to": s.dst},
+                "judging": None if s is None else {"kind": s.kind, "from": s.src, "to": s.dst, "phase": s.phase},
                 "not_worth_adding": dict(self._no_add),
                 "not_worth_releasing": {k: why for k, (why, _) in self._no_remove.items()}}
+
+
+def _record(ms: list[Measurement]) -> Record:
+    """The windows ``ms`` as a :class:`~feedgpu.exec.balancer.Record` (means and spread)."""
+    r = Record()
+    for x in ms:
+        r.add(x)
+    return r

@@ -161,3 +161,55 @@ def test_a_remote_worker_ray_never_starts_is_given_back():
     revert = next(d for d in decisions if d.kind == "revert" and "remote" in d.reason)
     assert revert.remote_workers == 0 and "did not start a remote worker within 3 windows" in revert.reason
     assert [d.kind for d in decisions].count("remote-add") == 1, "not tried again while the loop still waits"
+
+
+class Faster(Sim):
+    """The machine gets ``speedup`` faster from window ``at`` on (another job left it)."""
+
+    def __init__(self, at: int, speedup: float, **kw):
+        super().__init__(**kw)
+        self.at, self.speedup = at, speedup
+
+    def measure(self, t, workers, prefetch, remote):
+        m = super().measure(t, workers, prefetch, remote)
+        if t < self.at:
+            return m
+        return Measurement(**{**m.__dict__, "delivered_rate": m.delivered_rate * self.speedup})
+
+
+def first_add(ds):
+    return next(i for i, d in enumerate(ds) if d.kind == "remote-add")
+
+
+def test_a_small_remote_gain_is_confirmed_against_the_old_count_measured_afresh():
+    """A remote worker that adds nothing, added just as the machine got 8 % faster, looks +8 %
+    on its windows: more than the 3 % a worker more must gain, less than a drift. The old count
+    is measured again after it, trains as fast, and the add is undone (A-B-A)."""
+    local, remote = policies()
+    probe = run(Sim(demand=450, remote_rate=0.0), 160, *policies())[0]
+    at = first_add(probe) + 1                         # the add's first window, at the new speed
+    ds, (_, _, r) = run(Faster(at, 1.08, demand=450, remote_rate=0.0), at + 12, local, remote)
+    assert r == 0
+    reasons = [d.reason for d in ds[at:]]
+    confirm = next(x for x in reasons if "afresh" in x)
+    assert "0 -> 1 remote workers: 200/s -> 216/s (+8.0%)" in confirm and "drift" in confirm, confirm
+    undone = next(x for x in reasons if x.startswith("undone"))
+    assert "216/s -> 216/s" in undone and "measured afresh after the add" in undone, undone
+    assert remote.stats()["not_worth_adding"].keys() == {0}
+    assert [d.kind for d in ds[at:]].count("remote-add") == 0   # not tried again at once
+
+
+def test_a_real_small_remote_gain_is_kept_after_the_old_count_is_measured_afresh():
+    """A remote worker that adds 8 % (16/s on 200/s) is kept once the old count, measured
+    again, still trains 200/s; one that adds 50 % is kept at once."""
+    local, remote = policies(max_remote=1)
+    ds, (_, _, r) = run(Sim(demand=450, remote_rate=16.0), 160, local, remote)
+    assert r == 1
+    kept = [d for d in ds if d.reason.startswith("kept")]
+    assert kept and kept[0].kind == "remote-add" and "measured afresh after the add" in kept[0].reason, kept
+    assert "0 -> 1 remote workers: 200/s -> 216/s (+8.0%)" in kept[0].reason
+    counts = [0] + [d.remote_workers for d in ds]
+    assert [b for a, b in zip(counts, counts[1:]) if a != b] == [1, 0, 1]   # A-B-A-B: one confirmation
+    local, remote = policies(max_remote=1)
+    ds, (_, _, r) = run(Sim(demand=450), 160, local, remote)
+    assert r == 1 and not any("afresh" in d.reason for d in ds)
