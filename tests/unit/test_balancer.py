@@ -342,7 +342,7 @@ def test_a_worker_less_is_not_tried_when_the_rest_could_not_deliver_within_the_t
     assert (first(1.0).kind, first(1.0).workers) == ("remove", 1)
     assert first(0.0).kind == "remove" and first(2.5).kind == "remove"
     # a pool busy on both cores reads a little above them (CPU time in clock ticks): still busy
-    # (sleep-3000 in bench/results/balancer_full.md tried the worker less so, -46 % for a window)
+    # (sleep-3000 in bench/results/balancer_full.md, round 2, tried the worker less so)
     d = first(2.04)
     assert d.kind == "hold" and "on 2.0 cores" in d.reason and "385" in d.reason, d.reason
     assert first(2.2).kind == "hold" and first(2.21).kind == "remove"
