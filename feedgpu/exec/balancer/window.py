@@ -23,6 +23,7 @@ class Record:
         rss: mean bytes the loader held, over the windows that measured it (``rss_n``).
         demand: mean demand rate (samples / busy time) over windows where it was finite, 0
             when none was.
+        demand_m2: sum of squared deviations of the demand (Welford).
     """
 
     n: int = 0
@@ -34,6 +35,7 @@ class Record:
     rss_n: int = 0
     demand: float = 0.0
     demand_n: int = 0
+    demand_m2: float = 0.0
 
     def add(self, m: Measurement) -> None:
         """Fold one window in."""
@@ -49,33 +51,38 @@ class Record:
             self.rss += (m.rss_bytes - self.rss) / self.rss_n
         if m.demand_rate is not None and not math.isinf(m.demand_rate):
             self.demand_n += 1
-            self.demand += (m.demand_rate - self.demand) / self.demand_n
+            d = m.demand_rate - self.demand
+            self.demand += d / self.demand_n
+            self.demand_m2 += d * (m.demand_rate - self.demand)
 
 
-def pooled_noise(records: Iterable[Record], prior: float, floor: float, prior_df: float = 4.0) -> float:
-    """Relative standard deviation of one window's rate, pooled over ``records`` (each
-    setting's spread around its own mean, relative to it), shrunk towards ``prior`` with
-    ``prior_df`` pseudo-windows, at least ``floor``."""
+def pooled_noise(records: Iterable[Record], prior: float, floor: float, prior_df: float = 4.0,
+                 of: str = "rate") -> float:
+    """Relative standard deviation of one window's rate (``of="demand"``: of the loop's demand),
+    pooled over ``records`` (each setting's spread around its own mean, relative to it), shrunk
+    towards ``prior`` with ``prior_df`` pseudo-windows, at least ``floor``."""
     ss, df = prior_df * prior ** 2, prior_df
     for r in records:
-        if r.n >= 2 and r.rate > 0:
-            ss += r.rate_m2 / r.rate ** 2
-            df += r.n - 1
+        n, mean, m2 = (r.n, r.rate, r.rate_m2) if of == "rate" else (r.demand_n, r.demand, r.demand_m2)
+        if n >= 2 and mean > 0:
+            ss += m2 / mean ** 2
+            df += n - 1
     return max(floor, math.sqrt(ss / df))
 
 
 def without(r: Record, last: Sequence[Measurement]) -> Record:
     """The rate and demand statistics of ``r`` before its last windows ``last`` (oldest first)
     were folded in: Welford's update in reverse. The other means are left as they are."""
-    n, rate, m2, demand, dn = r.n, r.rate, r.rate_m2, r.demand, r.demand_n
+    n, rate, m2, demand, dn, dm2 = r.n, r.rate, r.rate_m2, r.demand, r.demand_n, r.demand_m2
     for m in reversed(last):
         if n <= 1:
             break
         x, prev = m.delivered_rate, (n * rate - m.delivered_rate) / (n - 1)
         m2, rate, n = max(0.0, m2 - (x - prev) * (x - rate)), prev, n - 1
         if m.demand_rate is not None and not math.isinf(m.demand_rate) and dn > 1:
-            demand, dn = (dn * demand - m.demand_rate) / (dn - 1), dn - 1
-    return replace(r, n=n, rate=rate, rate_m2=m2, demand=demand, demand_n=dn)
+            x, prev = m.demand_rate, (dn * demand - m.demand_rate) / (dn - 1)
+            dm2, demand, dn = max(0.0, dm2 - (x - prev) * (x - demand)), prev, dn - 1
+    return replace(r, n=n, rate=rate, rate_m2=m2, demand=demand, demand_n=dn, demand_m2=dm2)
 
 
 def drift_of(recent: Sequence[Measurement], records: Mapping[tuple, Record], key: tuple, config
@@ -83,22 +90,26 @@ def drift_of(recent: Sequence[Measurement], records: Mapping[tuple, Record], key
     """:func:`drifted` for the policy: the last ``config.drift_windows`` windows at ``key`` (the
     newest not folded into its record yet) against that record as it was before them, with the
     noise pooled over the records so (windows of a drift judged against a record that already
-    holds some of them would move its mean and widen its noise towards them)."""
+    holds some of them would move its mean and widen its noise towards them). The rate and the
+    demand are each judged against their own noise: a loop's demand may spread more than its rate
+    (a model trained on the CPU) or less (a loop that sleeps)."""
     if len(recent) < config.drift_windows:
         return None
     base = without(records[key], list(recent)[:-1])
-    noise = pooled_noise([base if k == key else r for k, r in records.items()], config.noise_prior,
-                         config.noise_floor)
-    return drifted(recent, base, config.drift_threshold, noise, config.drift_confidence)
+    recs = [base if k == key else r for k, r in records.items()]
+    noise = pooled_noise(recs, config.noise_prior, config.noise_floor)
+    demand_noise = pooled_noise(recs, config.noise_prior, config.noise_floor, of="demand")
+    return drifted(recent, base, config.drift_threshold, noise, config.drift_confidence, demand_noise)
 
 
 def drifted(recent: Sequence[Measurement], r: Record, threshold: float, noise: float = 0.0,
-            confidence: float = 0.0) -> tuple[str, float] | None:
+            confidence: float = 0.0, demand_noise: float | None = None) -> tuple[str, float] | None:
     """Whether the windows ``recent`` (the last few at one unchanged setting) no longer look like
     the record ``r`` of that setting: each window's rate, or the loop's demand, is more than
     ``threshold`` away from the record's mean, all on the same side, and their mean (with the
-    relative ``noise`` of one window) more than ``confidence`` standard errors away. Windows on
-    both sides of the mean are noise, not drift.
+    relative ``noise`` of one window's rate, ``demand_noise`` of its demand, default ``noise``)
+    more than ``confidence`` standard errors away. Windows on both sides of the mean are noise,
+    not drift.
 
     Returns (why in words, the relative move), or None."""
     k = len(recent)
@@ -111,7 +122,9 @@ def drifted(recent: Sequence[Measurement], r: Record, threshold: float, noise: f
         return f"the rate moved from {r.rate:,.0f}/s to {sum(rates) / k:,.0f}/s", moved
     demands = [m.demand_rate for m in recent]
     if r.demand_n and all(d is not None and not math.isinf(d) for d in demands):
-        moved = _moved(demands, r.demand, threshold, bound)
+        dn = noise if demand_noise is None else demand_noise
+        moved = _moved(demands, r.demand, threshold,
+                       max(threshold, confidence * dn * math.sqrt(1 / k + 1 / max(r.demand_n, 1))))
         if moved is not None:
             return f"demand moved from {r.demand:,.0f}/s to {sum(demands) / k:,.0f}/s", moved
     return None
