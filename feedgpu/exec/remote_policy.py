@@ -41,6 +41,7 @@ from dataclasses import dataclass, replace
 
 from ..errors import ConfigError
 from .balancer import DRIFT_THRESHOLD, WAIT_THRESHOLD, Decision, Measurement, Policy, Record, _fmt_rate, _pct
+from .balancer.verdict import Verdict, confirmation
 from .balancer.window import pooled_noise
 
 log = logging.getLogger("feedgpu.balancer")
@@ -90,10 +91,8 @@ class _Step:
     src: int
     dst: int
     kind: str          # "add" or "remove"
-    base_rate: float   # delivered rate at src before the step
-    base_wait: float
-    base_demand: float
-    base: Record | None = None   # the windows at src before the step
+    base: Record       # the windows at src before the step
+    base_demand: float  # their mean demand, inf when unknown
     phase: str = "dst"           # "dst": measuring the new count; "src": the old one afresh (A-B-A)
     at_dst: Record | None = None  # while phase is "src": what the new count measured
 
@@ -179,18 +178,15 @@ class RemotePolicy:
                     del self._no_remove[k]
 
     # -- steps ----------------------------------------------------------------------------------
-    def _base(self, m: Measurement) -> tuple[float, float, float]:
-        """Mean delivered rate, wait and demand (inf when unknown) of the windows before a step."""
-        ms = self._recent or [m]
-        demand = [x.demand_rate for x in ms if x.demand_rate is not None]
-        return (sum(x.delivered_rate for x in ms) / len(ms), sum(x.wait_fraction for x in ms) / len(ms),
-                sum(demand) / len(demand) if demand else float("inf"))
-
     def _change(self, m: Measurement, local: Policy, src: int, dst: int, kind: str, reason: str,
                 judge: bool = True) -> Decision:
-        rate, wait, demand = self._base(m)
-        self._step = (_Step(src, dst, kind.split("-")[1], rate, wait, demand, _record(self._recent or [m]))
-                      if judge else None)
+        if judge:   # the windows before the step are its base
+            ms = self._recent or [m]
+            demand = [x.demand_rate for x in ms if x.demand_rate is not None]
+            self._step = _Step(src, dst, kind.split("-")[1], _record(ms),
+                               sum(demand) / len(demand) if demand else float("inf"))
+        else:
+            self._step = None
         self._judging, self._recent, self._calm, self._starting = [], [], 0, 0
         self._settle = self.config.settle_windows
         self.steps += 1
@@ -215,9 +211,9 @@ class RemotePolicy:
             return self._judge_add(m, local, s, judged)
         local.forget()   # its records were measured with another remote count
         rate, wait = judged.rate, judged.wait
-        gain = rate / s.base_rate - 1 if s.base_rate > 0 else float("inf")
-        got = (f"{s.src} -> {s.dst} remote workers: {_fmt_rate(s.base_rate)} -> {_fmt_rate(rate)} "
-               f"({gain:+.1%}), wait {_pct(s.base_wait)} -> {_pct(wait)}")
+        gain = rate / s.base.rate - 1 if s.base.rate > 0 else float("inf")
+        got = (f"{s.src} -> {s.dst} remote workers: {_fmt_rate(s.base.rate)} -> {_fmt_rate(rate)} "
+               f"({gain:+.1%}), wait {_pct(s.base.wait)} -> {_pct(wait)}")
         if wait <= c.wait_threshold:
             return self._same(m, "hold", f"kept: {got}; the loop still does not wait")
         self._no_remove[s.src] = (got, s.base_demand)
@@ -237,15 +233,16 @@ class RemotePolicy:
         if s.phase == "src":
             got += f" ({s.src} measured afresh after the add; before it {_fmt_rate(s.base.rate)})"
         if ok and s.phase == "dst":
-            noise = pooled_noise([src, judged], lc.noise_prior, lc.noise_floor)
-            bar = max(lc.drift_threshold, lc.drift_confidence * noise * math.sqrt(1 / src.n + 1 / dst.n))
-            if gain < bar:   # a gain a drift could explain: measure the old count afresh (A-B-A)
+            # a gain a drift could explain is confirmed as the local policy's is: the old count
+            # measured afresh (A-B-A)
+            se = pooled_noise([src, judged], lc.noise_prior, lc.noise_floor) * math.sqrt(1 / src.n + 1 / dst.n)
+            why = confirmation(lc, Verdict(True, gain - lc.tolerance, se, got), "remote add", False)
+            if why is not None:
                 self._step = replace(s, phase="src", at_dst=judged)
                 self._settle = c.settle_windows
                 self._recent = []
                 self.steps += 1
-                why = (f"{got} looks worth it by less than the {_pct(bar)} a drift must move: "
-                       f"measuring {s.src} remote workers afresh before deciding")
+                why += f": measuring {s.src} remote workers afresh before deciding"
                 log.info("t=%.1f revert -> %d remote workers: %s", m.t, s.src, why)
                 return Decision(m.workers, m.prefetch, "revert", why, t=m.t, engine=m.engine, remote_workers=s.src)
         if ok:

@@ -52,8 +52,8 @@ Rules, applied to each window (:meth:`Policy.decide`):
 5. With no neighbour left to try, the policy holds (settled). When the rate, or the loop's
    demand, at an unchanged setting moves by more than ``drift_threshold`` in each of
    ``drift_windows`` windows, all in one direction, and their mean stands ``drift_confidence``
-   standard errors out of that quantity's window noise (tested at every window, against the record as it
-   was before them; another process took cores, the model changed),
+   standard errors out of that quantity's window noise (tested at every window, against the
+   record as it was before them; another process took cores, the model changed),
    the records are forgotten and the experiments start again from there, except that a step
    refused by a wider margin than the move stays refused (a move that size cannot have made
    it good), and the first step tried is back to where a kept cheaper step, still judged

@@ -44,8 +44,9 @@ class PolicyConfig:
         drift_threshold, drift_windows: forget the records when the rate or demand at an
             unchanged setting moves more than this share (0.15) in each of this many windows
             (2), all in one direction, and their mean by more than ``drift_confidence``
-            standard errors of that quantity's window noise (3.5: made at every window, the test must rarely
-            fire on noise alone); steps refused by a wider margin than the move stay refused.
+            standard errors of that quantity's window noise (3.5: made at every window, the
+            test must rarely fire on noise alone); steps refused by a wider margin than the move
+            stay refused.
         busy_threshold: workers using less than this share of a core are idle part of the time
             (0.8): a deeper prefetch is tried first.
         min_workers, max_workers: bounds of the pool (1, 64); ``max_workers`` is a hard limit.

@@ -115,16 +115,18 @@ def drifted(recent: Sequence[Measurement], r: Record, threshold: float, noise: f
     k = len(recent)
     if k == 0:
         return None
-    bound = max(threshold, confidence * noise * math.sqrt(1 / k + 1 / max(r.n, 1)))
+
+    def bound(noise: float, n: int) -> float:   # how far the mean of the k windows must move
+        return max(threshold, confidence * noise * math.sqrt(1 / k + 1 / max(n, 1)))
+
     rates = [m.delivered_rate for m in recent]
-    moved = _moved(rates, r.rate, threshold, bound)
+    moved = _moved(rates, r.rate, threshold, bound(noise, r.n))
     if moved is not None:
         return f"the rate moved from {r.rate:,.0f}/s to {sum(rates) / k:,.0f}/s", moved
     demands = [m.demand_rate for m in recent]
     if r.demand_n and all(d is not None and not math.isinf(d) for d in demands):
-        dn = noise if demand_noise is None else demand_noise
         moved = _moved(demands, r.demand, threshold,
-                       max(threshold, confidence * dn * math.sqrt(1 / k + 1 / max(r.demand_n, 1))))
+                       bound(noise if demand_noise is None else demand_noise, r.demand_n))
         if moved is not None:
             return f"demand moved from {r.demand:,.0f}/s to {sum(demands) / k:,.0f}/s", moved
     return None
