@@ -8,7 +8,9 @@ remote workers one step at a time:
    the local policy holds (the local pool is at ``max_local_workers`` or its memory budget, or
    one more local worker was measured not to train faster), up to ``max_remote``. Keep it when the
    delivered rate rose more than the local rule's :meth:`PolicyConfig.add_threshold` for the
-   pool's total size, or more than ``loss_threshold`` and the loop stopped waiting; else go back
+   pool's total size, or more than ``loss_threshold`` and the loop stopped waiting, in both cases
+   counting no more of the rise than the loop's shorter wait explains
+   (:func:`.balancer.verdict.waiting_gain`); else go back
    and do not try that step again until demand moves (the cluster's CPUs may be the same
    machine's, as on a one-node test cluster, or the network may be the limit). As with the
    local policy's costlier steps, an add that looks worth it by less than a drift must move
@@ -41,7 +43,7 @@ from dataclasses import dataclass, replace
 
 from ..errors import ConfigError
 from .balancer import DRIFT_THRESHOLD, WAIT_THRESHOLD, Decision, Measurement, Policy, Record, _fmt_rate, _pct
-from .balancer.verdict import Verdict, confirmation
+from .balancer.verdict import Verdict, confirmation, waiting_gain
 from .balancer.window import pooled_noise
 
 log = logging.getLogger("feedgpu.balancer")
@@ -226,16 +228,20 @@ class RemotePolicy:
         src, dst = (s.base, judged) if s.phase == "dst" else (judged, s.at_dst)
         local.forget()   # its records were measured with another remote count
         gain = dst.rate / src.rate - 1 if src.rate > 0 else math.inf
-        need = lc.add_threshold(m.workers + s.src)
-        ok = gain > need or (gain > lc.loss_threshold and dst.wait <= c.wait_threshold)
         got = (f"{s.src} -> {s.dst} remote workers: {_fmt_rate(src.rate)} -> {_fmt_rate(dst.rate)} "
                f"({gain:+.1%}), wait {_pct(src.wait)} -> {_pct(dst.wait)}")
+        se = pooled_noise([src, judged], lc.noise_prior, lc.noise_floor) * math.sqrt(1 / src.n + 1 / dst.n)
+        cap, cap_se = waiting_gain(src, dst)
+        if cap < gain and cap_se < se:   # a worker more only shortens the wait (verdict.waiting_gain)
+            gain = cap
+            got += f"; the shorter wait explains at most {cap:+.1%}"
+        need = lc.add_threshold(m.workers + s.src)
+        ok = gain > need or (gain > lc.loss_threshold and dst.wait <= c.wait_threshold)
         if s.phase == "src":
             got += f" ({s.src} measured afresh after the add; before it {_fmt_rate(s.base.rate)})"
         if ok and s.phase == "dst":
             # a gain a drift could explain is confirmed as the local policy's is: the old count
             # measured afresh (A-B-A)
-            se = pooled_noise([src, judged], lc.noise_prior, lc.noise_floor) * math.sqrt(1 / src.n + 1 / dst.n)
             why = confirmation(lc, Verdict(True, gain - lc.tolerance, se, got), "remote add", False)
             if why is not None:
                 self._step = replace(s, phase="src", at_dst=judged)

@@ -170,8 +170,10 @@ class Curve:
 
     Args:
         rate: ``rate(workers, prefetch) -> samples/s`` the loop trains (noise-free).
-        wait: ``wait(workers, prefetch) -> share of step time waiting`` (default: 0.3 while
-            one worker more trains faster, else 0.01: the loop waits while the loader limits it).
+        wait: ``wait(workers, prefetch) -> share of step time waiting`` (default: the share
+            the loop's rate falls short of the best that up to 8 workers more or 4 batches of
+            prefetch more reach, at least 0.01: the loop waits while the loader limits it, and a
+            step's gain is its shorter wait, as in a real loop).
         noise: relative standard deviation of each window's rate.
         phi: lag-one correlation of the window noise (0: independent windows; real windows of
             one setting correlate, ``bench/results/balancer_long_run.json``).
@@ -229,7 +231,16 @@ class Curve:
     def waiting(self, workers: int, prefetch: int) -> float:
         if self.wait is not None:
             return self.wait(workers, prefetch)
-        return 0.3 if self.rate(workers + 1, prefetch) > self.rate(workers, prefetch) * 1.001 else 0.01
+        # the loop's own work trains the best rate a bigger pool or deeper prefetch reaches; below
+        # that it waits for the rest of its step (at least 1 %)
+        r, top = self.rate(workers, prefetch), 0.0
+        for w in range(workers, workers + 9):
+            for p in range(prefetch, prefetch + 5):
+                try:
+                    top = max(top, self.rate(w, p))
+                except (KeyError, IndexError):   # a table that ends there
+                    continue
+        return max(0.01, 1.0 - r / top) if top > 0 else 0.01
 
     def best(self, max_workers: int, prefetch: int = 2, tolerance: float = 0.03) -> tuple[int, float]:
         """The fewest workers training within ``tolerance`` of the best rate, and the best rate."""

@@ -806,9 +806,11 @@ def test_simulator_model():
 def test_curve_model():
     sim = Curve(lambda w, p: {1: 700, 2: 870, 3: 800}[w])
     assert sim.best(3) == (2, 870)
-    assert sim.measure(1, 2).wait_fraction == pytest.approx(0.3)      # one more trains faster
+    # one worker more trains 870/s: at 700/s the loop waits for the rest of that step time
+    assert sim.measure(1, 2).wait_fraction == pytest.approx(1 - 700 / 870)
     m = sim.measure(2, 2)
     assert (m.delivered_rate, m.wait_fraction) == (870, pytest.approx(0.01))
+    assert sim.measure(3, 2).wait_fraction == pytest.approx(0.01)      # past the best: no wait
 
 
 def test_the_summary_names_a_step_just_taken_before_its_first_window():

@@ -213,3 +213,30 @@ def test_a_real_small_remote_gain_is_kept_after_the_old_count_is_measured_afresh
     local, remote = policies(max_remote=1)
     ds, (_, _, r) = run(Sim(demand=450), 160, local, remote)
     assert r == 1 and not any("afresh" in d.reason for d in ds)
+
+
+class NoisyFaster(Faster):
+    """:class:`Faster` with window rates spreading ``spread`` (a cycle, no randomness) and the
+    waiting shares as they were: the loop's own work and the loader got faster together."""
+
+    def __init__(self, at: int, speedup: float, spread=(0.9, 1.1, 0.95, 1.05, 1.0), **kw):
+        super().__init__(at, speedup, **kw)
+        self.spread = spread
+
+    def measure(self, t, workers, prefetch, remote):
+        m = super().measure(t, workers, prefetch, remote)
+        return Measurement(**{**m.__dict__, "delivered_rate": m.delivered_rate * self.spread[t % len(self.spread)]})
+
+
+def test_a_remote_gain_the_wait_cannot_explain_is_not_kept():
+    """A remote worker that adds nothing, added as the machine got 20 % faster (more than a
+    drift must move): the loop waits as long as before, so the shorter wait explains no gain,
+    and the add is undone at once, without the A-B-A a gain that size would otherwise skip."""
+    probe = run(NoisyFaster(10_000, 1.0, demand=450, remote_rate=0.0), 160, *policies())[0]
+    at = first_add(probe) + 1
+    local, remote = policies()
+    ds, (_, _, r) = run(NoisyFaster(at, 1.2, demand=450, remote_rate=0.0), at + 12, local, remote)
+    assert r == 0
+    undone = next(d.reason for d in ds[at:] if d.reason.startswith("undone"))
+    assert "the shorter wait explains at most +0.0%" in undone and "afresh" not in undone, undone
+    assert not any("afresh" in d.reason for d in ds[at:])

@@ -24,8 +24,9 @@ Rules, applied to each window (:meth:`Policy.decide`):
    worker process or DALI thread runs on one core at a time: a bound, not a model of the
    speed, whether the loop waits or not); one batch of prefetch less only while memory is short (a shallower prefetch saves memory,
    not CPU). A worker step refused at one prefetch depth is not tried at another. A costlier
-   neighbour is kept when it trains more than
-   ``tolerance`` faster than where it came from; a cheaper one when it trains within
+   neighbour is kept when it trains more than ``tolerance`` faster than where it came from, and
+   its shorter wait for batches explains that much (the loader cannot make the loop's own work
+   faster); a cheaper one when it trains within
    ``tolerance`` of the best setting measured (so the two verdicts never both hold: no
    oscillation). An experiment not kept is undone and not tried again; the reverse of a kept
    one is not tried either.
@@ -360,7 +361,8 @@ class Policy:
         c = self.config
         t = self._trial
         key = self._key
-        ok, margin, se, verdict = self._verdict(t.src, t.dst, t.kind)
+        v = self._verdict(t.src, t.dst, t.kind)
+        ok, margin, se, verdict = v.ok, v.margin, v.se, v.why
         close = abs(margin) < c.confidence * se
         if rec.n < c.measure_windows and (ok or close or t.phase != "dst"):
             return self._decision(m, key, "measure", f"measuring {self._setting(key)} ({rec.n} of {c.measure_windows} "
@@ -397,6 +399,8 @@ class Policy:
             return None
         self._refused.pop((t.dst, t.src), None)
         self._refuse((t.src, t.dst), verdict, margin)
+        if v.unexplained:
+            self._records.pop(t.dst)
         if t.phase == "src":
             notes.append(f"measured both again, staying at {self._setting(t.src)}: {verdict}")
             self._pending = exp
@@ -456,14 +460,16 @@ class Policy:
                 continue
             r = self._records.get(dst)
             if r is not None and r.n >= c.measure_windows:
-                ok, margin, _, verdict = self._verdict(key, dst, kind)
-                if not ok:
-                    self._refuse((key, dst), verdict, margin)
+                v = self._verdict(key, dst, kind)
+                if not v.ok:
+                    self._refuse((key, dst), v.why, v.margin)
+                    if v.unexplained:
+                        self._records.pop(dst)
                     continue
-                self._refuse((dst, key), f"the opposite step was taken ({verdict})", margin)
+                self._refuse((dst, key), f"the opposite step was taken ({v.why})", v.margin)
                 self._watch = _Trial(key, dst, kind, _kind(kind))
                 return self._decision(m, dst, _kind(kind), "; ".join(notes + [f"{state}; measured before: "
-                                                                               f"{self._setting(dst)}, {verdict}"]))
+                                                                               f"{self._setting(dst)}, {v.why}"]))
             if rec.n < c.base_windows:
                 return self._decision(m, key, "measure", "; ".join(notes + [
                     f"{state}; measuring it again before trying {self._setting(dst)} ({rec.n} of {c.base_windows} "

@@ -13,16 +13,23 @@ from .window import Record
 Key = tuple  # (workers, prefetch)
 #: Steps that cost more CPU or memory than staying: kept only when they train faster.
 COSTLIER = ("add", "prefetch-up")
+#: Spread of one window's waiting share (of step time, absolute) assumed at a setting before its
+#: own windows show it, and the pseudo-windows that assumption weighs.
+WAIT_NOISE_PRIOR = 0.01
+WAIT_PRIOR_DF = 2.0
 
 
 class Verdict(NamedTuple):
     """``ok``: the step is better (kept); ``margin``: distance of the deciding ratio from its
     threshold (a relative rate, negative on the refused side); ``se``: that ratio's standard
-    error; ``why``: in words."""
+    error; ``why``: in words; ``unexplained``: a costlier step refused because its waiting
+    shares cannot explain the gain its rates show (:func:`waiting_gain`): the new setting's
+    rate is the machine's or noise, and must not set the bar for other steps."""
     ok: bool
     margin: float
     se: float
     why: str
+    unexplained: bool = False
 
 
 def is_close(v: Verdict, confidence: float) -> bool:
@@ -41,7 +48,10 @@ def best(records: dict[Key, Record], src: Key, noise: float, measure_windows: in
 def verdict(c: PolicyConfig, records: dict[Key, Record], src: Key, dst: Key, kind: str, noise: float,
             name: Callable[[Key], str]) -> Verdict:
     """Is ``dst`` better than staying at ``src``? A costlier step (``kind`` in :data:`COSTLIER`)
-    must train more than ``c.tolerance`` faster than ``src``; a cheaper one within
+    must train more than ``c.tolerance`` faster than ``src`` on its rates, and its waiting shares
+    must explain that much (:func:`waiting_gain`): when they cannot and their standard error is
+    the smaller (a loop that waits almost all its step time does almost no work of its own, and
+    its waiting shares then tell nothing), they decide; a cheaper one within
     ``c.tolerance`` of the best setting measured (:func:`best`). ``name`` words a setting.
 
     A cheaper step the windows cannot settle (a close call, :func:`is_close`) while the loop waits
@@ -54,11 +64,18 @@ def verdict(c: PolicyConfig, records: dict[Key, Record], src: Key, dst: Key, kin
     tol = c.tolerance
     if kind in COSTLIER:
         gain = b.rate / a.rate - 1 if a.rate > 0 else (math.inf if b.rate > 0 else 0.0)
-        margin = gain - tol
         se = noise * math.sqrt(1 / a.n + 1 / b.n)
+        why = f"{_fmt_rate(b.rate)} vs {_fmt_rate(a.rate)}, {gain:+.1%}"
+        cap, cap_se = waiting_gain(a, b)
+        unexplained = gain > tol >= cap and cap_se < se   # the rates say more; the waiting shares cannot
+        if unexplained:
+            why += (f", but waiting {_pct(b.wait)} vs {_pct(a.wait)} of the step time explains at most {cap:+.1%} "
+                    "(more loader does not make the loop's own work faster: the rest is the machine or noise)")
+            gain, se = cap, cap_se
+        margin = gain - tol
         ok = margin > 0
-        return Verdict(ok, margin, se, f"{_fmt_rate(b.rate)} vs {_fmt_rate(a.rate)}, {gain:+.1%}: "
-                                       + ("more" if ok else "not more") + f" than {_pct(tol)} faster")
+        return Verdict(ok, margin, se, f"{why}: " + ("more" if ok else "not more") + f" than {_pct(tol)} faster",
+                       unexplained)
     best_key, top_rec, top = best(records, src, noise, c.measure_windows)
     if top <= 0:
         return Verdict(True, math.inf, 0.0, "nothing was trained at any setting")
@@ -75,6 +92,28 @@ def verdict(c: PolicyConfig, records: dict[Key, Record], src: Key, dst: Key, kin
             f"{name(src)}, and {b.rate / a.rate - 1:+.1%} vs {name(src)} ({_fmt_rate(a.rate)}): "
             f"not within {_pct(tol)} of it"))
     return v
+
+
+def waiting_gain(a: Record, b: Record) -> tuple[float, float]:
+    """The most the loop can train faster at ``b`` than at ``a`` by waiting less for batches, as
+    a relative rate, and its standard error: ``(1 - b.wait) / (1 - a.wait) - 1``.
+
+    A step's time is the loop's own work plus its wait for the next batch. A costlier loader
+    setting (a worker more, a deeper prefetch) can only shorten the wait; the loop's own work
+    per sample does not get shorter when the loader takes more CPU (it gets longer when they
+    share cores). So a rate gain above this bound is the machine's speed or noise, not the step.
+    The waiting shares' spreads are each setting's own (Welford, ``Record.wait_m2``), shrunk
+    towards :data:`WAIT_NOISE_PRIOR` with :data:`WAIT_PRIOR_DF` pseudo-windows. Returns
+    ``(inf, 0)`` when the loop waited all the time at ``a`` (nothing trained there)."""
+    if a.wait >= 1 or a.n == 0 or b.n == 0:
+        return math.inf, 0.0
+    ratio = (1 - b.wait) / (1 - a.wait)
+
+    def var(r: Record) -> float:   # variance of r's mean waiting share
+        return (WAIT_PRIOR_DF * WAIT_NOISE_PRIOR ** 2 + r.wait_m2) / (WAIT_PRIOR_DF + r.n - 1) / r.n
+
+    rel = var(a) / (1 - a.wait) ** 2 + (var(b) / (1 - b.wait) ** 2 if b.wait < 1 else 0.0)
+    return ratio - 1, ratio * math.sqrt(rel)
 
 
 def confirmation(c: PolicyConfig, v: Verdict, step: str, after_drift: bool) -> str | None:

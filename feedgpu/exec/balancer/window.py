@@ -19,6 +19,7 @@ class Record:
         rate: mean samples/s consumed by the training loop.
         rate_m2: sum of squared deviations of the rate (Welford).
         wait: mean share of the loop's step time spent waiting for a batch.
+        wait_m2: sum of squared deviations of that share (Welford).
         cores: mean cores the workers used.
         rss: mean bytes the loader held, over the windows that measured it (``rss_n``).
         demand: mean demand rate (samples / busy time) over windows where it was finite, 0
@@ -30,6 +31,7 @@ class Record:
     rate: float = 0.0
     rate_m2: float = 0.0
     wait: float = 0.0
+    wait_m2: float = 0.0
     cores: float = 0.0
     rss: float = 0.0
     rss_n: int = 0
@@ -44,7 +46,9 @@ class Record:
         d = m.delivered_rate - self.rate
         self.rate += d * k
         self.rate_m2 += d * (m.delivered_rate - self.rate)
-        self.wait += (m.wait_fraction - self.wait) * k
+        d = m.wait_fraction - self.wait
+        self.wait += d * k
+        self.wait_m2 += d * (m.wait_fraction - self.wait)
         self.cores += (m.cpu_cores_used - self.cores) * k
         if m.rss_bytes > 0:   # 0: not measured in this window
             self.rss_n += 1
