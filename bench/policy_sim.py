@@ -46,6 +46,12 @@ CURVES = {
     "cnn-1t": {1: (715, 0.38, 0.95), 2: (870, 0.03, 1.5), 3: (850, 0.02, 1.7), 4: (820, 0.02, 1.8)},
     "busy-core": {1: (520, 0.30, 0.9), 2: (640, 0.03, 1.3), 3: (615, 0.02, 1.5), 4: (600, 0.02, 1.6)},
     "sleep-300": {1: (300, 0.01, 0.4), 2: (300, 0.005, 0.4), 3: (300, 0.005, 0.4), 4: (300, 0.005, 0.4)},
+    # cnn-all as bench/results/balancer_cores.md and balancer_paired_cores.md measured it: one
+    # worker a close call below two while the loop waits 14 % of its step time there
+    "cnn-all-close": {1: (690, 0.14, 0.75), 2: (735, 0.035, 0.8), 3: (700, 0.02, 0.85), 4: (680, 0.02, 0.9)},
+    # the guard: one worker trains faster while the loop waits longer (the model gets the core
+    # the second worker took)
+    "fewer-faster": {1: (760, 0.12, 0.9), 2: (735, 0.035, 0.87), 3: (700, 0.02, 0.85), 4: (680, 0.02, 0.85)},
 }
 #: Loops whose curve changes shape during the run: name -> (curve before, curve after, window of
 #: the change). "cnn-all, then one worker": another process takes a core, and one worker now

@@ -44,8 +44,10 @@ Rules, applied to each window (:meth:`Policy.decide`):
    more of its step time at it, must also train within ``tolerance`` of where it came from
    (the loop stalling on data there is the evidence the rates could not give). A kept step is
    judged again as its windows add up: a cheaper one is undone once it clearly misses the bar; a
-   costlier one that after ``second_look_windows`` windows does not clearly train faster has the
-   old setting measured afresh once more, and is kept or undone on that.
+   cheaper one still a close call after ``2 * max_measure_windows`` windows while the loop waits
+   more than ``wait_threshold`` longer there, and a costlier one that after
+   ``second_look_windows`` windows does not clearly train faster, have the old setting measured
+   afresh once more, and are kept or undone on that.
    A step that is clearly worse is undone sooner: a cheaper one whose settle window alone
    already misses the bar by that many standard errors (the batches in flight make a settle
    window look better than the cheaper setting will be), any step whose first measured
@@ -78,7 +80,7 @@ from .limits import memory_tight, pool_limit
 from .measurement import Decision, Measurement, _fmt_rate, _pct, setting
 from .neighbours import candidates, worker_step_refused
 from .policy_config import PolicyConfig
-from .second_look import AGAIN, DONE, WATCH, rejudge, settle_miss
+from .second_look import AGAIN, DONE, WATCH, again_why, rejudge, settle_miss
 from .verdict import COSTLIER as _COSTLIER
 from .verdict import Verdict, confirmation, experiment, verdict
 from .window import Record, drift_of, pooled_noise
@@ -308,9 +310,8 @@ class Policy:
 
     def _rejudge(self, m: Measurement, rec: Record, notes: list[str]) -> Decision | None:
         """Judge the last kept step again as the windows at it add up, over up to
-        ``recheck_windows`` of them (rule 4; :func:`.second_look.rejudge`): a cheaper step that
-        clearly misses its bar is undone, a costlier one not clearly faster has its old setting
-        measured afresh once more."""
+        ``recheck_windows`` of them (rule 4; :func:`.second_look.rejudge`): undone, or its old
+        setting measured afresh once more."""
         c, t = self.config, self._watch
         src = self._records.get(t.src)
         if self._key != t.dst or src is None or src.n == 0 or rec.n > c.recheck_windows:
@@ -327,8 +328,8 @@ class Policy:
             self._trial = replace(t, phase="src", before=src, looked=True)
             self._records[t.src] = Record()
             return self._decision(m, t.src, "revert", "; ".join(notes + [
-                f"the {t.kind} from {self._setting(t.src)} to {self._setting(t.dst)} kept before is not clearly "
-                f"faster over {rec.n} windows ({v.why}): measuring {self._setting(t.src)} afresh once more"]))
+                f"the {t.kind} from {self._setting(t.src)} to {self._setting(t.dst)} kept before "
+                f"{again_why(t.kind, rec.n, v)}: measuring {self._setting(t.src)} afresh once more"]))
         why = v.why + f" over {rec.n} windows, kept on fewer"
         self._refused.pop((t.dst, t.src), None)
         self._refuse((t.src, t.dst), why, v.margin)

@@ -8,7 +8,7 @@ from typing import Callable, NamedTuple
 
 from .measurement import _fmt_rate, _pct
 from .policy_config import PolicyConfig
-from .verdict import COSTLIER, Verdict, best, is_close, stalls_below
+from .verdict import COSTLIER, Verdict, best, is_close
 from .window import Record
 
 Key = tuple  # (workers, prefetch)
@@ -46,17 +46,33 @@ def rejudge(c: PolicyConfig, kind: str, src: Record, dst: Record, v: Verdict) ->
     ``v`` on the records as they are now (``dst`` adds up, the policy being there):
 
     * a cheaper step (``kind`` not in :data:`.verdict.COSTLIER`) is undone (:data:`UNDO`) once
-      it clearly misses its bar, or, after ``2 * c.max_measure_windows`` windows, misses it
-      while the loop stalls there (:func:`.verdict.stalls_below`); else :data:`WATCH`;
+      it clearly misses its bar; once ``dst`` has ``2 * c.max_measure_windows`` windows, a close
+      call (or a miss) while the loop waits more than ``c.wait_threshold`` more of its step time
+      there than at ``src`` is :data:`AGAIN` (the loop stalling on data is evidence the rates
+      could not give, and ``src``'s record may hold the run's warm-up or a swing of the machine's
+      speed); else :data:`WATCH`;
     * a costlier step, once ``dst`` has ``c.second_look_windows`` windows: :data:`DONE` when it
-      clearly trains more than ``c.tolerance`` faster, else :data:`AGAIN`: ``src`` is measured
-      afresh once more and the step judged on that (a close call kept on the means of a few
-      windows each, and the windows of one setting correlated in time). The policy looks once:
-      a step kept again on that is not watched any more.
+      clearly trains more than ``c.tolerance`` faster, else :data:`AGAIN`.
+
+    :data:`AGAIN`: ``src`` is measured afresh once more and the step judged on that (a close
+    call kept on the means of a few windows each, and the windows of one setting correlated in
+    time). The policy looks once: a step kept again on that is not watched any more.
     """
+    close = is_close(v, c.confidence)
     if kind in COSTLIER:
         if dst.n < c.second_look_windows:
             return WATCH
-        return DONE if v.ok and not is_close(v, c.confidence) else AGAIN
-    stalls = dst.n >= 2 * c.max_measure_windows and stalls_below(c, src, dst)
-    return WATCH if v.ok or (is_close(v, c.confidence) and not stalls) else UNDO
+        return DONE if v.ok and not close else AGAIN
+    if not v.ok and not close:
+        return UNDO
+    if dst.n < 2 * c.max_measure_windows or dst.wait - src.wait <= c.wait_threshold:
+        return WATCH
+    return AGAIN if close or not v.ok else WATCH
+
+
+def again_why(kind: str, windows: int, v: Verdict) -> str:
+    """Why a kept step of ``kind`` is looked at again after ``windows`` windows (``v``: its
+    verdict now), in words."""
+    if kind in COSTLIER:
+        return f"is not clearly faster over {windows} windows ({v.why})"
+    return f"is a close call over {windows} windows while the loop waits longer for batches there ({v.why})"
