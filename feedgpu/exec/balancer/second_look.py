@@ -47,10 +47,10 @@ def rejudge(c: PolicyConfig, kind: str, src: Record, dst: Record, v: Verdict) ->
 
     * a cheaper step (``kind`` not in :data:`.verdict.COSTLIER`) is undone (:data:`UNDO`) once
       it clearly misses its bar; once ``dst`` has ``2 * c.max_measure_windows`` windows, a close
-      call (or a miss) while the loop waits more than ``c.wait_threshold`` more of its step time
-      there than at ``src`` is :data:`AGAIN` (the loop stalling on data is evidence the rates
-      could not give, and ``src``'s record may hold the run's warm-up or a swing of the machine's
-      speed); else :data:`WATCH`;
+      call (either side of the bar) while the loop waits more than ``c.wait_threshold`` more of
+      its step time there than at ``src`` is :data:`AGAIN` (the loop stalling on data is evidence
+      the rates could not give, and ``src``'s record may hold the run's warm-up or a swing of the
+      machine's speed); else :data:`WATCH`;
     * a costlier step, once ``dst`` has ``c.second_look_windows`` windows: :data:`DONE` when it
       clearly trains more than ``c.tolerance`` faster, else :data:`AGAIN`.
 
@@ -67,7 +67,7 @@ def rejudge(c: PolicyConfig, kind: str, src: Record, dst: Record, v: Verdict) ->
         return UNDO
     if dst.n < 2 * c.max_measure_windows or dst.wait - src.wait <= c.wait_threshold:
         return WATCH
-    return AGAIN if close or not v.ok else WATCH
+    return AGAIN if close else WATCH   # a miss here is a close call: a clear one was undone above
 
 
 def again_why(kind: str, windows: int, v: Verdict) -> str:
