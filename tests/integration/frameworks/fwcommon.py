@@ -9,6 +9,7 @@ over an image folder with one class per image (so a label is the sample's index)
 """
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import traceback
@@ -16,6 +17,12 @@ from pathlib import Path
 
 import torch
 import torch.utils.data as tud
+
+#: seconds after which a rank writes every thread's stack to its log (set by the test driver, so a
+#: hung job says where each rank waited before it is killed)
+DUMP_AFTER_ENV = "FEEDGPU_FW_DUMP_AFTER_S"
+if os.environ.get(DUMP_AFTER_ENV):
+    faulthandler.dump_traceback_later(float(os.environ[DUMP_AFTER_ENV]), exit=False)
 
 
 class IndexDataset(tud.Dataset):
