@@ -166,6 +166,20 @@ def wait_gone(pids, timeout: float = 10.0) -> list[int]:
     return left
 
 
+def sticks_once(marker: str, real):
+    """A worker target that, in the first process started, never gets to feedgpu's worker code
+    (as a child deadlocked in the interpreter's after-fork handler: it runs nothing), and runs
+    ``real`` in every other. Put it in place of a pool's target with ``monkeypatch``; with fork
+    the children inherit it."""
+    def main(*args):
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return real(*args)
+        time.sleep(3600)
+    return main
+
+
 def child_pids() -> set[int]:
     return {c.pid for c in psutil.Process().children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE}
 

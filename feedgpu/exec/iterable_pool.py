@@ -8,10 +8,17 @@ one of them, so no worker stays blocked on a full pipe. Each worker holds at mos
 queue feeder thread on either side (pipes are written synchronously), and the processes are
 daemons, closed at the end of a pass, when their iterator is dropped, at garbage collection and
 at interpreter exit: asked to stop, then terminated, then killed.
+
+A worker's first message says it started. A forked worker that has not said so
+``fork_start_s`` seconds after its fork is deadlocked in the interpreter (see
+:func:`~feedgpu.exec.pool_start.stuck_fork`): it is killed and forked again, and what the main
+process had sent it is sent again (it ran nothing, so its stream is where it began). A worker
+stuck ``MAX_STUCK`` times raises :class:`WorkerError`.
 """
 from __future__ import annotations
 
 import collections
+import logging
 import multiprocessing.connection as mpc
 import os
 import signal
@@ -20,10 +27,11 @@ import weakref
 
 from ..errors import LoaderTimeout, WorkerError
 from .iterable_worker import worker_loop
-from .pool_start import frozen_gc
+from .pool_start import FORK_START_S, frozen_gc, stuck_fork
 
 POLL_S = 0.1
 GRACE_S = 1.0
+MAX_STUCK = 3   # forks of one worker that never started before the pass gives up
 DYING_S = 5.0   # seconds a worker whose pipe closed gets to exit before it is killed   # seconds the workers get to stop by themselves before they are terminated
 
 
@@ -73,33 +81,66 @@ def death_message(pid: int, exitcode: int, wid: int) -> str:
 class WorkerSet:
     """``runner.num_workers`` processes, each iterating its own copy of ``runner.dataset``."""
 
-    def __init__(self, runner, base_seed: int):
+    def __init__(self, runner, base_seed: int, fork_start_s: float | None = None):
         self.base_seed = base_seed
         self.prefetch = int(runner.prefetch_factor)
         n = runner.num_workers
-        ctx = runner.multiprocessing_context
+        self._ctx = runner.multiprocessing_context
+        self._fork = self._ctx.get_start_method() == "fork"
+        self._args = (n, runner.dataset, base_seed, runner.worker_init_fn, runner.batch_size, runner.drop_last,
+                      runner.collate_fn, runner.stateful, os.getpid())
+        self.fork_start_s = FORK_START_S if fork_start_s is None else fork_start_s
         self.procs: list = []
         self.conns: list = []
         self.queues = [collections.deque() for _ in range(n)]
         self.stopped: set[int] = set()     # workers told to exit: their exit is no death
         self.dead_conns: set[int] = set()
+        self.unheard: dict[int, list] = {}   # worker -> what was sent to it before it said it started
+        self.forked_at: dict[int, float] = {}
+        self.stuck = collections.Counter()  # worker -> forks of it killed for never starting
         self.closed = False
         self._finalizer = weakref.finalize(self, _close, os.getpid(), self.procs, self.conns)
         try:
             for w in range(n):
-                mine, theirs = ctx.Pipe(duplex=True)
-                p = ctx.Process(target=worker_loop, name=f"feedgpu-iterable-{w}", daemon=True,
-                                args=(w, n, runner.dataset, theirs, base_seed, runner.worker_init_fn,
-                                      runner.batch_size, runner.drop_last, runner.collate_fn, runner.stateful,
-                                      os.getpid()))
-                with frozen_gc(ctx.get_start_method()):
-                    p.start()
-                theirs.close()
+                p, mine = self._start(w)
                 self.procs.append(p)
                 self.conns.append(mine)
         except BaseException:
             self.close()
             raise
+
+    def _start(self, w: int) -> tuple:
+        mine, theirs = self._ctx.Pipe(duplex=True)
+        p = self._ctx.Process(target=worker_loop, name=f"feedgpu-iterable-{w}", daemon=True,
+                              args=(w, *self._args[:2], theirs, *self._args[2:]))
+        with frozen_gc(self._ctx.get_start_method()):
+            p.start()
+        theirs.close()
+        self.unheard[w], self.forked_at[w] = [], time.monotonic()
+        return p, mine
+
+    def _restart_stuck(self) -> None:
+        """Kill and fork again each forked worker that has not started ``fork_start_s`` after its
+        fork, sending it again what it was sent."""
+        if not self._fork:
+            return
+        now = time.monotonic()
+        for w in [w for w in self.unheard if now - self.forked_at[w] >= self.fork_start_s and w not in self.stopped]:
+            old, sent = self.procs[w], self.unheard.pop(w)
+            old.kill()
+            old.join(1.0)
+            self.conns[w].close()
+            self.stuck[w] += 1
+            why = f"IterableDataset worker {w} (pid {old.pid}): {stuck_fork(self.fork_start_s)}"
+            if self.stuck[w] >= MAX_STUCK:
+                self.stopped.add(w)
+                raise WorkerError(f"{why}; {self.stuck[w]} forks of it never started, so the pass stops")
+            self.procs[w], self.conns[w] = self._start(w)
+            self.dead_conns.discard(w)
+            logging.getLogger("feedgpu.pool").warning("%s; forked again as pid %d, sent its %d message(s) again",
+                                                      why, self.procs[w].pid, len(sent))
+            for msg in sent:
+                self._send(w, msg)
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
@@ -108,6 +149,8 @@ class WorkerSet:
     def _send(self, w: int, msg: tuple) -> None:
         if w in self.stopped or w in self.dead_conns:
             return
+        if w in self.unheard:
+            self.unheard[w].append(msg)
         try:
             self.conns[w].send(msg)
         except (OSError, ValueError, EOFError):
@@ -138,7 +181,11 @@ class WorkerSet:
                 continue
             try:
                 while c.poll(0):
-                    self.queues[w].append(c.recv())
+                    m = c.recv()
+                    if m[0] == "started":
+                        self.unheard.pop(w, None)
+                    else:
+                        self.queues[w].append(m)
             except (EOFError, OSError):   # closed: the worker died (reported below) or is dying
                 self.dead_conns.add(w)
             except Exception as e:  # noqa: BLE001 - a message this process cannot rebuild
@@ -147,6 +194,7 @@ class WorkerSet:
                                       f"received ({type(e).__name__}: {e}); what a batch holds must be importable in "
                                       "the main process") from e
                 self.dead_conns.add(w)
+        self._restart_stuck()
         for w, p in enumerate(self.procs):
             if w not in self.stopped and p.exitcode is not None:
                 self.stopped.add(w)

@@ -8,7 +8,8 @@ which ``torch.multiprocessing`` registers tensor reductions: tensors travel in s
     main -> worker   ("reset", epoch, credits, state)   start a pass, from ``state`` if not None
                      ("credit", epoch, k)               produce k more batches of that pass
                      ("stop",)                          exit
-    worker -> main   ("ready", epoch, snapshot, None)   the pass started (snapshot: its state)
+    worker -> main   ("started", None)                  first, before anything else (see iterable_pool)
+                     ("ready", epoch, snapshot, None)   the pass started (snapshot: its state)
                      ("batch", epoch, data, snapshot)   a batch and the state right after it
                      ("error", epoch, packed, snapshot) the batch raised (see :func:`pack_error`)
                      ("end", epoch, None, None)         the worker's stream is exhausted
@@ -175,6 +176,7 @@ def worker_loop(wid: int, num_workers: int, dataset, conn, base_seed: int, init_
     ``init_fn`` or ``iter(dataset)`` is sent as the first batch of the pass, which then ends;
     one from producing a batch is that batch, and the pass goes on."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C interrupts the main process, which stops us
+    conn.send(("started", None))                   # before anything slow: the main process watches for it
     import torch
     import torch.multiprocessing  # noqa: F401  registers the tensor reductions used by conn.send
 

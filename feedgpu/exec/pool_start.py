@@ -1,11 +1,23 @@
 """How pool workers start: the multiprocessing context a ``DataLoader`` argument names, the
-workers' base seed (drawn as torch draws it), and the garbage collector frozen around a fork."""
+workers' base seed (drawn as torch draws it), the garbage collector frozen around a fork, and
+how long a forked worker may take to run its first line."""
 from __future__ import annotations
 
 import contextlib
 import gc
 import multiprocessing as mp
 import multiprocessing.context as mpcontext
+
+#: seconds a forked worker may take to run its first line before the pool takes it for stuck
+#: (see :func:`stuck_fork`); a healthy fork gets there at once, whatever the dataset
+FORK_START_S = 30.0
+
+
+def stuck_fork(seconds: float) -> str:
+    """Why a forked worker that ran nothing in ``seconds`` was killed."""
+    return (f"it had run nothing {seconds:g} s after its fork, so it was killed: on CPython 3.11 releases "
+            "without the fix of gh-112275 a child forked while another thread of the parent (a framework's, "
+            "a collective's) holds the interpreter's thread-list lock deadlocks before it starts")
 
 
 def resolve_context(value) -> mpcontext.BaseContext:

@@ -23,7 +23,10 @@ each worker holds. That is what makes the rest possible:
   new task) for that many seconds, and a grow within them takes a parked worker back, warm, before
   it forks one: what the balancer does for a step that it may undo.
 * A worker that dies (segfault, SIGKILL, OOM) is replaced and the tasks it held are given to
-  the replacement, in order (``respawn=True``, the default). A task whose worker died
+  the replacement, in order (``respawn=True``, the default). So is a forked worker that has not
+  run its first line ``fork_start_s`` seconds after its fork (it is killed first): on CPython
+  3.11 releases without the fix of gh-112275 such a child is deadlocked (see
+  :func:`~feedgpu.exec.pool_start.stuck_fork`) and would hold its tasks for ever. A task whose worker died
   ``max_task_deaths`` times, or more than ``max_respawns`` deaths in all, raises
   :class:`WorkerError` naming the exit code or signal, never a hang. A result that a dead worker
   sent completely is kept; its task is not run again.
@@ -64,7 +67,7 @@ from typing import Any, Callable
 from ..errors import LoaderTimeout, WorkerError
 from .fd_channel import Channel
 from .pool_errors import _death, seconds_text, torch_death, unpack_exception  # noqa: F401  (importers' names)
-from .pool_start import frozen_gc, resolve_context
+from .pool_start import FORK_START_S, frozen_gc, resolve_context, stuck_fork
 from .pool_worker import FLUSH, _Load, _pack_exception, _worker_main  # noqa: F401  (_pack_exception: ray)
 from .progress import MAX_WORKERS, Board
 
@@ -86,6 +89,7 @@ class _Worker:
         self.put_count = 0                    # items put on its queue (tasks, flushes, the sentinel)
         self.ordinal: dict[tuple, int] = {}   # (tag, seq) -> which item of the queue it was
         self.started = time.monotonic()
+        self.stuck = False                    # killed for never starting (see ProcessPool.fork_start_s)
 
     @property
     def taking(self) -> bool:
@@ -186,6 +190,9 @@ class ProcessPool:
             ``torch.utils.data.get_worker_info()``. Lowered to keep every seed below 2**63.
             None: workers are not seeded and get no ``WorkerInfo``.
         dataset: the ``WorkerInfo``'s dataset (the worker's own copy with spawn and forkserver).
+        fork_start_s: seconds a forked worker may take to run its first line before it is
+            killed and replaced as stuck (None: ``pool_start.FORK_START_S``); spawn and forkserver
+            workers are not watched (their start runs no code of the parent's threads).
 
     The handler runs in each worker until the pool closes; a handler's exception is a result
     (``ok`` False) and the worker takes the next task.
@@ -196,7 +203,7 @@ class ProcessPool:
                  name: str = "feedgpu-worker", grace_s: float = 1.0, respawn: bool = True,
                  max_task_deaths: int = 2, max_respawns: int = 8,
                  describe: Callable[[int], str] | None = None, on_start: Callable[[], None] | None = None,
-                 context=None, base_seed: int | None = None, dataset=None):
+                 context=None, base_seed: int | None = None, dataset=None, fork_start_s: float | None = None):
         if num_workers < 1:
             raise WorkerError(f"a process pool needs at least one worker, got {num_workers}")
         if num_workers > MAX_WORKERS:
@@ -220,6 +227,7 @@ class ProcessPool:
         self._salvaged: list[tuple] = []   # complete results read from a worker found dead
         self._state = _State()
         self.grace_s = grace_s
+        self.fork_start_s = FORK_START_S if fork_start_s is None else fork_start_s
         # at garbage collection, and at exit before multiprocessing terminates daemonic children
         # (the main process's atexit, or a multiprocessing child's own exit)
         self._finalizer = mputil.Finalize(self, self._state.close, args=(grace_s,), exitpriority=EXIT_PRIORITY)
@@ -267,6 +275,7 @@ class ProcessPool:
         seeding = None if self.base_seed is None else (self.base_seed, self._target)
         p = self._ctx.Process(target=_worker_main, name=f"{self._name}-{wid}", daemon=True,
                               args=(wid, self._load, tasks, writer, self._parent, self.board, seeding, self.method))
+        self.board.expect(wid)
         try:
             with frozen_gc(self.method):
                 p.start()
@@ -353,11 +362,20 @@ class ProcessPool:
                     continue
                 if self._accept(w, result):
                     return result
-            for w in [w for w in self._workers.values() if not w.proc.is_alive()]:
+            for w in [w for w in self._workers.values() if not w.proc.is_alive() or self._stuck(w)]:
                 self._ended(w)
             if deadline is not None and time.monotonic() > deadline:
                 raise LoaderTimeout(f"DataLoader timed out after {seconds_text(timeout)} seconds. No batch from the "
                                     f"workers within timeout={timeout} s: {self.holding()}")
+
+    def _stuck(self, w: _Worker) -> bool:
+        """``w`` was forked ``fork_start_s`` ago and has run nothing: kill it (``_ended`` then
+        replaces it or raises)."""
+        if self.method != "fork" or self.board.started(w.wid) or time.monotonic() - w.started < self.fork_start_s:
+            return False
+        w.stuck = True
+        w.proc.kill()
+        return True
 
     def holding(self) -> str:
         """What each busy worker is doing, from its progress slot."""
@@ -408,7 +426,9 @@ class ProcessPool:
         if w.retiring and not w.held and w.proc.exitcode == 0:
             return
         how = _death(w.proc)
-        if how == "signal SIGKILL":
+        if w.stuck:
+            how = stuck_fork(self.fork_start_s)
+        elif how == "signal SIGKILL":
             how += ": killed from outside, often by the kernel's out-of-memory killer (see dmesg)"
         elif how == "signal SIGBUS":
             how += ": often shared memory running out (the container's memory limit, or /dev/shm for torch tensors)"

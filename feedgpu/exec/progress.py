@@ -69,7 +69,21 @@ class Board:
         one is what it runs or ran last. 0 before its first."""
         if not 0 <= wid < self.slots:
             return 0
-        return _TAKEN.unpack_from(self.mm, wid * SLOT + _TAKEN_AT)[0]
+        return max(0, _TAKEN.unpack_from(self.mm, wid * SLOT + _TAKEN_AT)[0])
+
+    def expect(self, wid: int) -> None:
+        """Before worker ``wid``'s process starts: its slot reads as not started (see
+        :meth:`started`) until the worker attaches to it."""
+        if 0 <= wid < self.slots:
+            self.clear(wid)
+            _TAKEN.pack_into(self.mm, wid * SLOT + _TAKEN_AT, -1)
+
+    def started(self, wid: int) -> bool:
+        """Whether worker ``wid`` has run its first lines (attached to its slot) since
+        :meth:`expect`; True for a slot this board does not have."""
+        if not 0 <= wid < self.slots:
+            return True
+        return _TAKEN.unpack_from(self.mm, wid * SLOT + _TAKEN_AT)[0] >= 0
 
     def clear(self, wid: int) -> None:
         if 0 <= wid < self.slots:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import wait_gone
+from conftest import sticks_once, wait_gone
 from feedgpu import LoaderTimeout, WorkerError
 from feedgpu.exec.process_pool import ProcessPool
 
@@ -117,6 +117,43 @@ def test_respawn_off_raises_at_first_death():
         os.kill(pool.pids()[0], signal.SIGKILL)
         with pytest.raises(WorkerError, match=r"died unexpectedly \(signal SIGKILL: .*out-of-memory"):
             pool.get(30)
+    finally:
+        pool.close()
+
+
+def test_a_forked_worker_that_never_starts_is_killed_and_replaced(tmp_path, monkeypatch, caplog):
+    import feedgpu.exec.process_pool as pp
+
+    monkeypatch.setattr(pp, "_worker_main", sticks_once(str(tmp_path / "stuck"), pp._worker_main))
+    pool = ProcessPool(square, 2, fork_start_s=2.0)
+    try:
+        stuck = pool.pids()[0]
+        for i in range(6):
+            pool.submit(("t", i, 0.01))
+        t0 = time.monotonic()
+        with caplog.at_level("WARNING", logger="feedgpu.pool"):
+            got = collect(pool, 6)
+        assert sorted(got) == list(range(6)) and all(v[0] == k * k for k, v in got.items())
+        assert stuck not in {pid for _, pid in got.values()}
+        assert pool.respawns == 1 and stuck not in pool.pids() and pool.num_workers == 2
+        assert time.monotonic() - t0 < 25
+        assert any(f"pid {stuck}" in r.message and "run nothing 2 s after its fork" in r.message
+                   and "gh-112275" in r.message for r in caplog.records), [r.message for r in caplog.records]
+    finally:
+        pids = pool.pids()
+        pool.close()
+    assert not wait_gone(pids + [stuck])
+
+
+def test_a_stuck_fork_without_respawn_raises_instead_of_hanging(tmp_path, monkeypatch):
+    import feedgpu.exec.process_pool as pp
+
+    monkeypatch.setattr(pp, "_worker_main", sticks_once(str(tmp_path / "stuck"), pp._worker_main))
+    pool = ProcessPool(square, 1, respawn=False, fork_start_s=1.0)
+    try:
+        pool.submit(("t", 0, 0.0))
+        with pytest.raises(WorkerError, match=r"run nothing 1 s after its fork, so it was killed"):
+            pool.get(20)
     finally:
         pool.close()
 
