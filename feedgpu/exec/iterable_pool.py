@@ -30,9 +30,9 @@ from .iterable_worker import worker_loop
 from .pool_start import FORK_START_S, frozen_gc, stuck_fork
 
 POLL_S = 0.1
-GRACE_S = 1.0
+GRACE_S = 1.0   # seconds the workers get to stop by themselves before they are terminated
 MAX_STUCK = 3   # forks of one worker that never started before the pass gives up
-DYING_S = 5.0   # seconds a worker whose pipe closed gets to exit before it is killed   # seconds the workers get to stop by themselves before they are terminated
+DYING_S = 5.0   # seconds a worker whose pipe closed gets to exit before it is killed
 
 
 def _close(owner: int, procs: list, conns: list, grace_s: float = GRACE_S) -> None:
@@ -86,7 +86,7 @@ class WorkerSet:
         self.prefetch = int(runner.prefetch_factor)
         n = runner.num_workers
         self._ctx = runner.multiprocessing_context
-        self._fork = self._ctx.get_start_method() == "fork"
+        self._method = self._ctx.get_start_method()
         self._args = (n, runner.dataset, base_seed, runner.worker_init_fn, runner.batch_size, runner.drop_last,
                       runner.collate_fn, runner.stateful, os.getpid())
         self.fork_start_s = FORK_START_S if fork_start_s is None else fork_start_s
@@ -95,8 +95,8 @@ class WorkerSet:
         self.queues = [collections.deque() for _ in range(n)]
         self.stopped: set[int] = set()     # workers told to exit: their exit is no death
         self.dead_conns: set[int] = set()
-        self.unheard: dict[int, list] = {}   # worker -> what was sent to it before it said it started
-        self.forked_at: dict[int, float] = {}
+        # forked worker not yet heard from -> (when it was forked, what was sent to it since)
+        self.unheard: dict[int, tuple[float, list]] = {}
         self.stuck = collections.Counter()  # worker -> forks of it killed for never starting
         self.closed = False
         self._finalizer = weakref.finalize(self, _close, os.getpid(), self.procs, self.conns)
@@ -113,20 +113,19 @@ class WorkerSet:
         mine, theirs = self._ctx.Pipe(duplex=True)
         p = self._ctx.Process(target=worker_loop, name=f"feedgpu-iterable-{w}", daemon=True,
                               args=(w, *self._args[:2], theirs, *self._args[2:]))
-        with frozen_gc(self._ctx.get_start_method()):
+        with frozen_gc(self._method):
             p.start()
         theirs.close()
-        self.unheard[w], self.forked_at[w] = [], time.monotonic()
+        if self._method == "fork":   # spawn and forkserver children inherit no parent thread's lock
+            self.unheard[w] = (time.monotonic(), [])
         return p, mine
 
     def _restart_stuck(self) -> None:
         """Kill and fork again each forked worker that has not started ``fork_start_s`` after its
         fork, sending it again what it was sent."""
-        if not self._fork:
-            return
         now = time.monotonic()
-        for w in [w for w in self.unheard if now - self.forked_at[w] >= self.fork_start_s and w not in self.stopped]:
-            old, sent = self.procs[w], self.unheard.pop(w)
+        for w in [w for w, (t, _) in self.unheard.items() if now - t >= self.fork_start_s and w not in self.stopped]:
+            old, (_, sent) = self.procs[w], self.unheard.pop(w)
             old.kill()
             old.join(1.0)
             self.conns[w].close()
@@ -150,7 +149,7 @@ class WorkerSet:
         if w in self.stopped or w in self.dead_conns:
             return
         if w in self.unheard:
-            self.unheard[w].append(msg)
+            self.unheard[w][1].append(msg)
         try:
             self.conns[w].send(msg)
         except (OSError, ValueError, EOFError):

@@ -119,10 +119,9 @@ def _launch(cmd: list[str], out: Path, kind: str) -> dict:
     worker forked while another thread of the parent holds the interpreter's thread-list lock
     deadlocks before it runs any Python; torch's DataLoader forks its workers afresh every epoch
     of a DDP rank, and the job then waits for ever (rank 0 for a worker stuck in
-    ``PyOS_AfterFork_Child``, rank 1 in the all-reduce). That
-    is the interpreter's fault, not the behaviour the reference stands for, so a hung reference
-    is run again (its first log kept beside it). feedgpu's job gets no second launch: a hang
-    there fails the test."""
+    ``PyOS_AfterFork_Child``, rank 1 in the all-reduce). That is the interpreter's fault, not the
+    behaviour the reference stands for, so a hung reference is run again (its first log kept
+    beside it). feedgpu's job gets no second launch: a hang there fails the test."""
     job = _launch_once(cmd, out)
     if kind == "torch" and str(job["rc"]).startswith("hung"):
         out.rename(out.with_name(out.name + "-hung"))
