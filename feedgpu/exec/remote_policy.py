@@ -242,7 +242,7 @@ class RemotePolicy:
         if ok and s.phase == "dst":
             # a gain a drift could explain is confirmed as the local policy's is: the old count
             # measured afresh (A-B-A)
-            why = confirmation(lc, Verdict(True, gain - lc.tolerance, se, got), "remote add", False)
+            why = confirmation(lc, Verdict(True, gain - lc.tolerance, se, got), "remote add")
             if why is not None:
                 self._step = replace(s, phase="src", at_dst=judged)
                 self._settle = c.settle_windows

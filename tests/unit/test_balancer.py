@@ -298,9 +298,9 @@ def window(t, workers, rate, demand=1000.0, *, prefetch=2, cores=0.0, budget=8.0
 
 
 def quiet(**kw) -> PolicyConfig:
-    """No settle window, one window per step, little noise: each rule in isolation."""
+    """No settle window, one window per step, little noise, no warm-up: each rule in isolation."""
     base = dict(settle_windows=0, start_windows=0, base_windows=1, measure_windows=1, noise_prior=0.001,
-                noise_floor=0.001)
+                noise_floor=0.001, confirm_first=False)
     base.update(kw)
     return PolicyConfig(**base)
 

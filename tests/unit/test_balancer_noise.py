@@ -56,13 +56,14 @@ def test_a_drift_test_at_two_standard_errors_mistakes_noise_for_drift():
     """The same runs with the drift test at ``confidence`` (2 standard errors, made at every
     window) forget the records again and again, and the experiments each forget starts keep a
     wrong step often enough to cost, after the first 40 s, more than twice what ``drift_confidence``
-    lets them cost (it is higher for that)."""
+    lets them cost, and a percent more (it is higher for that; a cheaper step judged against
+    the windows of a drift is confirmed, which keeps each forget's cost down)."""
     runs = [trained(PolicyConfig(max_workers=3, drift_confidence=2.0), 0.18, s) for s in SEEDS]
     after = statistics.mean(x[1] for x in runs)
     resets = statistics.mean(x[2] for x in runs)
     assert resets >= 10, runs
     held = statistics.mean(trained(PolicyConfig(max_workers=3), 0.18, s)[1] for s in SEEDS)
-    assert 1 - after > 2 * (1 - held) + 0.02, (after, held, runs)
+    assert 1 - after > 2 * (1 - held) + 0.01, (after, held, runs)
 
 
 @pytest.mark.parametrize("noise", [0.02, 0.06])

@@ -17,7 +17,8 @@ Modules, each tested apart:
 * :mod:`.verdict`: whether one step is kept, from the records of the two settings;
   :mod:`.second_look`: a step undone from its settle window, a kept step judged again;
   :mod:`.neighbours`: which steps may be tried next; :mod:`.limits`: the hard limits (the
-  configured maximum, the memory budget).
+  configured maximum, the memory budget); :mod:`.trial`: what the policy holds about a step
+  in progress and a step it refused.
 * :mod:`.diagnosis`: :func:`diagnose`, whether the loader keeps the loop fed and if not why.
 * :mod:`.placement`: :func:`choose_placement`, which engine the stages run on, from measured
   rates.

@@ -36,10 +36,15 @@ Rules, applied to each window (:meth:`Policy.decide`):
    ``max_measure_windows`` at the new setting, then at the old one, then judged on the means.
    A costlier step is confirmed (A-B-A) unless it gains more than a drift must move
    (``drift_threshold``, or ``drift_confidence`` standard errors of the ratio when the windows
-   are noisier; always when the old setting's record starts with the windows of a drift): the old
-   setting is measured afresh after it and the step kept only if it still trains more than
-   ``tolerance`` faster than that (windows are correlated in time: a run warms up, the machine's
-   speed drifts, and a gain a drift could explain may be when the step was measured, not the step).
+   are noisier): the old setting is measured afresh after it and the step kept only if it still
+   trains more than ``tolerance`` faster than that (windows are correlated in time: a run warms
+   up, the machine's speed drifts, and a gain a drift could explain may be when the step was
+   measured, not the step). Any step judged against a record starting with the windows of a
+   drift, and a cheaper one against the run's first windows (``confirm_first``), that would be
+   kept or is a close call, is confirmed the same way (a warming-up run trains slower, and the
+   windows that showed a drift were chosen for lying on one side: either sets the bar low; a
+   costlier step's gain from the first windows is confirmed as above, when a drift could
+   explain it).
    A cheaper step still a close call then, while the loop waits more than ``wait_threshold``
    more of its step time at it, must also train within ``tolerance`` of where it came from
    (the loop stalling on data there is the evidence the rates could not give). A kept step is
@@ -72,8 +77,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, replace
-from typing import NamedTuple
+from dataclasses import replace
 
 from .diagnosis import Diagnosis, diagnose
 from .limits import memory_tight, pool_limit
@@ -82,33 +86,13 @@ from .neighbours import candidates, worker_step_refused
 from .policy_config import PolicyConfig
 from .second_look import AGAIN, DONE, WATCH, again_why, rejudge, settle_miss
 from .verdict import COSTLIER as _COSTLIER
-from .verdict import Verdict, confirmation, experiment, verdict
+from .verdict import Verdict, cheaper_confirmation, confirmation, experiment, verdict
+from .trial import DRIFT_WINDOWS, FIRST_WINDOWS, Refusal, Trial, decision_kind
 from .window import Record, drift_of, pooled_noise
 
 log = logging.getLogger("feedgpu.balancer")
 
 Key = tuple  # (workers, prefetch)
-
-
-@dataclass(frozen=True)
-class _Trial:
-    src: Key
-    dst: Key
-    kind: str           # "add", "remove", "prefetch-up" or "prefetch-down"
-    label: str          # the decision kind that started it ("add", "remove", "prefetch", "probe")
-    phase: str = "dst"  # "dst": measuring the new setting; "src": measuring the old one again
-    before: Record | None = None  # a costlier step's src record before the step, while src is measured afresh
-    confirm: bool = False  # src's record starts with the windows of a drift: a costlier step is confirmed
-    looked: bool = False   # the second look at a kept costlier step: src measured afresh once more
-
-
-class _Refusal(NamedTuple):
-    why: str        # in words
-    margin: float   # by how much it missed its bar, as a relative rate (what a drift is compared with)
-
-
-def _kind(kind: str) -> str:
-    return "prefetch" if kind.startswith("prefetch") else kind
 
 
 class Policy:
@@ -209,19 +193,20 @@ class Policy:
     # -- state ----------------------------------------------------------------------------------
     def _forget_state(self) -> None:
         self._records: dict[Key, Record] = {}
-        self._refused: dict[tuple[Key, Key], _Refusal] = {}   # (from, to) -> why the step is not taken
+        self._refused: dict[tuple[Key, Key], Refusal] = {}   # (from, to) -> why the step is not taken
         self._recent: deque[Measurement] = deque(maxlen=self.config.drift_windows)
-        self._trial: _Trial | None = None
-        self._watch: _Trial | None = None   # a kept cheaper step, judged again as its windows add up
-        self._drift_key: Key | None = None  # the setting whose record starts with the windows of a drift
-        self._revisit: _Trial | None = None  # a watched cheaper step whose records were forgotten
+        self._trial: Trial | None = None
+        self._watch: Trial | None = None   # a kept cheaper step, judged again as its windows add up
+        self._drift_key: Key | None = None  # the setting whose record starts with windows unlike the rest
+        self._starts_with = ""              # what they are, in words
+        self._revisit: Trial | None = None  # a watched cheaper step whose records were forgotten
         self._settled = False
         self._held = 0
 
     def _refuse(self, step: tuple[Key, Key], why: str, margin: float) -> None:
         """Refuse ``step`` (from, to) because ``why``; ``margin``: by how much, as a relative
         rate (what :meth:`forget` compares with the size of a drift)."""
-        self._refused[step] = _Refusal(why, abs(margin))
+        self._refused[step] = Refusal(why, abs(margin))
 
     def _noise(self) -> float:
         c = self.config
@@ -257,8 +242,10 @@ class Policy:
         c = self.config
         notes: list[str] = []
         key = (m.workers, m.prefetch)
-        if self._key is None:
+        if self._key is None:   # the run's first record: the run warms up
             self._key = key
+            if self.config.confirm_first:
+                self._drift_key, self._starts_with = key, FIRST_WINDOWS
         elif key != self._key:
             notes.append(f"the loader runs {self._setting(key)}, not the {self._setting(self._key)} decided; "
                          "going on from there")
@@ -285,7 +272,7 @@ class Policy:
                 why, size = moved
                 earlier = list(self._recent)[:-1]   # the windows that showed the drift are the new record's first
                 kept = self.forget(keep_beyond=size)
-                self._drift_key = key
+                self._drift_key, self._starts_with = key, DRIFT_WINDOWS
                 notes.append(f"at unchanged {self._setting(key)} {why} over {len(earlier) + 1} windows; "
                              "records forgotten"
                              + (f" but {kept} refused step(s), each refused by more than the {size:.0%} move"
@@ -350,7 +337,7 @@ class Policy:
         self._refuse((t.src, t.dst), miss.why, miss.margin)
         return self._undo(m, t, notes, miss.why)
 
-    def _undo(self, m: Measurement, t: _Trial, notes: list[str], why: str, what: str = "") -> Decision:
+    def _undo(self, m: Measurement, t: Trial, notes: list[str], why: str, what: str = "") -> Decision:
         """Back to ``t.src``: the step ``t`` (``what``, e.g. " kept before") is undone because ``why``."""
         exp = self._experiment(m, t, False, why)
         step = f"{t.kind} from {self._setting(t.src)} to {self._setting(t.dst)}"
@@ -376,8 +363,10 @@ class Policy:
                                                      f"{_pct(abs(margin))} from the threshold, noise needs "
                                                      f"{_pct(c.confidence * se)})")
         costlier = t.kind in _COSTLIER
-        why = (confirmation(c, Verdict(ok, margin, se, verdict), step, t.confirm)
-               if t.phase == "dst" and costlier else None)
+        why = None
+        if t.phase == "dst":
+            confirm = confirmation if costlier else cheaper_confirmation
+            why = confirm(c, Verdict(ok, margin, se, verdict), step, t.confirm)
         if why is not None:
             return self._measure_src_afresh(m, t, notes, why)
         if close and t.phase == "dst" and not costlier and self._records[t.src].n < c.max_measure_windows:
@@ -393,7 +382,7 @@ class Policy:
             self._refuse((t.dst, t.src), f"the opposite step was kept ({verdict})", margin)
             self._watch = None if t.looked else t
             if t.phase == "src":
-                return self._decision(m, t.dst, _kind(t.kind), "; ".join(
+                return self._decision(m, t.dst, decision_kind(t.kind), "; ".join(
                     notes + [f"measured both again, back to {self._setting(t.dst)}: kept, {verdict}"]), exp)
             notes.append(f"kept the {step}: {verdict}")
             self._pending = exp
@@ -408,7 +397,7 @@ class Policy:
             return None
         return self._decision(m, t.src, "revert", "; ".join(notes + [f"undid the {step}: {verdict}"]), exp)
 
-    def _measure_src_afresh(self, m: Measurement, t: _Trial, notes: list[str], why: str) -> Decision:
+    def _measure_src_afresh(self, m: Measurement, t: Trial, notes: list[str], why: str) -> Decision:
         """A costlier step is kept only once ``src``, measured again after it, is still slower
         (A-B-A; rule 4): the windows of one setting are correlated in time (the machine's speed
         drifts, a run warms up), so a gain a drift could explain, or a close call, may be the
@@ -418,7 +407,7 @@ class Policy:
         return self._decision(m, t.src, "revert", "; ".join(notes + [
             f"{why}: measuring {self._setting(t.src)} afresh before deciding"]))
 
-    def _experiment(self, m: Measurement, t: _Trial, kept: bool, verdict: str) -> dict:
+    def _experiment(self, m: Measurement, t: Trial, kept: bool, verdict: str) -> dict:
         e = experiment(m.t, t.kind, t.src, t.dst, self._records[t.src], self._records[t.dst], kept, verdict,
                        self._setting)
         self._experiments.append(e)
@@ -468,16 +457,19 @@ class Policy:
                         self._records.pop(dst)
                     continue
                 self._refuse((dst, key), f"the opposite step was taken ({v.why})", v.margin)
-                self._watch = _Trial(key, dst, kind, _kind(kind))
-                return self._decision(m, dst, _kind(kind), "; ".join(notes + [f"{state}; measured before: "
+                self._watch = Trial(key, dst, kind, decision_kind(kind))
+                return self._decision(m, dst, decision_kind(kind), "; ".join(notes + [f"{state}; measured before: "
                                                                                f"{self._setting(dst)}, {v.why}"]))
             if rec.n < c.base_windows:
                 return self._decision(m, key, "measure", "; ".join(notes + [
                     f"{state}; measuring it again before trying {self._setting(dst)} ({rec.n} of {c.base_windows} "
                     "windows)"]))
-            self._trial = _Trial(key, dst, kind, label or _kind(kind), confirm=key == self._drift_key)
+            starts = self._starts_with if key == self._drift_key else ""
+            if kind in _COSTLIER and starts == FIRST_WINDOWS:
+                starts = ""   # a costlier step's gain is confirmed when a drift could explain it
+            self._trial = Trial(key, dst, kind, label or decision_kind(kind), confirm=starts)
             self._drift_key = None
-            return self._decision(m, dst, label or _kind(kind),
+            return self._decision(m, dst, label or decision_kind(kind),
                                   "; ".join(notes + [f"{state}; trying {self._setting(dst)}"]), tentative=True)
         self._settled, self._held = True, 0
         return self._hold(m, notes, state, key, waiting, limit, why_limit)

@@ -61,6 +61,9 @@ class PolicyConfig:
             settings (6).
         second_look_windows: windows at a kept costlier setting after which, unless it clearly
             trains faster than where it came from, that setting is measured afresh once more (24).
+        confirm_first: a cheaper step judged against the run's first windows (a run trains
+            slower while it warms up) is confirmed against where it came from measured afresh
+            (True).
         confidence: standard errors a difference must clear to be judged early (2.0).
         noise_prior, noise_floor: relative noise of one window's rate assumed before enough
             windows are seen, and the least assumed (0.02, 0.01).
@@ -88,6 +91,7 @@ class PolicyConfig:
     base_windows: int = 2
     max_measure_windows: int = 6
     second_look_windows: int = 24
+    confirm_first: bool = True
     confidence: float = CONFIDENCE
     drift_confidence: float = DRIFT_CONFIDENCE
     noise_prior: float = NOISE_PRIOR

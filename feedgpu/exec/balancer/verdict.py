@@ -116,26 +116,41 @@ def waiting_gain(a: Record, b: Record) -> tuple[float, float]:
     return ratio - 1, ratio * math.sqrt(rel)
 
 
-def confirmation(c: PolicyConfig, v: Verdict, step: str, after_drift: bool) -> str | None:
+def confirmation(c: PolicyConfig, v: Verdict, step: str, starts_with: str = "") -> str | None:
     """Why a costlier ``step`` (in words) with the verdict ``v`` is confirmed (A-B-A: where it
     came from measured afresh before it is kept), or None to judge it now. Confirmed: a close
     call (:func:`is_close`), and a step ``v`` keeps that a drift could explain: from a record that
-    starts with the windows of a drift (``after_drift``), or gaining less than a drift must move,
-    ``c.drift_threshold`` or ``c.drift_confidence`` standard errors of the ratio (``v.se``),
-    whichever is more (at the noise of a real training loop's windows, a gain far above
-    ``c.drift_threshold`` is one standard error or two)."""
+    starts with windows the rest of the run may not train like (``starts_with`` names them:
+    the run's first windows, the windows of a drift; "" for none), or gaining less than a drift
+    must move, ``c.drift_threshold`` or ``c.drift_confidence`` standard errors of the ratio
+    (``v.se``), whichever is more (at the noise of a real training loop's windows, a gain far
+    above ``c.drift_threshold`` is one standard error or two)."""
     if is_close(v, c.confidence):
         return f"close call on the {step} ({v.why})"
     if not v.ok:
         return None
     looks = f"the {step} looks faster ({v.why})"
-    if after_drift:
-        return f"{looks}, against the windows of a drift"
+    if starts_with:
+        return f"{looks}, against {starts_with}"
     gain, bar = v.margin + c.tolerance, max(c.drift_threshold, c.drift_confidence * v.se)
     if gain < bar:
         return (f"{looks}, by less than the {_pct(bar)} a drift must move"
                 + ("" if bar == c.drift_threshold else f" at this noise ({c.drift_confidence:g} standard errors)"))
     return None
+
+
+def cheaper_confirmation(c: PolicyConfig, v: Verdict, step: str, starts_with: str) -> str | None:
+    """Why a cheaper ``step`` (in words) that ``v`` keeps, or cannot settle yet, is confirmed
+    (A-B-A: where it came from measured afresh before it is judged), or None to judge it as
+    usual: only when the record it is judged against starts with windows the rest of the run
+    may not train like (``starts_with``, as for :func:`confirmation`). A run's first windows
+    train slower while it warms up, and the windows that showed a drift were chosen for lying
+    on one side of the old mean, so a record that starts with them sets the bar low, and a
+    cheaper step then looks as fast on windows that are not."""
+    if not starts_with or not (v.ok or is_close(v, c.confidence)):
+        return None
+    looks = "looks within the tolerance" if v.ok else "is a close call"
+    return f"the {step} {looks} ({v.why}), against {starts_with}"
 
 
 def stalls_below(c: PolicyConfig, a: Record, b: Record) -> bool:
