@@ -25,9 +25,10 @@ runs right after ``auto``, so where its count is the best fixed count, ``auto`` 
 pair closest in time.
 Reported per run: trained samples/s (samples the loop consumed per second) and the waiting
 share (time in ``next()`` over wall time), and the rate from ``--tail-from`` seconds (30) to
-the end, once ``auto`` has had the time the goal gives it; for ``auto`` also its final setting, the time
-until the mean of three consecutive balancer windows came within ``TIE`` of the best fixed
-count's median rate, and its experiments in words.
+the end, once ``auto`` has had the time the goal gives it (its medians, and ``auto`` over the
+best fixed count within each round); for ``auto`` also its final setting, the time until the
+mean of three consecutive balancer windows came within ``TIE`` of the best fixed count's
+median rate, and its experiments in words.
 
 Writes ``bench/results/balancer.json`` and ``bench/results/balancer.md`` (figures only; any
 conclusions are written by hand there, under "Conclusions", which a rerun keeps).
@@ -278,6 +279,9 @@ def main(argv=None) -> int:
         tail_fixed = {k: tail_med[str(k)] for k in counts if tail_med[str(k)] is not None}
         tail_top = max(tail_fixed.values()) if tail_fixed else None
         paired = [x["samples_per_s"] / y["samples_per_s"] for x, y in zip(runs["auto"], runs[str(best)])]
+        paired_tail = [x["tail_samples_per_s"] / y["tail_samples_per_s"] for x, y in zip(runs["auto"], runs[str(best)])
+                       if x.get("tail_samples_per_s") and y.get("tail_samples_per_s")]
+        tail_mean = paired_mean(paired_tail)
         control = ([x["samples_per_s"] / y["samples_per_s"] for x, y in zip(runs["control"], runs[str(start)])]
                    if "control" in runs else [])
         # auto against the control when the two ran one after the other (minutes closer than the
@@ -290,6 +294,10 @@ def main(argv=None) -> int:
             "auto_vs_adjacent_control_median": statistics.median(next_to) if next_to else None,
             "auto_vs_best_paired": paired, "auto_vs_best_paired_median": statistics.median(paired),
             **paired_mean(paired),
+            "auto_tail_vs_best_paired": paired_tail,
+            "auto_tail_vs_best_paired_median": statistics.median(paired_tail) if paired_tail else None,
+            "auto_tail_vs_best_paired_mean": tail_mean["auto_vs_best_paired_mean"],
+            "auto_tail_vs_best_paired_se": tail_mean["auto_vs_best_paired_se"],
             "control_workers": start if control else None, "control_vs_same": control,
             "median_waiting_share": {k: statistics.median(x["waiting_share"] for x in v) for k, v in runs.items()},
             "best_fixed": best, "best_fixed_rate": fixed[best], "top_fixed_rate": top,
@@ -367,6 +375,17 @@ def markdown(doc: dict) -> str:
                          f"{', '.join(f'{x:.3f}' for x in ctl) or '-'} | {_f(spread, '.3f')} | "
                          f"{', '.join(f'{x:.3f}' for x in nxt) or '-'} | "
                          f"{_f(c.get('auto_vs_adjacent_control_median'), '.3f')} |")
+        if any(c.get("auto_tail_vs_best_paired") for c in doc["consumers"]):
+            lines += ["", f"The same within each round, from {s.get('tail_from', 30):.0f} s to the end of each run "
+                      "(once `auto` has had the time the goal gives it):", "",
+                      "| consumer | auto / best fixed from then on, per round | median | "
+                      "geometric mean ± standard error |", "|---|---|---|---|"]
+            for c in doc["consumers"]:
+                pt = c.get("auto_tail_vs_best_paired") or []
+                lines.append(f"| {c['consumer']} | {', '.join(f'{x:.3f}' for x in pt) or '-'} | "
+                             f"{_f(c.get('auto_tail_vs_best_paired_median'), '.3f')} | "
+                             f"{_f(c.get('auto_tail_vs_best_paired_mean'), '.3f')} ± "
+                             f"{_f(c.get('auto_tail_vs_best_paired_se'), '.3f')} |")
         lines += ["", "The control runs right after auto unless a round's rotation splits the two; where its count is "
                   "the best fixed count, auto over the control next to it is the comparison the machine's drift "
                   "moves least (the last two columns)."]
