@@ -447,3 +447,18 @@ def test_a_cheaper_step_against_the_windows_of_a_drift_is_confirmed_against_fres
         [(d.kind, d.reason) for d in ds[forgot[0]:]]
     assert any("against the windows of a drift" in d.reason for d in ds[forgot[0]:])
     assert all(d.workers == 2 for d in ds[-10:])
+
+
+def test_the_first_windows_stay_marked_until_their_record_is_measured_afresh():
+    """cnn-all tries a worker more first (the loop waits 5 % at two): refused on its own windows
+    (three workers clearly slower), it leaves two workers' record as it was, still starting with
+    the run's first windows, so the worker less tried next is confirmed against them as well."""
+    two = itertools.chain(iter([(681, 0.05), (680, 0.05), (674, 0.05)]), cycle((800, 0.05), (830, 0.05)))
+    rates = {TWO: two, ONE: cycle((716, 0.20), (722, 0.20)), THREE: cycle((560, 0.01), (570, 0.01))}
+    ds = replay(rates, 40, PolicyConfig(max_workers=3, max_prefetch=2))
+    exps = [d.experiment for d in ds if d.experiment]
+    assert [(e["to"], e["kept"]) for e in exps][:2] == [("3w/p2", False), ("1w/p2", False)], exps
+    assert "measured again after the step" not in exps[0]["why"], exps[0]       # refused on its windows
+    assert "measured again after the step; before it" in exps[1]["why"], exps[1]
+    assert any("against the run's first windows" in d.reason for d in ds)
+    assert all(d.workers == 2 for d in ds[-10:]), [(d.kind, d.reason) for d in ds]

@@ -86,8 +86,8 @@ from .neighbours import candidates, worker_step_refused
 from .policy_config import PolicyConfig
 from .second_look import AGAIN, DONE, WATCH, again_why, rejudge, settle_miss
 from .verdict import COSTLIER as _COSTLIER
-from .verdict import Verdict, cheaper_confirmation, confirmation, experiment, verdict
 from .trial import DRIFT_WINDOWS, FIRST_WINDOWS, Refusal, Trial, decision_kind
+from .verdict import Verdict, cheaper_confirmation, confirmation, experiment, verdict
 from .window import Record, drift_of, pooled_noise
 
 log = logging.getLogger("feedgpu.balancer")
@@ -197,8 +197,8 @@ class Policy:
         self._recent: deque[Measurement] = deque(maxlen=self.config.drift_windows)
         self._trial: Trial | None = None
         self._watch: Trial | None = None   # a kept cheaper step, judged again as its windows add up
-        self._drift_key: Key | None = None  # the setting whose record starts with windows unlike the rest
-        self._starts_with = ""              # what they are, in words
+        self._drift_key: Key | None = None  # the setting whose record starts with windows unlike the rest,
+        self._starts_with = ""              # while it does; what they are, in words
         self._revisit: Trial | None = None  # a watched cheaper step whose records were forgotten
         self._settled = False
         self._held = 0
@@ -207,6 +207,12 @@ class Policy:
         """Refuse ``step`` (from, to) because ``why``; ``margin``: by how much, as a relative
         rate (what :meth:`forget` compares with the size of a drift)."""
         self._refused[step] = Refusal(why, abs(margin))
+
+    def _fresh(self, key: Key) -> None:
+        """Start ``key``'s record afresh (it no longer starts with the windows ``_drift_key`` marks)."""
+        self._records[key] = Record()
+        if key == self._drift_key:
+            self._drift_key = None
 
     def _noise(self) -> float:
         c = self.config
@@ -313,7 +319,7 @@ class Policy:
             return None
         if look == AGAIN:
             self._trial = replace(t, phase="src", before=src, looked=True)
-            self._records[t.src] = Record()
+            self._fresh(t.src)
             return self._decision(m, t.src, "revert", "; ".join(notes + [
                 f"the {t.kind} from {self._setting(t.src)} to {self._setting(t.dst)} kept before "
                 f"{again_why(t.kind, rec.n, v)}: measuring {self._setting(t.src)} afresh once more"]))
@@ -403,7 +409,7 @@ class Policy:
         drifts, a run warms up), so a gain a drift could explain, or a close call, may be the
         time the step was measured at, not the step. ``src`` starts a fresh record."""
         self._trial = replace(t, phase="src", before=self._records[t.src])
-        self._records[t.src] = Record()
+        self._fresh(t.src)
         return self._decision(m, t.src, "revert", "; ".join(notes + [
             f"{why}: measuring {self._setting(t.src)} afresh before deciding"]))
 
@@ -468,7 +474,6 @@ class Policy:
             if kind in _COSTLIER and starts == FIRST_WINDOWS:
                 starts = ""   # a costlier step's gain is confirmed when a drift could explain it
             self._trial = Trial(key, dst, kind, label or decision_kind(kind), confirm=starts)
-            self._drift_key = None
             return self._decision(m, dst, label or decision_kind(kind),
                                   "; ".join(notes + [f"{state}; trying {self._setting(dst)}"]), tentative=True)
         self._settled, self._held = True, 0
