@@ -197,8 +197,8 @@ class Policy:
         self._recent: deque[Measurement] = deque(maxlen=self.config.drift_windows)
         self._trial: Trial | None = None
         self._watch: Trial | None = None   # a kept cheaper step, judged again as its windows add up
-        self._drift_key: Key | None = None  # the setting whose record starts with windows unlike the rest,
-        self._starts_with = ""              # while it does; what they are, in words
+        # (setting, what in words) while that setting's record starts with windows unlike the rest
+        self._marked: tuple[Key, str] | None = None
         self._revisit: Trial | None = None  # a watched cheaper step whose records were forgotten
         self._settled = False
         self._held = 0
@@ -209,10 +209,10 @@ class Policy:
         self._refused[step] = Refusal(why, abs(margin))
 
     def _fresh(self, key: Key) -> None:
-        """Start ``key``'s record afresh (it no longer starts with the windows ``_drift_key`` marks)."""
+        """Start ``key``'s record afresh (it no longer starts with the windows ``_marked`` names)."""
         self._records[key] = Record()
-        if key == self._drift_key:
-            self._drift_key = None
+        if self._marked is not None and self._marked[0] == key:
+            self._marked = None
 
     def _noise(self) -> float:
         c = self.config
@@ -251,7 +251,7 @@ class Policy:
         if self._key is None:   # the run's first record: the run warms up
             self._key = key
             if self.config.confirm_first:
-                self._drift_key, self._starts_with = key, FIRST_WINDOWS
+                self._marked = (key, FIRST_WINDOWS)
         elif key != self._key:
             notes.append(f"the loader runs {self._setting(key)}, not the {self._setting(self._key)} decided; "
                          "going on from there")
@@ -278,7 +278,7 @@ class Policy:
                 why, size = moved
                 earlier = list(self._recent)[:-1]   # the windows that showed the drift are the new record's first
                 kept = self.forget(keep_beyond=size)
-                self._drift_key, self._starts_with = key, DRIFT_WINDOWS
+                self._marked = (key, DRIFT_WINDOWS)
                 notes.append(f"at unchanged {self._setting(key)} {why} over {len(earlier) + 1} windows; "
                              "records forgotten"
                              + (f" but {kept} refused step(s), each refused by more than the {size:.0%} move"
@@ -470,7 +470,7 @@ class Policy:
                 return self._decision(m, key, "measure", "; ".join(notes + [
                     f"{state}; measuring it again before trying {self._setting(dst)} ({rec.n} of {c.base_windows} "
                     "windows)"]))
-            starts = self._starts_with if key == self._drift_key else ""
+            starts = self._marked[1] if self._marked is not None and self._marked[0] == key else ""
             if kind in _COSTLIER and starts == FIRST_WINDOWS:
                 starts = ""   # a costlier step's gain is confirmed when a drift could explain it
             self._trial = Trial(key, dst, kind, label or decision_kind(kind), confirm=starts)
