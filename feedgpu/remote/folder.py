@@ -78,9 +78,11 @@ def entries(directory: str) -> list[tuple[float, str, int]]:
 
 
 def make_room(directory: str, budget: int | None, url: str, size: int, pinned: set) -> int:
-    """Under the folder's lock: evict least recently used entries (not ``pinned`` keys, not
-    downloads in flight, not entries another process holds the lock of) until ``size`` more
-    bytes fit in ``budget``; returns the number evicted. Raises :class:`CacheFullError`."""
+    """Under the folder's lock: evict least recently used entries until ``size`` more bytes fit
+    in ``budget``, never ``pinned`` keys or downloads in flight, and entries another thread or
+    process holds the lock of (checking or serving them) only when the others are not enough
+    (that holder then fetches its file again); returns the number evicted. Raises
+    :class:`CacheFullError`."""
     if budget is None:
         return 0
     if size > budget:
@@ -88,12 +90,21 @@ def make_room(directory: str, budget: int | None, url: str, size: int, pinned: s
                              f"{budget} bytes ({directory}); raise cache_budget")
     found = sorted(entries(directory))
     total = sum(e[2] for e in found)
-    evicted = 0
+    evicted, held = 0, []
     for used, key, nbytes in found:
         if total + size <= budget:
             return evicted
-        if used == float("inf") or key in pinned or not evict(directory, key):
+        if used == float("inf") or key in pinned:
             continue
+        if not evict(directory, key):
+            held.append((key, nbytes))
+            continue
+        total -= nbytes
+        evicted += 1
+    for key, nbytes in held:   # least recently used first, as found
+        if total + size <= budget:
+            break
+        evict(directory, key, force=True)
         total -= nbytes
         evicted += 1
     if total + size > budget:
@@ -103,19 +114,43 @@ def make_room(directory: str, budget: int | None, url: str, size: int, pinned: s
     return evicted
 
 
-def evict(directory: str, key: str) -> bool:
-    """Remove an entry unless another process holds its lock (downloading it)."""
-    fd = os.open(os.path.join(directory, key + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+@contextmanager
+def try_locked(path: str):
+    """:func:`locked` without waiting: yields True holding the lock, False (holding nothing)
+    when another thread of this process or another process holds it. The same kind of lock as
+    :func:`locked` (an ``flock`` would not see a ``lockf``), and its descriptor is opened only
+    while no other thread here holds the lock: closing any descriptor of a file releases every
+    record lock this process holds on it."""
+    with _guard:
+        tl = _thread_locks.setdefault(path, threading.Lock())
+    if not tl.acquire(blocking=False):
+        yield False
+        return
+    fd = -1
     try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held = True
         except OSError:
-            return False
+            held = False
+        yield held
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        tl.release()
+
+
+def evict(directory: str, key: str, force: bool = False) -> bool:
+    """Remove an entry unless another thread or process holds its lock (checking or serving
+    it); returns whether it was removed. ``force``: remove it whoever holds the lock (without
+    opening the lock file, which would release this process's hold on it)."""
+    if force:
         remove(os.path.join(directory, key + ".json"))
         remove(os.path.join(directory, key + ".data"))
         return True
-    finally:
-        os.close(fd)
+    with try_locked(os.path.join(directory, key + ".lock")) as held:
+        return held and evict(directory, key, force=True)
 
 
 def remove(path: str) -> None:
