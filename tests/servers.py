@@ -112,10 +112,10 @@ class FileServer:
             h.wfile.flush()
             h.close_connection = True
             return
-        h.wfile.write(part)
-        with self._lock:
+        with self._lock:   # counted before it is sent: a client that has the bytes sees them counted
             self.bytes_sent += len(part)
             hook = self.after_get.pop(name, None)
+        h.wfile.write(part)
         if hook is not None:
             hook()
 

@@ -362,7 +362,9 @@ def test_a_dataset_larger_than_the_budget_is_read_with_evictions(data, served, t
     cache = cache_in(tmp_path, budget=max(sizes) * 2)
     src = TarShardSource(shard_urls(served), cache=cache)   # indexing holds one shard pinned at a time
     same_records(src, TarShardSource(data / "tar"))
-    assert cache.stats()["evictions"] >= 2 and cache.stats()["cached_bytes"] <= cache.budget_bytes
+    stats = cache.stats()   # named in a failure: which downloads, hits and evictions it saw
+    assert stats["evictions"] >= 2 and stats["cached_bytes"] <= cache.budget_bytes, (
+        stats, sizes, sorted(p.name for p in (tmp_path / "cache").iterdir()))
 
 
 def test_pixel_cache_works_on_top_of_remote_shards(served, tmp_path):
