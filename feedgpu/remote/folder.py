@@ -30,6 +30,12 @@ def _after_fork() -> None:
 os.register_at_fork(after_in_child=_after_fork)
 
 
+def _thread_lock(path: str) -> threading.Lock:
+    """The lock that orders this process's threads on ``path`` (a record lock is the process's)."""
+    with _guard:
+        return _thread_locks.setdefault(path, threading.Lock())
+
+
 @contextmanager
 def locked(path: str):
     """An exclusive lock on ``path`` (created), released on exit; other processes, and other
@@ -37,9 +43,7 @@ def locked(path: str):
     lock: a process forked while it is held (a worker started while a download runs in a
     thread) does not inherit it, as it would an ``flock``, whose inherited copy would hold it
     for as long as the child lives."""
-    with _guard:
-        tl = _thread_locks.setdefault(path, threading.Lock())
-    with tl:
+    with _thread_lock(path):
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX)
@@ -121,8 +125,7 @@ def try_locked(path: str):
     :func:`locked` (an ``flock`` would not see a ``lockf``), and its descriptor is opened only
     while no other thread here holds the lock: closing any descriptor of a file releases every
     record lock this process holds on it."""
-    with _guard:
-        tl = _thread_locks.setdefault(path, threading.Lock())
+    tl = _thread_lock(path)
     if not tl.acquire(blocking=False):
         yield False
         return
@@ -145,12 +148,18 @@ def evict(directory: str, key: str, force: bool = False) -> bool:
     """Remove an entry unless another thread or process holds its lock (checking or serving
     it); returns whether it was removed. ``force``: remove it whoever holds the lock (without
     opening the lock file, which would release this process's hold on it)."""
-    if force:
-        remove(os.path.join(directory, key + ".json"))
-        remove(os.path.join(directory, key + ".data"))
-        return True
-    with try_locked(os.path.join(directory, key + ".lock")) as held:
-        return held and evict(directory, key, force=True)
+    if not force:
+        with try_locked(os.path.join(directory, key + ".lock")) as held:
+            if held:
+                _remove_entry(directory, key)
+            return held
+    _remove_entry(directory, key)
+    return True
+
+
+def _remove_entry(directory: str, key: str) -> None:
+    remove(os.path.join(directory, key + ".json"))
+    remove(os.path.join(directory, key + ".data"))
 
 
 def remove(path: str) -> None:

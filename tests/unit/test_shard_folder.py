@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import threading
+from contextlib import contextmanager
 
 from conftest import REPO
 from feedgpu.remote.folder import entries, evict, locked, make_room
@@ -18,12 +19,13 @@ def entry(folder, key=KEY, size=100):
     (folder / f"{key}.json").write_text("{}")
 
 
-def test_an_entry_another_thread_holds_is_not_evicted(tmp_path):
-    entry(tmp_path)
+@contextmanager
+def held_by_a_thread(lock_path):
+    """Another thread holds ``lock_path`` (as a download or a check does) inside the block."""
     inside, leave = threading.Event(), threading.Event()
 
     def hold():
-        with locked(str(tmp_path / f"{KEY}.lock")):
+        with locked(str(lock_path)):
             inside.set()
             leave.wait(10)
 
@@ -31,11 +33,17 @@ def test_an_entry_another_thread_holds_is_not_evicted(tmp_path):
     t.start()
     try:
         assert inside.wait(10)
-        assert evict(str(tmp_path), KEY) is False
-        assert (tmp_path / f"{KEY}.data").exists() and (tmp_path / f"{KEY}.json").exists()
+        yield
     finally:
         leave.set()
         t.join(10)
+
+
+def test_an_entry_another_thread_holds_is_not_evicted(tmp_path):
+    entry(tmp_path)
+    with held_by_a_thread(tmp_path / f"{KEY}.lock"):
+        assert evict(str(tmp_path), KEY) is False
+        assert (tmp_path / f"{KEY}.data").exists() and (tmp_path / f"{KEY}.json").exists()
     assert evict(str(tmp_path), KEY) is True
     assert not (tmp_path / f"{KEY}.data").exists() and not (tmp_path / f"{KEY}.json").exists()
 
@@ -60,22 +68,9 @@ def test_eviction_passes_over_a_held_entry_to_the_next_least_recently_used(tmp_p
     entry(tmp_path, old)
     entry(tmp_path, new)
     os.utime(tmp_path / f"{old}.json", ns=(1, 1))   # the older entry is held: the newer one goes
-    inside, leave = threading.Event(), threading.Event()
-
-    def hold():
-        with locked(str(tmp_path / f"{old}.lock")):
-            inside.set()
-            leave.wait(10)
-
-    t = threading.Thread(target=hold)
-    t.start()
-    try:
-        assert inside.wait(10)
+    with held_by_a_thread(tmp_path / f"{old}.lock"):
         assert make_room(str(tmp_path), 250, "u", 100, pinned=set()) == 1
         assert [e[1] for e in entries(str(tmp_path))] == [old]
-    finally:
-        leave.set()
-        t.join(10)
 
 
 def test_a_held_entry_goes_last_when_the_others_are_not_enough(tmp_path):
@@ -84,19 +79,6 @@ def test_a_held_entry_goes_last_when_the_others_are_not_enough(tmp_path):
     old, new = "a" * 32, "b" * 32
     entry(tmp_path, old)
     entry(tmp_path, new)
-    inside, leave = threading.Event(), threading.Event()
-
-    def hold():
-        with locked(str(tmp_path / f"{new}.lock")):
-            inside.set()
-            leave.wait(10)
-
-    t = threading.Thread(target=hold)
-    t.start()
-    try:
-        assert inside.wait(10)
+    with held_by_a_thread(tmp_path / f"{new}.lock"):
         assert make_room(str(tmp_path), 200, "u", 100, pinned={old}) == 1   # only the held one can go
         assert [e[1] for e in entries(str(tmp_path))] == [old]
-    finally:
-        leave.set()
-        t.join(10)
