@@ -27,6 +27,18 @@ from feedgpu.integrations.accelerate import AcceleratedLoader, prepare, prepare_
 pytestmark = pytest.mark.timeout(300)
 
 
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """accelerate's states are process-wide singletons: reset after each test, as accelerate's
+    own ``AccelerateTestCase`` does, so no test (here or in another module of the session, on
+    another device) inherits this one's."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
 class IndexDataset(tud.Dataset):
     """Sample ``i``: ``(float32 [2] filled with i, i)``."""
 
