@@ -88,6 +88,7 @@ class AcceleratedLoader(DataLoaderStateMixin):
         # the loader's state as of the batches the training loop received, while one more is
         # read ahead; valid until the next iteration, set_epoch or load_state_dict
         self._snapshot: dict | None = None
+        self._iterations = 0   # the live iteration's number: only it leaves GradientState
         self._accelerator = None
 
     def __getattr__(self, name: str):
@@ -125,6 +126,8 @@ class AcceleratedLoader(DataLoaderStateMixin):
 
     def __iter__(self):
         self._snapshot = None
+        self._iterations += 1
+        mine = self._iterations
         self.begin()
         loader = self.loader
         try:
@@ -144,7 +147,9 @@ class AcceleratedLoader(DataLoaderStateMixin):
                 yield self._place(current)
                 current = following
         finally:
-            self.end()
+            # an iteration a newer one superseded, closed late, must not unregister the newer one
+            if self._iterations == mine:
+                self.end()
 
     def _place(self, batch):
         if self.device is None:
@@ -221,24 +226,23 @@ def prepare_data_loader(accelerator, loader, device_placement: bool | None = Non
 
 
 def prepare(accelerator, *objects, device_placement: list[bool] | None = None):
-    """``accelerator.prepare(*objects)`` with every :class:`feedgpu.DataLoader` among them
-    prepared by :func:`prepare_data_loader` instead (in place, so the order is kept); the
-    other objects go to ``accelerator.prepare`` in one call. Returns what ``prepare`` returns
-    (a tuple, or the object when one is given). ``device_placement``: one bool (or None) per
-    object, as ``accelerator.prepare`` takes it; raises ``ValueError`` when its length differs.
+    """``accelerator.prepare(*objects)`` with every :class:`feedgpu.DataLoader` among them first
+    given to :func:`prepare_data_loader` (so ``prepare`` hands it back as itself). Returns what
+    ``prepare`` returns (a tuple in the same order, or the object when one is given).
+    ``device_placement``: one bool (or None) per object, as ``accelerator.prepare`` takes it;
+    raises ``ValueError`` when its length differs, and ``RuntimeError`` if accelerate replaced
+    a prepared feedgpu loader (an accelerate that prepares objects it does not know).
     """
     if device_placement is not None and len(device_placement) != len(objects):
         raise ValueError(f"`device_placement` should be a list with {len(objects)} elements (the number of objects "
                          "passed).")
     places = list(device_placement) if device_placement is not None else [None] * len(objects)
-    ours = [isinstance(o, (DataLoader, AcceleratedLoader)) for o in objects]
-    rest = [o for o, mine in zip(objects, ours) if not mine]
-    done: tuple = ()
-    if rest:
-        rest_places = None if device_placement is None else [p for p, mine in zip(places, ours) if not mine]
-        done = accelerator.prepare(*rest, device_placement=rest_places)
-        done = done if len(rest) > 1 else (done,)
-    others = iter(done)
-    out = tuple(prepare_data_loader(accelerator, o, p) if mine else next(others)
-                for o, p, mine in zip(objects, places, ours))
-    return out if len(out) != 1 else out[0]
+    staged = [prepare_data_loader(accelerator, o, p) if isinstance(o, (DataLoader, AcceleratedLoader)) else o
+              for o, p in zip(objects, places)]
+    out = accelerator.prepare(*staged, device_placement=device_placement)
+    for given, got in zip(staged, out if len(staged) > 1 else (out,)):
+        if isinstance(given, AcceleratedLoader) and got is not given:
+            raise RuntimeError(f"accelerator.prepare() replaced feedgpu's AcceleratedLoader with {type(got).__name__}: "
+                               "this accelerate version prepares objects it does not know; use the loader "
+                               "prepare_data_loader() returns without giving it to accelerator.prepare()")
+    return out

@@ -152,6 +152,18 @@ def test_state_after_breaking_out_counts_only_the_batches_the_loop_got(tmp_path)
     assert [b for _, b, _ in head + rest] == [b for _, b, _ in whole]
 
 
+def test_an_iteration_superseded_and_closed_late_leaves_the_new_one_marking_the_end():
+    acc = accelerator()
+    loader = prepare_data_loader(acc, feedgpu_loader())
+    old = iter(loader)
+    next(old)
+    new = iter(loader)
+    ends = [(next(new), acc.gradient_state.end_of_dataloader)[1]]
+    old.close()   # the superseded iteration goes only now
+    ends += [acc.gradient_state.end_of_dataloader for _ in new]
+    assert ends == [False] * 8 + [True]
+
+
 def test_skip_first_batches_is_refused_naming_load_state():
     acc = accelerator()
     loader = prepare_data_loader(acc, feedgpu_loader())
