@@ -23,8 +23,9 @@ SCENARIO:
           rebuilds it).
   resume  the index dataset again: ``accelerator.load_state(STATE_DIR)``, then for torch epoch 0
           through ``accelerator.skip_first_batches(loader, 2)`` (accelerate's idiom for its own
-          loaders) and epoch 1 through the loader; for feedgpu both epochs through the loader
-          (``load_state`` restored its position).
+          loaders) and epoch 1 through the loader; for feedgpu (prepared in one call,
+          ``feedgpu.integrations.accelerate.prepare(accelerator, model, optimizer, loader)``) both
+          epochs through the loader (``load_state`` restored its position).
 """
 from __future__ import annotations
 
@@ -53,11 +54,16 @@ def train(acc: Accelerator, rec: dict, box: list, save: bool = False, resume: bo
     opt = torch.optim.SGD(model.parameters(), lr=0.001)
     # as in a user's script, nothing but ``prepare``'s result refers to the loader afterwards
     loader = box.pop()
-    if KIND == "feedgpu" and not plain:
-        from feedgpu.integrations.accelerate import prepare_data_loader
+    if KIND == "feedgpu" and resume:   # the one-call form
+        from feedgpu.integrations.accelerate import prepare
 
-        loader = prepare_data_loader(acc, loader)
-    model, opt, loader = acc.prepare(model, opt, loader)
+        model, opt, loader = prepare(acc, model, opt, loader)
+    else:
+        if KIND == "feedgpu" and not plain:
+            from feedgpu.integrations.accelerate import prepare_data_loader
+
+            loader = prepare_data_loader(acc, loader)
+        model, opt, loader = acc.prepare(model, opt, loader)
     gc.collect()
     rec["loader"] = fw.describe(loader)
     rec["length"] = len(loader)
