@@ -152,6 +152,15 @@ def test_state_after_breaking_out_counts_only_the_batches_the_loop_got(tmp_path)
     assert [b for _, b, _ in head + rest] == [b for _, b, _ in whole]
 
 
+def test_epochs_advance_without_set_epoch():
+    """accelerate's own loaders advance their epoch at each iteration; so does feedgpu's."""
+    acc = accelerator()
+    loader = prepare_data_loader(acc, feedgpu_loader())
+    epochs = [[int(i) for _, y in loader for i in y] for _ in range(3)]
+    assert all(sorted(e) == list(range(18)) for e in epochs)
+    assert len({tuple(e) for e in epochs}) == 3 and loader.state_dict()["epoch"] == 3
+
+
 def test_an_iteration_superseded_and_closed_late_leaves_the_new_one_marking_the_end():
     acc = accelerator()
     loader = prepare_data_loader(acc, feedgpu_loader())
