@@ -119,9 +119,9 @@ class AcceleratedLoader(DataLoaderStateMixin):
     def begin(self) -> None:
         super().begin()
         # accelerate's remainder says how many samples of the gathered last step are real,
-        # assuming its own layout (padding at the end of the gathered tensor); feedgpu pads
-        # each rank's shard, so no prefix of the gathered tensor is exactly the real samples:
-        # -1 tells gather_for_metrics to keep them all
+        # assuming its own layout (padding at the end of the gathered tensor); feedgpu's
+        # padding is spread over the ranks' last batches, where a prefix of the gathered tensor
+        # can drop real samples and keep repeats: -1 tells gather_for_metrics to keep them all
         self.remainder = -1
 
     def __iter__(self):
