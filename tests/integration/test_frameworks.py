@@ -19,6 +19,13 @@ batch the training step got; the tests here check the records:
 * with accelerate's ``gradient_accumulation_steps=2`` and an odd number of batches, the last
   batch of each epoch is a sync step.
 
+Under accelerate the feedgpu scripts give the loader to
+``feedgpu.integrations.accelerate.prepare_data_loader`` before ``accelerator.prepare(model,
+optimizer, loader)``, so feedgpu's loader (its worker pool, its sharding: 18 samples over 2
+ranks is 9 each, nothing repeated) does the work; the tests also check that its pool ran, that
+its sync flags are torch's, that the resumed run's flags are the uninterrupted run's, and what
+``prepare()`` does to a feedgpu loader given without that line (rebuilds it as torch's).
+
 Plain torch's DataLoader has no state, so Lightning restarts an interrupted epoch from its first
 batch (it warns); the resumed torch runs therefore use ``ResumableTorchLoader`` (torch's loader
 with the ``state_dict`` pair Lightning asks for), and one test records plain torch's restart.
@@ -55,8 +62,9 @@ LAUNCH_TIMEOUT = 240      # seconds for one 2-process launch (a hang is reported
 # (samples, samples delivered per epoch over both ranks, padding included)
 LIGHTNING_DATASET = (21, 22)
 LIGHTNING_PIPELINE = (N_IMAGES, N_IMAGES)
-ACCELERATE_DATASET = (18, 20)
+ACCELERATE_DATASET = {"torch": (18, 20), "feedgpu": (18, 18)}   # feedgpu pads only up to a multiple of ranks
 ACCELERATE_PIPELINE = (N_IMAGES, N_IMAGES)
+ACCELERATE_BATCHES = 5    # per rank and epoch, both loaders (the last one partial with feedgpu)
 RESUMED_AFTER = 2         # batches of epoch 0 before the checkpoint (both scripts)
 
 
@@ -280,7 +288,7 @@ def test_lightning_seed_everything_workers_with_2_workers(workdir, kind, seed):
 @cases("accelerate_shards", "kind,data", [(k, d) for k in KINDS for d in ("dataset", "pipeline")])
 def test_accelerate_prepare_ranks_disjoint_and_complete(workdir, kind, data):
     job = accelerate(workdir, kind, "train")
-    expected = ACCELERATE_DATASET if data == "dataset" else ACCELERATE_PIPELINE
+    expected = ACCELERATE_DATASET[kind] if data == "dataset" else ACCELERATE_PIPELINE
     assert_shards(run(job, data), *expected, f"accelerate {kind} {data} (prepare() returned {info(job, data, 'loader')[0]})")
 
 
@@ -301,4 +309,46 @@ def test_accelerate_mid_epoch_save_state_resumes_exactly_on_2_ranks(workdir, kin
     full = run(accelerate(workdir, kind, "train"), "dataset")
     resumed = run(accelerate(workdir, kind, "resume"), "resume")
     assert_resumed(full, resumed, f"accelerate {kind}")
-    assert_shards(full, *ACCELERATE_DATASET, f"accelerate {kind} (the uninterrupted run)")
+    assert_shards(full, *ACCELERATE_DATASET[kind], f"accelerate {kind} (the uninterrupted run)")
+    for r, (f, g) in enumerate(zip(full, resumed)):   # accumulation goes on where it stopped
+        assert [b[3] for b in g] == [b[3] for b in f][RESUMED_AFTER:], \
+            f"accelerate {kind}: rank {r}: sync_gradients after the resume {[b[3] for b in g]}, " \
+            f"uninterrupted {[b[3] for b in f][RESUMED_AFTER:]}"
+
+
+def test_accelerate_runs_feedgpus_loader_with_its_pool(workdir):
+    """``prepare(model, optimizer, loader)`` after ``prepare_data_loader``: what it hands back is
+    feedgpu's ``AcceleratedLoader`` around the feedgpu loader, whose 2 workers ran and whose
+    stats count every batch and sample the rank trained on (5 batches, 9 samples per epoch)."""
+    job = accelerate(workdir, "feedgpu", "train")
+    for name, per_epoch in (("dataset", 9), ("pipeline", N_IMAGES // 2)):
+        per_rank = run(job, name)
+        for r, (got, rk) in enumerate(zip(info(job, name, "loader"), per_rank)):
+            where = f"accelerate feedgpu {name}: rank {r}"
+            assert got["type"] == "feedgpu.integrations.accelerate.AcceleratedLoader", f"{where}: prepare() returned {got}"
+            assert got["inner"] == "feedgpu.loader.DataLoader", f"{where}: {got}"
+            assert info(job, name, "workers")[r] == 2, f"{where}: feedgpu's pool ran {info(job, name, 'workers')[r]} workers"
+            stats = info(job, name, "stats")[r]
+            assert stats == {"batches": EPOCHS * ACCELERATE_BATCHES, "samples": EPOCHS * per_epoch} \
+                   == {"batches": len(rk), "samples": sum(len(b[2]) for b in rk)}, f"{where}: stats {stats}"
+
+
+def test_accelerate_sync_flags_of_feedgpus_loader_are_torchs(workdir):
+    torch_runs = run(accelerate(workdir, "torch", "train"), "dataset")
+    feedgpu_runs = run(accelerate(workdir, "feedgpu", "train"), "dataset")
+    for r, (t, f) in enumerate(zip(torch_runs, feedgpu_runs)):
+        for epoch in range(EPOCHS):
+            tf = [b[3] for b in t if b[0] == epoch]
+            ff = [b[3] for b in f if b[0] == epoch]
+            assert len(ff) == ACCELERATE_BATCHES and ff == tf, f"rank {r}: epoch {epoch}: feedgpu {ff}, torch {tf}"
+
+
+def test_accelerate_prepare_rebuilds_a_feedgpu_loader_given_alone(workdir):
+    """The trade-off the docs state: without ``prepare_data_loader``, ``prepare()`` rebuilds
+    feedgpu's loader as accelerate's ``DataLoaderShard`` around torch's ``DataLoader`` (feedgpu
+    runs none of it: accelerate's sharding, its even_batches padding)."""
+    job = accelerate(workdir, "feedgpu", "train")
+    per_rank = run(job, "plain")
+    got = info(job, "plain", "loader")[0]
+    assert got["type"] == "accelerate.data_loader.DataLoaderShard" and got["inner"] == "torch.utils.data.dataloader.DataLoader", got
+    assert_shards(per_rank, *ACCELERATE_DATASET["torch"], "accelerate feedgpu plain")

@@ -124,8 +124,11 @@ def indices(batch) -> list[int]:
 
 def describe(obj) -> dict:
     """What a framework handed back for a loader: its real type (``type()``, which accelerate's
-    ``__class__`` property cannot hide), what ``__class__`` claims, and the wrapped loader."""
+    ``__class__`` property cannot hide), what ``__class__`` claims, and the wrapped loader
+    (accelerate's ``base_dataloader``, or the feedgpu loader of feedgpu's ``AcceleratedLoader``)."""
     inner = getattr(obj, "base_dataloader", None)
+    if inner is None and type(obj).__name__ == "AcceleratedLoader":
+        inner = obj.loader
     return {"type": f"{type(obj).__module__}.{type(obj).__qualname__}",
             "claims": f"{obj.__class__.__module__}.{obj.__class__.__qualname__}",
             "inner": None if inner is None else f"{type(inner).__module__}.{type(inner).__qualname__}",
