@@ -44,38 +44,40 @@ def plot(doc: dict, specs: list[str], out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, len(specs), figsize=(5.2 * len(specs), 4.6), sharex="col",
-                             gridspec_kw={"height_ratios": [3, 1.3]}, squeeze=False)
+    plt.rcParams.update({"font.size": 11, "axes.titlesize": 11.5, "axes.labelsize": 11})
+    fig, axes = plt.subplots(2, len(specs), figsize=(4.6 * len(specs), 5.4), sharex="col",
+                             gridspec_kw={"height_ratios": [3, 1.2]}, squeeze=False)
     for col, spec in enumerate(specs):
         consumer, run = pick(doc, spec)
         timeline = run["timeline"]
         t = [w["t"] for w in timeline]
         top, bottom = axes[0][col], axes[1][col]
-        top.plot(t, [w["rate"] for w in timeline], color="#1f4e9c", lw=1.4, label="auto")
+        top.plot(t, [w["rate"] for w in timeline], color="#1f4e9c", lw=1.6, label="auto, each 1 s window")
         medians = consumer["median_samples_per_s"]
         for count, colour in zip(("1", "2", "3"), ("#b0b0b0", "#6a9a3a", "#c0762a")):
             if count in medians:
                 top.axhline(medians[count], ls="--", lw=1, color=colour,
                             label=f"{count} worker{'s' if count != '1' else ''} (fixed)")
         top.set_title(TITLES.get(consumer["consumer"], consumer["consumer"]), fontsize=10)
-        top.set_ylabel("samples/s the loop trained")
+        if col == 0:
+            top.set_ylabel("samples/s trained")
         highest = max([w["rate"] for w in timeline] + [float(v) for v in medians.values()])
-        top.set_ylim(0, highest * 1.25)   # room above the lines for the legend
+        top.set_ylim(0, highest * 1.1)
         top.grid(alpha=0.3)
-        top.legend(loc="upper center", ncol=4, fontsize=7.5, framealpha=0.9, handlelength=1.6,
-                   columnspacing=1.0)
+        if col == 0:
+            fig.legend(*top.get_legend_handles_labels(), loc="upper center", ncol=4, frameon=False,
+                       fontsize=10, handlelength=1.8, columnspacing=1.2)
         bottom.step(t, [w["workers"] for w in timeline], where="post", color="#1f4e9c", lw=1.6)
-        bottom.set_ylabel("workers")
+        if col == 0:
+            bottom.set_ylabel("workers")
         bottom.set_yticks([1, 2, 3])
         bottom.set_ylim(0.5, 3.5)
-        bottom.set_xlabel("seconds")
+        ended = run["final_workers"]
+        bottom.set_xlabel(f"seconds (ended at {ended} worker{'s' if ended != 1 else ''})")
         bottom.grid(alpha=0.3)
-        bottom.annotate(f"ended at {run['final_workers']}", xy=(t[-1], run["final_workers"]),
-                        xytext=(-2, 9), textcoords="offset points", ha="right", va="bottom", fontsize=8,
-                        bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.9})
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=130)
     plt.close(fig)
     return out
 

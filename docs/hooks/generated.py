@@ -179,13 +179,33 @@ def cli_md(page=None) -> str:
 
 
 def results_md(page=None) -> str:
-    """The table of ``bench/results/README.md``, its file links pointed at the site's copies."""
+    """The index of ``bench/results/README.md`` for the site: benchmark (with what it measures),
+    headline, machine and date, and a link to the site's copy of the file."""
     text = (RESULTS / "README.md").read_text()
-    start = text.index("<!-- index -->")
-    end = text.index("<!-- /index -->")
+    table = text[text.index("<!-- index -->") + len("<!-- index -->"):text.index("<!-- /index -->")]
     base = "../" * page.file.src_uri.count("/") if page is not None else ""
-    return re.sub(r"\]\((?!https?:)([^)#]+\.(?:md|json))\)", lambda m: f"]({base}{SITE_RESULTS}/{m.group(1)})",
-                  text[start + len("<!-- index -->"):end])
+    out = ["| benchmark | headline | machine, date | file |", "| --- | --- | --- | --- |"]
+    rows = [line for line in table.strip().splitlines()[2:] if line.startswith("|")]
+    for row in rows:
+        cells = [c.strip() for c in row.strip().strip("|").split(" | ")]
+        if len(cells) != 6:
+            raise ValueError(f"bench/results/README.md: a row of the index has {len(cells)} cells, not 6: {row}")
+        bench, measures, machine, date, headline, link = cells
+        m = re.fullmatch(r"\[([^\]]+)\]\(([^)]+)\)", link)
+        if not m:
+            raise ValueError(f"bench/results/README.md: the file cell is not a link: {link}")
+        name = m.group(1).removesuffix(".md")
+        out.append(f"| **{bench}**: {measures} | {headline} | {machine}, {date} | "
+                   f"[{name}]({base}{SITE_RESULTS}/{m.group(2)}) |")
+    return "\n".join(out) + "\n"
+
+
+_ROLE = re.compile(r":(?:class|func|mod|meth|data|attr|exc|obj):<code>~?([^<]*)</code>")
+
+
+def on_page_content(html, page, config, files):
+    """Docstrings use reST roles (``:class:`~feedgpu.Pipeline```); shown as plain code."""
+    return _ROLE.sub(lambda m: f"<code>{m.group(1)}</code>", html)
 
 
 GENERATORS = {"stages": stages_md, "schema": schema_md, "cli": cli_md, "results": results_md}
