@@ -104,13 +104,13 @@ def _own_args_doc(cls) -> dict[str, str]:
     names: list[str] = []
     for line in m.group(1).splitlines():
         head = _arg_head(line)
-        if head:
+        if head:   # keys documented together: the text on the first, a pointer on the others
             names, text = head
-            for name in names:
-                found[name] = text
+            found[names[0]] = text
+            for name in names[1:]:
+                found[name] = f"see `{names[0]}`"
         elif names and line.strip():
-            for name in names:
-                found[name] += " " + line.strip()
+            found[names[0]] += " " + line.strip()
     return found
 
 
