@@ -14,7 +14,7 @@ waits and the cores the workers use (the prefetch depth changes none). The windo
 as the policy tests do: a window's rate is the curve's at the setting decided, times the
 machine's speed (a slow mean-reverting walk), times AR(1) noise (relative standard deviation
 ``--noise``, lag-one correlation ``--phi``: the windows of one setting in
-``bench/results/balancer_long_run.json`` spread 10-21 % with correlations 0-0.6). The first
+``bench/results/archive/balancer_long_run.json`` spread 10-21 % with correlations 0-0.6). The first
 ``--warmup`` windows train ``--dip`` slower (a run warms up); the window after a change is the
 mean of the two settings (batches in flight), and after a worker more, one more window trains at
 the old setting (the new worker starts cold).
@@ -39,14 +39,14 @@ from feedgpu.exec.balancer import Policy, PolicyConfig
 from feedgpu.exec.simulate import Curve
 
 #: workers -> (samples/s trained, share of step time waiting, cores the workers use). From
-#: bench/results/balancer_long_run.md and balancer_drift35.md (cnn-all, cnn-1t, busy-core) and a
+#: bench/results/archive/balancer_long_run.md and balancer_drift35.md (cnn-all, cnn-1t, busy-core) and a
 #: sleeping consumer that one worker keeps fed.
 CURVES = {
     "cnn-all": {1: (357, 0.29, 0.85), 2: (414, 0.035, 1.2), 3: (391, 0.02, 1.5), 4: (370, 0.02, 1.6)},
     "cnn-1t": {1: (715, 0.38, 0.95), 2: (870, 0.03, 1.5), 3: (850, 0.02, 1.7), 4: (820, 0.02, 1.8)},
     "busy-core": {1: (520, 0.30, 0.9), 2: (640, 0.03, 1.3), 3: (615, 0.02, 1.5), 4: (600, 0.02, 1.6)},
     "sleep-300": {1: (300, 0.01, 0.4), 2: (300, 0.005, 0.4), 3: (300, 0.005, 0.4), 4: (300, 0.005, 0.4)},
-    # cnn-all as bench/results/balancer_cores.md and balancer_paired_cores.md measured it: one
+    # cnn-all as bench/results/archive/balancer_cores.md and balancer_paired_cores.md measured it: one
     # worker a close call below two while the loop waits 14 % of its step time there
     "cnn-all-close": {1: (690, 0.14, 0.75), 2: (735, 0.035, 0.8), 3: (700, 0.02, 0.85), 4: (680, 0.02, 0.9)},
     # the guard: one worker trains faster while the loop waits longer (the model gets the core

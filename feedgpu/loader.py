@@ -116,7 +116,7 @@ class DataLoader(tud.DataLoader[T_co]):
     give one; assigning ``batch_size``, ``sampler``, ``batch_sampler``, ``drop_last``,
     ``dataset`` or ``persistent_workers`` after construction raises ``ValueError`` as in torch.
     ``state_dict()`` records the global position (any rank can load it, on any world size).
-    Where it differs from torch, and why: README, "Drop-in".
+    Where it differs from torch, and why: ``docs/guides/differences.md``.
 
     Raises :class:`ConfigError` (a ``ValueError``) for argument combinations it cannot honour:
     an ``IterableDataset`` or ``batch_size=None`` with a pipeline, ``collate_fn`` with a

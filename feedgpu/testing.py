@@ -210,8 +210,8 @@ def check_conservation(pipeline, *, epoch: int = 0, **loader_kwargs) -> dict:
 
     Raises:
         AssertionError: a label delivered more (or fewer) times than the source holds it, beyond
-        what the skips (and ``drop_last``'s short batch) explain. One rank; labels stand for
-        samples, so a check over a source whose labels repeat is a check of counts per label.
+            what the skips (and ``drop_last``'s short batch) explain. One rank; labels stand for
+            samples, so a check over a source whose labels repeat is a check of counts per label.
     """
     loader = _loader(pipeline, **loader_kwargs)
     got = Counter()
@@ -248,7 +248,7 @@ def check_cache_agrees(pipeline, cache_dir, *, epochs: int = 2, num_workers: int
 
     Raises:
         AssertionError: naming the epoch and the first batch that differs, or when an epoch
-        after the first decoded images (the cache was not read).
+            after the first decoded images (the cache was not read).
         ValueError: ``epochs`` below 2.
     """
     if epochs < 2:

@@ -27,7 +27,8 @@ fi
 # DALI (CUDA 13 build; its CPU operators run without a GPU) for the DALI engine and its tests, and
 # Ray (executor: ray; its tests start a 2-CPU local cluster). Ray does not depend on pillow.
 # remote: fsspec, aiohttp and s3fs for sources read from URLs (and the S3 tests, with moto from dev)
-pip_ -e ".[dev,dali,ray,remote]"
+# docs: mkdocs, mkdocs-material and mkdocstrings for the documentation site (none pulls pillow)
+pip_ -e ".[dev,dali,ray,remote,docs]"
 # matplotlib (plots of `feedgpu bench --plot`) requires `pillow`, which pip would install over
 # Pillow-SIMD: install its other dependencies by name, then matplotlib without dependencies.
 if ! "$PY" -c "import matplotlib" 2>/dev/null; then

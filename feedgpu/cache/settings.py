@@ -136,8 +136,11 @@ class CacheSettings:
 
 @settings_class("cache")
 class CacheSection(CacheSettings):
-    """The YAML ``cache:`` section: :class:`CacheSettings` and ``enabled`` (bool, default False:
-    no cache)."""
+    """The YAML ``cache:`` section: :class:`CacheSettings` and ``enabled``.
+
+    Args:
+        enabled (bool): cache the pipeline's deterministic prefix (default False: no cache).
+    """
 
     enabled: bool = False
 

@@ -176,7 +176,7 @@ class Curve:
             step's gain is its shorter wait, as in a real loop).
         noise: relative standard deviation of each window's rate.
         phi: lag-one correlation of the window noise (0: independent windows; real windows of
-            one setting correlate, ``bench/results/balancer_long_run.json``).
+            one setting correlate, ``bench/results/archive/balancer_long_run.json``).
         speed_walk: standard deviation per window of the machine's speed, a walk reverting to 1
             by 3 % a window (0: a constant speed; a shared VM's other tenants move it).
         wait_noise: relative standard deviation of each window's waiting share (0).

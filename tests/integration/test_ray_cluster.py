@@ -1,4 +1,4 @@
-"""The README's multi-node setup, on one node: a cluster started with ``ray start --head`` (its
+"""The multi-node setup of docs/guides/ray.md, on one node: a cluster started with ``ray start --head`` (its
 own processes, its own port), and a training process that joins it through
 ``executor.address`` and gets the same batches as the local pool."""
 from __future__ import annotations

@@ -342,7 +342,7 @@ def test_a_worker_less_is_not_tried_when_the_rest_could_not_deliver_within_the_t
     assert (first(1.0).kind, first(1.0).workers) == ("remove", 1)
     assert first(0.0).kind == "remove" and first(2.5).kind == "remove"
     # a pool busy on both cores reads a little above them (CPU time in clock ticks): still busy
-    # (sleep-3000 in bench/results/balancer_full.md, round 2, tried the worker less so)
+    # (sleep-3000 in bench/results/archive/balancer_full.md, round 2, tried the worker less so)
     d = first(2.04)
     assert d.kind == "hold" and "on 2.0 cores" in d.reason and "385" in d.reason, d.reason
     assert first(2.2).kind == "hold" and first(2.21).kind == "remove"
@@ -582,7 +582,7 @@ def test_a_costlier_step_is_kept_only_when_the_old_setting_measured_again_is_sti
     """A run warming up: 2 workers train 1,400/s in their first windows, then 1,560/s, and a
     worker more measures 1,560/s: +11 % against the first windows. Measured afresh after the step,
     2 workers train as fast, so the step is undone (kept before the A-B-A rule: the sleep-3000
-    consumer of bench/results/balancer_worker_bound.md kept a third worker on two cores so). A
+    consumer of bench/results/archive/balancer_worker_bound.md kept a third worker on two cores so). A
     real gain of 8 % holds against the fresh windows and is kept; a gain larger than a drift must
     move (15 %) is kept at once."""
     p, ds = confirm_run([1400, 1420], [1560, 1570], [1555, 1565])
@@ -607,7 +607,7 @@ def test_a_large_gain_on_noisy_windows_is_confirmed_against_fresh_ones():
     """Windows spreading as a real training loop's do (2 workers: 1,120 and 1,480/s): a worker
     more at +23 % on two windows is more than the 15 % drift threshold but under 3.5 standard errors of
     the ratio at this noise (a drift could move it so), so 2 workers are measured afresh first;
-    kept before the rule (cnn-1t in bench/results/balancer_pairs.md kept a third worker at +25.9 %
+    kept before the rule (cnn-1t in bench/results/archive/balancer_pairs.md kept a third worker at +25.9 %
     on 2 and 3 windows, over two cores). The same gain on quiet windows is kept at once (above)."""
     p, ds = confirm_run([1120, 1480], [1640, 1560], [1250, 1350])
     assert (ds[1].kind, ds[1].workers) == ("add", 3), ds[1].reason

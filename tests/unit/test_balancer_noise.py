@@ -1,7 +1,7 @@
 """The balancer's policy over long runs of noisy windows, on the throughput curves the recorded
 benchmark measured on a 2-core machine.
 
-``bench/results/balancer_revisit_cnn.md`` measured, for a conv net trained on the CPU with a
+``bench/results/archive/balancer_revisit_cnn.md`` measured, for a conv net trained on the CPU with a
 thread per core next to the workers (``cnn-all``), 357, 414 and 391 samples/s with 1, 2 and 3
 workers, the loop waiting 22, 6 and 2 % of its step time, and windows at one unchanged setting
 spreading 18 % (standard deviation over mean, the median over the auto runs' stretches at one
@@ -112,7 +112,7 @@ def test_a_record_without_its_last_windows_is_the_record_before_them():
 
 def test_the_demand_drifts_against_its_own_noise():
     """A model trained on the CPU: the loop's demand (samples over its busy time) spreads far more
-    from window to window than the rate it trains (bench/results/balancer_paired_cores.md,
+    from window to window than the rate it trains (bench/results/archive/balancer_paired_cores.md,
     cnn-all). Two windows whose demand is 20 % up, rate unchanged, are that noise, not a drift;
     judged against the rate's noise they were a drift, and the records were forgotten. A 60 %
     move of the demand is still one."""

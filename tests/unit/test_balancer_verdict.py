@@ -2,7 +2,7 @@
 look at a kept step as its windows add up (:mod:`feedgpu.exec.balancer.verdict`,
 rule 4 of :mod:`feedgpu.exec.balancer.policy`).
 
-The numbers are those of ``cnn-all`` in ``bench/results/balancer_aba.md``: a model trained on
+The numbers are those of ``cnn-all`` in ``bench/results/archive/balancer_aba.md``: a model trained on
 the CPU with both threads next to the workers, one worker training 585/s with the loop waiting
 29 % of its step time, two workers 620/s waiting 2 %, single 1 s windows spreading ~10 %.
 """
