@@ -38,6 +38,7 @@ from PIL import Image
 from .errors import ConfigError, SourceError
 from .remote.index import write_index
 from .sources.base import CLASS_NAMES_FILE, Source, encode_class_name
+from .sources.class_names import ClassNames
 from .sources.folder import FolderSource
 from .sources.tar import TarShardSource
 from .sources.tar_local import write_tables
@@ -108,13 +109,17 @@ def _header(data) -> tuple[str | None, int, int]:
         return None, -1, -1
 
 
-def write_class_names(out: Path, classes: list[str]) -> None:
+def write_class_names(out: Path, classes) -> None:
     """:data:`~feedgpu.sources.base.CLASS_NAMES_FILE` in ``out``: the class names in label order, one per line, which the tar and
     Parquet sources read back (:func:`feedgpu.sources.base.class_names`). A folder name that is not
     UTF-8 (Python decodes it with surrogate escapes) is written as its own bytes, as the tar member
     names are; ``%``, newline and carriage return as ``%25``, ``%0A``, ``%0D``
-    (:func:`~feedgpu.sources.base.encode_class_name`), so a name never spans two lines."""
-    if classes:
+    (:func:`~feedgpu.sources.base.encode_class_name`), so a name never spans two lines. Integer
+    labels without names (a :class:`~feedgpu.sources.class_names.ClassNames` not read from a names
+    file) write no file: the sources read them back as the same names."""
+    if isinstance(classes, ClassNames) and not classes.named:
+        return
+    if len(classes):
         (out / CLASS_NAMES_FILE).write_text("".join(f"{encode_class_name(c)}\n" for c in classes),
                                             encoding="utf-8", errors="surrogateescape", newline="")
 
@@ -216,7 +221,7 @@ def source_to_parquet(src: Source, out_dir, keys, rows_per_file: int = 1000, row
     if callable(keys):
         keys = [keys(i) for i in range(len(src))]
     with _Staging(out_dir) as stage:
-        write_class_names(stage.dir, list(getattr(src, "classes", [])))
+        write_class_names(stage.dir, getattr(src, "classes", []))
         files: list[Path] = []
         with _progress(len(src), "parquet", progress) as bar:
             for start in range(0, len(src), rows_per_file):

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import SourceError
+from .class_names import ClassNames
 
 
 @dataclass(frozen=True)
@@ -109,10 +110,12 @@ def encode_class_name(name: str) -> str:
     return name.replace("%", "%25").replace("\n", "%0A").replace("\r", "%0D")
 
 
-def class_names(first_file, labels: np.ndarray) -> list[str]:
-    """Class names for ``labels``: the :data:`CLASS_NAMES_FILE` beside ``first_file`` when it
-    names every label, else the labels as strings (``[]`` without labels). Bytes that are not
-    UTF-8 come back as surrogate escapes, as Python gives such folder names."""
+def class_names(first_file, labels: np.ndarray) -> ClassNames:
+    """Class names for ``labels`` (:class:`~feedgpu.sources.class_names.ClassNames`, made from the
+    labels that occur, never one name per integer up to the largest): the
+    :data:`CLASS_NAMES_FILE` beside ``first_file`` when it names every label, else the labels as
+    strings (size 0 without labels). Bytes that are not UTF-8 come back as surrogate escapes, as
+    Python gives such folder names."""
     path = os.path.join(os.path.dirname(os.path.abspath(first_file)), CLASS_NAMES_FILE)
     try:
         with open(path, encoding="utf-8", errors="surrogateescape", newline="") as f:
@@ -122,7 +125,7 @@ def class_names(first_file, labels: np.ndarray) -> list[str]:
     return class_names_from_text(text, labels)
 
 
-def class_names_from_text(text: str, labels: np.ndarray) -> list[str]:
+def class_names_from_text(text: str, labels: np.ndarray) -> ClassNames:
     """Class names for ``labels`` from the text of a :data:`CLASS_NAMES_FILE` (``""``: none), as
     :func:`class_names` reads it."""
     n = int(labels.max()) + 1 if len(labels) and labels.max() >= 0 else 0
@@ -130,7 +133,7 @@ def class_names_from_text(text: str, labels: np.ndarray) -> list[str]:
     # stand for "%", a newline and a carriage return (encode_class_name)
     names = [_NAME_ESCAPES.sub(lambda m: _NAME_CHARS[m.group()], line.removesuffix("\r"))
              for line in (text[:-1] if text.endswith("\n") else text).split("\n")] if text else []
-    return names if n and len(names) >= n else [str(c) for c in range(n)]
+    return ClassNames(labels, names if n and len(names) >= n else None)
 
 
 def index_dtype(largest: int) -> np.dtype:
@@ -215,7 +218,8 @@ class Source:
 
     Attributes:
         labels: int64 array, one label per sample (-1 if unknown).
-        classes: class names, index = label.
+        classes: class names, index = label (a list, or for integer labels a
+            :class:`~feedgpu.sources.class_names.ClassNames` made from the labels that occur).
         rejected: ``[(key, reason)]`` of records left out while indexing (for example empty
             files), each named; :attr:`index_skips` groups them by reason.
         rejected_details: ``{key: detail}`` for the rejected records that have a longer message.
@@ -228,7 +232,7 @@ class Source:
 
     format: str = "base"
     labels: np.ndarray
-    classes: list[str]
+    classes: Sequence[str]
 
     def __init__(self) -> None:
         self.rejected: list[tuple[str, str]] = []
@@ -325,4 +329,5 @@ class Source:
                           + "); source.rejected lists them all, `feedgpu scan` reports them", stacklevel=3)
 
     def describe(self) -> str:
-        return f"{self.format} source, {len(self)} samples, {len(self.classes)} classes"
+        n = self.classes.size if isinstance(self.classes, ClassNames) else len(self.classes)
+        return f"{self.format} source, {len(self)} samples, {n} classes"
