@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 import numpy as np
 
-from ..cache.settings import CacheSettings, default_cache_root
+from ..cache.settings import FINGERPRINTS, CacheSettings, default_cache_root
 
 
 def _root(cache_dir: str | None) -> Path:
@@ -53,8 +53,11 @@ def cache() -> None:
 @click.option("--cache-dir", type=click.Path(file_okay=False), help="Cache root (default: the pipeline's or the user cache).")
 @click.option("--compression", help="none or zstd:N (default: the pipeline's, else none).")
 @click.option("--workers", type=int, default=None, help="Worker processes (default: the pipeline's).")
+@click.option("--fingerprint", type=click.Choice(FINGERPRINTS),
+              help="What ties the entry to the data: metadata (stat of each file, default) or content "
+                   "(a hash of each file's bytes); the loader must use the same (cache.fingerprint).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a pipeline key.")
-def build_cmd(pipeline_file, data, cache_dir, compression, workers, sets) -> None:
+def build_cmd(pipeline_file, data, cache_dir, compression, workers, fingerprint, sets) -> None:
     """Fill the cache of a pipeline's deterministic prefix for every sample, in parallel."""
     from tqdm import tqdm
 
@@ -72,7 +75,8 @@ def build_cmd(pipeline_file, data, cache_dir, compression, workers, sets) -> Non
     p = Pipeline.from_yaml(pipeline_file, **overrides)
     base = p.cache or CacheSettings()
     settings = dataclasses.replace(base, dir=Path(cache_dir) if cache_dir else base.dir,
-                                   compression=compression or base.compression)  # validates
+                                   compression=compression or base.compression,
+                                   fingerprint=fingerprint or base.fingerprint)  # validates
     plan = p.plan("cpu")
     entry = open_entry(settings, p.source, p.stages, plan)
     if entry is None:

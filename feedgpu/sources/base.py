@@ -17,6 +17,7 @@ import numpy as np
 
 from ..errors import SourceError
 from .class_names import ClassNames
+from .extensions import list_folder
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,9 @@ class Record:
 
 
 def expand_paths(spec, suffix: str) -> list[str]:
-    """A directory (its ``*<suffix>`` files), a glob pattern, a brace pattern (:func:`braces`:
+    """A directory (the files :func:`~feedgpu.sources.extensions.list_folder` gives for the
+    ``suffix``, ``".tar"`` or ``".parquet"``: endings in any case, Parquet sub-folders, the rest
+    named in one warning, compressed tar shards refused), a glob pattern, a brace pattern (:func:`braces`:
     each path it names, in its order), one path, or a list of those; sorted within each item. A
     file named twice (overlapping items, a link to a file already named) is kept once, where it
     first comes, with one warning naming the repeats: its records would otherwise be delivered
@@ -88,8 +91,8 @@ def _expand(spec, suffix: str) -> list[str]:
     expanded = braces(spec)
     if expanded != [spec]:
         return [p for s in expanded for p in _expand(s, suffix)]
-    if os.path.isdir(spec):
-        return sorted(glob.glob(os.path.join(spec, f"*{suffix}")))
+    if os.path.isdir(spec):   # endings in any case; the rest named in one warning
+        return list_folder(spec, "tar" if suffix == ".tar" else "parquet")
     if any(c in spec for c in "*?["):
         return sorted(glob.glob(spec))
     return [spec]
@@ -134,6 +137,19 @@ def class_names_from_text(text: str, labels: np.ndarray) -> ClassNames:
     names = [_NAME_ESCAPES.sub(lambda m: _NAME_CHARS[m.group()], line.removesuffix("\r"))
              for line in (text[:-1] if text.endswith("\n") else text).split("\n")] if text else []
     return ClassNames(labels, names if n and len(names) >= n else None)
+
+
+def file_hash(path) -> str:
+    """xxh3-128 (hex) of a file's bytes, read in 8 MiB chunks."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    buf = bytearray(8 << 20)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
 
 
 def index_dtype(largest: int) -> np.dtype:
@@ -296,15 +312,31 @@ class Source:
         shard whose records were all left out while indexing)."""
         return np.bincount(self.shard_of(), minlength=len(self.shard_names())).astype(np.int64)
 
-    def identity(self) -> str:
-        """A stable hex digest of what the source holds (for state and cache fingerprints)."""
+    def identity(self, content: bool = False) -> str:
+        """A stable hex digest of what the source holds (for state and cache fingerprints).
+
+        ``content=False`` (metadata): what the file system gives without reading the data: for
+        local files their paths, sizes, mtimes (ns), devices, inodes and ``st_ctime_ns`` (the
+        kernel sets it on every write, so a rewrite that keeps the size and sets the mtime back,
+        in place or by renaming a new file over the old, changes it); for URLs the URL, size and
+        ETag. ``content=True``: the paths and the xxh3-128 of every local file's bytes (each file
+        read whole; for URLs their ETags, as above): the same digest on any machine holding the
+        same bytes, whatever the files' metadata."""
         h = hashlib.blake2b(digest_size=16)
         h.update(self.format.encode())
-        self._digest(h)
+        if content:
+            h.update(b"\0content")
+            self._content_digest(h)
+        else:
+            self._digest(h)
         return h.hexdigest()
 
     def _digest(self, h) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def _content_digest(self, h) -> None:
+        """What ``identity(content=True)`` hashes; sources without files of their own: :meth:`_digest`."""
+        self._digest(h)
 
     def order_identity(self) -> str:
         """A digest of which records the source holds, in which order, with which labels: what a

@@ -49,10 +49,10 @@ import numpy as np
 from ..errors import SourceError
 from . import file_stats
 from . import folder_index as _index
-from .base import Record, Source, StringTable
+from .base import Record, Source, StringTable, file_hash
+from .extensions import IMAGE_EXTENSIONS
+from .folder_index import saved_index_file
 
-#: File endings indexed by default (torchvision's IMG_EXTENSIONS without the rare ones).
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".ppm", ".pgm", ".tif", ".tiff", ".gif")
 
 
 class FolderSource(Source):
@@ -106,7 +106,7 @@ class FolderSource(Source):
         self._stat_files = stat_files
         self._hidden: list[str] = []       # hidden folders holding images, for one warning
         self._index_file: Path | None = None
-        self._sizes = self._mtimes = None  # None: not read yet (see the sizes property)
+        self._sizes = self._mtimes = self._stamps = None  # None: not read yet (see the sizes property)
         self._stats_fresh = False
         root_s = str(self.root)
         key = ""
@@ -138,15 +138,23 @@ class FolderSource(Source):
             self._refresh_stats()
         return self._mtimes
 
+    @property
+    def stamps(self) -> np.ndarray:
+        """Each file's :func:`~feedgpu.sources.file_stats.change_stamp` (device, inode,
+        ``st_ctime_ns``; int64), read with :attr:`sizes`."""
+        if not self._stats_fresh:
+            self._refresh_stats()
+        return self._stamps
+
     def _refresh_stats(self) -> None:
         """``stat`` every file; when they differ from what the saved index holds, remove the
         saved file, so the next run indexes afresh."""
-        sizes, mtimes, _ = file_stats.stat_paths(self._prefix(), self.paths.blob, self.paths.offsets)
+        sizes, mtimes, _, stamps = file_stats.stat_paths(self._prefix(), self.paths.blob, self.paths.offsets)
         if self._sizes is not None and not (np.array_equal(sizes, self._sizes)
                                             and np.array_equal(mtimes, self._mtimes)):
             if self._index_file is not None and self.from_saved_index:
                 _index.discard(self._index_file)
-        self._sizes, self._mtimes = sizes, mtimes
+        self._sizes, self._mtimes, self._stamps = sizes, mtimes, stamps
         self._stats_fresh = True
 
     # -- a saved index --------------------------------------------------------------------------
@@ -265,7 +273,7 @@ class FolderSource(Source):
         """``stat`` every listed file (in forked processes when there are many,
         :mod:`.file_stats`): sizes and mtimes, and each file found empty, gone or not a regular
         file is left out, with the reason a ``stat`` in the walk gives (:meth:`_classify`)."""
-        sizes, mtimes, kinds = file_stats.stat_paths(self._prefix(), self.paths.blob, self.paths.offsets)
+        sizes, mtimes, kinds, stamps = file_stats.stat_paths(self._prefix(), self.paths.blob, self.paths.offsets)
         bad = (kinds != 0) | (sizes == 0)
         if bad.any():
             for i in np.flatnonzero(bad).tolist():
@@ -281,9 +289,9 @@ class FolderSource(Source):
             self.paths.blob = self.paths.blob[np.repeat(keep, lens)]
             self.paths.offsets = np.zeros(int(keep.sum()) + 1, np.int64)
             np.cumsum(lens[keep], out=self.paths.offsets[1:])
-            self.labels, sizes, mtimes = self.labels[keep], sizes[keep], mtimes[keep]
+            self.labels, sizes, mtimes, stamps = self.labels[keep], sizes[keep], mtimes[keep], stamps[keep]
             self._n = len(self.labels)
-        self._sizes, self._mtimes = sizes, mtimes
+        self._sizes, self._mtimes, self._stamps = sizes, mtimes, stamps
         self._stats_fresh = True
 
     def _prefix(self) -> bytes:
@@ -440,21 +448,19 @@ class FolderSource(Source):
         return h.hexdigest()
 
     def _digest(self, h) -> None:
+        """Paths, labels, and each file's size, mtime and change stamp (device, inode,
+        ``st_ctime_ns``), ``stat``-ed afresh on a source opened from a saved index."""
         self.paths.digest(h)
         h.update(self.sizes.tobytes())
         h.update(self.mtimes.tobytes())
+        h.update(self.stamps.tobytes())
         h.update(self.labels.tobytes())
 
-
-def saved_index_file(root, index_dir=None, extensions: tuple[str, ...] = IMAGE_EXTENSIONS,
-                     allow_empty: bool = False, flat: bool = False, stat_files: bool | str = "auto") -> Path:
-    """Where :class:`FolderSource` opened with these arguments keeps its saved index:
-    ``<index_dir>/<key>.idx`` (``index_dir`` None or True: the ``folder-index`` folder of
-    feedgpu's cache dir; the key: :func:`~feedgpu.sources.folder_index.index_key`)."""
-    settings = {"extensions": [e.lower() for e in extensions], "allow_empty": bool(allow_empty), "flat": bool(flat),
-                "stat_files": "auto" if stat_files == "auto" else bool(stat_files)}
-    base = Path(index_dir) if index_dir not in (None, True) else _index.default_index_dir()
-    return base / f"{_index.index_key(str(root), settings)}.idx"
+    def _content_digest(self, h) -> None:
+        """Paths, labels and the xxh3-128 of every file's bytes (each file read whole)."""
+        self.paths.digest(h)
+        h.update(self.labels.tobytes())
+        h.update("\0".join(file_hash(self.key(i)) for i in range(len(self))).encode())
 
 
 _name = operator.attrgetter("name")
