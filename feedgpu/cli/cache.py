@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 
@@ -243,9 +244,13 @@ def convert(src, out, fmt, per_file, storage_options) -> None:
 
     from ..errors import ConfigError
 
+    from ..sources.extensions import PARQUET_EXTENSIONS, TAR_EXTENSIONS
+
     src_path = Path(src)
-    is_shards = src_path.suffix == ".tar" or (src_path.is_dir() and any(src_path.glob("*.tar")))
-    if src_path.suffix == ".parquet" or (not is_shards and src_path.is_dir() and any(src_path.glob("*.parquet"))):
+    names = [n.lower() for n in os.listdir(src_path)] if src_path.is_dir() else []
+    is_shards = src_path.name.lower().endswith(TAR_EXTENSIONS) or any(n.endswith(TAR_EXTENSIONS) for n in names)
+    if src_path.name.lower().endswith(PARQUET_EXTENSIONS) or \
+            (not is_shards and any(n.endswith(PARQUET_EXTENSIONS) for n in names)):
         raise ConfigError(f"convert: {src} holds Parquet files; convert reads an ImageFolder directory or "
                           "tar shards (a Parquet source is read by the loader as it is)")
     if is_shards and fmt == "parquet":
