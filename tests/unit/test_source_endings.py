@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import os
 import tarfile
 import warnings
 from pathlib import Path
@@ -138,3 +139,23 @@ def test_the_folder_source_reads_every_image_ending_in_any_case(tmp_path):
     src = FolderSource(tmp_path, index_dir=False)
     assert len(src) == len(exts) and src.rejected == []
     assert np.array_equal(src.labels, np.zeros(len(exts), np.int64))
+
+
+def test_the_folder_source_names_the_files_it_leaves_out_once(tmp_path):
+    for cls in ("a", "b"):
+        (tmp_path / cls).mkdir()
+        (tmp_path / cls / "x.JPG").write_bytes(photo(0 if cls == "a" else 1))
+    (tmp_path / "a" / "y.heic").write_bytes(b"ftypheic")
+    (tmp_path / "b" / "notes.txt").write_text("x")
+    (tmp_path / "b" / ".DS_Store").write_bytes(b"")        # hidden: no word
+    for d in (tmp_path / "a", tmp_path / "b", tmp_path):
+        os.utime(d, (1_500_000_000, 1_500_000_000))         # old folders: the index is saved
+    for saved in (False, True):                              # walked, then from the saved index
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            src = FolderSource(tmp_path, index_dir=tmp_path.parent / f"{tmp_path.name}-idx")
+        assert src.from_saved_index == saved
+        left = [m for m in messages(w) if "left out" in m]
+        assert len(src) == 2 and len(left) == 1, messages(w)
+        assert "left out 2 file(s)" in left[0] and "a/y.heic" in left[0] and "b/notes.txt" in left[0]
+        assert ".DS_Store" not in left[0]
