@@ -159,3 +159,13 @@ def test_the_folder_source_names_the_files_it_leaves_out_once(tmp_path):
         assert len(src) == 2 and len(left) == 1, messages(w)
         assert "left out 2 file(s)" in left[0] and "a/y.heic" in left[0] and "b/notes.txt" in left[0]
         assert ".DS_Store" not in left[0]
+
+
+def test_scan_guesses_the_format_of_any_case(tmp_path):
+    from feedgpu.scan import guess_format
+
+    (tmp_path / "t").mkdir()
+    write_tar(tmp_path / "t" / "A.TAR", pairs(0))
+    _parquet(tmp_path / "p" / "x.PARQ", 0)
+    assert guess_format(tmp_path / "t") == "tar" and guess_format(tmp_path / "t" / "A.TAR") == "tar"
+    assert guess_format(tmp_path / "p") == "parquet" and guess_format(tmp_path / "p" / "x.PARQ") == "parquet"
