@@ -320,8 +320,9 @@ class Source:
         kernel sets it on every write, so a rewrite that keeps the size and sets the mtime back,
         in place or by renaming a new file over the old, changes it); for URLs the URL, size and
         ETag. ``content=True``: the paths and the xxh3-128 of every local file's bytes (each file
-        read whole; for URLs their ETags, as above): the same digest on any machine holding the
-        same bytes, whatever the files' metadata."""
+        read whole; for URLs their ETags, as above): the same digest wherever the same bytes are at
+        the same paths (a folder source's paths are relative to its root), whatever the files'
+        metadata."""
         h = hashlib.blake2b(digest_size=16)
         h.update(self.format.encode())
         if content:

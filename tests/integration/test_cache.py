@@ -1063,12 +1063,13 @@ def _yaml_with(tmp_path, data_dir, cache: dict) -> Path:
 
 @pytest.mark.parametrize("cache, where, msg", [
     ({"enabled": True, "compresion": "zstd"}, "cache.compresion: unknown key 'compresion'",
-     "allowed keys: compression, dir, enabled, max_size"),
+     "allowed keys: compression, dir, enabled, fingerprint, max_size"),
     ({"enabled": True, "compression": "lz4"}, "cache.compression", "allowed: none, zstd, zstd:1 ... zstd:22"),
     ({"enabled": True, "compression": "zstd:0"}, "cache.compression", "got 'zstd:0'"),
     ({"enabled": True, "max_size": "big"}, "cache.max_size", "big"),
     ({"enabled": True, "max_size": 0}, "cache.max_size", "greater than 0"),
     ({"enabled": "maybe"}, "cache.enabled", "maybe"),
+    ({"enabled": True, "fingerprint": "mtime"}, "cache.fingerprint", "allowed: metadata, content"),
 ])
 def test_yaml_cache_section_is_validated(tmp_path, folder_ds, cache, where, msg):
     f = _yaml_with(tmp_path, folder_ds, cache)

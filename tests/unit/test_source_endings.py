@@ -169,3 +169,12 @@ def test_scan_guesses_the_format_of_any_case(tmp_path):
     _parquet(tmp_path / "p" / "x.PARQ", 0)
     assert guess_format(tmp_path / "t") == "tar" and guess_format(tmp_path / "t" / "A.TAR") == "tar"
     assert guess_format(tmp_path / "p") == "parquet" and guess_format(tmp_path / "p" / "x.PARQ") == "parquet"
+
+
+def test_a_table_source_reads_the_same_parquet_files(tmp_path):
+    from feedgpu.tabular.source import TableSource
+
+    for rel, i in (("p0.parquet", 0), ("P1.PARQUET", 2), ("sub/part-3.parq", 4)):
+        _parquet(tmp_path / rel, i)
+    t = TableSource(tmp_path, columns=["label"])
+    assert [str(Path(f).relative_to(tmp_path)) for f in t.paths] == ["P1.PARQUET", "p0.parquet", "sub/part-3.parq"]
