@@ -5,7 +5,8 @@ Endings are matched case-insensitively everywhere (``.JPG``, ``.Tar``, ``.PARQUE
 
 * Images (:data:`IMAGE_EXTENSIONS`): the files a folder source indexes, the image members of a
   tar shard (``<key>.<ext>``), the files ``feedgpu convert`` writes into tar shards.
-* Tar shards (:data:`TAR_EXTENSIONS`): plain tar. Compressed shards
+* Tar shards (:data:`TAR_EXTENSIONS`): plain tar, in the folder itself (shards in its
+  sub-folders are named in the warning, not read). Compressed shards
   (:data:`COMPRESSED_TAR_EXTENSIONS`) cannot be read by random access: a folder holding them is
   refused, naming them.
 * Parquet files (:data:`PARQUET_EXTENSIONS`), in the folder and its sub-folders, as pyarrow's
@@ -44,25 +45,40 @@ def _quiet(name: str) -> bool:
     return name[:1] in ("_", ".") or name.lower().endswith(COMPANION_SUFFIXES)
 
 
+def _names(paths: list[str], listed: int = 10) -> str:
+    paths = sorted(paths)
+    return ", ".join(paths[:listed]) + (" ..." if len(paths) > listed else "")
+
+
 def list_folder(folder: str, kind: str) -> list[str]:
     """The files of ``folder`` a ``kind`` source (``"tar"`` or ``"parquet"``) reads, sorted by
     their path relative to the folder: ``*.tar`` in the folder (not hidden); ``*.parquet``,
     ``*.parq``, ``*.pq`` in it and its sub-folders (names starting with ``"."`` or ``"_"`` left
     out, files and folders, as pyarrow's datasets do). Endings in any case.
 
-    Warns once, naming them, about the other files left out. Raises :class:`SourceError` naming
+    Warns once, naming them, about the other files left out (and a tar folder's shards in
+    sub-folders, which are not read: a ``train/`` beside a ``val/`` is another split). Raises :class:`SourceError` naming
     the compressed tar shards a tar folder holds (random access needs plain tar)."""
     exts = TAR_EXTENSIONS if kind == "tar" else PARQUET_EXTENSIONS
-    found, compressed, other = [], [], []
-    for top, dirs, files in os.walk(folder, followlinks=True):
-        if kind == "tar":
+    found, compressed, other, nested = [], [], [], []
+    seen: set = set()   # folders walked, by (device, inode): a link back up is not followed again
+    for top, dirs, files in os.walk(folder, followlinks=kind == "parquet"):
+        try:
+            st = os.stat(top)
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) in seen:
             dirs[:] = []
-        else:
-            dirs[:] = sorted(d for d in dirs if not _quiet(d))
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        dirs[:] = sorted(d for d in dirs if not _quiet(d))
         for name in files:
             path = os.path.join(top, name)
             low = name.lower()
-            if low.endswith(exts) and not name.startswith("." if kind == "tar" else (".", "_")):
+            if top != folder and kind == "tar":   # shards in sub-folders: named, not read
+                if low.endswith(exts + COMPRESSED_TAR_EXTENSIONS) and not _quiet(name):
+                    nested.append(path)
+            elif low.endswith(exts) and not name.startswith("." if kind == "tar" else (".", "_")):
                 found.append(path)
             elif kind == "tar" and low.endswith(COMPRESSED_TAR_EXTENSIONS):
                 compressed.append(path)
@@ -74,10 +90,13 @@ def list_folder(folder: str, kind: str) -> list[str]:
                           f"by random access: {', '.join(compressed[:10])}" + (" ..." if len(compressed) > 10 else "")
                           + "; decompress them to .tar (gunzip, xz -d, zstd -d) or convert them with "
                           "`feedgpu convert`")
+    parts = []
     if other:
-        other.sort()
         what = "tar shards (.tar)" if kind == "tar" else f"Parquet files ({', '.join(PARQUET_EXTENSIONS)})"
-        warnings.warn(f"feedgpu: {kind} source {folder}: left out {len(other)} entr{'y' if len(other) == 1 else 'ies'} "
-                      f"that {'is' if len(other) == 1 else 'are'} not {what}: {', '.join(other[:10])}"
-                      + (" ..." if len(other) > 10 else ""), stacklevel=4)
+        parts.append(f"{len(other)} file(s) that are not {what}: {_names(other)}")
+    if nested:
+        parts.append(f"{len(nested)} shard(s) in sub-folders (give the sub-folder, a glob or a list to read "
+                     f"them): {_names(nested)}")
+    if parts:
+        warnings.warn(f"feedgpu: {kind} source {folder}: left out " + "; ".join(parts), stacklevel=4)
     return sorted(found, key=lambda p: os.path.relpath(p, folder).split(os.sep))

@@ -68,7 +68,7 @@ def test_a_tar_folder_reads_shards_of_any_case_and_names_what_it_leaves_out(tmp_
     (tmp_path / "_classes.txt").write_text("")          # feedgpu's own files: no word
     (tmp_path / "a.tar.feedgpu-index").write_bytes(b"")
     (tmp_path / "notes.txt").write_text("hello")
-    (tmp_path / "sub").mkdir()
+    write_tar((tmp_path / "sub").mkdir() or tmp_path / "sub" / "s.tar", pairs(5))
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         src = TarShardSource(tmp_path, index_dir=False)
@@ -76,6 +76,8 @@ def test_a_tar_folder_reads_shards_of_any_case_and_names_what_it_leaves_out(tmp_
     assert sorted(src.labels.tolist()) == [0, 1, 2, 3, 4] and src.rejected == []
     left = [m for m in messages(w) if "left out" in m]
     assert len(left) == 1 and str(tmp_path / "notes.txt") in left[0] and "not tar shards" in left[0]
+    assert f"1 shard(s) in sub-folders (give the sub-folder, a glob or a list to read them): {tmp_path / 'sub' / 's.tar'}" \
+        in left[0]
     assert "_classes.txt" not in left[0] and "feedgpu-index" not in left[0]
 
 
@@ -178,3 +180,10 @@ def test_a_table_source_reads_the_same_parquet_files(tmp_path):
         _parquet(tmp_path / rel, i)
     t = TableSource(tmp_path, columns=["label"])
     assert [str(Path(f).relative_to(tmp_path)) for f in t.paths] == ["P1.PARQUET", "p0.parquet", "sub/part-3.parq"]
+
+
+def test_a_parquet_folder_with_a_link_loop_is_listed_once(tmp_path):
+    _parquet(tmp_path / "sub" / "a.parquet", 0)
+    os.symlink(tmp_path, tmp_path / "sub" / "up")
+    src = ParquetSource(tmp_path)
+    assert [str(Path(f).relative_to(tmp_path)) for f in src.files] == ["sub/a.parquet"]
