@@ -31,6 +31,7 @@ import os
 import re
 import shutil
 import tarfile
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -128,25 +129,40 @@ def write_class_names(out: Path, classes) -> None:
                                             encoding="utf-8", errors="surrogateescape", newline="")
 
 
+#: Prefix of the local folder a convert to a URL builds in (in the system's temporary folder),
+#: followed by the convert's process id and ``-``.
+URL_BUILD_PREFIX = "feedgpu-convert-"
+
+
 def remove_stale_partials(out) -> list[Path]:
     """Remove the temporary folders (``.<out name>.partial-<pid>`` beside ``out``) that converts
     into ``out`` killed before they finished left, those whose process is gone from this machine
     (a live one's is another convert at work); one warning names them. Returns them."""
     out = Path(out)
-    prefix = f".{out.name}.partial-"
+    return _remove_dead(out.parent, re.compile(re.escape(f".{out.name}.partial-") + r"(\d+)"), f"into {out}")
+
+
+def remove_stale_url_builds() -> list[Path]:
+    """The same for the folders converts to a URL build in (``<tmp>/feedgpu-convert-<pid>-*``)."""
+    return _remove_dead(Path(tempfile.gettempdir()), re.compile(re.escape(URL_BUILD_PREFIX) + r"(\d+)-.*"),
+                        "to a URL")
+
+
+def _remove_dead(folder: Path, pattern: re.Pattern, what: str) -> list[Path]:
     try:
-        names = os.listdir(out.parent)
+        names = sorted(os.listdir(folder))
     except OSError:
         return []
     gone = []
-    for name in sorted(names):
-        pid = name[len(prefix):] if name.startswith(prefix) else ""
-        if pid.isdigit() and int(pid) != os.getpid() and not alive(int(pid)) and (out.parent / name).is_dir():
-            shutil.rmtree(out.parent / name, ignore_errors=True)
-            gone.append(out.parent / name)
+    for name in names:
+        m = pattern.fullmatch(name)
+        pid = int(m.group(1)) if m else 0
+        if pid and pid != os.getpid() and not alive(pid) and (folder / name).is_dir():
+            shutil.rmtree(folder / name, ignore_errors=True)
+            gone.append(folder / name)
     if gone:
-        warnings.warn(f"feedgpu convert: removed the partial output of {len(gone)} earlier convert(s) into {out} "
-                      f"that did not finish (their processes are gone): {', '.join(map(str, gone))}", stacklevel=3)
+        warnings.warn(f"feedgpu convert: removed the partial output of {len(gone)} earlier convert(s) {what} "
+                      f"that did not finish (their processes are gone): {', '.join(map(str, gone))}", stacklevel=4)
     return gone
 
 

@@ -289,7 +289,10 @@ def _convert_to_url(src, url, fmt, per_file, storage_options) -> None:
     options = yaml.safe_load(storage_options) if storage_options else None
     if options is not None and not isinstance(options, dict):
         raise ConfigError(f"--storage-options: expected a mapping, got {storage_options!r}")
-    tmp = tempfile.mkdtemp(prefix="feedgpu-convert-")
+    from ..convert import URL_BUILD_PREFIX, remove_stale_url_builds
+
+    remove_stale_url_builds()   # what converts killed before they finished left
+    tmp = tempfile.mkdtemp(prefix=f"{URL_BUILD_PREFIX}{os.getpid()}-")
     try:
         local = Path(tmp) / "out"
         code = 0

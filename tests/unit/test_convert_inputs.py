@@ -111,3 +111,20 @@ def test_a_killed_converts_partial_output_is_removed_by_the_next(tmp_path):
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_a_killed_convert_to_a_urls_build_folder_is_removed_by_the_next(tmp_path, monkeypatch):
+    import tempfile
+
+    from feedgpu.convert import URL_BUILD_PREFIX, remove_stale_url_builds
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    left = tmp_path / f"{URL_BUILD_PREFIX}{dead.pid}-abc"
+    (left / "out").mkdir(parents=True)
+    mine = tmp_path / f"{URL_BUILD_PREFIX}{os.getpid()}-xyz"
+    mine.mkdir()
+    with pytest.warns(UserWarning, match="to a URL"):
+        assert remove_stale_url_builds() == [left]
+    assert not left.exists() and mine.is_dir()
