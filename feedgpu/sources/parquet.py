@@ -77,7 +77,9 @@ class ParquetSource(Source):
     """Samples from Parquet files.
 
     Args:
-        files: a directory (its ``*.parquet``), a glob, a path or a list of these.
+        files: a directory (its ``*.parquet``, ``*.parq``, ``*.pq`` in any case, in it and its
+            sub-folders, as pyarrow's datasets find them; other files named in one warning:
+            :mod:`feedgpu.sources.extensions`), a glob, a path or a list of these.
         image_column: binary / large_binary column with encoded image bytes (default ``"image"``).
         label_column: integer column (default ``"label"``); ``None`` for unlabeled data (-1).
         cache_bytes: bytes of decoded row groups kept per process; default (None): sized by the

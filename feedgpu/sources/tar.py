@@ -71,7 +71,9 @@ class TarShardSource(Source):
     docstring).
 
     Args:
-        shards: a directory holding ``*.tar``, a glob, a path, or a list of these; or URLs
+        shards: a directory holding ``*.tar`` (any case; its other files, and shards in its
+            sub-folders, named in one warning; compressed shards in it raise :class:`SourceError`
+            naming them: :mod:`feedgpu.sources.extensions`), a glob, a path, or a list of these; or URLs
             (``s3://``, ``gs://``, ``http(s)://``, ``file://``: a glob or folder where the store
             lists, a list of URLs, or the index file ``feedgpu convert`` writes, ``_index.json``).
         cache_dir, cache_budget, storage_options, cache: for URLs, the node-local shard cache
