@@ -5,8 +5,11 @@ Every converter holds the conservation rule: each record of the source is in the
 its label, or in the returned :class:`Converted` report's ``left_out`` (what the source left out
 while indexing, with the reason). Output is written to a temporary folder beside ``out_dir``,
 read back (sample count, labels and, for tar, sizes checked against the source), and renamed to
-``out_dir`` only then: a failed conversion leaves nothing behind. ``out_dir`` must not exist or
-be empty. Beside the files: ``_classes.txt`` (class names) and ``_index.json`` (the files with
+``out_dir`` only then: a failed conversion leaves nothing behind. The temporary folder is
+``.<out_dir name>.partial-<pid>``; one a killed convert left (its process gone) is removed by the
+next convert into the same ``out_dir`` (:func:`remove_stale_partials`). ``out_dir`` must not exist or
+be empty. Every image ending the folder source reads
+(:data:`~feedgpu.sources.extensions.IMAGE_EXTENSIONS`) is an image member the tar source reads. Beside the files: ``_classes.txt`` (class names) and ``_index.json`` (the files with
 their sizes and SHA-256, and for tar the member table: :mod:`feedgpu.remote.index`), which
 names the dataset by one path or URL where the store cannot list (HTTP). Beside each tar shard:
 its member table (``<shard>.feedgpu-index``, :mod:`feedgpu.sources.tar_table`), so a tar source
@@ -28,6 +31,7 @@ import os
 import re
 import shutil
 import tarfile
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -36,8 +40,10 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from .errors import ConfigError, SourceError
+from .remote.folder import alive
 from .remote.index import write_index
 from .sources.base import CLASS_NAMES_FILE, Source, encode_class_name
+from .sources.class_names import ClassNames
 from .sources.folder import FolderSource
 from .sources.tar import TarShardSource
 from .sources.tar_local import write_tables
@@ -108,15 +114,56 @@ def _header(data) -> tuple[str | None, int, int]:
         return None, -1, -1
 
 
-def write_class_names(out: Path, classes: list[str]) -> None:
+def write_class_names(out: Path, classes) -> None:
     """:data:`~feedgpu.sources.base.CLASS_NAMES_FILE` in ``out``: the class names in label order, one per line, which the tar and
     Parquet sources read back (:func:`feedgpu.sources.base.class_names`). A folder name that is not
     UTF-8 (Python decodes it with surrogate escapes) is written as its own bytes, as the tar member
     names are; ``%``, newline and carriage return as ``%25``, ``%0A``, ``%0D``
-    (:func:`~feedgpu.sources.base.encode_class_name`), so a name never spans two lines."""
-    if classes:
+    (:func:`~feedgpu.sources.base.encode_class_name`), so a name never spans two lines. Integer
+    labels without names (a :class:`~feedgpu.sources.class_names.ClassNames` not read from a names
+    file) write no file: the sources read them back as the same names."""
+    if isinstance(classes, ClassNames) and not classes.named:
+        return
+    if len(classes):
         (out / CLASS_NAMES_FILE).write_text("".join(f"{encode_class_name(c)}\n" for c in classes),
                                             encoding="utf-8", errors="surrogateescape", newline="")
+
+
+#: Prefix of the local folder a convert to a URL builds in (in the system's temporary folder),
+#: followed by the convert's process id and ``-``.
+URL_BUILD_PREFIX = "feedgpu-convert-"
+
+
+def remove_stale_partials(out) -> list[Path]:
+    """Remove the temporary folders (``.<out name>.partial-<pid>`` beside ``out``) that converts
+    into ``out`` killed before they finished left, those whose process is gone from this machine
+    (a live one's is another convert at work); one warning names them. Returns them."""
+    out = Path(out)
+    return _remove_dead(out.parent, re.compile(re.escape(f".{out.name}.partial-") + r"(\d+)"), f"into {out}")
+
+
+def remove_stale_url_builds() -> list[Path]:
+    """The same for the folders converts to a URL build in (``<tmp>/feedgpu-convert-<pid>-*``)."""
+    return _remove_dead(Path(tempfile.gettempdir()), re.compile(re.escape(URL_BUILD_PREFIX) + r"(\d+)-.*"),
+                        "to a URL")
+
+
+def _remove_dead(folder: Path, pattern: re.Pattern, what: str) -> list[Path]:
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return []
+    gone = []
+    for name in names:
+        m = pattern.fullmatch(name)
+        pid = int(m.group(1)) if m else 0
+        if pid and pid != os.getpid() and not alive(pid) and (folder / name).is_dir():
+            shutil.rmtree(folder / name, ignore_errors=True)
+            gone.append(folder / name)
+    if gone:
+        warnings.warn(f"feedgpu convert: removed the partial output of {len(gone)} earlier convert(s) {what} "
+                      f"that did not finish (their processes are gone): {', '.join(map(str, gone))}", stacklevel=4)
+    return gone
 
 
 class _Staging:
@@ -128,6 +175,7 @@ class _Staging:
             raise ConfigError(f"convert: {self.out} exists and is not an empty folder; give a new one")
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.dir = self.out.parent / f".{self.out.name}.partial-{os.getpid()}"
+        remove_stale_partials(self.out)
         if self.dir.exists():
             shutil.rmtree(self.dir)
         self.dir.mkdir()
@@ -152,11 +200,23 @@ def _open_quiet(cls, path):
         return cls(path)
 
 
-def _verify(got: Source, src: Source, what: str) -> None:
-    """The output read back holds the source's samples, in order, with their labels."""
+def _verify(got: Source, src: Source, what: str, written: list[str] | None = None) -> None:
+    """The output read back holds the source's samples, in order, with their labels; else
+    :class:`SourceError` naming the source's files that did not come back (``written``: the name
+    each sample was written under, compared with the output's ``members``) and what the output
+    left out while it was read back."""
     if len(got) != len(src):
-        raise SourceError(f"convert: {what} read back as {len(got)} samples, the source has {len(src)}; "
-                          "nothing was written")
+        lost = []
+        if written is not None and hasattr(got, "members"):
+            back = {got.members[i] for i in range(len(got))}
+            lost = [f"{src.key(i)} (written as {name})" for i, name in enumerate(written) if name not in back]
+        msg = f"convert: {what} read back as {len(got)} samples, the source has {len(src)}"
+        if lost:
+            msg += f"; not read back ({len(lost)}): " + ", ".join(lost[:10]) + (" ..." if len(lost) > 10 else "")
+        if got.rejected:
+            msg += (f"; left out reading them back ({len(got.rejected)}): "
+                    + ", ".join(f"{k}: {r}" for k, r in got.rejected[:10]) + (" ..." if len(got.rejected) > 10 else ""))
+        raise SourceError(msg + "; nothing was written")
     if not (got.labels == src.labels).all():
         i = int((got.labels != src.labels).argmax())
         raise SourceError(f"convert: {what} read back with label {int(got.labels[i])} for {src.key(i)}, "
@@ -177,6 +237,7 @@ def folder_to_tar(folder, out_dir, samples_per_shard: int = 1000, progress: bool
     with _Staging(out_dir) as stage:
         write_class_names(stage.dir, src.classes)
         shards: list[Path] = []
+        written: list[str] = []   # each sample's image member
         tf = None
         try:
             with _progress(len(src), "tar shards", progress) as bar:
@@ -187,8 +248,8 @@ def folder_to_tar(folder, out_dir, samples_per_shard: int = 1000, progress: bool
                         shards.append(stage.dir / f"shard-{len(shards):06d}.tar")
                         tf = tarfile.open(shards[-1], "w", format=tarfile.PAX_FORMAT)
                     rec = src.read(i)
-                    ext = os.path.splitext(rels[i])[1].lstrip(".").lower() or "jpg"
-                    for name, data in ((f"{keys[i]}.{ext}", rec.payload), (f"{keys[i]}.cls", str(rec.label).encode())):
+                    written.append(f"{keys[i]}.{os.path.splitext(rels[i])[1].lstrip('.').lower() or 'jpg'}")
+                    for name, data in ((written[i], rec.payload), (f"{keys[i]}.cls", str(rec.label).encode())):
                         info = tarfile.TarInfo(name)
                         info.size = len(data)
                         tf.addfile(info, io.BytesIO(data))
@@ -197,7 +258,7 @@ def folder_to_tar(folder, out_dir, samples_per_shard: int = 1000, progress: bool
             if tf is not None:
                 tf.close()
         got = _open_quiet(TarShardSource, [str(s) for s in shards])
-        _verify(got, src, "the tar shards")
+        _verify(got, src, "the tar shards", written)
         if not (got.sizes == src.sizes).all():
             raise SourceError("convert: the tar shards read back with other sizes than the source's files; "
                               "nothing was written")
@@ -216,7 +277,7 @@ def source_to_parquet(src: Source, out_dir, keys, rows_per_file: int = 1000, row
     if callable(keys):
         keys = [keys(i) for i in range(len(src))]
     with _Staging(out_dir) as stage:
-        write_class_names(stage.dir, list(getattr(src, "classes", [])))
+        write_class_names(stage.dir, getattr(src, "classes", []))
         files: list[Path] = []
         with _progress(len(src), "parquet", progress) as bar:
             for start in range(0, len(src), rows_per_file):

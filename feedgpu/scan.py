@@ -111,22 +111,22 @@ def guess_format(path: str | os.PathLike) -> str:
                 return fmt
         raise ConfigError(f"{path}: give --format tar or parquet for this URL (or its _index.json)")
     p = Path(path)
-    if p.is_file():
-        if p.suffix == ".tar":
+    from .sources.extensions import IMAGE_EXTENSIONS, PARQUET_EXTENSIONS, TAR_EXTENSIONS
+
+    if p.is_file():   # endings in any case
+        if p.name.lower().endswith(TAR_EXTENSIONS):
             return "tar"
-        if p.suffix == ".parquet":
+        if p.name.lower().endswith(PARQUET_EXTENSIONS):
             return "parquet"
         raise ConfigError(f"{path}: give a directory, a .tar shard or a .parquet file (or --format)")
     if not p.is_dir():
         raise ConfigError(f"{path}: no such file or directory")
-    from .sources.folder import IMAGE_EXTENSIONS
-
     visible = [e for e in p.iterdir() if not e.name.startswith(".")]
     if any(e.is_dir() for e in visible) or any(e.name.lower().endswith(IMAGE_EXTENSIONS) for e in visible):
         return "folder"
-    if any(p.glob("*.tar")):
+    if any(e.name.lower().endswith(TAR_EXTENSIONS) for e in visible):
         return "tar"
-    if any(p.glob("*.parquet")):
+    if any(e.name.lower().endswith(PARQUET_EXTENSIONS) for e in visible):
         return "parquet"
     return "folder"
 
@@ -135,7 +135,8 @@ def _open_folder(data):
     """A folder with class sub-folders and no image files of its own as ImageFolder, else (a
     flat folder, or images beside sub-folders) every image under it, unlabeled: image files in
     the root of an ImageFolder are not samples, but a scan reads every file."""
-    from .sources.folder import IMAGE_EXTENSIONS, FolderSource, _is_dir, _list
+    from .sources.extensions import IMAGE_EXTENSIONS
+    from .sources.folder import FolderSource, _is_dir, _list
 
     entries = [e for e in _list(str(data)) if not e.name.startswith(".")]
     loose = any(not _is_dir(e) and e.name.lower().endswith(IMAGE_EXTENSIONS) for e in entries)

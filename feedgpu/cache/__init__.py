@@ -46,7 +46,7 @@ def open_entry(settings: CacheSettings, source, stages, plan) -> "CacheEntry | N
         return None
     prefix = list(plan.sample_stages[:k])
     try:
-        fp = fingerprint(source.identity(), prefix)
+        fp = fingerprint(source.identity(content=settings.fingerprint == "content"), prefix)
     except NotFingerprintable as e:
         warnings.warn(f"feedgpu cache disabled: {e}", stacklevel=3)
         return None

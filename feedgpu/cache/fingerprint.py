@@ -1,7 +1,10 @@
 """What a cache entry's contents depend on, as one hex digest.
 
-fingerprint = blake2b(cache format + feedgpu version + source identity (paths, sizes, mtimes)
-+ each cached stage's name, version and parameters, in order). The decode settings (EXIF
+fingerprint = blake2b(cache format + feedgpu version + source identity + each cached stage's
+name, version and parameters, in order). The source identity
+(:meth:`feedgpu.sources.base.Source.identity`) is, in the cache's ``fingerprint="metadata"``
+mode, each local file's path, size, mtime, device, inode and ``st_ctime_ns``; in
+``fingerprint="content"`` mode the paths and the xxh3-128 of each file's bytes. The decode settings (EXIF
 orientation, pixel limit, background) are the decode stage's parameters, so they are in it.
 """
 from __future__ import annotations

@@ -12,6 +12,9 @@ from ..errors import ConfigError
 from ..settings_base import settings_class
 
 CODECS = ("none", "zstd")
+#: The cache's fingerprint modes (``CacheSettings.fingerprint``): what a source's files are
+#: checked by, their ``stat`` or their bytes.
+FINGERPRINTS = ("metadata", "content")
 #: the compressions :func:`parse_compression` accepts, for messages
 ALLOWED_COMPRESSION = "none, zstd, zstd:1 ... zstd:22"
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -77,6 +80,14 @@ class CacheSettings:
             evicted first; ``None`` (default): no limit.
         part_bytes (int): target size of one part file in bytes (> 0, or a size string; default
             64 MiB).
+        fingerprint (str): what ties an entry to the source's files (:data:`FINGERPRINTS`).
+            ``"metadata"`` (default): each local file's path, size, mtime, device, inode and
+            ``st_ctime_ns``, from one ``stat`` per file, nothing read; a rewrite that keeps the
+            size and sets the mtime back is caught by its new ctime (or inode), as is a ``chmod``
+            or a copy (which then rebuilds the entry). ``"content"``: the paths and the xxh3-128
+            of each file's bytes, read whole when the loader opens the entry: for files whose
+            metadata cannot be trusted (copied between machines, restored from backups), an
+            entry is used wherever the bytes are the same. URLs: URL, size and ETag in both.
 
     Raises :class:`ConfigError` naming the key (``cache.compression: ...``) for a bad value or
     an unknown key. :attr:`codec` is the parsed compression.
@@ -86,6 +97,14 @@ class CacheSettings:
     compression: str = "none"
     max_size: Union[Annotated[int, Field(gt=0)], None] = None
     part_bytes: Annotated[int, Field(gt=0)] = 64 << 20
+    fingerprint: str = "metadata"
+
+    @field_validator("fingerprint", mode="plain")
+    @classmethod
+    def _fingerprint(cls, v):
+        if v not in FINGERPRINTS:
+            raise ValueError(f"got {v!r}; allowed: {', '.join(FINGERPRINTS)}")
+        return v
 
     @field_validator("dir", mode="before")
     @classmethod
@@ -148,4 +167,4 @@ class CacheSection(CacheSettings):
         """The cache's settings, or None when it is not enabled."""
         if not self.enabled:
             return None
-        return CacheSettings(self.dir, self.compression, self.max_size, self.part_bytes)
+        return CacheSettings(self.dir, self.compression, self.max_size, self.part_bytes, self.fingerprint)

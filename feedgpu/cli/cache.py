@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 
 import click
 import numpy as np
 
-from ..cache.settings import CacheSettings, default_cache_root
+from ..cache.settings import FINGERPRINTS, CacheSettings, default_cache_root
 
 
 def _root(cache_dir: str | None) -> Path:
@@ -53,8 +54,11 @@ def cache() -> None:
 @click.option("--cache-dir", type=click.Path(file_okay=False), help="Cache root (default: the pipeline's or the user cache).")
 @click.option("--compression", help="none or zstd:N (default: the pipeline's, else none).")
 @click.option("--workers", type=int, default=None, help="Worker processes (default: the pipeline's).")
+@click.option("--fingerprint", type=click.Choice(FINGERPRINTS),
+              help="What ties the entry to the data: metadata (stat of each file, default) or content "
+                   "(a hash of each file's bytes); the loader must use the same (cache.fingerprint).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a pipeline key.")
-def build_cmd(pipeline_file, data, cache_dir, compression, workers, sets) -> None:
+def build_cmd(pipeline_file, data, cache_dir, compression, workers, fingerprint, sets) -> None:
     """Fill the cache of a pipeline's deterministic prefix for every sample, in parallel."""
     from tqdm import tqdm
 
@@ -72,7 +76,8 @@ def build_cmd(pipeline_file, data, cache_dir, compression, workers, sets) -> Non
     p = Pipeline.from_yaml(pipeline_file, **overrides)
     base = p.cache or CacheSettings()
     settings = dataclasses.replace(base, dir=Path(cache_dir) if cache_dir else base.dir,
-                                   compression=compression or base.compression)  # validates
+                                   compression=compression or base.compression,
+                                   fingerprint=fingerprint or base.fingerprint)  # validates
     plan = p.plan("cpu")
     entry = open_entry(settings, p.source, p.stages, plan)
     if entry is None:
@@ -239,9 +244,13 @@ def convert(src, out, fmt, per_file, storage_options) -> None:
 
     from ..errors import ConfigError
 
+    from ..sources.extensions import PARQUET_EXTENSIONS, TAR_EXTENSIONS
+
     src_path = Path(src)
-    is_shards = src_path.suffix == ".tar" or (src_path.is_dir() and any(src_path.glob("*.tar")))
-    if src_path.suffix == ".parquet" or (not is_shards and src_path.is_dir() and any(src_path.glob("*.parquet"))):
+    names = [n.lower() for n in os.listdir(src_path)] if src_path.is_dir() else []
+    is_shards = src_path.name.lower().endswith(TAR_EXTENSIONS) or any(n.endswith(TAR_EXTENSIONS) for n in names)
+    if src_path.name.lower().endswith(PARQUET_EXTENSIONS) or \
+            (not is_shards and any(n.endswith(PARQUET_EXTENSIONS) for n in names)):
         raise ConfigError(f"convert: {src} holds Parquet files; convert reads an ImageFolder directory or "
                           "tar shards (a Parquet source is read by the loader as it is)")
     if is_shards and fmt == "parquet":
@@ -280,7 +289,10 @@ def _convert_to_url(src, url, fmt, per_file, storage_options) -> None:
     options = yaml.safe_load(storage_options) if storage_options else None
     if options is not None and not isinstance(options, dict):
         raise ConfigError(f"--storage-options: expected a mapping, got {storage_options!r}")
-    tmp = tempfile.mkdtemp(prefix="feedgpu-convert-")
+    from ..convert import URL_BUILD_PREFIX, remove_stale_url_builds
+
+    remove_stale_url_builds()   # what converts killed before they finished left
+    tmp = tempfile.mkdtemp(prefix=f"{URL_BUILD_PREFIX}{os.getpid()}-")
     try:
         local = Path(tmp) / "out"
         code = 0

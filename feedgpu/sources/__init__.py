@@ -1,10 +1,11 @@
 """Data sources: random access by index to raw records."""
 from .base import Record, Source
+from .class_names import ClassNames
 from .dataset import DatasetSource
 from .folder import FolderSource
 from .tar import TarShardSource
 
-__all__ = ["DatasetSource", "FolderSource", "ParquetSource", "Record", "Source", "TarShardSource", "open_source"]
+__all__ = ["ClassNames", "DatasetSource", "FolderSource", "ParquetSource", "Record", "Source", "TarShardSource", "open_source"]
 
 
 #: Options of the tar and Parquet sources for URLs (the shard cache and the store's options).

@@ -16,6 +16,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import SourceError
+from .class_names import ClassNames
+from .extensions import list_folder
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,9 @@ class Record:
 
 
 def expand_paths(spec, suffix: str) -> list[str]:
-    """A directory (its ``*<suffix>`` files), a glob pattern, a brace pattern (:func:`braces`:
+    """A directory (the files :func:`~feedgpu.sources.extensions.list_folder` gives for the
+    ``suffix``, ``".tar"`` or ``".parquet"``: endings in any case, Parquet sub-folders, the rest
+    named in one warning, compressed tar shards refused), a glob pattern, a brace pattern (:func:`braces`:
     each path it names, in its order), one path, or a list of those; sorted within each item. A
     file named twice (overlapping items, a link to a file already named) is kept once, where it
     first comes, with one warning naming the repeats: its records would otherwise be delivered
@@ -87,8 +91,8 @@ def _expand(spec, suffix: str) -> list[str]:
     expanded = braces(spec)
     if expanded != [spec]:
         return [p for s in expanded for p in _expand(s, suffix)]
-    if os.path.isdir(spec):
-        return sorted(glob.glob(os.path.join(spec, f"*{suffix}")))
+    if os.path.isdir(spec):   # endings in any case; the rest named in one warning
+        return list_folder(spec, "tar" if suffix == ".tar" else "parquet")
     if any(c in spec for c in "*?["):
         return sorted(glob.glob(spec))
     return [spec]
@@ -109,10 +113,12 @@ def encode_class_name(name: str) -> str:
     return name.replace("%", "%25").replace("\n", "%0A").replace("\r", "%0D")
 
 
-def class_names(first_file, labels: np.ndarray) -> list[str]:
-    """Class names for ``labels``: the :data:`CLASS_NAMES_FILE` beside ``first_file`` when it
-    names every label, else the labels as strings (``[]`` without labels). Bytes that are not
-    UTF-8 come back as surrogate escapes, as Python gives such folder names."""
+def class_names(first_file, labels: np.ndarray) -> ClassNames:
+    """Class names for ``labels`` (:class:`~feedgpu.sources.class_names.ClassNames`, made from the
+    labels that occur, never one name per integer up to the largest): the
+    :data:`CLASS_NAMES_FILE` beside ``first_file`` when it names every label, else the labels as
+    strings (size 0 without labels). Bytes that are not UTF-8 come back as surrogate escapes, as
+    Python gives such folder names."""
     path = os.path.join(os.path.dirname(os.path.abspath(first_file)), CLASS_NAMES_FILE)
     try:
         with open(path, encoding="utf-8", errors="surrogateescape", newline="") as f:
@@ -122,7 +128,7 @@ def class_names(first_file, labels: np.ndarray) -> list[str]:
     return class_names_from_text(text, labels)
 
 
-def class_names_from_text(text: str, labels: np.ndarray) -> list[str]:
+def class_names_from_text(text: str, labels: np.ndarray) -> ClassNames:
     """Class names for ``labels`` from the text of a :data:`CLASS_NAMES_FILE` (``""``: none), as
     :func:`class_names` reads it."""
     n = int(labels.max()) + 1 if len(labels) and labels.max() >= 0 else 0
@@ -130,7 +136,20 @@ def class_names_from_text(text: str, labels: np.ndarray) -> list[str]:
     # stand for "%", a newline and a carriage return (encode_class_name)
     names = [_NAME_ESCAPES.sub(lambda m: _NAME_CHARS[m.group()], line.removesuffix("\r"))
              for line in (text[:-1] if text.endswith("\n") else text).split("\n")] if text else []
-    return names if n and len(names) >= n else [str(c) for c in range(n)]
+    return ClassNames(labels, names if n and len(names) >= n else None)
+
+
+def file_hash(path) -> str:
+    """xxh3-128 (hex) of a file's bytes, read in 8 MiB chunks."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    buf = bytearray(8 << 20)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
 
 
 def index_dtype(largest: int) -> np.dtype:
@@ -215,7 +234,8 @@ class Source:
 
     Attributes:
         labels: int64 array, one label per sample (-1 if unknown).
-        classes: class names, index = label.
+        classes: class names, index = label (a list, or for integer labels a
+            :class:`~feedgpu.sources.class_names.ClassNames` made from the labels that occur).
         rejected: ``[(key, reason)]`` of records left out while indexing (for example empty
             files), each named; :attr:`index_skips` groups them by reason.
         rejected_details: ``{key: detail}`` for the rejected records that have a longer message.
@@ -228,7 +248,7 @@ class Source:
 
     format: str = "base"
     labels: np.ndarray
-    classes: list[str]
+    classes: Sequence[str]
 
     def __init__(self) -> None:
         self.rejected: list[tuple[str, str]] = []
@@ -292,15 +312,32 @@ class Source:
         shard whose records were all left out while indexing)."""
         return np.bincount(self.shard_of(), minlength=len(self.shard_names())).astype(np.int64)
 
-    def identity(self) -> str:
-        """A stable hex digest of what the source holds (for state and cache fingerprints)."""
+    def identity(self, content: bool = False) -> str:
+        """A stable hex digest of what the source holds (for state and cache fingerprints).
+
+        ``content=False`` (metadata): what the file system gives without reading the data: for
+        local files their paths, sizes, mtimes (ns), devices, inodes and ``st_ctime_ns`` (the
+        kernel sets it on every write, so a rewrite that keeps the size and sets the mtime back,
+        in place or by renaming a new file over the old, changes it); for URLs the URL, size and
+        ETag. ``content=True``: the paths and the xxh3-128 of every local file's bytes (each file
+        read whole; for URLs their ETags, as above): the same digest wherever the same bytes are at
+        the same paths (a folder source's paths are relative to its root), whatever the files'
+        metadata."""
         h = hashlib.blake2b(digest_size=16)
         h.update(self.format.encode())
-        self._digest(h)
+        if content:
+            h.update(b"\0content")
+            self._content_digest(h)
+        else:
+            self._digest(h)
         return h.hexdigest()
 
     def _digest(self, h) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def _content_digest(self, h) -> None:
+        """What ``identity(content=True)`` hashes; sources without files of their own: :meth:`_digest`."""
+        self._digest(h)
 
     def order_identity(self) -> str:
         """A digest of which records the source holds, in which order, with which labels: what a
@@ -325,4 +362,5 @@ class Source:
                           + "); source.rejected lists them all, `feedgpu scan` reports them", stacklevel=3)
 
     def describe(self) -> str:
-        return f"{self.format} source, {len(self)} samples, {len(self.classes)} classes"
+        n = self.classes.size if isinstance(self.classes, ClassNames) else len(self.classes)
+        return f"{self.format} source, {len(self)} samples, {n} classes"

@@ -19,6 +19,9 @@ The rules, and where they differ from ``torchvision.datasets.ImageFolder``:
   files twice, once under the wrong class).
 * A folder that cannot be listed (permissions) raises :class:`SourceError` naming it
   (``os.walk``, as torchvision uses it, skips it silently).
+* Files whose endings are not image endings (:data:`~feedgpu.sources.extensions.IMAGE_EXTENSIONS`,
+  any case, or ``extensions``) are left out with one warning naming the first of them (torchvision
+  skips them silently; a folder of ``.heic`` photos would lose them without a word).
 * Image files that cannot be indexed are left out, each named in :attr:`rejected`: a zero-byte
   file (``"empty"``), a link to nothing (``"dangling link"``) or to itself (``"symlink loop"``),
   something that is not a regular file, such as a FIFO (``"not a regular file"``), a file
@@ -37,7 +40,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import operator
 import os
 import stat
 import warnings
@@ -49,10 +51,13 @@ import numpy as np
 from ..errors import SourceError
 from . import file_stats
 from . import folder_index as _index
-from .base import Record, Source, StringTable
+from .base import Record, Source, StringTable, file_hash
+from .dir_entries import dir_id as _dir_id, is_dir as _is_dir, list_dir as _list, name_of as _name
+from .extensions import IMAGE_EXTENSIONS
 
-#: File endings indexed by default (torchvision's IMG_EXTENSIONS without the rare ones).
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".ppm", ".pgm", ".tif", ".tiff", ".gif")
+_LISTED = 10   # files with other endings named in the warning
+from .folder_index import saved_index_file
+
 
 
 class FolderSource(Source):
@@ -105,8 +110,9 @@ class FolderSource(Source):
             raise ValueError(f"folder source: stat_files must be True, False or 'auto', not {stat_files!r}")
         self._stat_files = stat_files
         self._hidden: list[str] = []       # hidden folders holding images, for one warning
+        self._other: list = [0, []]        # files with other endings: how many, the first few (relative)
         self._index_file: Path | None = None
-        self._sizes = self._mtimes = None  # None: not read yet (see the sizes property)
+        self._sizes = self._mtimes = self._stamps = None  # None: not read yet (see the sizes property)
         self._stats_fresh = False
         root_s = str(self.root)
         key = ""
@@ -138,22 +144,30 @@ class FolderSource(Source):
             self._refresh_stats()
         return self._mtimes
 
+    @property
+    def stamps(self) -> np.ndarray:
+        """Each file's :func:`~feedgpu.sources.file_stats.change_stamp` (device, inode,
+        ``st_ctime_ns``; int64), read with :attr:`sizes`."""
+        if not self._stats_fresh:
+            self._refresh_stats()
+        return self._stamps
+
     def _refresh_stats(self) -> None:
         """``stat`` every file; when they differ from what the saved index holds, remove the
         saved file, so the next run indexes afresh."""
-        sizes, mtimes, _ = file_stats.stat_paths(self._prefix(), self.paths.blob, self.paths.offsets)
+        sizes, mtimes, _, stamps = file_stats.stat_paths(self._prefix(), self.paths.blob, self.paths.offsets)
         if self._sizes is not None and not (np.array_equal(sizes, self._sizes)
                                             and np.array_equal(mtimes, self._mtimes)):
             if self._index_file is not None and self.from_saved_index:
                 _index.discard(self._index_file)
-        self._sizes, self._mtimes = sizes, mtimes
+        self._sizes, self._mtimes, self._stamps = sizes, mtimes, stamps
         self._stats_fresh = True
 
     # -- a saved index --------------------------------------------------------------------------
     def _save(self, key: str, start: int) -> None:
         root_s = str(self.root)
         keys = [k for k, _ in self.rejected] + self._links
-        meta = {"key": key, "classes": self.classes, "hidden": self._hidden_rel,
+        meta = {"key": key, "classes": self.classes, "hidden": self._hidden_rel, "other": self._other,
                 "rejected": [[_rel(k, root_s), r] for k, r in self.rejected],
                 "details": {_rel(k, root_s): d for k, d in self.rejected_details.items()},
                 "dirs": self._dirs, "watch": [[_rel(k, root_s), _index.file_sig(k)] for k in keys]}
@@ -172,6 +186,7 @@ class FolderSource(Source):
         self.from_saved_index = True
         self.classes = list(meta["classes"])
         self._hidden = [os.path.join(root_s, h) for h in meta["hidden"]]
+        self._other = meta.get("other", [0, []])
         for rel, reason in meta["rejected"]:
             self.reject(os.path.join(root_s, rel), reason, meta["details"].get(rel, ""))
         self.paths = StringTable.__new__(StringTable)
@@ -184,6 +199,11 @@ class FolderSource(Source):
     def _warn_index(self, stacklevel: int) -> None:
         self._warn_hidden(stacklevel + 1)
         self._warn_rejected()
+        n, first = self._other
+        if n:
+            warnings.warn(f"feedgpu: folder source {self.root}: left out {n} file(s) whose endings are not among "
+                          f"{', '.join(self._exts)} (any case): {', '.join(first)}" + (" ..." if n > len(first) else "")
+                          + "; pass extensions= to read other endings", stacklevel=stacklevel)
 
     def _warn_hidden(self, stacklevel: int) -> None:
         if self._hidden:
@@ -265,7 +285,7 @@ class FolderSource(Source):
         """``stat`` every listed file (in forked processes when there are many,
         :mod:`.file_stats`): sizes and mtimes, and each file found empty, gone or not a regular
         file is left out, with the reason a ``stat`` in the walk gives (:meth:`_classify`)."""
-        sizes, mtimes, kinds = file_stats.stat_paths(self._prefix(), self.paths.blob, self.paths.offsets)
+        sizes, mtimes, kinds, stamps = file_stats.stat_paths(self._prefix(), self.paths.blob, self.paths.offsets)
         bad = (kinds != 0) | (sizes == 0)
         if bad.any():
             for i in np.flatnonzero(bad).tolist():
@@ -281,9 +301,9 @@ class FolderSource(Source):
             self.paths.blob = self.paths.blob[np.repeat(keep, lens)]
             self.paths.offsets = np.zeros(int(keep.sum()) + 1, np.int64)
             np.cumsum(lens[keep], out=self.paths.offsets[1:])
-            self.labels, sizes, mtimes = self.labels[keep], sizes[keep], mtimes[keep]
+            self.labels, sizes, mtimes, stamps = self.labels[keep], sizes[keep], mtimes[keep], stamps[keep]
             self._n = len(self.labels)
-        self._sizes, self._mtimes = sizes, mtimes
+        self._sizes, self._mtimes, self._stamps = sizes, mtimes, stamps
         self._stats_fresh = True
 
     def _prefix(self) -> bytes:
@@ -299,6 +319,11 @@ class FolderSource(Source):
             c[1].frombytes(lens.tobytes())
             c[2].frombytes(np.full(len(lens), label, np.int64).tobytes())
         self._pending = []
+
+    def _note_other(self, paths: list[str]) -> None:
+        if paths:
+            self._other[0] += len(paths)
+            self._other[1].extend(_rel(p, str(self.root)) for p in paths[:_LISTED - len(self._other[1])])
 
     def _note_hidden(self, path: str) -> None:
         self._hidden.append(path)
@@ -338,6 +363,8 @@ class FolderSource(Source):
         # other types) go through the loop below
         try:
             files = [e for e in entries if e.is_file(follow_symlinks=False) and e.name.lower().endswith(exts)]
+            self._note_other([e.path for e in entries if e.name[0] != "." and e.is_file(follow_symlinks=False)
+                              and not e.name.lower().endswith(exts)])
             names = [e.name for e in files if e.name[0] != "."]
             for e in files:
                 if e.name[0] == ".":
@@ -356,6 +383,7 @@ class FolderSource(Source):
                 subdirs.append(e)
                 continue
             if not name.lower().endswith(exts):
+                self._note_other([e.path])
                 continue
             if not e.is_symlink():
                 if e.is_file(follow_symlinks=False):
@@ -440,50 +468,20 @@ class FolderSource(Source):
         return h.hexdigest()
 
     def _digest(self, h) -> None:
+        """Paths, labels, and each file's size, mtime and change stamp (device, inode,
+        ``st_ctime_ns``), ``stat``-ed afresh on a source opened from a saved index."""
         self.paths.digest(h)
         h.update(self.sizes.tobytes())
         h.update(self.mtimes.tobytes())
+        h.update(self.stamps.tobytes())
         h.update(self.labels.tobytes())
 
-
-def saved_index_file(root, index_dir=None, extensions: tuple[str, ...] = IMAGE_EXTENSIONS,
-                     allow_empty: bool = False, flat: bool = False, stat_files: bool | str = "auto") -> Path:
-    """Where :class:`FolderSource` opened with these arguments keeps its saved index:
-    ``<index_dir>/<key>.idx`` (``index_dir`` None or True: the ``folder-index`` folder of
-    feedgpu's cache dir; the key: :func:`~feedgpu.sources.folder_index.index_key`)."""
-    settings = {"extensions": [e.lower() for e in extensions], "allow_empty": bool(allow_empty), "flat": bool(flat),
-                "stat_files": "auto" if stat_files == "auto" else bool(stat_files)}
-    base = Path(index_dir) if index_dir not in (None, True) else _index.default_index_dir()
-    return base / f"{_index.index_key(str(root), settings)}.idx"
-
-
-_name = operator.attrgetter("name")
-
-
-def _list(top: str, sort: bool = True) -> list:
-    """``top``'s entries (sorted by name); :class:`SourceError` when it cannot be listed."""
-    try:
-        with os.scandir(top) as it:
-            return sorted(it, key=_name) if sort else list(it)
-    except OSError as e:
-        raise SourceError(f"folder source: cannot list the folder {top}: {e.strerror or e}; "
-                          "its images would be missing from the dataset") from None
-
-
-def _is_dir(entry) -> bool:
-    try:
-        return entry.is_dir()   # follows symbolic links
-    except OSError:             # a link loop: not a folder (indexed, or rejected, as a file)
-        return False
+    def _content_digest(self, h) -> None:
+        """Paths, labels and the xxh3-128 of every file's bytes (each file read whole)."""
+        self.paths.digest(h)
+        h.update(self.labels.tobytes())
+        h.update("\0".join(file_hash(self.key(i)) for i in range(len(self))).encode())
 
 
 def _rel(key: str, root: str) -> str:
     return key[len(root) + 1:] if key.startswith(root + os.sep) else os.path.relpath(key, root)
-
-
-def _dir_id(path: str):
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino

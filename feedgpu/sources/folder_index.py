@@ -44,6 +44,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .extensions import IMAGE_EXTENSIONS
+
 INDEX_FORMAT = "feedgpu.folder-index/1"
 _MAGIC = b"FEEDGPU-FOLDER-INDEX\n\0\0\0"  # 24 bytes: the arrays start 8-aligned
 _HEAD = struct.Struct("<QQ")  # header length, xxh3-64 of everything after the magic and this
@@ -217,3 +219,14 @@ def clear_saved(folder: Path | None = None) -> tuple[int, int]:
 
 def now_ns() -> int:
     return time.time_ns()
+
+
+def saved_index_file(root, index_dir=None, extensions: tuple[str, ...] = IMAGE_EXTENSIONS,
+                     allow_empty: bool = False, flat: bool = False, stat_files: bool | str = "auto") -> Path:
+    """Where :class:`~feedgpu.sources.folder.FolderSource` opened with these arguments keeps its saved index:
+    ``<index_dir>/<key>.idx`` (``index_dir`` None or True: the ``folder-index`` folder of
+    feedgpu's cache dir; the key: :func:`~feedgpu.sources.folderindex_key`)."""
+    settings = {"extensions": [e.lower() for e in extensions], "allow_empty": bool(allow_empty), "flat": bool(flat),
+                "stat_files": "auto" if stat_files == "auto" else bool(stat_files)}
+    base = Path(index_dir) if index_dir not in (None, True) else default_index_dir()
+    return base / f"{index_key(str(root), settings)}.idx"

@@ -22,6 +22,7 @@ the cache evicts, Arrow's allocator is told to return the freed memory.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 from collections import OrderedDict
@@ -32,8 +33,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..errors import DownloadError, SampleError, SourceError
-from .base import CLASS_NAMES_FILE, Record, Source, class_names, class_names_from_text, expand_paths, index_array, \
-    missing_files, release_freed_memory
+from .base import CLASS_NAMES_FILE, Record, Source, class_names, class_names_from_text, expand_paths, file_hash, \
+    index_array, missing_files, release_freed_memory
+from .file_stats import change_stamp
 
 _NULL = np.iinfo(np.int64).min   # a null label while indexing
 _HUGE = _NULL + 1                 # a uint64 label that int64 cannot hold
@@ -75,7 +77,9 @@ class ParquetSource(Source):
     """Samples from Parquet files.
 
     Args:
-        files: a directory (its ``*.parquet``), a glob, a path or a list of these.
+        files: a directory (its ``*.parquet``, ``*.parq``, ``*.pq`` in any case, in it and its
+            sub-folders, as pyarrow's datasets find them; other files named in one warning:
+            :mod:`feedgpu.sources.extensions`), a glob, a path or a list of these.
         image_column: binary / large_binary column with encoded image bytes (default ``"image"``).
         label_column: integer column (default ``"label"``); ``None`` for unlabeled data (-1).
         cache_bytes: bytes of decoded row groups kept per process; default (None): sized by the
@@ -138,7 +142,7 @@ class ParquetSource(Source):
                 raise SourceError(f"parquet source: {path} is not a file")
             if remote is not None and remote.identity is None:   # the store could not be reached for it
                 self.reject(path, "bad shard", remote.error)
-                self._meta.append((path, -1, ""))
+                self._meta.append((path, -1, "", ""))
                 self._rg_starts.append(np.zeros(1, np.int64))
                 continue
             try:
@@ -222,13 +226,14 @@ class ParquetSource(Source):
             self._slicing = {}
 
     def _file_meta(self, fid: int) -> tuple:
-        """What the fingerprint holds of a file: path, size, mtime; for a URL: URL, size, ETag
-        (or the store's modification time), never a local path."""
+        """What the fingerprint holds of a file: path, size, mtime and change stamp (device,
+        inode, ``st_ctime_ns``: :func:`~feedgpu.sources.file_stats.change_stamp`); for a URL: URL,
+        size, ETag (or the store's modification time), never a local path, and no stamp."""
         if self._remote is not None:
             ident = self._remote.files[fid].identity
-            return (ident.url, ident.size, ident.etag or ident.mtime)
+            return (ident.url, ident.size, ident.etag or ident.mtime, "")
         st = os.stat(self.files[fid])
-        return (os.path.abspath(self.files[fid]), st.st_size, st.st_mtime_ns)
+        return (os.path.abspath(self.files[fid]), st.st_size, st.st_mtime_ns, change_stamp(st))
 
     def _unreadable(self, path: str, error: Exception, fid: int) -> None:
         """A file pyarrow cannot open: one that starts as Parquet (``PAR1``) or is empty was cut
@@ -361,6 +366,24 @@ class ParquetSource(Source):
         data = memoryview(value.as_buffer()) if value.is_valid else b""
         return Record(data, int(self.labels[index]), self.key(index))
 
-    def _digest(self, h) -> None:
-        for p, size, mtime in self._meta:
+    def _digest(self, h, stamps: bool = True) -> None:
+        """Each file's path, size and mtime (URLs: URL, size, ETag), with ``stamps`` its change
+        stamp, as the source was opened; the image and label columns."""
+        for p, size, mtime, stamp in self._meta:
             h.update(f"{p}\0{size}\0{mtime}\0{self.image_column}\0{self.label_column}\0".encode())
+            if stamps:
+                h.update(f"{stamp}\0".encode())
+
+    def _content_digest(self, h) -> None:
+        """Each file's path and the xxh3-128 of its bytes (URLs: URL, size, ETag), the columns."""
+        for fid, (p, size, mtime, _) in enumerate(self._meta):
+            what = f"{size}\0{mtime}" if self._remote is not None else file_hash(self.files[fid])
+            h.update(f"{p}\0{what}\0{self.image_column}\0{self.label_column}\0".encode())
+
+    def order_identity(self) -> str:
+        """The files' paths, sizes and mtimes and the columns (no change stamps: a loader state
+        resumes on a copy of the files that kept their mtimes)."""
+        h = hashlib.blake2b(digest_size=16)
+        h.update(self.format.encode())
+        self._digest(h, stamps=False)
+        return h.hexdigest()

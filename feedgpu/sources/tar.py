@@ -45,6 +45,7 @@ Records that cannot be delivered are left out while indexing, each named in
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import warnings
 from functools import partial
@@ -54,7 +55,8 @@ import numpy as np
 from ..errors import DownloadError, SampleError, SourceError
 from . import tar_index as _saved
 from .base import CLASS_NAMES_FILE, Record, Source, StringTable, class_names, class_names_from_text, expand_paths, \
-    index_array, missing_files, release_freed_memory
+    file_hash, index_array, missing_files, release_freed_memory
+from .file_stats import change_stamp
 from .tar_local import local_part, ordered_map
 from .tar_members import LABEL_SUFFIXES, OTHER_LABEL_FIELDS, part_arrays
 from .tar_walk import index_with_tarfile
@@ -69,7 +71,9 @@ class TarShardSource(Source):
     docstring).
 
     Args:
-        shards: a directory holding ``*.tar``, a glob, a path, or a list of these; or URLs
+        shards: a directory holding ``*.tar`` (any case; its other files, and shards in its
+            sub-folders, named in one warning; compressed shards in it raise :class:`SourceError`
+            naming them: :mod:`feedgpu.sources.extensions`), a glob, a path, or a list of these; or URLs
             (``s3://``, ``gs://``, ``http(s)://``, ``file://``: a glob or folder where the store
             lists, a list of URLs, or the index file ``feedgpu convert`` writes, ``_index.json``).
         cache_dir, cache_budget, storage_options, cache: for URLs, the node-local shard cache
@@ -323,14 +327,40 @@ class TarShardSource(Source):
         data = os.pread(self._fd(sid, index), int(self.sizes[index]), int(self.offsets[index]))
         return Record(data, int(self.labels[index]), self.key(index))
 
-    def _digest(self, h) -> None:
+    def _digest(self, h, stamps: bool = True) -> None:
+        """Each shard's path, size and mtime, with ``stamps`` its change stamp too (device,
+        inode, ``st_ctime_ns``: :func:`~feedgpu.sources.file_stats.change_stamp`); URLs: URL,
+        size and ETag; the members' names and offsets."""
         if self._remote is not None:   # URL, size and ETag: the same on a machine with a new cache
             self._remote.digest(h)
         for p in self.shards if self._remote is None else ():
             st = os.stat(p)
             h.update(f"{os.path.abspath(p)}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+            if stamps:
+                h.update(f"{change_stamp(st)}\0".encode())
+        self._digest_index(h)
+
+    def _digest_index(self, h) -> None:
         self.members.digest(h)
         h.update(self.offsets.astype(np.int64, copy=False).tobytes())   # as int64: fingerprints stay
+
+    def _content_digest(self, h) -> None:
+        """Each shard's path and the xxh3-128 of its bytes (URLs: URL, size and ETag), the
+        members' names and offsets, and the labels."""
+        if self._remote is not None:
+            self._remote.digest(h)
+        for p in self.shards if self._remote is None else ():
+            h.update(f"{os.path.abspath(p)}\0{file_hash(p)}\0".encode())
+        self._digest_index(h)
+        h.update(self.labels.tobytes())
+
+    def order_identity(self) -> str:
+        """The shards' paths, sizes and mtimes, members and offsets (no change stamps: a loader
+        state resumes on a copy of the shards that kept their mtimes)."""
+        h = hashlib.blake2b(digest_size=16)
+        h.update(self.format.encode())
+        self._digest(h, stamps=False)
+        return h.hexdigest()
 
     def __del__(self):
         remote = getattr(self, "_remote", None)

@@ -8,10 +8,11 @@ What the file holds: the shard's part of the index as :class:`~feedgpu.sources.t
 builds it (the images' names as one byte blob and their lengths, data offsets, sizes and labels,
 -2 where a sample has no label, each array in the narrow integer dtype it has in memory), whether it has label members, its label-like
 members feedgpu does not read, the records it rejected (key, reason, detail) and what the file is
-checked against before it is used: the shard's ``(st_dev, st_ino, st_size, st_mtime_ns)``. A shard
-rewritten, replaced, grown or cut changes its size or mtime, and its saved index is not used
-(and is overwritten when the shard is indexed again). A rewrite that keeps the size and sets the
-mtime back is not noticed, as by any tool that trusts mtimes (rsync, make).
+checked against before it is used: the shard's ``(st_dev, st_ino, st_size, st_mtime_ns,
+st_ctime_ns)``. A shard rewritten, replaced, grown or cut changes its size, mtime or ctime, and its
+saved index is not used (and is overwritten when the shard is indexed again). That includes a
+rewrite that keeps the size and sets the mtime back (``touch -r``, ``rsync -t``): the kernel sets
+``st_ctime_ns`` on every write and ``utime``, and a file renamed over the shard has a new inode.
 
 Never trusted across feedgpu versions (the version is in the file and must match), never read
 when its checksum (xxh3-64 over everything after it) does not match: a corrupt, truncated or
@@ -64,7 +65,7 @@ def shard_sig(shard: str) -> list | None:
         st = os.stat(shard)
     except OSError:
         return None
-    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
 def save(path: Path, sig: list, meta: dict, arrays: dict, indexed_ns: int) -> bool:

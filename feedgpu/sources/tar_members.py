@@ -7,7 +7,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "tif", "tiff", "gif")
+from .extensions import IMAGE_FIELDS
+
+IMAGE_SUFFIXES = IMAGE_FIELDS   # the folder source's image endings, without the dot
 LABEL_SUFFIXES = ("cls.txt", "cls", "label")
 OTHER_LABEL_FIELDS = ("json", "txt", "id", "class", "target")   # WebDataset fields some writers label with
 COMPRESSED_MAGIC = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00", b"\x28\xb5\x2f\xfd")

@@ -4,22 +4,25 @@
 part of the index as :class:`~feedgpu.sources.tar.TarShardSource` builds it: the arrays and
 rejected records of a saved index (:mod:`feedgpu.sources.tar_index`, same file layout, rejected
 keys written relative to the shard so a copied dataset names its own path), and what the table is
-checked against: the shard's size, its mtime (ns), when the table was made, and the xxh3-128 of
-the shard's bytes. A source opening a local shard without a valid saved index of its own (a new
+checked against: the shard's size, its mtime (ns), its change stamp (device, inode and
+``st_ctime_ns``: :func:`~feedgpu.sources.file_stats.change_stamp`), when the table was made, and
+the xxh3-128 of the shard's bytes. A source opening a local shard without a valid saved index of its own (a new
 machine, a new cache dir, a copy of the dataset) takes the table instead of indexing the shard
 when (:func:`load_table`):
 
 * the table is whole (its checksum), of this format and of this feedgpu version, else it is
   ignored, with a warning, and the shard indexed afresh;
-* the shard has the recorded size, and either the recorded mtime, not within :func:`racy_ns` of
-  the time the table was made (a later write in the same mtime tick could go unnoticed), in which
-  case nothing of the shard is read; or the recorded xxh3-128 of its bytes (one read of the whole
-  shard, for a copy that did not keep mtimes).
+* the shard has the recorded size, and either the recorded mtime and change stamp, the mtime not
+  within :func:`racy_ns` of the time the table was made (a later write in the same mtime tick
+  could go unnoticed), in which case nothing of the shard is read; or the recorded xxh3-128 of
+  its bytes (one read of the whole shard: a copy, on this machine or another, with or without
+  its mtimes; a file restored from a backup).
 
-A shard changed after its table was written (another size, or other bytes under another mtime) is
-indexed afresh. What is not noticed: a rewrite that keeps the size and sets the mtime back to the
-recorded one, as with the saved index. xxh3 is not a cryptographic hash: the table is trusted as
-far as the folder it sits in (whoever can rewrite a shard can rewrite its table).
+A shard changed after its table was written (another size, or other bytes) is indexed afresh,
+also when the rewrite kept the size and set the mtime back (``touch -r``, ``rsync -t``): the
+kernel gives the rewritten file a new ``st_ctime_ns`` (and a file renamed over it a new inode),
+so its bytes are hashed. xxh3 is not a cryptographic hash: the table is trusted as far as the
+folder it sits in (whoever can rewrite a shard can rewrite its table).
 """
 from __future__ import annotations
 
@@ -27,9 +30,10 @@ import os
 from pathlib import Path
 
 from . import tar_index
+from .base import file_hash
+from .file_stats import change_stamp
 
 SUFFIX = ".feedgpu-index"
-_CHUNK = 8 << 20
 #: The racy window of an mtime with a sub-second part: above the timestamp tick of file systems
 #: with sub-second mtimes (a kernel clock tick, exFAT's hundredth of a second).
 FINE_RACY_NS = 100_000_000
@@ -48,16 +52,8 @@ def racy_ns(mtime_ns: int) -> int:
 
 
 def content_hash(path: str) -> str:
-    """xxh3-128 (hex) of a file's bytes, read in 8 MiB chunks."""
-    import xxhash
-
-    h = xxhash.xxh3_128()
-    buf = bytearray(_CHUNK)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
+    """xxh3-128 (hex) of a file's bytes (:func:`~feedgpu.sources.base.file_hash`)."""
+    return file_hash(path)
 
 
 def relative_rejects(rejected, path: str) -> list:
@@ -81,7 +77,8 @@ def write_table(shard: str, part: dict, st_before: os.stat_result, content: str,
         return None
     head = {"labeled": bool(part["labeled"]), "other": int(part["other"]),
             "rejected": relative_rejects(part["rejected"], shard),
-            "table": {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "made_ns": made_ns, "xxh3_128": content}}
+            "table": {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "stamp": change_stamp(st), "made_ns": made_ns,
+                      "xxh3_128": content}}
     path = table_path(shard)
     tar_index.write(path, head, part)
     return path
@@ -97,6 +94,7 @@ def load_table(shard: str) -> tuple[dict | None, str | None, bool]:
         header, arrays = tar_index.read(path)
         t = header["table"]
         size, mtime, made, content = int(t["size"]), int(t["mtime_ns"]), int(t["made_ns"]), str(t["xxh3_128"])
+        stamp = t.get("stamp")
         rejected = [[shard + k, r, d] for k, r, d in header["rejected"]]
         part = dict(arrays, labeled=bool(header["labeled"]), other=int(header["other"]), rejected=rejected)
     except FileNotFoundError:
@@ -111,7 +109,7 @@ def load_table(shard: str) -> tuple[dict | None, str | None, bool]:
         return None, None, False
     if st.st_size != size:
         return None, f"{shard} changed since its member table was written (size {st.st_size}, table: {size})", False
-    if st.st_mtime_ns == mtime and mtime < made - racy_ns(mtime):
+    if st.st_mtime_ns == mtime and stamp == change_stamp(st) and mtime < made - racy_ns(mtime):
         return part, None, False
     try:
         same = content_hash(shard) == content

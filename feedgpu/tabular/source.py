@@ -19,6 +19,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..errors import ConfigError, SourceError
+from ..sources.extensions import list_folder
 from .columns import Dictionary, StrColumn
 
 #: Column kinds: "float" (float64, NaN = missing), "int" (int64, no missing), "str" (StrColumn).
@@ -195,8 +196,8 @@ def _expand(paths) -> list[str]:
             import glob
 
             out += sorted(glob.glob(p))
-        elif Path(p).is_dir():
-            out += sorted(str(x) for x in Path(p).glob("*.parquet"))
+        elif Path(p).is_dir():   # as the image Parquet source: endings in any case, sub-folders
+            out += list_folder(p, "parquet")
         elif Path(p).exists():
             out.append(p)
         else:

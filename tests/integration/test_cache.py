@@ -220,11 +220,15 @@ def test_fingerprint_follows_the_files(small_ds):
     touched = fp(FolderSource(small_ds), prefix())
     assert touched != base
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert fp(FolderSource(small_ds), prefix()) == base  # same files, same key
+    back = fp(FolderSource(small_ds), prefix())
+    assert back not in (base, touched)   # the mtime set back: its ctime tells (a rewrite would look the same)
+    assert fp(FolderSource(small_ds), prefix()) == back  # same files, same key
+    content = FolderSource(small_ds).identity(content=True)
     with open(f, "ab") as fh:  # one byte more, same mtime
         fh.write(b"\0")
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert fp(FolderSource(small_ds), prefix()) not in (base, touched)
+    assert fp(FolderSource(small_ds), prefix()) not in (base, touched, back)
+    assert FolderSource(small_ds).identity(content=True) != content
     f.rename(f.with_name("renamed.jpg"))
     assert fp(FolderSource(small_ds), prefix()) != base
 
@@ -1059,12 +1063,13 @@ def _yaml_with(tmp_path, data_dir, cache: dict) -> Path:
 
 @pytest.mark.parametrize("cache, where, msg", [
     ({"enabled": True, "compresion": "zstd"}, "cache.compresion: unknown key 'compresion'",
-     "allowed keys: compression, dir, enabled, max_size"),
+     "allowed keys: compression, dir, enabled, fingerprint, max_size"),
     ({"enabled": True, "compression": "lz4"}, "cache.compression", "allowed: none, zstd, zstd:1 ... zstd:22"),
     ({"enabled": True, "compression": "zstd:0"}, "cache.compression", "got 'zstd:0'"),
     ({"enabled": True, "max_size": "big"}, "cache.max_size", "big"),
     ({"enabled": True, "max_size": 0}, "cache.max_size", "greater than 0"),
     ({"enabled": "maybe"}, "cache.enabled", "maybe"),
+    ({"enabled": True, "fingerprint": "mtime"}, "cache.fingerprint", "allowed: metadata, content"),
 ])
 def test_yaml_cache_section_is_validated(tmp_path, folder_ds, cache, where, msg):
     f = _yaml_with(tmp_path, folder_ds, cache)

@@ -50,7 +50,7 @@ def test_processes_stat_as_this_process_does(tree, monkeypatch):
     there = file_stats.stat_paths(prefix, blob, offsets, processes=3)
     for a, b in zip(here, there):
         assert a.dtype == b.dtype == np.int64 and a.tolist() == b.tolist()
-    sizes, mtimes, kinds = here
+    sizes, mtimes, kinds, stamps = here
     by_name = {p.decode(): (int(s), int(k)) for p, s, k in zip(paths, sizes, kinds)}
     assert by_name["a/a1.jpg"] == (1097, 0)
     assert by_name["a/missing.jpg"] == (-1, errno.ENOENT)
@@ -59,6 +59,7 @@ def test_processes_stat_as_this_process_does(tree, monkeypatch):
     assert by_name["b/dangling.jpg"] == (-1, errno.ENOENT)
     assert by_name["b/loop.jpg"] == (-1, errno.ELOOP)
     assert (mtimes[kinds == 0] > 0).all()
+    assert (stamps[kinds == 0] != 0).all() and (stamps[sizes == -1] == 0).all()
 
 
 def test_a_folder_indexed_in_processes_is_the_same_index(tree, monkeypatch):

@@ -12,6 +12,7 @@ import pytest
 import feedgpu
 from feedgpu.errors import SourceError
 from feedgpu.sources import tar_local, tar_table
+from feedgpu.sources.base import file_hash
 from feedgpu.sources.tar import TarShardSource
 from feedgpu.sources.tar_local import ordered_map, write_tables
 
@@ -76,10 +77,12 @@ def test_an_old_shards_table_is_taken_on_its_mtime_and_a_copys_on_its_bytes(tmp_
     assert facts(got)[:4] == want[:4]
     assert sorted(got.rejected) == sorted((k.replace(str(tmp_path / "ds"), str(copy)), r) for k, r in src.rejected)
     kept = tmp_path / "kept"
-    shutil.copytree(tmp_path / "ds", kept)         # copy2: mtimes kept, nothing read
+    shutil.copytree(tmp_path / "ds", kept)         # copy2: mtimes kept, but new inodes: the bytes decide
+    hashed = []
     with monkeypatch.context() as mp:
-        mp.setattr(tar_table, "content_hash", no_hash)
+        mp.setattr(tar_table, "content_hash", lambda p: hashed.append(p) or file_hash(p))
         assert open_src(kept, tmp_path / "idx3")[0].table_shards == 2
+    assert sorted(hashed) == [str(kept / "a.tar"), str(kept / "b.tar")]
 
 
 def test_a_shard_changed_after_its_table_is_indexed_afresh(tmp_path):
