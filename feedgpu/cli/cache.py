@@ -7,12 +7,11 @@ import time
 from pathlib import Path
 
 import click
-import numpy as np
-
-from ..cache.settings import CacheSettings, default_cache_root
 
 
 def _root(cache_dir: str | None) -> Path:
+    from ..cache.settings import default_cache_root
+
     return Path(cache_dir).expanduser() if cache_dir else default_cache_root()
 
 
@@ -56,9 +55,11 @@ def cache() -> None:
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a pipeline key.")
 def build_cmd(pipeline_file, data, cache_dir, compression, workers, sets) -> None:
     """Fill the cache of a pipeline's deterministic prefix for every sample, in parallel."""
+    import numpy as np
     from tqdm import tqdm
 
     from ..cache import open_entry
+    from ..cache.settings import CacheSettings
     from ..cache.store import entry_bytes
     from ..exec.cache_step import CacheStep
     from ..exec.process_pool import ProcessPool, unpack_exception
