@@ -171,7 +171,7 @@ def test_import_feedgpu_is_lazy_and_its_names_resolve():
     assert res.returncode == 0, res.stderr
 
 
-def test_stages_lists_every_command_in_help(cli):
+def test_help_lists_every_command(cli):
     res = run(cli, "--help")
     assert res.exit_code == 0
     for name in ("bench", "cache", "convert", "doctor", "index", "pipeline", "scan", "stages"):
