@@ -33,7 +33,7 @@ EXTRAS="dev,dali,ray,remote"
 STAMP="$VENV/.feedgpu-setup-stamp"
 WANT="$( (pwd -P; echo "$EXTRAS"; cat pyproject.toml) | sha256sum | cut -d' ' -f1)"
 editable_here() {  # the installed feedgpu is an editable install of this checkout
-  "$PY" - "$(pwd -P)" <<'PYEOF' 2>/dev/null
+  "$PY" -I - "$(pwd -P)" <<'PYEOF' 2>/dev/null
 import json, sys
 from importlib.metadata import distribution
 from pathlib import Path
