@@ -20,16 +20,18 @@ def _fmt(v, spec: str) -> str:
 
 
 def format_table(summary: dict, names: list[str] | None = None) -> str:
-    """One row per loader: workers, samples/s, ms/batch, first batch, CPU %, memory per worker."""
-    header = ("loader", "workers", "samples/s", "ms/batch", "1st batch s", "CPU %", "RSS/worker MB",
+    """One row per loader: workers, samples/s and ms/batch (from the same timed window: their
+    product is the batch size), timed batches per run (median), first batch, CPU %, and the
+    memory each worker holds alone (USS, median)."""
+    header = ("loader", "workers", "samples/s", "ms/batch", "timed batches", "1st batch s", "CPU %",
               "USS/worker MB")
     rows = [header]
     for name in names or list(summary):
         s = summary[name]
         workers = f"{s['threads']} threads" if s.get("threads") else str(s["workers"])
-        rows.append((s["label"], workers, _fmt(s["samples_per_s"], ".0f"), _fmt(s["ms_per_batch"], ".1f"),
-                     _fmt(s["first_batch_s"], ".2f"), _fmt(s["cpu_percent"], ".0f"),
-                     _fmt(s["rss_peak_mb_per_worker"], ".0f"), _fmt(s["uss_mb_per_worker"], ".0f")))
+        timed = "-" if s.get("timed_batches") is None else f"{s['timed_batches']:.0f} in {s['timed_seconds']:.1f} s"
+        rows.append((s["label"], workers, _fmt(s["samples_per_s"], ".0f"), _fmt(s["ms_per_batch"], ".1f"), timed,
+                     _fmt(s["first_batch_s"], ".2f"), _fmt(s["cpu_percent"], ".0f"), _fmt(s["uss_mb_per_worker"], ".0f")))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = []
     for k, r in enumerate(rows):
@@ -42,24 +44,33 @@ def format_table(summary: dict, names: list[str] | None = None) -> str:
 
 def comparison_lines(doc: dict) -> list[str]:
     """The stdout of ``feedgpu bench`` for a ``feedgpu.bench/1`` document: pipeline, data, machine
-    and settings lines, the table of :func:`format_table`, the speed-ups and the skipped engines."""
+    and settings lines, the table of :func:`format_table`, what its columns are, the speed-ups and
+    the skipped engines."""
     s, d, m = doc["settings"], doc["data"], doc["machine"]
+    if s.get("min_seconds"):
+        timed = (f"timed: at least {s['timed_batches']} batches and {s['min_seconds']:g} s per run after "
+                 f"{s['warmup']} warm-up batches")
+    else:
+        timed = f"{s['timed_batches']} timed batches after {s['warmup']} warm-up per run"
     out = [f"pipeline: {s['pipeline_name']} ({s['pipeline']})",
            f"data:     {d['path']}: {d['images']} images, mean {d['mean_width']}x"
            f"{d['mean_height']} px ({d['mean_megapixels']} MP), "
            f"{_fmt(d['mean_bytes'] and d['mean_bytes'] / 1024, '.0f')} KB",
            f"machine:  {m['cpus_usable']} CPUs ({m['cpu_model']}), {m['ram_gb']} GB, "
-           f"PIL: {m['pil_label']}, torch {m['torch']}",
-           f"settings: {s['workers']} workers, batch {s['batch_size']}, {s['timed_batches']} timed batches after "
-           f"{s['warmup']} warm-up per run, {s['rounds']} rounds (medians), prefetch {s['prefetch_factor']}, "
-           f"device {s['device']}",
+           f"PIL: {m['pil_label']} (both loaders), torch {m['torch']}",
+           f"settings: {s['workers']} workers, batch {s['batch_size']}, {timed}, {s['rounds']} rounds (medians), "
+           f"prefetch {s['prefetch_factor']}, device {s['device']}",
            ""]
     summary = doc["summary"]
+    out.append(format_table(summary))
+    out.append("samples/s and ms/batch: one timed window (worker start-up excluded), per run; medians over the "
+               "rounds")
+    memory = ("USS/worker: memory each worker holds alone (pages no other process maps); RSS, in the JSON, counts "
+              "the libraries and shared batch buffers every worker maps once per worker")
     budgets = {v["worker_memory_mb"] for v in summary.values() if v.get("worker_memory_mb")}
     if budgets:
-        out.insert(-1, f"memory:   feedgpu's budget {', '.join(f'{b:,.0f}' for b in sorted(budgets))} MB per worker "
-                       "(worker_memory; USS/worker below is what each worker holds alone)")
-    out.append(format_table(summary))
+        memory += f"; feedgpu's budget {', '.join(f'{b:,.0f}' for b in sorted(budgets))} MB per worker (worker_memory)"
+    out.append(memory)
     out += [f"note: {line}" for line in memory_notes(summary)]
     lines = [f"{summary[a]['label']} / {summary[b]['label']}: {v:.2f}x"
              for key, v in doc["speedups"].items() if v is not None for a, b in [key.split("_over_")]]

@@ -130,10 +130,11 @@ def _check_kinds(p, kinds: list[str], device: str) -> None:
 
 def compare(p, file: str, path: str, *, workers: int | None, batch_size: int | None, batches: int | None,
             rounds: int, warmup: int, engines: tuple[str, ...], no_baseline: bool, device: str,
-            sets: tuple[str, ...] = (), note: Note = _stderr, progress: bool = True) -> dict:
+            sets: tuple[str, ...] = (), note: Note = _stderr, progress: bool = True, min_seconds: float = 0.0) -> dict:
     """Measure the loaders of ``engines`` on pipeline ``p`` (read from ``file``, data at ``path``):
     ``rounds`` alternating rounds of ``warmup`` + ``batches`` batches each (default: the rest of
-    one epoch, see :func:`~feedgpu.bench.measure.default_batches`) at ``workers`` workers (default:
+    one epoch, see :func:`~feedgpu.bench.measure.default_batches`), timed for at least
+    ``min_seconds`` (more batches, across epochs, until then) at ``workers`` workers (default:
     the pipeline's count, one per core for ``auto``). ``sets`` are recorded as the overrides.
     Returns the ``feedgpu.bench/1`` document (machine, data, settings, summary, speed-ups, runs)."""
     t0 = time.perf_counter()
@@ -151,12 +152,14 @@ def compare(p, file: str, path: str, *, workers: int | None, batch_size: int | N
     data_meta = data_info(p, path)
     machine = machine_info()
     settings = {"pipeline": file, "pipeline_name": p.name, "workers": workers, "batch_size": batch_size,
-                "batches_per_epoch": nb, "timed_batches": batches, "warmup": warmup, "rounds": rounds,
+                "batches_per_epoch": nb, "timed_batches": batches, "min_seconds": min_seconds, "warmup": warmup,
+                "rounds": rounds,
                 "device": device, "prefetch_factor": p.prefetch_factor, "shuffle": p.shuffle,
                 "drop_last": p.drop_last, "overrides": list(sets), "loaders": kinds, "skipped_engines": notes}
     note(f"feedgpu bench: {p.name} ({file}) on {data_meta['source']} at {path}")
     runs = run_rounds(kinds, rounds, lambda kind, r, on_batch: run_one(
-        kind, p, workers, batch_size, batches, warmup, device, on_batch), (warmup + batches) if progress else None)
+        kind, p, workers, batch_size, batches, warmup, device, on_batch, min_seconds),
+        (warmup + batches) if progress else None)
     summary = summarize(runs)
     pairs = [(a, "torch") for a in kinds if a != "torch"] + [(a, "feedgpu") for a in kinds if a.startswith("feedgpu_")]
     speedups = {f"{a}_over_{b}": ratio(summary, a, b) for a, b in pairs if a in summary and b in summary}

@@ -136,6 +136,31 @@ def test_bench_writes_json_with_both_loaders(cli, folder_ds, tmp_path):
         s = doc["summary"][name]
         assert s["uss_mb_per_worker"] > 0 and s["cow_growth_mb_per_worker"] is not None
     assert doc["summary"]["feedgpu"]["worker_memory_mb"] >= 64
+    # samples/s and ms/batch from the same timed window: their product is the batch size
+    for r in doc["runs"] + list(doc["summary"].values()):
+        assert abs(r["samples_per_s"] * r["ms_per_batch"] / 1e3 - 8) < 1e-6, r
+        assert r["wait_ms_median"] > 0
+    assert "RSS" not in res.stdout.splitlines()[next(i for i, ln in enumerate(res.stdout.splitlines())
+                                                      if ln.startswith("loader "))]
+
+
+@pytest.mark.timeout(240)
+def test_bench_times_each_run_for_at_least_seconds(cli, folder_ds, tmp_path):
+    out = tmp_path / "out.json"
+    res = run(cli, "bench", "--data", folder_ds, "--seconds", 2, "--rounds", 1, "--workers", 1, "--batch-size", 8,
+              "--warmup", 1, "--no-baseline", "--json", out)
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    (r,) = doc["runs"]
+    assert r["seconds"] >= 2 and r["batches"] >= doc["settings"]["timed_batches"]
+    assert doc["settings"]["min_seconds"] == 2
+    assert "at least" in res.stdout and f"{r['batches']} in" in res.stdout
+
+
+def test_bench_help_names_the_baseline_as_it_runs(cli):
+    text = " ".join(run(cli, "bench", "--help").stdout.split())
+    assert "DataLoader + Pillow" not in text
+    assert "same PIL build" in text and "Pillow-SIMD" in text
 
 
 # -- what help and listings import ----------------------------------------------------------------
