@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["comparison_lines", "comparison_warnings", "format_table", "idle_lines", "memory_notes", "write_json"]
+__all__ = ["balancer_lines", "comparison_lines", "comparison_warnings", "format_table", "idle_lines", "memory_notes",
+           "write_json"]
 
 MB = 1 << 20
 
@@ -120,10 +121,12 @@ def comparison_warnings(doc: dict) -> list[str]:
 def idle_lines(r: dict) -> list[str]:
     """The stdout of ``feedgpu bench --model / --consumer-rate`` for a ``feedgpu.idle/1`` report."""
     m, a, b = r["model_alone"], r["loader_alone"], r["together"]
+    balanced = r.get("num_workers") == "auto"
     out = [f"consumer:      {r['consumer']}",
            f"model alone:   {1e3 * m['seconds_per_step']:.1f} ms/step = {m['samples_per_s']:,.0f} samples/s "
            f"(batch already on the device)",
-           f"loader alone:  {a['samples_per_s']:,.0f} samples/s ({a['workers']} workers at the end)",
+           f"loader alone:  {a['samples_per_s']:,.0f} samples/s "
+           + (f"(its balancer ended at {a['workers']} workers)" if balanced else f"({a['workers']} workers)"),
            f"both:          {b['samples_per_s']:,.0f} samples/s, waited {b['median_wait_ms']:.1f} ms "
            f"per batch (median)",
            f"GPU idle:      {100 * r['gpu_idle_fraction']:.1f} % (reads {100 * r['wait_split']['read']:.1f} %, "
@@ -134,18 +137,35 @@ def idle_lines(r: dict) -> list[str]:
     costs = r["stage_costs"]["ms_per_sample"]
     if costs:
         out.append("stage costs:   " + ", ".join(f"{k} {v:.2f}" for k, v in costs.items()) + " ms/sample (workers)")
-    bal = r["balancer"]
-    if bal["timeline"]:
-        out.append(f"balancer:      {len(bal['timeline'])} windows, ended at {bal['final_workers']} workers, "
-                   f"prefetch {bal['final_prefetch']}")
-        for d in bal["decisions"][-8:]:
-            out.append(f"  t={d['t'] - bal['timeline'][0]['t']:+.0f}s {d['kind']} -> {d['workers']} workers: "
-                       f"{d['reason']}")
+    out += balancer_lines(r["balancer"])
     pl = r.get("placement")
     if pl:
         out.append("placement:     " + ", ".join(f"{k} {v['samples_per_s']:,.0f}/s on {v['cpu_cores']:.1f} cores"
                                                  for k, v in pl["measured"].items()) + f" -> {pl['choice']}")
     out += ["", r["recommendation"]]
+    return out
+
+
+def balancer_lines(bal: dict) -> list[str]:
+    """The balancer's log of phase 3 (loader + consumer) for :func:`idle_lines`: where it ended,
+    every step it took or undid from the loader's start, and the step still on trial when the run
+    ended (if any). Nothing without a timeline (a fixed worker count)."""
+    tl = bal.get("timeline") or []
+    if not tl:
+        return []
+    t0 = bal.get("t_begin", tl[0]["t"])
+    out = [f"balancer:      phase 3 (loader + consumer): {len(tl)} windows, ended at {bal['final_workers']} workers, "
+           f"prefetch {bal['final_prefetch']}"]
+    if bal.get("t_timed") is not None:
+        out.append(f"  (t: seconds since the loader started; settling until t=+{bal['t_timed'] - t0:.0f}s, "
+                   "timed after)")
+    for d in bal["decisions"]:
+        out.append(f"  t=+{d['t'] - t0:.0f}s {d['kind']} -> {d['workers']} workers / prefetch {d['prefetch']}: "
+                   f"{d['reason']}")
+    if bal.get("trying"):
+        out.append(f"  t=+{tl[-1]['t'] - t0:.0f}s the run ended while trying {bal['trying']}: no verdict on it yet")
+    elif bal.get("summary"):
+        out.append(f"  t=+{tl[-1]['t'] - t0:.0f}s at the end: {bal['summary']}")
     return out
 
 

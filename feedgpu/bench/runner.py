@@ -174,7 +174,8 @@ def why_idle(p, file: str, path: str, *, model: str | None, consumer_rate: float
              note: Note = _stderr) -> dict:
     """"Why is my GPU idle": :func:`feedgpu.bench.idle.analyze` with a training step of ``model``
     (see :func:`~feedgpu.bench.idle.load_model`) or a synthetic consumer of ``consumer_rate``
-    samples/s, three phases of ``duration`` seconds, ``workers`` (default ``auto``). Returns the
+    samples/s, three phases of ``duration`` seconds timed (phases 2 and 3 after ``duration / 2``
+    seconds untimed when the balancer sizes the pool), ``workers`` (default ``auto``). Returns the
     ``feedgpu.idle/1`` report. Both or neither of ``model``/``consumer_rate`` raise
     :class:`~feedgpu.errors.BenchUsageError`."""
     from ..loader import DataLoader
@@ -198,9 +199,13 @@ def why_idle(p, file: str, path: str, *, model: str | None, consumer_rate: float
     def make_loader(**over):
         return DataLoader(p, batch_size=bs, num_workers=nw, device=device, **over)
 
-    note(f"feedgpu bench: why is the GPU idle? {consumer.label}; {p.name} on {path}; 3 phases of {duration:.0f} s")
+    settle = duration / 2 if nw == "auto" else 0.0   # the balancer sizes the pool: let it settle first
+    phases = (f"model alone {duration:g} s; loader alone, then loader + consumer: start-up and {settle:g} s settling (untimed) "
+              f"+ {duration:g} s timed each" if settle else f"3 phases of {duration:g} s")
+    note(f"feedgpu bench: why is the GPU idle? {consumer.label}; {p.name} on {path}; {phases}")
     t0 = time.perf_counter()
-    report = idle.analyze(make_loader, consumer, duration, on_gpu=device != "cpu", compare_engines=compare_engines)
+    report = idle.analyze(make_loader, consumer, duration, on_gpu=device != "cpu", compare_engines=compare_engines,
+                          warmup_s=settle)
     report.update(pipeline=file, data=path, batch_size=bs, num_workers=nw, device=device, machine=machine_info(),
                   created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), format="feedgpu.idle/1",
                   total_seconds=round(time.perf_counter() - t0, 1))

@@ -48,7 +48,8 @@ from .options import parse_sets
 @click.option("--consumer-rate", type=click.FloatRange(min=0, min_open=True),
               help="Why is my GPU idle, without a GPU: a synthetic consumer taking this many samples/s.")
 @click.option("--duration", default=20.0, show_default=True, type=click.FloatRange(min=1),
-              help="Seconds of each phase (model alone, loader alone, both) with --model/--consumer-rate.")
+              help="With --model/--consumer-rate: timed seconds of each phase (model alone, loader alone, both); "
+                   "with the balancer (no --workers) the loader phases first run half as long untimed, to settle.")
 @click.option("--compare-engines", is_flag=True,
               help="With --model/--consumer-rate: also measure DALI's engines alone and say where the stages "
                    "should run.")
