@@ -421,8 +421,8 @@ def plot(report: dict, path: str) -> bool:
     # above the plot, not over the lines' ends
     ax[0].legend(loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=3, frameon=False)
     settle = report.get("warmup_s", 0.0)
-    ax[2].set_xlabel("seconds since the loader started (phase 3, loader + consumer: "
-                     + (f"start-up and {settle:g} s settling, then " if settle else "start-up, then ")
+    ax[2].set_xlabel("seconds since phase 3's loader started ("
+                     + (f"start-up + {settle:g} s settling, then " if settle else "start-up, then ")
                      + f"{report['duration_s']:g} s timed)")
     fig.suptitle(f"{report['consumer']}: GPU idle {100 * report['gpu_idle_fraction']:.1f} %")
     fig.savefig(path, dpi=100)

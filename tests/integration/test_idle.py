@@ -169,6 +169,8 @@ def test_the_plot_keeps_its_legend_off_the_lines_and_spans_both_parts_of_the_pha
     assert legend.get_window_extent().y0 >= top.get_window_extent().y1 - 1, "the legend overlaps the plot"
     assert fig.axes[2].get_xlim() == (0, 18.5)     # start-up and 6 s settling, then 12 s timed: to the last window
     assert "6 s settling, then 12 s timed" in fig.axes[2].get_xlabel()
+    label = fig.axes[2].xaxis.label.get_window_extent()
+    assert label.x0 >= 0 and label.x1 <= fig.bbox.x1, "the axis label runs off the figure"
     plt.close(fig)
 
 
