@@ -168,9 +168,10 @@ def test_bench_help_names_the_baseline_as_it_runs(cli):
 HEAVY = ("torch", "torchvision", "feedgpu.loader", "pyarrow", "ray", "nvidia.dali", "matplotlib")
 
 
-def _imported_by(*args: str) -> list[str]:
-    """The modules of :data:`HEAVY` that running ``feedgpu ARGS`` in a fresh interpreter imported."""
-    code = ("import json, sys\nfrom feedgpu.cli.main import main\n"
+def _imported_by(*args: str, prelude: str = "") -> list[str]:
+    """The modules of :data:`HEAVY` that running ``feedgpu ARGS`` in a fresh interpreter imported
+    (after running the code ``prelude``)."""
+    code = (f"import json, sys\n{prelude}\nfrom feedgpu.cli.main import main\n"
             f"try:\n    main({list(args)!r}, prog_name='feedgpu')\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
             f"print(json.dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
@@ -183,6 +184,26 @@ def _imported_by(*args: str) -> list[str]:
                                   ["convert", "--help"]], ids=" ".join)
 def test_help_and_listings_do_not_import_torch(args):
     assert _imported_by(*args) == []
+
+
+@pytest.mark.parametrize("command", ["validate", "explain"])
+def test_validate_and_explain_without_a_gpu_driver_do_not_import_torch(command):
+    """``output.device: auto`` resolves to cpu without torch where no GPU driver is present."""
+    no_driver = "import feedgpu.pipeline as fp; fp._GPU_DRIVER_PATHS = ('/nonexistent/nvidia',)"
+    assert _imported_by("pipeline", command, str(TRAIN), prelude=no_driver) == []
+
+
+def test_auto_still_asks_torch_where_a_gpu_driver_may_be(monkeypatch):
+    import torch
+
+    import feedgpu.pipeline as fp
+
+    monkeypatch.setattr(fp, "_GPU_DRIVER_PATHS", ("/",))   # "a driver is there": torch decides
+    assert fp.resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    monkeypatch.setattr(fp, "_GPU_DRIVER_PATHS", ("/nonexistent/nvidia",))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)   # torch already imported: it decides
+    assert fp.resolve_device("auto") == "cuda" and fp.device_label("auto") == "cuda (output.device auto)"
+    assert fp.device_label("cpu") == "cpu"
 
 
 def test_import_feedgpu_is_lazy_and_its_names_resolve():
