@@ -306,8 +306,8 @@ def markdown(doc: dict) -> str:
         "(worker start-up and the pipeline fill are excluded). The timed batches are a multiple of the worker "
         "count because each worker fills whole batches: an epoch's odd last batch would leave a worker idle, a "
         "tail that weighs on a 7-batch epoch far more than on a real dataset.",
-        "- ms/batch: median time the training loop waits in `next()` for a timed batch; the consumer reads a "
-        "slice of each batch and does nothing else, so this is the loader's own pace.",
+        "- ms/batch: the same timed window ÷ the timed batches (samples/s × ms/batch = the batch size); the "
+        "consumer reads a slice of each batch and does nothing else, so this is the loader's own pace.",
         "- first batch: from `iter(loader)` to the first batch (includes starting the workers).",
         "- CPU %: CPU seconds of the main process and all its children (the workers) over the timed window ÷ "
         "its wall time; 200 % = both cores busy.",
@@ -330,7 +330,7 @@ def markdown(doc: dict) -> str:
         "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in doc["runs"]:
-        L.append(f"| {r['round']} | {r['loader']} | {r['samples_per_s']:.0f} | {r['ms_per_batch_median']:.0f} | "
+        L.append(f"| {r['round']} | {r['loader']} | {r['samples_per_s']:.0f} | {r['ms_per_batch']:.0f} | "
                  f"{r['first_batch_s']:.2f} | {r['cpu_percent']:.0f} | {_f(r['others_cpu_percent'], '.0f')} | "
                  f"{_f(r['steal_percent'], '.1f')} |")
     return "\n".join(L) + "\n"

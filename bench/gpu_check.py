@@ -51,7 +51,7 @@ def steps(a) -> list[tuple[str, list[str], int, list[Path]]]:
     device = "cpu" if a.cpu else "cuda"
     engines = ["python", "dali-cpu", "torch"] + ([] if a.cpu else ["dali-gpu"])
     data = ["--images", str(a.images), "--workers", str(a.workers), "--rounds", str(a.rounds),
-            "--batch-size", str(a.batch_size)]
+            "--seconds", str(a.seconds), "--batch-size", str(a.batch_size)]
     todo = [("doctor", _feedgpu("doctor"), 120, []),
             (TESTS, [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
                      "tests/engines/test_dali.py", "tests/gpu/test_gpu.py", "tests/integration/test_iterable.py",
@@ -135,6 +135,9 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=None, help="workers / DALI threads (default: cores - 1)")
     ap.add_argument("--rounds", type=int, default=None, help="data-only rounds (default 2; --cpu: 1)")
     ap.add_argument("--batch-size", type=int, default=None, help="default 256; --cpu: 32")
+    ap.add_argument("--seconds", type=float, default=0.0,
+                    help="data only: time each run at least this long (feedgpu bench --seconds; default 0: the rest "
+                         "of one epoch, which keeps the check within its device time)")
     ap.add_argument("--duration", type=float, default=None, help="seconds per end-to-end phase (default 15; --cpu: 2)")
     ap.add_argument("--only", action="append", default=[], help="run only steps whose name starts with this")
     a = ap.parse_args(argv)

@@ -1,19 +1,16 @@
 """feedgpu: feed GPUs from PyTorch without CPU data stalls.
 
-``import feedgpu`` needs neither a GPU nor NVIDIA DALI; nothing here touches CUDA.
+``import feedgpu`` needs neither a GPU nor NVIDIA DALI; nothing here touches CUDA. The public
+names below are imported on first use (:pep:`562`), so ``import feedgpu`` and the command line's
+help and listings do not pay for torch: ``feedgpu.DataLoader`` imports the loader (and torch)
+the first time it is read.
 """
+import importlib
+
 from ._version import __version__
 from .errors import (CacheFullError, ConfigError, DecodeError, DownloadError, FeedgpuError, IteratorSuperseded,
                      LoaderTimeout, RemoteChangedError, RemoteError, SampleError, ShardFetchError, SharedMemoryError,
                      SkipBudgetExceeded, SourceError, StageError, StateError, UploadError, WorkerError)
-from .exec.memory_budget import MemoryBudgetWarning
-from .exec.memory_watch import CopyOnReadWarning
-from .exec.work import Batch
-from .imaging import pil_build
-from .loader import DataLoader
-from .metrics import SkippedSampleWarning
-from .pipeline import Pipeline
-from .sources import DatasetSource, FolderSource, TarShardSource
 
 __all__ = [
     "Batch", "CacheFullError", "ConfigError", "CopyOnReadWarning", "DataLoader", "DatasetSource",
@@ -24,11 +21,23 @@ __all__ = [
     "UploadError", "WorkerError", "pil_build",
 ]
 
+#: public name -> the module that defines it, imported when the name is first read
+_LAZY = {
+    "Batch": ".exec.work", "CopyOnReadWarning": ".exec.memory_watch", "DataLoader": ".loader",
+    "DatasetSource": ".sources", "FolderSource": ".sources", "MemoryBudgetWarning": ".exec.memory_budget",
+    "ParquetSource": ".sources.parquet", "Pipeline": ".pipeline", "SkippedSampleWarning": ".metrics",
+    "TarShardSource": ".sources", "pil_build": ".imaging",
+}
+
 
 def __getattr__(name: str):
-    # ParquetSource imports pyarrow, which a folder or tar pipeline does not need at start-up
-    if name == "ParquetSource":
-        from .sources.parquet import ParquetSource
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # read once: later reads find it without this hook
+    return value
 
-        return ParquetSource
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

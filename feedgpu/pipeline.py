@@ -21,13 +21,39 @@ from .stages import Normalize, Stage, stage_classes
 LOADER_KEYS = tuple(field_names(LoaderSettings))
 
 
+#: paths one of which exists wherever a GPU driver torch can use is loaded (NVIDIA, WSL, ROCm)
+_GPU_DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg", "/dev/kfd")
+
+
+def _gpu_driver_present() -> bool:
+    """False when no GPU driver is visible, so torch cannot see a CUDA device (answered without
+    importing torch); True when one is, or on a system where these paths say nothing."""
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return sys.platform != "darwin"
+    return any(os.path.exists(p) for p in _GPU_DRIVER_PATHS)
+
+
 def resolve_device(device: str) -> str:
-    """``"auto"`` -> ``"cuda"`` when torch sees a GPU, else ``"cpu"``; others unchanged."""
+    """``"auto"`` -> ``"cuda"`` when torch sees a GPU, else ``"cpu"``; others unchanged. Where
+    no GPU driver is present the answer is ``"cpu"`` without importing torch."""
     if device == "auto":
+        import sys
+
+        if "torch" not in sys.modules and not _gpu_driver_present():
+            return "cpu"
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
+
+
+def device_label(device: str) -> str:
+    """Where batches go, as the command line shows it: ``device`` resolved, with the setting it
+    came from when that was ``auto`` (``"cpu (output.device auto)"``)."""
+    dev = resolve_device(device)
+    return dev if dev == device else f"{dev} (output.device {device})"
 
 
 def _section(cls, value, key: str):
@@ -271,8 +297,9 @@ class Pipeline:
             if self.executor.remote:
                 from .imaging import pil_label
 
-                where = f"cpu pool + Ray {self.executor.address or '(ray.init default)'} ({pil_label()})"
-                return make_plan(self.stages, dev, pool_where=where)
+                where = f"cpu pool + Ray {self.executor.address or '(ray.init default)'}"
+                return make_plan(self.stages, dev, pool_where=f"{where} ({pil_label()})",
+                                 batch_where=f"{where} (numpy)")
             return make_plan(self.stages, dev)
         from .exec.dali_graph import check_dali_plan
 
@@ -297,16 +324,21 @@ class Pipeline:
         dev = resolve_device(device or self.device)
         plan = self.plan(dev)
         cached = self.cache is not None and plan.cache_prefix > 0
-        rows = [("stage", "runs on", "deterministic", "output per sample")] + plan.describe(self.batch_size, self.cache if cached else False)
-        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        rows = ([("stage", "kind", "runs on", "deterministic", "output per sample")]
+                + plan.describe(self.batch_size, self.cache if cached else False))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [f"pipeline {self.name!r}: {self.source_label()}"]
         for k, r in enumerate(rows):
             lines.append("  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
             if k == 0:
                 lines.append("  " + "  ".join("-" * w for w in widths))
+        if any(r[3] == "no (seeded)" for r in rows):
+            lines.append("  (seeded: a random stage draws from (seed, epoch, sample index): the same seed gives the "
+                         "same batches, whichever worker runs it)")
         o = plan.out_spec
         lines.append(f"batch: images {o.dtype} {'N' + o.layout} [{self.batch_size}, "
-                     f"{', '.join(str(d) for d in o.shape)}] + labels int64 [{self.batch_size}] on {dev}")
+                     f"{', '.join(str(d) for d in o.shape)}] + labels int64 [{self.batch_size}] on "
+                     f"{device_label(device or self.device)}")
         shuffle = f"shards (window {self.shard_window})" if self.shard_window else self.shuffle
         lines.append(f"loader: {self.num_workers} workers, prefetch {self.prefetch_factor} per worker, "
                      f"shuffle={shuffle}, drop_last={self.drop_last}, seed={self.seed}, on_error={self.on_error}, "

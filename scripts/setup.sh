@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Set up feedgpu on a fresh machine: a virtual environment in .venv with the CPU build of
 # torch, Pillow-SIMD built from source (AVX2 where the CPU has it) and feedgpu with its dev extra.
-# Idempotent: a second run only checks what is there.
+# Idempotent: a second run only checks what is there. feedgpu itself is installed again only when
+# the venv lacks an editable install of this checkout made from the same pyproject.toml and extras
+# (a stamp in the venv holds their hash), so a dependency added to pyproject.toml is installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${FEEDGPU_VENV:-.venv}
@@ -28,7 +30,27 @@ fi
 # Ray (executor: ray; its tests start a 2-CPU local cluster). Ray does not depend on pillow.
 # remote: fsspec, aiohttp and s3fs for sources read from URLs (and the S3 tests, with moto from dev)
 # docs: mkdocs, mkdocs-material and mkdocstrings for the documentation site (none pulls pillow)
-pip_ -e ".[dev,dali,ray,remote,docs]"
+EXTRAS="dev,dali,ray,remote,docs"
+STAMP="$VENV/.feedgpu-setup-stamp"
+WANT="$( (pwd -P; echo "$EXTRAS"; cat pyproject.toml) | sha256sum | cut -d' ' -f1)"
+editable_here() {  # the installed feedgpu is an editable install of this checkout
+  "$PY" -I - "$(pwd -P)" <<'PYEOF' 2>/dev/null
+import json, sys
+from importlib.metadata import distribution
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+d = json.loads(distribution("feedgpu").read_text("direct_url.json") or "{}")
+here = d.get("dir_info", {}).get("editable") and Path(unquote(urlparse(d["url"]).path)).resolve() == Path(sys.argv[1])
+sys.exit(0 if here else 1)
+PYEOF
+}
+if [ "$(cat "$STAMP" 2>/dev/null)" = "$WANT" ] && editable_here; then
+  echo "setup: feedgpu is installed (editable, this checkout, same pyproject.toml): not reinstalled" >&2
+else
+  rm -f "$STAMP"
+  pip_ -e ".[$EXTRAS]"
+  echo "$WANT" > "$STAMP"
+fi
 # matplotlib (plots of `feedgpu bench --plot`) requires `pillow`, which pip would install over
 # Pillow-SIMD: install its other dependencies by name, then matplotlib without dependencies.
 if ! "$PY" -c "import matplotlib" 2>/dev/null; then

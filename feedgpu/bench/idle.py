@@ -150,7 +150,8 @@ def run_loader(loader, consumer, duration_s: float, warmup_s: float = 0.0) -> di
     """Phases 2 and 3: iterate ``loader`` (epoch after epoch) for ``warmup_s`` seconds untimed
     (the balancer settling), then ``duration_s`` seconds timed, giving each batch to
     ``consumer`` (None: phase 2). The clock starts with the first batch after the warm-up (worker
-    start-up excluded); that batch and its step count, its wait does not."""
+    start-up excluded); that batch and its step count, its wait does not. ``t_start`` in the
+    result is that first batch's ``time.perf_counter()`` (the clock of the balancer's timeline)."""
     import psutil
 
     if warmup_s > 0:
@@ -187,7 +188,7 @@ def run_loader(loader, consumer, duration_s: float, warmup_s: float = 0.0) -> di
                 wall = time.perf_counter() - t_first
                 cores = (cpu_seconds(loader.worker_pids(), me) - cpu0) / wall
                 return {"batches": batches, "samples": samples, "wall_s": wall, "samples_per_s": samples / wall,
-                        "cpu_cores": cores,
+                        "cpu_cores": cores, "t_start": t_first,
                         "wait_s": sum(waits), "median_wait_ms": 1e3 * statistics.median(waits) if waits else 0.0}
         epoch += 1
 
@@ -342,6 +343,7 @@ def analyze(make_loader: Callable[..., Any], consumer, duration_s: float, on_gpu
         placed = placement(make_loader, {**alone, "workers": threads}, duration_s, model["samples_per_s"], on_gpu,
                            warmup_s)
     loader = make_loader()
+    t_begin = time.perf_counter()
     both = run_loader(loader, consumer, duration_s, warmup_s)
     stats = loader.stats()
     loader.shutdown()
@@ -359,13 +361,25 @@ def analyze(make_loader: Callable[..., Any], consumer, duration_s: float, on_gpu
         "wait_split": {"read": idle * costs["read_share"], "preprocess": idle * (1 - costs["read_share"])},
         "stage_costs": costs, "diagnosis": diag,
         "network_wait_fraction": (diag or {}).get("network_wait_fraction", 0.0),
-        "balancer": {"timeline": list(scaler.timeline) if scaler is not None else [],
-                     "decisions": [d for d in (bal or {}).get("last", []) if d["kind"] not in ("hold", "settle")],
-                     "final_workers": stats["num_workers"], "final_prefetch": stats["prefetch_factor"]},
+        "balancer": _balancer_log(scaler, bal, stats, t_begin, both["t_start"]),
         "placement": placed,
         "recommendation": recommend(idle, diag, costs, on_gpu)
         + (f" Placement measured: {placed['reason']}." if placed else ""),
     }
+
+
+def _balancer_log(scaler, bal: dict | None, stats: dict, t_begin: float, t_timed: float) -> dict:
+    """Phase 3's balancer: every window (``timeline``), every step it took or undid
+    (``decisions``: the windows whose decision is not a hold or a settling window, from the start),
+    where it ended, what it was still trying (``trying``, None when no step awaited its verdict),
+    and the phase's clock: ``t_begin`` (the loader's start) and ``t_timed`` (the timed window's
+    start; before it the balancer settles, untimed)."""
+    timeline = list(scaler.timeline) if scaler is not None else []
+    decisions = [{"t": p["t"], "kind": p["decision"], "workers": p["next_workers"], "prefetch": p["next_prefetch"],
+                  "reason": p.get("reason", "")} for p in timeline if p["decision"] not in ("hold", "settle")]
+    return {"timeline": timeline, "decisions": decisions, "final_workers": stats["num_workers"],
+            "final_prefetch": stats["prefetch_factor"], "summary": (bal or {}).get("summary"),
+            "trying": (bal or {}).get("trying"), "t_begin": t_begin, "t_timed": t_timed}
 
 
 def plot(report: dict, path: str) -> bool:
@@ -383,14 +397,14 @@ def plot(report: dict, path: str) -> bool:
     if not tl:
         log.warning("no balancer windows to plot (a fixed num_workers, or a run shorter than a window)")
         return False
-    t0 = tl[0]["t"]
+    bal = report["balancer"]
+    t0 = bal.get("t_begin", tl[0]["t"])
     t = [p["t"] - t0 for p in tl]
-    fig, ax = plt.subplots(3, 1, figsize=(8, 7), sharex=True)
+    fig, ax = plt.subplots(3, 1, figsize=(8, 7), sharex=True, layout="constrained")
     ax[0].plot(t, [p["delivered_rate"] for p in tl], label="delivered")
     ax[0].plot(t, [p["demand_rate"] if p["demand_rate"] and math.isfinite(p["demand_rate"]) else float("nan")
                    for p in tl], "--", label="demand")
     ax[0].set_ylabel("samples/s")
-    ax[0].legend(loc="lower right")
     ax[0].set_ylim(bottom=0)
     ax[1].plot(t, [100 * p["wait_fraction"] for p in tl], color="tab:red")
     ax[1].set_ylabel("consumer idle %")
@@ -399,9 +413,18 @@ def plot(report: dict, path: str) -> bool:
     ax[2].set_ylabel("workers")
     ax[2].set_ylim(0, max(p["workers"] for p in tl) + 1)
     ax[2].yaxis.get_major_locator().set_params(integer=True)
-    ax[2].set_xlabel("seconds (loader + consumer phase)")
+    end = report.get("warmup_s", 0.0) + report["duration_s"]
+    ax[2].set_xlim(0, max(end, t[-1]))
+    if bal.get("t_timed") is not None and bal["t_timed"] > t0:
+        for a in ax:   # before the timed window: the balancer settling, not in the figures
+            a.axvspan(0, bal["t_timed"] - t0, color="0.92", zorder=0, label="settling (untimed)" if a is ax[0] else None)
+    # above the plot, not over the lines' ends
+    ax[0].legend(loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=3, frameon=False)
+    settle = report.get("warmup_s", 0.0)
+    ax[2].set_xlabel("seconds since phase 3's loader started ("
+                     + (f"start-up + {settle:g} s settling, then " if settle else "start-up, then ")
+                     + f"{report['duration_s']:g} s timed)")
     fig.suptitle(f"{report['consumer']}: GPU idle {100 * report['gpu_idle_fraction']:.1f} %")
-    fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return True

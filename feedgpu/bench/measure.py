@@ -3,16 +3,23 @@ medians (:func:`summarize`). ``feedgpu bench`` and the ``bench/`` scripts report
 the same way:
 
 * samples/s: samples delivered after the warm-up batches divided by the time from the last
-  warm-up batch to the last batch (worker start-up and pipeline fill are excluded);
+  warm-up batch to the last batch (the timed window; worker start-up and pipeline fill are
+  excluded);
+* ms/batch: the same timed window divided by the batches delivered in it, so that samples/s
+  times ms/batch is the batch size (:func:`summarize` derives it from the median samples/s);
+* wait: the time the consumer spent inside ``next()`` per batch (median, p90, mean; plus the
+  copy to the device for the torch loader when ``--device`` is a GPU): the time between two
+  ``next()`` calls (reading the batch, sampling memory) is not in it, and workers deliver in
+  bursts, so its median is not the rate's reciprocal;
+* timed batches: ``batches``, and with ``min_seconds`` more until the window lasts that long;
 * first batch: seconds from ``iter(loader)`` to the first batch (includes worker start-up);
-* ms/batch: median time the consumer waits for a batch in ``next()`` (plus the copy to the
-  device for the torch loader when ``--device`` is a GPU), after the warm-up;
 * CPU %: CPU seconds of the main process and all its child processes (the workers) during the
   timed window, divided by its wall time (200 % = two cores busy);
 * memory: peak resident set of every worker (VmHWM) and of the main process (sampled at every
   batch), and each worker's unique (USS) and proportional (PSS) memory sampled half-way through
-  the timed window. Forked workers share pages with the main process, so RSS overstates what a
-  worker adds; USS is what it alone holds;
+  the timed window. Workers share pages with the main process and with each other (libraries,
+  feedgpu's shared-memory batch buffers), so RSS counts those in every worker; USS is what a
+  worker alone holds (what one more worker costs), PSS its share of everything it maps;
 * others' CPU %: what every other process used meanwhile (a busy neighbour skews the numbers).
 """
 from __future__ import annotations
@@ -70,9 +77,11 @@ def _rows(batch) -> int:
     return int(batch[0].shape[0])
 
 
-def measure(subject: Subject, batches: int, warmup: int, on_batch: Callable[[], None] | None = None) -> dict:
+def measure(subject: Subject, batches: int, warmup: int, on_batch: Callable[[], None] | None = None,
+            min_seconds: float = 0.0) -> dict:
     """Consume ``warmup + batches`` batches from ``subject`` (crossing epochs when one epoch has
-    fewer) and return the run's numbers (see the module docstring). Closes the loader and waits
+    fewer), and more while the timed window is shorter than ``min_seconds`` (seconds, default 0),
+    and return the run's numbers (see the module docstring). Closes the loader and waits
     for its workers to exit before returning. Raises :class:`~feedgpu.errors.BenchRunError` when
     an epoch gives no batch."""
     import psutil
@@ -99,7 +108,7 @@ def measure(subject: Subject, batches: int, warmup: int, on_batch: Callable[[], 
             t_start, cpu_start, sys_start = t_iter, cpu_seconds(children(), me), psutil.cpu_times()
         it = iter(subject.loader)
         got = in_epoch = 0
-        while got < needed:
+        while got < needed or (min_seconds > 0 and (t_start is None or time.perf_counter() - t_start < min_seconds)):
             t0 = time.perf_counter()
             try:
                 batch = subject.fetch(it)
@@ -165,8 +174,10 @@ def measure(subject: Subject, batches: int, warmup: int, on_batch: Callable[[], 
         "batches": len(waits), "warmup": warmup, "samples": samples, "epochs": epochs,
         "seconds": round(wall, 4), "samples_per_s": samples / wall if wall > 0 else 0.0,
         "first_batch_s": round(first_s, 4),
-        "ms_per_batch_median": statistics.median(waits) * 1e3 if waits else None,
-        "ms_per_batch_p90": _quantile(waits, 0.9) * 1e3 if waits else None,
+        "ms_per_batch": 1e3 * wall / len(waits) if waits else None,
+        "wait_ms_median": statistics.median(waits) * 1e3 if waits else None,
+        "wait_ms_p90": _quantile(waits, 0.9) * 1e3 if waits else None,
+        "wait_ms_mean": statistics.fmean(waits) * 1e3 if waits else None,
         "cpu_s": round(cpu_end - cpu_start, 3),
         "cpu_percent": 100.0 * (cpu_end - cpu_start) / wall if wall > 0 else 0.0,
         "rss_peak_mb_per_worker": [round(b / MB, 1) for b in worker_peaks],
@@ -250,16 +261,19 @@ def epoch_batches(pipeline, batch_size: int) -> int:
 
 
 def run_one(kind: str, pipeline, workers: int, batch_size: int, batches: int, warmup: int,
-            device: str = "cpu", on_batch: Callable[[], None] | None = None) -> dict:
+            device: str = "cpu", on_batch: Callable[[], None] | None = None, min_seconds: float = 0.0) -> dict:
     """Build the ``kind`` loader (a key of :data:`MAKERS`: "feedgpu" (Python engine),
-    "feedgpu_dali_cpu", "feedgpu_dali_gpu" or "torch") on ``pipeline`` and measure one run."""
-    persistent = warmup + batches > epoch_batches(pipeline, batch_size)
+    "feedgpu_dali_cpu", "feedgpu_dali_gpu" or "torch") on ``pipeline`` and measure one run
+    (:func:`measure`; workers persist across epochs when the run may span more than one)."""
+    persistent = min_seconds > 0 or warmup + batches > epoch_batches(pipeline, batch_size)
     subject = MAKERS[kind](pipeline, workers, batch_size, device, persistent)
-    return measure(subject, batches, warmup, on_batch)
+    return measure(subject, batches, warmup, on_batch, min_seconds)
 
 
 def summarize(runs: list[dict]) -> dict:
-    """Per loader: medians over its runs (rates, times, CPU, USS), peaks (RSS)."""
+    """Per loader: medians over its runs (rates, waits, CPU, USS, PSS), peaks (RSS). ``ms_per_batch``
+    is the median samples/s turned into time per batch (the runs' mean batch size over it), so
+    the two always agree."""
     out: dict[str, dict] = {}
     names = list(dict.fromkeys(r["loader"] for r in runs))
     med = statistics.median
@@ -269,11 +283,18 @@ def summarize(runs: list[dict]) -> dict:
         pss = [u for r in rs for u in (r.get("pss_mb_per_worker") or [])]
         rss = [u for r in rs for u in r["rss_peak_mb_per_worker"]]
         grew = [u for r in rs for u in (r.get("cow_growth_mb_per_worker") or [])]
+        rate = med(r["samples_per_s"] for r in rs)
+        batches = sum(r["batches"] for r in rs)
+        rows = sum(r["samples"] for r in rs) / batches if batches else None
         out[name] = {
             "label": rs[0]["label"], "workers": rs[0]["workers"], "threads": rs[0].get("threads"), "rounds": len(rs),
-            "samples_per_s": med(r["samples_per_s"] for r in rs),
+            "samples_per_s": rate,
             "samples_per_s_runs": [round(r["samples_per_s"], 1) for r in rs],
-            "ms_per_batch": med(r["ms_per_batch_median"] for r in rs),
+            "ms_per_batch": 1e3 * rows / rate if rows and rate else None,
+            "wait_ms_median": med(r["wait_ms_median"] for r in rs if r["wait_ms_median"] is not None)
+            if any(r["wait_ms_median"] is not None for r in rs) else None,
+            "timed_batches": med(r["batches"] for r in rs),
+            "timed_seconds": med(r["seconds"] for r in rs),
             "first_batch_s": med(r["first_batch_s"] for r in rs),
             "cpu_percent": med(r["cpu_percent"] for r in rs),
             "rss_peak_mb_per_worker": max(rss) if rss else None,

@@ -130,10 +130,11 @@ def _check_kinds(p, kinds: list[str], device: str) -> None:
 
 def compare(p, file: str, path: str, *, workers: int | None, batch_size: int | None, batches: int | None,
             rounds: int, warmup: int, engines: tuple[str, ...], no_baseline: bool, device: str,
-            sets: tuple[str, ...] = (), note: Note = _stderr, progress: bool = True) -> dict:
+            sets: tuple[str, ...] = (), note: Note = _stderr, progress: bool = True, min_seconds: float = 0.0) -> dict:
     """Measure the loaders of ``engines`` on pipeline ``p`` (read from ``file``, data at ``path``):
     ``rounds`` alternating rounds of ``warmup`` + ``batches`` batches each (default: the rest of
-    one epoch, see :func:`~feedgpu.bench.measure.default_batches`) at ``workers`` workers (default:
+    one epoch, see :func:`~feedgpu.bench.measure.default_batches`), timed for at least
+    ``min_seconds`` (more batches, across epochs, until then) at ``workers`` workers (default:
     the pipeline's count, one per core for ``auto``). ``sets`` are recorded as the overrides.
     Returns the ``feedgpu.bench/1`` document (machine, data, settings, summary, speed-ups, runs)."""
     t0 = time.perf_counter()
@@ -151,12 +152,14 @@ def compare(p, file: str, path: str, *, workers: int | None, batch_size: int | N
     data_meta = data_info(p, path)
     machine = machine_info()
     settings = {"pipeline": file, "pipeline_name": p.name, "workers": workers, "batch_size": batch_size,
-                "batches_per_epoch": nb, "timed_batches": batches, "warmup": warmup, "rounds": rounds,
+                "batches_per_epoch": nb, "timed_batches": batches, "min_seconds": min_seconds, "warmup": warmup,
+                "rounds": rounds,
                 "device": device, "prefetch_factor": p.prefetch_factor, "shuffle": p.shuffle,
                 "drop_last": p.drop_last, "overrides": list(sets), "loaders": kinds, "skipped_engines": notes}
     note(f"feedgpu bench: {p.name} ({file}) on {data_meta['source']} at {path}")
     runs = run_rounds(kinds, rounds, lambda kind, r, on_batch: run_one(
-        kind, p, workers, batch_size, batches, warmup, device, on_batch), (warmup + batches) if progress else None)
+        kind, p, workers, batch_size, batches, warmup, device, on_batch, min_seconds),
+        (warmup + batches) if progress else None)
     summary = summarize(runs)
     pairs = [(a, "torch") for a in kinds if a != "torch"] + [(a, "feedgpu") for a in kinds if a.startswith("feedgpu_")]
     speedups = {f"{a}_over_{b}": ratio(summary, a, b) for a, b in pairs if a in summary and b in summary}
@@ -171,7 +174,8 @@ def why_idle(p, file: str, path: str, *, model: str | None, consumer_rate: float
              note: Note = _stderr) -> dict:
     """"Why is my GPU idle": :func:`feedgpu.bench.idle.analyze` with a training step of ``model``
     (see :func:`~feedgpu.bench.idle.load_model`) or a synthetic consumer of ``consumer_rate``
-    samples/s, three phases of ``duration`` seconds, ``workers`` (default ``auto``). Returns the
+    samples/s, three phases of ``duration`` seconds timed (phases 2 and 3 after ``duration / 2``
+    seconds untimed when the balancer sizes the pool), ``workers`` (default ``auto``). Returns the
     ``feedgpu.idle/1`` report. Both or neither of ``model``/``consumer_rate`` raise
     :class:`~feedgpu.errors.BenchUsageError`."""
     from ..loader import DataLoader
@@ -195,9 +199,13 @@ def why_idle(p, file: str, path: str, *, model: str | None, consumer_rate: float
     def make_loader(**over):
         return DataLoader(p, batch_size=bs, num_workers=nw, device=device, **over)
 
-    note(f"feedgpu bench: why is the GPU idle? {consumer.label}; {p.name} on {path}; 3 phases of {duration:.0f} s")
+    settle = duration / 2 if nw == "auto" else 0.0   # the balancer sizes the pool: let it settle first
+    phases = (f"model alone {duration:g} s; loader alone, then loader + consumer: start-up and {settle:g} s settling (untimed) "
+              f"+ {duration:g} s timed each" if settle else f"3 phases of {duration:g} s")
+    note(f"feedgpu bench: why is the GPU idle? {consumer.label}; {p.name} on {path}; {phases}")
     t0 = time.perf_counter()
-    report = idle.analyze(make_loader, consumer, duration, on_gpu=device != "cpu", compare_engines=compare_engines)
+    report = idle.analyze(make_loader, consumer, duration, on_gpu=device != "cpu", compare_engines=compare_engines,
+                          warmup_s=settle)
     report.update(pipeline=file, data=path, batch_size=bs, num_workers=nw, device=device, machine=machine_info(),
                   created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), format="feedgpu.idle/1",
                   total_seconds=round(time.perf_counter() - t0, 1))

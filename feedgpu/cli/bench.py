@@ -26,15 +26,18 @@ from .options import parse_sets
                    "loaders are the only work; with --model/--consumer-rate, feedgpu's balancer decides).")
 @click.option("--batch-size", type=click.IntRange(1), help="Batch size (default: the pipeline's).")
 @click.option("--batches", type=click.IntRange(1),
-              help="Timed batches per run (default: the rest of one epoch after the warm-up, "
-                   "rounded down to a multiple of the workers; more spans epochs).")
+              help="Timed batches per run, exactly (default: the rest of one epoch after the warm-up, rounded "
+                   "down to a multiple of the workers, and more until --seconds have passed; more spans epochs).")
+@click.option("--seconds", "min_seconds", default=10.0, show_default=True, type=click.FloatRange(min=0),
+              help="Without --batches: time each run for at least this long (0: the rest of one epoch only).")
 @click.option("--rounds", default=3, show_default=True, type=click.IntRange(1),
               help="Runs per loader, alternating the loaders; medians are reported.")
 @click.option("--warmup", default=2, show_default=True, type=click.IntRange(0),
               help="Batches per run left out of the timing (worker start-up, pipeline fill).")
 @click.option("--engine", "engines", multiple=True, type=click.Choice(list(ENGINE_KINDS)),
               help="Loader to measure, repeatable: python (feedgpu's process pool), dali-cpu, dali-gpu "
-                   "(feedgpu's DALI engine; DALI threads = --workers), torch (DataLoader + Pillow). "
+                   "(feedgpu's DALI engine; DALI threads = --workers), torch (torch's DataLoader with "
+                   "torchvision-style transforms on the same PIL build as feedgpu: Pillow-SIMD where installed). "
                    "Default: the pipeline's engine and torch.")
 @click.option("--no-baseline", is_flag=True, help="Leave out the torch baseline.")
 @click.option("--device", default="cpu", show_default=True, help="Where batches are delivered (cpu, cuda, cuda:N).")
@@ -45,22 +48,29 @@ from .options import parse_sets
 @click.option("--consumer-rate", type=click.FloatRange(min=0, min_open=True),
               help="Why is my GPU idle, without a GPU: a synthetic consumer taking this many samples/s.")
 @click.option("--duration", default=20.0, show_default=True, type=click.FloatRange(min=1),
-              help="Seconds of each phase (model alone, loader alone, both) with --model/--consumer-rate.")
+              help="With --model/--consumer-rate: timed seconds of each phase (model alone, loader alone, both); "
+                   "with the balancer (no --workers) the loader phases first run half as long untimed, to settle.")
 @click.option("--compare-engines", is_flag=True,
               help="With --model/--consumer-rate: also measure DALI's engines alone and say where the stages "
                    "should run.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True),
               help="With --model/--consumer-rate: write throughput, idle share and workers over time as PNG.")
-def bench(pipeline_file, data, images, workers, batch_size, batches, rounds, warmup, engines, no_baseline, device,
-          json_path, sets, model, consumer_rate, duration, compare_engines, plot_path) -> None:
-    """Measure feedgpu against torch's DataLoader + Pillow on the same data and transforms.
+def bench(pipeline_file, data, images, workers, batch_size, batches, min_seconds, rounds, warmup, engines, no_baseline,
+          device, json_path, sets, model, consumer_rate, duration, compare_engines, plot_path) -> None:
+    """Measure feedgpu against torch's DataLoader on the same data, transforms and PIL build.
+
+    The torch baseline is ``torch.utils.data.DataLoader`` with torchvision-style transforms,
+    decoding and resizing with the PIL this environment has (Pillow-SIMD after
+    scripts/setup.sh; the ``machine:`` line names it), so the speed-up is feedgpu's own, not
+    Pillow-SIMD's.
 
     ``--engine`` (repeatable) compares feedgpu's engines (python, dali-cpu, dali-gpu) and the
     torch baseline side by side, in the same alternating rounds.
 
     With no argument, builds once (in the user's cache directory) an ImageNet-like sample from
-    photographs shipped with feedgpu and runs imagenet_train.yaml on it. Prints samples/s,
-    ms per batch, CPU use and memory per worker for each loader and the speed-up.
+    photographs shipped with feedgpu and runs imagenet_train.yaml on it. Prints, for each
+    loader, samples/s and ms per batch (both from the same timed window), CPU use and the
+    memory each worker holds alone (USS), and the speed-up.
 
     With ``--model`` or ``--consumer-rate``, answers "why is my GPU idle" instead: it times the
     model alone, the loader alone (``num_workers`` auto unless ``--workers``) and both together,
@@ -81,6 +91,7 @@ def bench(pipeline_file, data, images, workers, batch_size, batches, rounds, war
                                   compare_engines=compare_engines, note=note)
         else:
             doc = runner.compare(p, file, path, workers=workers, batch_size=batch_size, batches=batches,
+                                 min_seconds=0.0 if batches else min_seconds,
                                  rounds=rounds, warmup=warmup, engines=engines, no_baseline=no_baseline,
                                  device=device, sets=sets, note=note)
     except BenchUsageError as e:

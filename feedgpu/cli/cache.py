@@ -8,12 +8,11 @@ import time
 from pathlib import Path
 
 import click
-import numpy as np
-
-from ..cache.settings import FINGERPRINTS, CacheSettings, default_cache_root
 
 
 def _root(cache_dir: str | None) -> Path:
+    from ..cache.settings import default_cache_root
+
     return Path(cache_dir).expanduser() if cache_dir else default_cache_root()
 
 
@@ -54,15 +53,17 @@ def cache() -> None:
 @click.option("--cache-dir", type=click.Path(file_okay=False), help="Cache root (default: the pipeline's or the user cache).")
 @click.option("--compression", help="none or zstd:N (default: the pipeline's, else none).")
 @click.option("--workers", type=int, default=None, help="Worker processes (default: the pipeline's).")
-@click.option("--fingerprint", type=click.Choice(FINGERPRINTS),
+@click.option("--fingerprint", metavar="metadata|content",
               help="What ties the entry to the data: metadata (stat of each file, default) or content "
                    "(a hash of each file's bytes); the loader must use the same (cache.fingerprint).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a pipeline key.")
 def build_cmd(pipeline_file, data, cache_dir, compression, workers, fingerprint, sets) -> None:
     """Fill the cache of a pipeline's deterministic prefix for every sample, in parallel."""
+    import numpy as np
     from tqdm import tqdm
 
     from ..cache import open_entry
+    from ..cache.settings import CacheSettings
     from ..cache.store import entry_bytes
     from ..exec.cache_step import CacheStep
     from ..exec.process_pool import ProcessPool, unpack_exception

@@ -1,6 +1,13 @@
-"""The ``feedgpu`` command line."""
+"""The ``feedgpu`` command line.
+
+Help and listings answer without importing torch or the loader: each command imports what it
+needs when it runs, and the commands of other modules (``bench``, ``cache``, ``convert``,
+``index``, ``scan``) are imported only when named or when ``--help`` lists them (those modules
+import nothing heavy at their top).
+"""
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 
@@ -10,8 +17,24 @@ from ..errors import FeedgpuError
 from .options import parse_sets
 
 
+#: command name -> "module:attribute" of the commands defined outside this module
+_LAZY_COMMANDS = {"bench": "feedgpu.cli.bench:bench", "cache": "feedgpu.cli.cache:cache",
+                  "convert": "feedgpu.cli.cache:convert", "index": "feedgpu.cli.index:index",
+                  "scan": "feedgpu.cli.scan:scan"}
+
+
 class _Group(click.Group):
-    """Reports feedgpu's own errors as one clean line and exit code 2, not a traceback."""
+    """Reports feedgpu's own errors as one clean line and exit code 2, not a traceback; imports
+    the module of a command in :data:`_LAZY_COMMANDS` only when that command is looked up."""
+
+    def list_commands(self, ctx):
+        return sorted(set(super().list_commands(ctx)) | set(_LAZY_COMMANDS))
+
+    def get_command(self, ctx, name):
+        if name not in self.commands and name in _LAZY_COMMANDS:
+            module, attr = _LAZY_COMMANDS[name].split(":")
+            self.add_command(getattr(importlib.import_module(module), attr), name)
+        return super().get_command(ctx, name)
 
     def invoke(self, ctx):
         try:
@@ -37,7 +60,7 @@ def pipeline() -> None:
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a key (dotted path).")
 def validate_cmd(file: str, sets: tuple[str, ...]) -> None:
     """Check FILE against the pipeline schema; list every problem with its key path."""
-    from ..pipeline import Pipeline
+    from ..pipeline import Pipeline, device_label
 
     if _is_table(file):
         from ..tabular import TablePipeline
@@ -48,7 +71,7 @@ def validate_cmd(file: str, sets: tuple[str, ...]) -> None:
         return
     p = Pipeline.from_yaml(file, **parse_sets(sets))
     click.echo(f"{file}: ok ({p.name}: {len(p.stages)} stages, batch {p.batch_size}, "
-               f"{p.num_workers} workers, output {p.output_dtype} on {p.device})")
+               f"{p.num_workers} workers, output {p.output_dtype} on {device_label(p.device)})")
 
 
 @pipeline.command("explain")
@@ -91,7 +114,7 @@ def stages_cmd(as_json: bool) -> None:
         click.echo(json.dumps(found, indent=2))
         return
     for d in found:
-        det = {True: "deterministic", False: "random", None: "random or not (see its parameters)"}[d["deterministic"]]
+        det = {True: "deterministic", False: "random, seeded", None: "random or not (see its parameters)"}[d["deterministic"]]
         engines = "python, dali" if d["dali"] else "python"
         click.echo(f"{d['name']}  ({d['kind']} stage, {det}, engines: {engines}"
                    f"{'' if d['builtin'] else ', plugin ' + d['class']})")
@@ -140,19 +163,6 @@ def doctor(as_json: bool) -> None:
     click.echo(f"torch: {info['torch']}, CUDA available: {info['cuda_available']}")
     click.echo(f"DALI:  {'installed' if info['dali'] else 'not installed (pip install feedgpu[dali])'}")
     click.echo(f"Ray:   {info['ray'] or 'not installed (pip install feedgpu[ray]) for executor: ray'}")
-
-
-def _register() -> None:
-    from .bench import bench
-    from .cache import cache, convert
-    from .index import index
-    from .scan import scan
-
-    for cmd in (bench, cache, convert, index, scan):
-        main.add_command(cmd)
-
-
-_register()
 
 
 if __name__ == "__main__":  # python -m feedgpu.cli.main

@@ -39,7 +39,7 @@ class CacheCut:
         where = "local disk (Arrow IPC)"
         if cache is not None and hasattr(cache, "dir"):
             where = f"local disk (Arrow IPC, {cache.compression}): {cache.dir}"
-        return ("[cache]", where, "-", f"{self.stores.describe()} stored after {self.stage}")
+        return ("[cache]", "-", where, "-", f"{self.stores.describe()} stored after {self.stage}")
 
 
 @dataclass(frozen=True)
@@ -68,21 +68,30 @@ class Plan:
         last = self.sample_stages[k - 1]
         return CacheCut(k, getattr(last, "label", last.name), self.steps[k - 1].out.with_(dtype="uint8", layout="HWC"))
 
-    def describe(self, batch_size: int, cached=False) -> list[tuple[str, str, str, str]]:
-        """Rows ``(stage, runs on, deterministic, output per sample)``: the source, each stage
-        and, with ``cached`` (True, or the cache settings to show its directory and
-        compression), the cache as a step at its cut (:class:`CacheCut`)."""
-        rows = [("source", "cpu pool (read)", "-", BYTES.describe())]
+    def describe(self, batch_size: int, cached=False) -> list[tuple[str, str, str, str, str]]:
+        """Rows ``(stage, kind, runs on, deterministic, output per sample)``: the source, each
+        stage and, with ``cached`` (True, or the cache settings to show its directory and
+        compression), the cache as a step at its cut (:class:`CacheCut`). ``kind`` is the
+        stage's kind as ``feedgpu stages`` names it (``sample`` or ``batch``); a random stage is
+        ``no (seeded)``: its draws are keyed by (seed, epoch, sample index), so the same seed
+        gives the same output whichever worker runs it."""
+        rows = [("source", "-", "cpu pool (read)", "-", BYTES.describe())]
         for i, s in enumerate(self.steps):
-            rows.append((s.stage.name, s.where, "yes" if s.stage.deterministic else "no", s.out.describe()))
+            kind = "batch" if isinstance(s.stage, BatchStage) else "sample"
+            rows.append((s.stage.name, kind, s.where, "yes" if s.stage.deterministic else "no (seeded)",
+                         s.out.describe()))
             if cached and i + 1 == self.cache_prefix:
                 rows.append(self.cache_cut.describe(None if cached is True else cached))
         return rows
 
 
 def make_plan(stages: list[Stage], device: str, pool_where: str | None = None,
-              batch_on_device: bool | None = None) -> Plan:
+              batch_on_device: bool | None = None, batch_where: str | None = None) -> Plan:
     """Split ``stages`` into per-sample CPU stages and an optional final batch stage.
+
+    ``pool_where`` names where the sample stages run (default: the CPU pool with the PIL build
+    they use); ``batch_where`` where the batch stage runs when it stays off the device (default:
+    ``pool_where`` when given, else the CPU pool, in numpy: a batch stage does not use PIL).
 
     Raises :class:`ConfigError` when a batch stage is not last, no decode comes first, or the
     image size is not fixed by the end (add a crop stage).
@@ -101,6 +110,7 @@ def make_plan(stages: list[Stage], device: str, pool_where: str | None = None,
         else:
             raise ConfigError(f"stages[{i}]: {st!r} is not a feedgpu stage")
     on_device = batch is not None and device != "cpu" if batch_on_device is None else batch_on_device
+    batch_where = batch_where or pool_where or "cpu pool (numpy)"
     pool_where = pool_where or f"cpu pool ({pil_label()})"
     spec = BYTES
     steps = []
@@ -113,7 +123,7 @@ def make_plan(stages: list[Stage], device: str, pool_where: str | None = None,
                           "add random_resized_crop or resize_center_crop (batches need one shape)")
     if batch is not None:
         spec = batch.out_spec(spec)
-        steps.append(Step(batch, device if on_device else pool_where, spec))
+        steps.append(Step(batch, device if on_device else batch_where, spec))
     prefix = 0
     while prefix < len(sample) and sample[prefix].deterministic:
         prefix += 1

@@ -115,8 +115,63 @@ def test_bench_consumer_rate_writes_report_json_and_png(folder_ds, tmp_path, no_
     assert 0.5 < doc["gpu_idle_fraction"] <= 1.0
     assert doc["balancer"]["timeline"], "the auto loader measured windows"
     assert "GPU idle:" in res.stdout and doc["recommendation"] in res.stdout
+    # the header names the phases as they run: start-up and settling untimed, then the timed seconds
+    assert f"{doc['warmup_s']:g} s settling (untimed) + 3 s timed each" in res.stderr
+    # the log: every step from the loader's start, and how it ended (a verdict or the step on trial)
+    bal = doc["balancer"]
+    steps = [p for p in bal["timeline"] if p["decision"] not in ("hold", "settle")]
+    assert [d["t"] for d in bal["decisions"]] == [p["t"] for p in steps]
+    log = [ln for ln in res.stdout.splitlines() if ln.startswith("  t=+")]
+    assert len(log) == len(steps) + 1
+    assert ("the run ended while trying" if bal["trying"] else "at the end: ") in log[-1]
+    # phase 2 and phase 3 are different loaders: each count says whose it is
+    assert "loader alone:" in res.stdout and "(its balancer ended at" in res.stdout
+    assert f"phase 3 (loader + consumer): {len(bal['timeline'])} windows, ended at {bal['final_workers']}" in res.stdout
     pytest.importorskip("matplotlib")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _report_with_windows(n: int = 12, trying: str | None = "3 workers / prefetch 2") -> dict:
+    tl = [{"t": 100.0 + 1.5 * i, "workers": 2 + (i >= 8), "prefetch": 2, "delivered_rate": 500.0,
+           "demand_rate": 1800.0, "wait_fraction": 0.7, "decision": "add" if i % 2 else "hold", "next_workers": 2,
+           "next_prefetch": 2, "reason": f"step {i}"} for i in range(n)]
+    decisions = [{"t": p["t"], "kind": p["decision"], "workers": 2, "prefetch": 2, "reason": p["reason"]}
+                 for p in tl if p["decision"] != "hold"]
+    return {"consumer": "synthetic", "gpu_idle_fraction": 0.8, "duration_s": 12.0, "warmup_s": 6.0,
+            "balancer": {"timeline": tl, "decisions": decisions, "final_workers": 3, "final_prefetch": 2,
+                         "summary": "3 workers / prefetch 2: settled", "trying": trying,
+                         "t_begin": 98.0, "t_timed": 105.0}}
+
+
+def test_the_balancer_log_has_every_step_from_the_start_and_its_end():
+    from feedgpu.bench.report import balancer_lines
+
+    lines = balancer_lines(_report_with_windows()["balancer"])
+    steps = [ln for ln in lines if ln.startswith("  t=+")]
+    assert len(steps) == 6 + 1 and steps[0].startswith("  t=+4s add")   # 100 + 1.5 - 98: from the start
+    assert "settling until t=+7s" in lines[1]
+    assert steps[-1] == "  t=+18s the run ended while trying 3 workers / prefetch 2: no verdict on it yet"
+    done = balancer_lines(_report_with_windows(trying=None)["balancer"])
+    assert done[-1] == "  t=+18s at the end: 3 workers / prefetch 2: settled"
+
+
+def test_the_plot_keeps_its_legend_off_the_lines_and_spans_both_parts_of_the_phase(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    figs = []
+    monkeypatch.setattr(plt, "close", figs.append)
+    assert plot(_report_with_windows(), str(tmp_path / "p.png")) is True
+    (fig,) = figs
+    fig.canvas.draw()
+    top = fig.axes[0]
+    legend = top.get_legend()
+    assert legend.get_window_extent().y0 >= top.get_window_extent().y1 - 1, "the legend overlaps the plot"
+    assert fig.axes[2].get_xlim() == (0, 18.5)     # start-up and 6 s settling, then 12 s timed: to the last window
+    assert "6 s settling, then 12 s timed" in fig.axes[2].get_xlabel()
+    label = fig.axes[2].xaxis.label.get_window_extent()
+    assert label.x0 >= 0 and label.x1 <= fig.bbox.x1, "the axis label runs off the figure"
+    plt.close(fig)
 
 
 def test_plot_without_windows_writes_nothing(tmp_path, caplog):

@@ -86,10 +86,10 @@ def test_the_plan_names_its_cut_and_explains_the_cache_as_a_step(tmp_path):
     assert [r[0] for r in rows] == ["source", "decode", "resize", "[cache]", "random_resized_crop",
                                     "horizontal_flip", "normalize"]
     cache_row = rows[3]
-    assert str(tmp_path) in cache_row[1] and "zstd:3" in cache_row[1]
-    assert cache_row[3] == "uint8 HWC [?, ?, 3] stored after resize"
+    assert str(tmp_path) in cache_row[2] and "zstd:3" in cache_row[2]
+    assert cache_row[4] == "uint8 HWC [?, ?, 3] stored after resize"
     assert "[cache]" not in [r[0] for r in plan.describe(16)]
-    assert plan.describe(16, True)[3][1] == "local disk (Arrow IPC)"
+    assert plan.describe(16, True)[3][2] == "local disk (Arrow IPC)"
     val = make_plan([Decode(), ResizeCenterCrop(64, 48), Normalize()], "cpu").cache_cut
     assert (val.after, val.stage, val.stores.shape) == (2, "resize_center_crop", (48, 48, 3))
 

@@ -171,7 +171,8 @@ class Policy:
         time spent waiting for a batch, same keys), ``demand_rate`` (samples/s the loop would
         take at the current setting if it never waited), ``experiments`` (the last 20, each
         with ``text``: in plain words what was tried, measured, and why it was kept or
-        undone), ``summary`` (one sentence) and ``last`` (the last 20 decisions as dicts).
+        undone), ``summary`` (one sentence), ``trying`` (the setting on trial, in words, or None
+        when no step awaits its verdict) and ``last`` (the last 20 decisions as dicts).
         """
         w, p = self._key if self._key is not None else (None, None)
         rec = self._records.get(self._key) if self._key is not None else None
@@ -182,7 +183,7 @@ class Policy:
             "waiting": {f"{k[0]}w/p{k[1]}": round(r.wait, 4) for k, r in sorted(self._records.items())},
             "demand_rate": rec.demand if rec is not None and rec.demand_n else None,
             "experiments": list(self._experiments)[-20:],
-            "summary": self._summary(),
+            "summary": self._summary(), "trying": self._setting(self._trial.dst) if self._trial is not None else None,
             "last": [d.as_dict() for d in list(self._history)[-20:]],
         }
 
