@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import CASES, PHOTOS, case_files
+from conftest import CASES, PHOTOS, REPO, case_files
 from feedgpu import DataLoader, DecodeError, Pipeline
 from feedgpu.exec.steps import StageStep, WindowDecodeStep, sample_steps, window_pair
 from feedgpu.sources import open_source
@@ -220,3 +220,20 @@ def test_loader_gets_the_same_windows_and_labels_with_reduced_decode(photos_ds, 
     assert not np.array_equal(a, b)   # the reduced decode was used
     for i in range(len(a)):
         assert psnr(a[i], b[i]) >= MIN_PSNR, i
+
+
+def test_reduce_is_a_pipeline_setting(photos_ds):
+    """``decode: {reduce: auto}`` in YAML; another value is a ConfigError naming the key; the
+    setting is in the stage's config (so in a cache's fingerprint) and defaults to off."""
+    from feedgpu import ConfigError
+    from feedgpu import config as cfg
+
+    base = cfg.merge(cfg.load_yaml(REPO / "pipelines" / "imagenet_val.yaml"), {"source.path": str(photos_ds)})
+    assert Pipeline.from_config(base).stages[0].reduce == "off"
+    base["stages"][0]["reduce"] = "auto"
+    p = Pipeline.from_config(base)
+    assert p.stages[0].reduce == "auto" and p.stages[0].config()["reduce"] == "auto"
+    assert Decode(**p.stages[0].config()).reduce == "auto"
+    base["stages"][0]["reduce"] = "always"
+    with pytest.raises(ConfigError, match=r"stages\[0\] \(decode\)\.reduce"):
+        Pipeline.from_config(base)
