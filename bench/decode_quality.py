@@ -34,7 +34,7 @@ import numpy as np
 
 from bench.harness import REPO, machine, md_table, write_results
 
-__all__ = ["compare", "main", "markdown", "psnr"]
+__all__ = ["compare", "decode_ms", "main", "markdown", "psnr"]
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
@@ -88,6 +88,29 @@ def compare(files: list[Path], windows: int) -> dict:
     return out
 
 
+def decode_ms(files: list[Path], reps: int = 3) -> dict[int, float]:
+    """Median milliseconds per image of Pillow's JPEG decode at each DCT scale (1, 2, 4, 8): the
+    scales interleaved image by image, ``reps`` times, so drift hits them alike."""
+    import io
+
+    from PIL import Image
+
+    from feedgpu.stages.dct_scale import DCT_SCALES
+
+    times: dict[int, list[float]] = {s: [] for s in DCT_SCALES}
+    datas = [f.read_bytes() for f in files]
+    for _ in range(reps):
+        for data in datas:
+            for s in DCT_SCALES:
+                t0 = time.perf_counter()
+                im = Image.open(io.BytesIO(data))
+                if s > 1:
+                    im.draft(None, (im.width // s, im.height // s))
+                im.load()
+                times[s].append(time.perf_counter() - t0)
+    return {s: round(statistics.median(v) * 1e3, 3) for s, v in sorted(times.items())}
+
+
 def _summary(rows: list[dict]) -> list[dict]:
     by = defaultdict(list)
     for r in rows:
@@ -129,7 +152,8 @@ def main(argv=None) -> int:
             r["by_scale"] = _summary(r["rows"])
         sizes = [_size(f) for f in files[:200]]
         results[name] = {"images": len(files), "mean_width": round(statistics.mean(w for w, _ in sizes)),
-                         "mean_height": round(statistics.mean(h for _, h in sizes)), "recipes": res}
+                         "mean_height": round(statistics.mean(h for _, h in sizes)), "recipes": res,
+                         "decode_ms": decode_ms(files[:200])}
     doc = {"format": "feedgpu.bench.decode_quality/1", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
            "command": "python -m bench.decode_quality " + " ".join(sys.argv[1:] if argv is None else argv),
            "machine": machine(), "settings": {"windows": a.windows, "photos": a.photos, "images": a.images,
@@ -172,6 +196,9 @@ def markdown(doc: dict) -> str:
             rows.append([recipe, "1 (full)", x["full"], "identical", "", "", 0, 0, 0, "0"])
         L += md_table(["recipe", "scale", "samples", "PSNR dB median", "PSNR p01", "PSNR min", "max err median",
                        "max err p99", "max err max", "mean abs err median"], rows, "llrrrrrrrr")
+        dm = r["decode_ms"]
+        L += ["", "JPEG decode alone, one process, median ms per image (first 200 images, scales interleaved): " +
+              ", ".join(f"1/{k} {v:.2f}" if int(k) > 1 else f"full {v:.2f}" for k, v in dm.items()) + "."]
         L += ["", "One process, decode + resize seconds over all samples: " + "; ".join(
             f"{recipe}: off {x['secs']['off']:.1f} s, auto {x['secs']['auto']:.1f} s"
             for recipe, x in r["recipes"].items()) + ".", ""]
