@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from conftest import CASES, PHOTOS, REPO, case_files
@@ -237,3 +238,32 @@ def test_reduce_is_a_pipeline_setting(photos_ds):
     base["stages"][0]["reduce"] = "always"
     with pytest.raises(ConfigError, match=r"stages\[0\] \(decode\)\.reduce"):
         Pipeline.from_config(base)
+
+
+def test_resume_mid_epoch_is_exact_with_reduced_decode(photos_ds, no_leaked_workers):
+    """A run stopped after a batch and resumed (another worker count) gives the uninterrupted
+    run's batches, pixels and labels, with ``reduce="auto"``."""
+    def loader(nw):
+        p = Pipeline(open_source("folder", str(photos_ds)), [Decode(reduce="auto"), RandomResizedCrop(224),
+                     HorizontalFlip()], batch_size=3, shuffle=True, num_workers=nw, seed=11, device="cpu")
+        return DataLoader(p, timeout=60)
+
+    def collect(it):
+        return [(b.images.clone(), b.labels.clone()) for b in it]
+
+    full = loader(2)
+    full.set_epoch(1)
+    reference = collect(full)
+    first = loader(2)
+    first.set_epoch(1)
+    it = iter(first)
+    head = collect(next(it) for _ in range(2))
+    state = first.state_dict()
+    first.shutdown()
+    del it
+    again = loader(1)
+    again.load_state_dict(state)
+    got = head + collect(again)
+    assert len(got) == len(reference) == 4
+    for (x, y), (rx, ry) in zip(got, reference):
+        assert torch.equal(x, rx) and torch.equal(y, ry)
