@@ -153,7 +153,7 @@ def main(argv=None) -> int:
         sizes = [_size(f) for f in files[:200]]
         results[name] = {"images": len(files), "mean_width": round(statistics.mean(w for w, _ in sizes)),
                          "mean_height": round(statistics.mean(h for _, h in sizes)), "recipes": res,
-                         "decode_ms": decode_ms(files[:200])}
+                         "decode_ms": decode_ms(files[:200], reps=5)}
     doc = {"format": "feedgpu.bench.decode_quality/1", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
            "command": "python -m bench.decode_quality " + " ".join(sys.argv[1:] if argv is None else argv),
            "machine": machine(), "settings": {"windows": a.windows, "photos": a.photos, "images": a.images,
@@ -197,7 +197,7 @@ def markdown(doc: dict) -> str:
         L += md_table(["recipe", "scale", "samples", "PSNR dB median", "PSNR p01", "PSNR min", "max err median",
                        "max err p99", "max err max", "mean abs err median"], rows, "llrrrrrrrr")
         dm = r["decode_ms"]
-        L += ["", "JPEG decode alone, one process, median ms per image (first 200 images, scales interleaved): " +
+        L += ["", "JPEG decode alone, one process, median ms per image (first 200 images, 5 times, scales interleaved): " +
               ", ".join(f"1/{k} {v:.2f}" if int(k) > 1 else f"full {v:.2f}" for k, v in dm.items()) + "."]
         L += ["", "One process, decode + resize seconds over all samples: " + "; ".join(
             f"{recipe}: off {x['secs']['off']:.1f} s, auto {x['secs']['auto']:.1f} s"
