@@ -77,10 +77,10 @@ class Decode(SampleStage):
         reduce: ``"auto"``: when the next stage resizes a window of the image to a smaller size
             (``random_resized_crop``, ``resize_center_crop``, ``resize``), the Python engine
             decodes a JPEG at the largest DCT scale (1/2, 1/4, 1/8) that keeps the window at
-            least the output size (:meth:`apply_window`): several times less decoding on large
-            photos, pixels close to but not equal to a full decode's. ``"off"`` (the default):
-            full-size decode, the pixels of torchvision's loader. The DALI engine always
-            decodes at full size.
+            least the output size (:meth:`apply_window`): less decoding work on photos much
+            larger than the output, pixels close to but not equal to a full decode's
+            (bench/results/decode_quality.md). ``"off"`` (the default): full-size decode, the
+            pixels of torchvision's loader. The DALI engine always decodes at full size.
     """
 
     name = "decode"
@@ -148,8 +148,8 @@ class Decode(SampleStage):
         box, out = target(uw, uh)
         scale = choose_scale(box, *out)
         if scale > 1 and img.draft(None, (w // scale, h // scale)) is not None:
-            if img.size != (-(-w // scale), -(-h // scale)):   # a scale other than asked: unused
-                raise AssertionError(f"draft gave {img.size} for {w}x{h} at 1/{scale}")
+            if img.size != (-(-w // scale), -(-h // scale)):   # cannot happen: draft picks `scale` itself
+                raise AssertionError(f"Image.draft gave {img.size} for {w}x{h} at 1/{scale}")
             box = reduced_box(box, uw, uh, orientation, scale)
         return self._finish(img, key), box, out
 
