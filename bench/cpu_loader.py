@@ -310,8 +310,9 @@ def markdown(doc: dict) -> str:
         f"Recorded {doc['created']} with `{doc['command'].strip()}` ({doc['total_seconds']:.0f} s). "
         "Raw numbers, every run: `cpu_loader.json`.",
         "",
-        "; ".join(f"**{_pair_label(k, doc)}: {v:.2f}×**" for k, v in ra.items()
-                  if v is not None and k.endswith("_over_torch_pillow")) + " (the target: feedgpu ≥ 2.0×).",
+        ("; ".join(f"**{_pair_label(k, doc)}: {v:.2f}×**" for k, v in ra.items()
+                   if v is not None and k.endswith("_over_torch_pillow")) + " (the target: feedgpu ≥ 2.0×)."
+         if "torch_pillow" in su else "No torch + stock Pillow loader in this run."),
         "",
         "## Setup",
         "",
