@@ -277,6 +277,7 @@ def main(argv=None) -> int:
            "total_seconds": round(total, 1)}
     name = "cpu_loader" if (a.dataset, a.recipe) == ("imagenet-like", "train") else \
         f"cpu_loader_{a.dataset.replace('-', '_')}_{a.recipe}"
+    doc["results_name"] = name
     write_results(a.out, name, doc, markdown)
     return 0
 
@@ -308,7 +309,7 @@ def markdown(doc: dict) -> str:
         "# CPU loader benchmark: feedgpu vs torch DataLoader + Pillow",
         "",
         f"Recorded {doc['created']} with `{doc['command'].strip()}` ({doc['total_seconds']:.0f} s). "
-        "Raw numbers, every run: `cpu_loader.json`.",
+        f"Raw numbers, every run: `{doc.get('results_name', 'cpu_loader')}.json`.",
         "",
         ("; ".join(f"**{_pair_label(k, doc)}: {v:.2f}×**" for k, v in ra.items()
                    if v is not None and k.endswith("_over_torch_pillow")) + " (the target: feedgpu ≥ 2.0×)."
