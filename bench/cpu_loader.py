@@ -4,12 +4,13 @@
 Loaders on the same data, same transforms (``--recipe train``: ``pipelines/imagenet_train.yaml``,
 decode, random resized crop 224, horizontal flip, normalize to float32 NCHW; ``--recipe val``:
 ``pipelines/imagenet_val.yaml``, decode, resize 256 + center crop 224, normalize), same worker
-count and batch size (``--loaders`` picks among them; default all four):
+count and batch size (``--loaders`` picks among them; default all five):
 
-* ``feedgpu``: ``feedgpu.DataLoader`` on the pipeline (Python engine, full-size decode), with the
+* ``feedgpu``: ``feedgpu.DataLoader`` on the pipeline (Python engine, ``decode: {reduce: rows}``,
+  the default: JPEG rows below the window are not decoded, the full decode's pixels), with the
   PIL build of this environment (Pillow-SIMD);
-* ``feedgpu_reduce``: the same with ``decode: {reduce: auto}`` (JPEGs decoded at the DCT scale
-  the crop window allows);
+* ``feedgpu_full``: the same with ``reduce: off`` (every image decoded whole);
+* ``feedgpu_reduce``: the same with ``reduce: auto`` (also at the DCT scale the window allows);
 * ``torch_pillow_simd``: ``torch.utils.data.DataLoader`` + torchvision-equivalent transforms
   (``feedgpu.bench.torch_baseline``), same PIL build;
 * ``torch_pillow``: the same torch loader with stock Pillow, what users have: Pillow from PyPI
@@ -50,7 +51,8 @@ PIPELINE = PIPELINES["train"]
 
 # name -> (feedgpu.bench.subjects loader kind, stock Pillow?, decode's reduce setting)
 LOADERS = {
-    "feedgpu": ("feedgpu", False, "off"),
+    "feedgpu": ("feedgpu", False, "rows"),
+    "feedgpu_full": ("feedgpu", False, "off"),
     "feedgpu_reduce": ("feedgpu", False, "auto"),
     "torch_pillow_simd": ("torch", False, "off"),
     "torch_pillow": ("torch", True, "off"),
@@ -283,7 +285,8 @@ def main(argv=None) -> int:
 
 
 # -- the report --------------------------------------------------------------------------------------
-NAMES = {"feedgpu": "feedgpu.DataLoader", "feedgpu_reduce": "feedgpu.DataLoader, decode reduce: auto",
+NAMES = {"feedgpu": "feedgpu.DataLoader", "feedgpu_full": "feedgpu.DataLoader, decode reduce: off",
+         "feedgpu_reduce": "feedgpu.DataLoader, decode reduce: auto",
          "torch_pillow_simd": "torch DataLoader + Pillow-SIMD", "torch_pillow": "torch DataLoader + stock Pillow"}
 RECIPES = {"train": "decode → RandomResizedCrop(224, bilinear) → horizontal flip → normalize to float32 NCHW",
            "val": "decode → Resize(256) + CenterCrop(224) (bilinear) → normalize to float32 NCHW"}
@@ -327,7 +330,8 @@ def markdown(doc: dict) -> str:
         f" (ImageFolder layout; mean {d['mean_bytes'] / 1024:.1f} KB, {d['mean_width']}×{d['mean_height']} px, "
         f"{d['mean_megapixels']:.3f} megapixels).",
         f"- Pipeline: `{s['pipeline']}` — {RECIPES[s.get('recipe', 'train')]}, output on the CPU; "
-        "`feedgpu_reduce`: the same with `decode: {reduce: auto}`. The torch loaders run the torchvision-equivalent "
+        "feedgpu runs `decode: {reduce: rows}` (the default), `feedgpu_full` `reduce: off`, `feedgpu_reduce` "
+        "`reduce: auto`. The torch loaders run the torchvision-equivalent "
         "transforms of `feedgpu.bench.torch_baseline` (`Image.open().convert(\"RGB\")`, the same geometric "
         "transforms, `ToTensor`, `Normalize`, `default_collate`, `pin_memory=False`).",
         f"- Settings: {s['workers']} workers each, batch {s['batch_size']}, prefetch {s['prefetch_factor']}, "

@@ -102,12 +102,13 @@ class _StageFailed(Exception):
 class WindowDecodeStep:
     """Decode and the window-resizing stage right after it, as one step: the stage's window is
     drawn from the upright image's size read from the header (the same draws as the two
-    separate steps), then :meth:`~feedgpu.stages.decode.Decode.apply_window` decodes the JPEG
-    at the DCT scale that window allows and the stage resamples the window of the reduced image.
+    separate steps), then :meth:`~feedgpu.stages.decode.Decode.apply_window` decodes the rows of
+    the JPEG the window needs (at the DCT scale it allows, with ``reduce="auto"``) and the stage
+    resamples the window of that image.
     Input that is not encoded bytes (a PIL image, an array, cached pixels) runs the two steps.
 
     Args:
-        decode: the :class:`StageStep` of the decode stage (``reduce="auto"``).
+        decode: the :class:`StageStep` of the decode stage (``reduce`` not ``"off"``).
         resize: the :class:`StageStep` of the next stage, which has ``window(width, height, rng)``
             and ``resize_window(img, box, out)`` (see :func:`window_pair`).
     """
@@ -199,12 +200,12 @@ def _owner(cls: type, name: str) -> type | None:
 
 def window_pair(stages) -> bool:
     """True when the first two sample stages run as one :class:`WindowDecodeStep`: a decode
-    stage with ``reduce="auto"`` and ``apply_window``, then a stage with ``window`` and
+    stage with ``apply_window`` and ``reduce`` other than ``"off"``, then a stage with ``window`` and
     ``resize_window``, neither with an ``apply`` of a subclass that would bypass those."""
     if len(stages) < 2:
         return False
     dec, nxt = stages[0], stages[1]
-    if getattr(dec, "reduce", "off") != "auto" or not hasattr(dec, "apply_window"):
+    if getattr(dec, "reduce", "off") == "off" or not hasattr(dec, "apply_window"):
         return False
     if not (hasattr(nxt, "window") and hasattr(nxt, "resize_window")):
         return False

@@ -13,7 +13,9 @@ them. EXIF orientations are the tag's values 1-8, with the transposes of
 """
 from __future__ import annotations
 
-__all__ = ["DCT_SCALES", "choose_scale", "reduced_box", "to_stored", "to_upright"]
+import math
+
+__all__ = ["DCT_SCALES", "choose_scale", "reduced_box", "rows_needed", "to_stored", "to_upright"]
 
 #: the DCT scale denominators libjpeg decodes at, largest first (1: full size)
 DCT_SCALES = (8, 4, 2, 1)
@@ -60,11 +62,27 @@ def to_stored(box, width: int, height: int, orientation: int) -> tuple[float, fl
     return to_upright(box, width, height, _INVERSE.get(orientation, orientation))
 
 
-def reduced_box(box, width: int, height: int, orientation: int, scale: int) -> tuple[float, float, float, float]:
+def reduced_box(box, width: int, height: int, orientation: int, scale: int,
+                rows: int | None = None) -> tuple[float, float, float, float]:
     """``box`` of the upright full-size image (``width`` x ``height``) -> the same region of the
-    upright image decoded at ``1/scale`` (its stored size ``ceil(stored size / scale)``, then
-    oriented: where the orientation mirrors an axis the partial last pixel comes first)."""
+    upright image decoded at ``1/scale`` from the first ``rows`` stored rows (default all): its
+    stored size ``ceil(stored width / scale)`` x ``ceil(rows / scale)``, then oriented (where the
+    orientation mirrors an axis, the partial last pixel or the missing rows come first)."""
     sw, sh = (height, width) if orientation in (5, 6, 7, 8) else (width, height)
     left, top, right, bottom = to_stored(box, width, height, orientation)
-    rw, rh = -(-sw // scale), -(-sh // scale)
+    rw, rh = -(-sw // scale), -(-(sh if rows is None else rows) // scale)
     return to_upright((left / scale, top / scale, right / scale, bottom / scale), rw, rh, orientation)
+
+
+def rows_needed(box, out_w: int, out_h: int, width: int, height: int, orientation: int, scale: int,
+                mcu_rows: int) -> int:
+    """The stored rows (from the top) a decode must give for ``box`` of the upright image
+    (``width`` x ``height``) to be resized to ``out_w`` x ``out_h`` exactly as from the whole
+    image at ``1/scale``: the box, widened by the reach of any of Pillow's resampling filters
+    (support 3 at most, times the downscale factor, plus 2 pixels of rounding), mapped to the
+    stored image, plus one row of MCUs (``mcu_rows`` pixels), whose upsampling needs the next."""
+    left, top, right, bottom = box
+    mx = scale * (3 * max(1.0, (right - left) / (scale * out_w)) + 2)
+    my = scale * (3 * max(1.0, (bottom - top) / (scale * out_h)) + 2)
+    stored = to_stored((left - mx, top - my, right + mx, bottom + my), width, height, orientation)
+    return math.ceil(stored[3]) + mcu_rows

@@ -43,8 +43,8 @@ from PIL import Image, UnidentifiedImageError
 from ..errors import ConfigError, DecodeError
 from ..spec import ImageSpec
 from .base import SampleStage
-from .dct_scale import choose_scale, reduced_box
-from .jpeg_header import jpeg_precision, read_jpeg_header, scan_end_error
+from .dct_scale import choose_scale, reduced_box, rows_needed
+from .jpeg_header import frame_rows, jpeg_precision, read_jpeg_header, scan_end_error, with_rows
 from .params import RGB, PositiveInt
 
 IMAGENET_MEAN_PIXEL = (124, 116, 104)
@@ -61,10 +61,11 @@ _TRANSPOSE = {
 }
 UNKNOWN_KEY = "?"
 _ALPHA_MODES = {"LA", "La", "RGBA", "RGBa", "PA"}
-#: ``reduce``'s values: ``"auto"`` decodes JPEGs at a DCT scale, ``"off"`` always at full size
-Reduce = Literal["auto", "off"]
-#: ``reduce``'s default (the choice is measured in bench/results/decode_quality.md)
-DEFAULT_REDUCE = "off"
+#: ``reduce``'s values (see :class:`Decode`)
+Reduce = Literal["auto", "off", "rows"]
+#: ``reduce``'s default: the full decode's pixels (the choice against ``"auto"`` is measured in
+#: bench/results/decode_quality.md)
+DEFAULT_REDUCE = "rows"
 
 
 class Decode(SampleStage):
@@ -74,13 +75,15 @@ class Decode(SampleStage):
         exif_orientation: apply the EXIF orientation tag (default True).
         max_pixels: largest width x height accepted (default 89,478,485).
         background: RGB colour transparent pixels are composited onto (default ImageNet mean).
-        reduce: ``"auto"``: when the next stage resizes a window of the image to a smaller size
-            (``random_resized_crop``, ``resize_center_crop``, ``resize``), the Python engine
-            decodes a JPEG at the largest DCT scale (1/2, 1/4, 1/8) that keeps the window at
-            least the output size (:meth:`apply_window`): less decoding work on photos much
-            larger than the output, pixels close to but not equal to a full decode's
-            (bench/results/decode_quality.md). ``"off"`` (the default): full-size decode, the
-            pixels of torchvision's loader. The DALI engine always decodes at full size.
+        reduce: how much of a JPEG the Python engine decodes when the next stage resizes a
+            window of the image (``random_resized_crop``, ``resize_center_crop``, ``resize``;
+            :meth:`apply_window`). ``"rows"`` (the default): not the rows below the window
+            (and the resampling filter's reach), with the pixels of a full decode to the bit.
+            ``"auto"``: also at the largest DCT scale (1/2, 1/4, 1/8) that keeps the window at
+            least the output size: less work on photos much larger than the output, pixels
+            close to but not equal to a full decode's (bench/results/decode_quality.md).
+            ``"off"``: the whole image at full size. The DALI engine decodes only the window,
+            at full size, whatever this setting.
     """
 
     name = "decode"
@@ -88,8 +91,8 @@ class Decode(SampleStage):
 
     def __init__(self, exif_orientation: bool = True, max_pixels: PositiveInt = PILLOW_MAX_PIXELS,
                  background: RGB = IMAGENET_MEAN_PIXEL, reduce: Reduce = DEFAULT_REDUCE):
-        if reduce not in ("auto", "off"):
-            raise ConfigError(f"{self.name}: reduce must be 'auto' or 'off', got {reduce!r}")
+        if reduce not in ("auto", "off", "rows"):
+            raise ConfigError(f"{self.name}: reduce must be 'rows', 'auto' or 'off', got {reduce!r}")
         self.reduce = reduce
         self.exif_orientation = bool(exif_orientation)
         self.max_pixels = int(max_pixels)
@@ -123,10 +126,13 @@ class Decode(SampleStage):
         with ``box`` the same window in the returned image.
 
         With ``reduce="off"``, or for anything but JPEG bytes, the image is :meth:`apply`'s and
-        the box ``target``'s. With ``reduce="auto"`` a JPEG is decoded at the largest DCT scale
-        (1/2, 1/4, 1/8) whose reduced window is still at least the output size
-        (:func:`~feedgpu.stages.dct_scale.choose_scale`), and the box is scaled to it. Raises
-        :class:`DecodeError` as :meth:`apply` does, for the same inputs."""
+        the box ``target``'s. Otherwise a JPEG that ends with its end marker is decoded down to
+        the last row the resize reads (:func:`~feedgpu.stages.dct_scale.rows_needed`; a frame
+        header giving fewer rows, :func:`~feedgpu.stages.jpeg_header.frame_rows`), and with
+        ``reduce="auto"`` at the largest DCT scale (1/2, 1/4, 1/8) whose reduced window is still
+        at least the output size (:func:`~feedgpu.stages.dct_scale.choose_scale`); the box is
+        moved into that image. With ``"rows"`` the resized window is the full decode's to the
+        bit. Raises :class:`DecodeError` as :meth:`apply` does, for the same inputs."""
         jpeg_bytes = isinstance(x, (bytes, bytearray, memoryview))
         if self.reduce == "off" or not jpeg_bytes:
             img = self.apply(x)
@@ -146,11 +152,23 @@ class Decode(SampleStage):
             return img, box, out
         uw, uh = (h, w) if orientation in (5, 6, 7, 8) else (w, h)
         box, out = target(uw, uh)
-        scale = choose_scale(box, *out)
-        if scale > 1 and img.draft(None, (w // scale, h // scale)) is not None:
-            if img.size != (-(-w // scale), -(-h // scale)):   # cannot happen: draft picks `scale` itself
-                raise AssertionError(f"Image.draft gave {img.size} for {w}x{h} at 1/{scale}")
-            box = reduced_box(box, uw, uh, orientation, scale)
+        scale = choose_scale(box, *out) if self.reduce == "auto" else 1
+        rows = h
+        # rows are left out only where the box keeps its coordinates (the missing rows are at the
+        # upright image's bottom or right): a box moved by whole pixels can resample differently
+        # in the last bit. A file cut short is decoded whole, as apply() decodes it.
+        frame = frame_rows(x) if orientation in (1, 2, 5, 8) and _has_eoi(x) else None
+        if frame is not None:
+            need = rows_needed(box, *out, uw, uh, orientation, scale, 8 * frame[1])
+            if need < h:   # the rows below the window are never decoded
+                rows = need
+                img = self._open(with_rows(x, frame[0], rows), key)
+        if scale > 1 and img.draft(None, (w // scale, rows // scale)) is None:
+            scale = 1
+        if scale > 1 or rows < h:
+            if img.size != (-(-w // scale), -(-rows // scale)):   # cannot happen: draft picks `scale` itself
+                raise AssertionError(f"decoding {w}x{h} at 1/{scale}, {rows} rows, gave {img.size}")
+            box = reduced_box(box, uw, uh, orientation, scale, rows)
         return self._finish(img, key), box, out
 
     def _jpeg_orientation(self, img: Image.Image) -> int | None:

@@ -94,24 +94,26 @@ def test_indexing_finds_empty_files(cases_datasets, fmt):
 
 # -- the loader over every case file, on_error="skip" --------------------------------------------------
 def _reference_row(payload, idx: int, seed: int, reduce: str = "off") -> np.ndarray:
-    """What the pipeline's stages give for sample ``idx`` of epoch 0, done here in-process
-    (``reduce="auto"``: the window drawn from the header's size, the JPEG decoded at its scale)."""
+    """What the pipeline's stages give for sample ``idx`` of epoch 0, done here in-process: the
+    full decode, then the stages (``reduce="rows"`` must give exactly that); ``reduce="auto"``:
+    the window drawn from the header's size, the JPEG decoded at its scale."""
     crop, flip = RandomResizedCrop(224), HorizontalFlip()
-    keys = stage_draw_ids([Decode(), crop, flip])
+    keys = stage_draw_ids([Decode(reduce="off"), crop, flip])
     draws = stage_random(crop, seed, 0, idx, keys[1])
-    if reduce == "off":
-        img = crop.apply(Decode().apply(payload), draws)
+    if reduce in ("off", "rows"):
+        img = crop.apply(Decode(reduce="off").apply(payload), draws)
     else:
         img = crop.resize_window(*Decode(reduce=reduce).apply_window(payload, lambda w, h: crop.window(w, h, draws)))
     img = flip.apply(img, stage_random(flip, seed, 0, idx, keys[2]))
     return np.asarray(img)
 
 
-@pytest.mark.parametrize("reduce", ["off", "auto"])
+@pytest.mark.parametrize("reduce", ["off", "rows", "auto"])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_loader_skips_bad_files_and_decodes_the_rest(cases_datasets, fmt, reduce, no_leaked_workers):
-    """Both decode paths (``reduce="auto"`` decodes and crops as one step, at a DCT scale where
-    the window is at least twice the output: the good photos here)."""
+    """Every decode path: ``"off"`` (the whole image), ``"rows"`` (decode and crop as one step,
+    the rows the window needs: the same pixels to the bit), ``"auto"`` (also at a DCT scale
+    where the window is at least twice the output: some of the good photos here)."""
     root = cases_datasets[fmt]
     src = open_format(fmt, root)
     where = case_index(fmt, src)
@@ -166,7 +168,7 @@ def test_loader_skips_bad_files_and_decodes_the_rest(cases_datasets, fmt, reduce
         assert any(not np.array_equal(images[i].numpy(), _reference_row(src.read(i).payload, i, seed)) for i in good)
 
 
-@pytest.mark.parametrize("reduce", ["off", "auto"])
+@pytest.mark.parametrize("reduce", ["off", "rows", "auto"])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("name", sorted(SKIP))
 def test_on_error_raise_names_the_file_and_reason(cases_datasets, fmt, name, reduce, no_leaked_workers):

@@ -1,6 +1,8 @@
-"""Reduced (DCT-scaled) JPEG decode, ``Decode(reduce="auto")``: the scale it picks, its pixels
-against full decode + the same resize, the hard inputs on both paths, and the loader's steps
-(the same windows from the same draws; never fused across the cache's cut)."""
+"""Decoding only what the window needs: ``Decode(reduce="rows")`` (the rows down to the window's,
+bit-identical to full decode + the same crop and resize) and ``reduce="auto"`` (also DCT-scaled:
+the scale it picks, its pixels against full decode + the same resize); the hard inputs on every
+path, and the loader's steps (the same windows from the same draws; never fused across the
+cache's cut; exact resume)."""
 from __future__ import annotations
 
 import io
@@ -21,7 +23,7 @@ from feedgpu.stages.geometry import Resize
 
 pytestmark = pytest.mark.timeout(180)
 
-OFF, AUTO = Decode(reduce="off"), Decode(reduce="auto")
+OFF, ROWS, AUTO = Decode(reduce="off"), Decode(reduce="rows"), Decode(reduce="auto")
 #: bounds on the difference to full decode + resize, below what bench/results/decode_quality.md
 #: finds over the photos at 224 px
 MIN_PSNR, MAX_MEAN_ABS = 30.0, 2.0
@@ -74,7 +76,7 @@ def test_scale_is_the_largest_that_keeps_the_output_size():
     data = (PHOTOS / "00_Autumn.jpg").read_bytes()    # 1600 x 1000
     # val: the box is 875 px high -> 1/2 keeps 437 >= 224, 1/4 would give 218
     _, size = run(AUTO, data, ResizeCenterCrop(256, 224))
-    assert size == (800, 500)
+    assert size[0] == 800 and size[1] < 500    # 1/2, and not the rows below the window
     # a resize of the short side to 120: 1000 / 8 = 125 >= 120
     out, size = run(AUTO, data, Resize(120))
     assert size == (200, 125) and out.size == (192, 120)
@@ -106,6 +108,35 @@ def kinds() -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("kind", sorted(kinds()))
+def test_rows_decode_is_bit_identical_to_full_decode(kind):
+    """``reduce="rows"``: over random windows of every JPEG kind (each EXIF orientation,
+    progressive, restart markers, gray, CMYK, 4:4:4; odd sizes), the window cut from the
+    partial decode is the full decode's window, and every stage's output (every resampling
+    filter) is the full path's, to the bit; and rows were left out."""
+    data = kinds()[kind]
+    full = OFF.apply(data)
+    partial = 0
+    orientation = int(kind[5:]) if kind.startswith("exif_") else 1
+    stages = [RandomResizedCrop(224, interpolation=f) for f in ("bilinear", "bicubic", "lanczos", "nearest", "box")]
+    stages += [RandomResizedCrop(96, scale=(0.02, 0.3)), ResizeCenterCrop(256, 224), Resize(300)]
+    for k in range(24):
+        stage = stages[k % len(stages)]
+        rng = Draws(5, 0, k, 1)
+        img, box, out = ROWS.apply_window(data, lambda w, h: stage.window(w, h, rng))
+        want_box, _ = stage.window(*full.size, rng)
+        if all(float(v).is_integer() for v in want_box):   # the window's own pixels
+            assert np.array_equal(np.asarray(img.crop(tuple(int(v) for v in box))),
+                                  np.asarray(full.crop(tuple(int(v) for v in want_box)))), (kind, k)
+        got = stage.resize_window(img, box, out)
+        assert np.array_equal(np.asarray(got), np.asarray(stage.apply(full, rng))), (kind, k, stage)
+        partial += img.size != full.size
+    if orientation in (1, 2, 5, 8):   # where rows are left out (see Decode.apply_window)
+        assert partial, "every window needed the whole image: the test would not test partial decode"
+    else:
+        assert not partial
+
+
+@pytest.mark.parametrize("kind", sorted(kinds()))
 @pytest.mark.parametrize("stage", STAGES[:2], ids=lambda s: s.name)
 def test_reduced_pixels_are_close_to_full_decode(kind, stage):
     """Every JPEG kind (progressive, restart markers, 4:4:4, gray, CMYK, each EXIF orientation
@@ -132,22 +163,26 @@ def test_reduced_pixels_are_close_to_full_decode(kind, stage):
 
 
 @pytest.mark.parametrize("name", case_files())
-def test_hard_cases_behave_alike_on_both_paths(name):
-    """Each hard input: the same error and reason, or an RGB output close to the full decode's,
-    with an output small enough that the JPEGs among them are decoded reduced."""
+def test_hard_cases_behave_alike_on_every_path(name):
+    """Each hard input: the same error and reason, or an RGB output: the full decode's to the bit
+    with ``reduce="rows"``, close to it with ``"auto"`` (an output small enough that the JPEGs
+    among them are decoded reduced)."""
     data = (CASES / name).read_bytes()
-    stage = RandomResizedCrop(16)
-    rng = Draws(0, 0, 0, 1)
-    try:
-        want = stage.apply(OFF.apply(data), rng)
-    except DecodeError as e:
-        with pytest.raises(DecodeError) as got:
-            run(AUTO, data, stage, rng)
-        assert (got.value.reason, got.value.detail) == (e.reason, e.detail)
-        return
-    got, _ = run(AUTO, data, stage, rng)
-    assert got.mode == "RGB" and got.size == want.size == (16, 16)
-    assert np.abs(np.asarray(got, np.int16) - np.asarray(want, np.int16)).mean() <= 8, name
+    for k, stage in enumerate([RandomResizedCrop(16), RandomResizedCrop(16, scale=(0.05, 0.2)), ResizeCenterCrop(24, 16)]):
+        rng = Draws(0, 0, k, 1)
+        try:
+            want = stage.apply(OFF.apply(data), rng)
+        except DecodeError as e:
+            for dec in (ROWS, AUTO):
+                with pytest.raises(DecodeError) as got:
+                    run(dec, data, stage, rng)
+                assert (got.value.reason, got.value.detail) == (e.reason, e.detail)
+            continue
+        got, _ = run(ROWS, data, stage, rng)
+        assert np.array_equal(np.asarray(got), np.asarray(want)), name
+        got, _ = run(AUTO, data, stage, rng)
+        assert got.mode == "RGB" and got.size == want.size
+        assert np.abs(np.asarray(got, np.int16) - np.asarray(want, np.int16)).mean() <= 8, name
 
 
 def test_non_jpeg_and_non_bytes_inputs_take_the_full_decode():
@@ -177,7 +212,8 @@ def test_steps_fuse_decode_and_the_window_stage_only_where_they_may():
             self.after = after
 
     auto = [Decode(reduce="auto"), RandomResizedCrop(224), HorizontalFlip()]
-    assert window_pair(auto) and not window_pair([Decode(), RandomResizedCrop(224)])
+    assert window_pair(auto) and window_pair([Decode(), RandomResizedCrop(224)])
+    assert not window_pair([Decode(reduce="off"), RandomResizedCrop(224)])
     steps = sample_steps(Src(), Plan(auto), 0)
     assert isinstance(steps[1], WindowDecodeStep) and len(steps) == 3
 
@@ -225,12 +261,12 @@ def test_loader_gets_the_same_windows_and_labels_with_reduced_decode(photos_ds, 
 
 def test_reduce_is_a_pipeline_setting(photos_ds):
     """``decode: {reduce: auto}`` in YAML; another value is a ConfigError naming the key; the
-    setting is in the stage's config (so in a cache's fingerprint) and defaults to off."""
+    setting is in the stage's config (so in a cache's fingerprint) and defaults to rows."""
     from feedgpu import ConfigError
     from feedgpu import config as cfg
 
     base = cfg.merge(cfg.load_yaml(REPO / "pipelines" / "imagenet_val.yaml"), {"source.path": str(photos_ds)})
-    assert Pipeline.from_config(base).stages[0].reduce == "off"
+    assert Pipeline.from_config(base).stages[0].reduce == "rows"
     base["stages"][0]["reduce"] = "auto"
     p = Pipeline.from_config(base)
     assert p.stages[0].reduce == "auto" and p.stages[0].config()["reduce"] == "auto"

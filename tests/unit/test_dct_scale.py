@@ -63,3 +63,47 @@ def test_reduced_box_scales_the_stored_grid():
     # orientation 6 (a 90 degree turn): the stored image is 1601 x 1001, upright 1001 x 1601
     box = reduced_box((0, 0, 1001, 1601), 1001, 1601, 6, 2)
     assert box == (0.5, 0.0, 501.0, 800.5)
+
+
+def _jpeg(mode="RGB", size=(64, 40), **kw) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    Image.new(mode, size, "white" if mode != "CMYK" else (0, 0, 0, 0)).save(buf, "JPEG", **kw)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("kw, vmax", [({}, 2), ({"subsampling": 0}, 1), ({"progressive": True}, 2),
+                                      ({"subsampling": 1}, 1)])
+def test_frame_rows_finds_the_height_field(kw, vmax):
+    import io
+
+    from feedgpu.stages.jpeg_header import frame_rows, with_rows
+
+    data = _jpeg(**kw)
+    offset, v = frame_rows(data)
+    assert v == vmax and int.from_bytes(data[offset:offset + 2], "big") == 40
+    assert Image.open(io.BytesIO(with_rows(data, offset, 17))).size == (64, 17)
+
+
+def test_frame_rows_declines_what_it_does_not_handle():
+    from pathlib import Path
+
+    from feedgpu.stages.jpeg_header import frame_rows
+
+    data_dir = Path(__file__).resolve().parents[1] / "data"
+    assert frame_rows((data_dir / "arithmetic.jpg").read_bytes()) is None   # SOF9: arithmetic coding
+    assert frame_rows(b"") is None and frame_rows(b"\x89PNG\r\n\x1a\n") is None
+    cut = _jpeg()[:20]
+    assert frame_rows(cut) is None
+
+
+def test_rows_needed_covers_the_box_and_the_filter_reach():
+    from feedgpu.stages.dct_scale import rows_needed
+
+    # upright, scale 1, a 448 px high box to 224: reach 3 * 2 + 2 px, plus one MCU row
+    assert rows_needed((0, 100, 448, 548), 224, 224, 1600, 1000, 1, 1, 16) == 548 + 8 + 16
+    # orientation 8 (stored rows are upright columns): the box's right edge decides
+    assert rows_needed((100, 0, 300, 900), 224, 224, 1000, 1600, 8, 1, 8) == 300 + 5 + 8
+    # at 1/4 the reach is counted in reduced pixels
+    assert rows_needed((0, 0, 1600, 1000), 224, 224, 1600, 1000, 1, 4, 16) >= 1000 + 4 * 3
