@@ -181,7 +181,8 @@ def markdown(doc: dict) -> str:
          f"{s['interpolation']}.",
          "- off: `Decode(reduce=\"off\")`, full decode then the window's resize (torchvision's pixels). "
          "auto: `Decode(reduce=\"auto\")`, the JPEG decoded at 1/scale (the largest of 8, 4, 2 whose "
-         "reduced window is still at least 224 px both ways), then the same window resized.",
+         "reduced window is still at least 224 px both ways; and only down to the rows the window needs, "
+         "which changes no pixel), then the same window resized.",
          "- PSNR and differences over the 224x224x3 uint8 output, per sample; p01: the 1st percentile "
          "(worst 1 %), p99 the 99th. Samples where auto also decodes at full size are identical and "
          "only counted.", ""]
