@@ -1,11 +1,16 @@
 #!/usr/bin/env python
 """The recorded CPU benchmark: feedgpu's CPU path against torch's DataLoader + Pillow.
 
-Three loaders, same data, same transforms (``pipelines/imagenet_train.yaml``: decode, random
-resized crop 224, horizontal flip, normalize to float32 NCHW), same worker count and batch size:
+Loaders on the same data, same transforms (``--recipe train``: ``pipelines/imagenet_train.yaml``,
+decode, random resized crop 224, horizontal flip, normalize to float32 NCHW; ``--recipe val``:
+``pipelines/imagenet_val.yaml``, decode, resize 256 + center crop 224, normalize), same worker
+count and batch size (``--loaders`` picks among them; default all five):
 
-* ``feedgpu``: ``feedgpu.DataLoader`` on the pipeline, with the PIL build of this environment
-  (Pillow-SIMD);
+* ``feedgpu``: ``feedgpu.DataLoader`` on the pipeline (Python engine, ``decode: {reduce: rows}``,
+  the default: JPEG rows below the window are not decoded, the full decode's pixels), with the
+  PIL build of this environment (Pillow-SIMD);
+* ``feedgpu_full``: the same with ``reduce: off`` (every image decoded whole);
+* ``feedgpu_reduce``: the same with ``reduce: auto`` (also at the DCT scale the window allows);
 * ``torch_pillow_simd``: ``torch.utils.data.DataLoader`` + torchvision-equivalent transforms
   (``feedgpu.bench.torch_baseline``), same PIL build;
 * ``torch_pillow``: the same torch loader with stock Pillow, what users have: Pillow from PyPI
@@ -18,10 +23,16 @@ first run pays one-time costs, such as first touch of fresh memory, that trainin
 The measurement itself is ``feedgpu.bench.measure.measure`` (what ``feedgpu bench`` reports). Before
 the rounds, each PIL build's per-core rate without any loader is measured for reference.
 
-Writes ``bench/results/cpu_loader.json`` and ``bench/results/cpu_loader.md``.
+Data (``--dataset``): ``imagenet-like``, ``--images`` JPEGs built from the photographs, or
+``photos``, the full-size photographs themselves, repeated to ``--images`` files in an
+ImageFolder layout of links (``bench/out/photos-<N>``).
+
+Writes ``bench/results/cpu_loader.json`` and ``bench/results/cpu_loader.md`` (ImageNet-like, train),
+else ``cpu_loader_<dataset>_<recipe>.{json,md}``.
 
     .venv/bin/python -m bench.cpu_loader                 # 2,000 images, 2 workers, 7 rounds
     .venv/bin/python -m bench.cpu_loader --images 5000 --rounds 3
+    .venv/bin/python -m bench.cpu_loader --dataset photos --recipe val --images 1000 --rounds 5
 """
 from __future__ import annotations
 
@@ -35,21 +46,53 @@ from pathlib import Path
 from bench.harness import REPO, Child, check_pil, ensure_stock_pillow, spread, wait_quiet, write_results
 from bench.harness import serve as harness_serve
 
-PIPELINE = REPO / "pipelines" / "imagenet_train.yaml"
+PIPELINES = {"train": REPO / "pipelines" / "imagenet_train.yaml", "val": REPO / "pipelines" / "imagenet_val.yaml"}
+PIPELINE = PIPELINES["train"]
 
-# name -> (feedgpu.bench.subjects loader kind, stock Pillow?)
+# name -> (feedgpu.bench.subjects loader kind, stock Pillow?, decode's reduce setting)
 LOADERS = {
-    "feedgpu": ("feedgpu", False),
-    "torch_pillow_simd": ("torch", False),
-    "torch_pillow": ("torch", True),
+    "feedgpu": ("feedgpu", False, "rows"),
+    "feedgpu_full": ("feedgpu", False, "off"),
+    "feedgpu_reduce": ("feedgpu", False, "auto"),
+    "torch_pillow_simd": ("torch", False, "off"),
+    "torch_pillow": ("torch", True, "off"),
 }
 
 
 # -- the child: one measured run (or the per-core reference) in a fresh interpreter ---------------
-def _pipeline(data: str):
+def _pipeline(data: str, recipe: str = "train", reduce: str = "off"):
     from feedgpu import Pipeline
+    from feedgpu import config as cfg
 
-    return Pipeline.from_yaml(PIPELINE, **{"source.path": data, "output.device": "cpu"})
+    conf = cfg.merge(cfg.load_yaml(PIPELINES[recipe]), {"source.path": data, "output.device": "cpu"})
+    conf["stages"][0]["reduce"] = reduce    # the first stage is decode in both recipes
+    return Pipeline.from_config(conf, where=str(PIPELINES[recipe]))
+
+
+def build_photo_set(out: Path, photos: str, n: int) -> Path:
+    """``n`` links to the photographs in ``photos`` (in turn), as ``out/<photo's stem>/<i>.jpg``
+    (ImageFolder layout, one class per photograph); reused when complete."""
+    files = sorted(p for p in Path(photos).iterdir() if p.suffix.lower() in (".jpg", ".jpeg"))
+    if not files:
+        raise FileNotFoundError(f"no JPEG photographs in {photos}")
+    if out.is_dir() and len(list(out.rglob("*.jpg"))) == n:
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        import shutil
+
+        shutil.rmtree(tmp)
+    for i in range(n):
+        f = files[i % len(files)]
+        d = tmp / f.stem
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"{i:06d}.jpg").symlink_to(f.resolve())
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
 
 
 def serve(base: dict) -> None:
@@ -60,7 +103,7 @@ def serve(base: dict) -> None:
     from feedgpu.bench.measure import progress_bar, run_one
     from feedgpu.imaging import pil_label
 
-    p = _pipeline(base["data"])
+    p = _pipeline(base["data"], base["recipe"], base["reduce"])
     len(p.source)
 
     def answer(cmd: dict) -> dict:
@@ -85,7 +128,7 @@ def per_core(p, n: int) -> dict:
     torch.manual_seed(0)
     full = build_transforms(p)
     geometric = type(full)([t for t in full.transforms if type(t).__name__ in
-                            ("LoadImage", "RandomResizedCrop", "RandomHorizontalFlip")])
+                            ("LoadImage", "RandomResizedCrop", "RandomHorizontalFlip", "Resize", "CenterCrop")])
     payloads = [p.source.read(i).payload for i in range(min(n, len(p.source)))]
     out = {}
     for name, tf in (("decode_crop_flip", geometric), ("full_transform", full)):
@@ -106,7 +149,14 @@ def main(argv=None) -> int:
     ap.add_argument("--images", type=int, default=2000, help="images in the dataset (default 2000)")
     ap.add_argument("--photos", default=str((REPO / ".." / "shared" / "data" / "photos").resolve()),
                     help="photographs the dataset is made from (default ../shared/data/photos)")
-    ap.add_argument("--data", help="dataset folder (default bench/out/imagenet-like-<images>, built if missing)")
+    ap.add_argument("--data", help="dataset folder (default bench/out/<dataset>-<images>, built if missing)")
+    ap.add_argument("--dataset", choices=("imagenet-like", "photos"), default="imagenet-like",
+                    help="imagenet-like: JPEGs of 400-640 px made from --photos; photos: the photographs "
+                    "themselves at full size, repeated (default imagenet-like)")
+    ap.add_argument("--recipe", choices=sorted(PIPELINES), default="train",
+                    help="train: random resized crop 224 + flip; val: resize 256 + center crop 224 (default train)")
+    ap.add_argument("--loaders", default=",".join(LOADERS),
+                    help=f"comma-separated, of {', '.join(LOADERS)} (default all)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=7)
@@ -124,40 +174,50 @@ def main(argv=None) -> int:
     if a.serve:
         serve(json.loads(a.serve))
         return 0
+    names = [n.strip() for n in a.loaders.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(LOADERS))
+    if unknown or not names:
+        ap.error(f"--loaders: unknown {unknown}; choose among {', '.join(LOADERS)}")
+    loaders = {n: LOADERS[n] for n in names}
 
     from feedgpu.bench.machine import data_info, machine_info
     from feedgpu.bench.measure import default_batches, epoch_batches, ratio, run_rounds, summarize
     from feedgpu.sample_data import build_imagenet_like
 
     t0 = time.perf_counter()
-    stock_version = ensure_stock_pillow()
-    data = Path(a.data) if a.data else REPO / "bench" / "out" / f"imagenet-like-{a.images}"
-    if not a.data:
+    stock_version = ensure_stock_pillow() if any(v[1] for v in loaders.values()) else None
+    data = Path(a.data) if a.data else REPO / "bench" / "out" / f"{a.dataset}-{a.images}"
+    if not a.data and a.dataset == "photos":
+        build_photo_set(data, a.photos, a.images)
+    elif not a.data:
         build_imagenet_like(data, a.images, photos_dir=a.photos, progress=True)
-    p = _pipeline(str(data))
+    p = _pipeline(str(data), a.recipe)
     nb = epoch_batches(p, a.batch_size)
     batches = a.batches or default_batches(nb, a.warmup, a.workers)
     print("measuring the data set", file=sys.stderr)
     data_meta = data_info(p, str(data), sample=None)
     machine = machine_info()
-    machine["pil_stock"] = f"Pillow {stock_version}"
-    settings = {"pipeline": str(PIPELINE.relative_to(REPO)), "workers": a.workers, "batch_size": a.batch_size,
+    machine["pil_stock"] = f"Pillow {stock_version}" if stock_version else None
+    settings = {"pipeline": str(PIPELINES[a.recipe].relative_to(REPO)), "recipe": a.recipe, "dataset": a.dataset,
+                "loaders": names, "workers": a.workers, "batch_size": a.batch_size,
                 "batches_per_epoch": nb, "timed_batches": batches, "warmup": a.warmup, "rounds": a.rounds,
                 "prefetch_factor": p.prefetch_factor, "device": "cpu", "shuffle": p.shuffle,
                 "drop_last": p.drop_last, "photos": a.photos, "quiet_wait_s": a.quiet_wait,
                 "max_others_percent": a.max_others, "retries": a.retries}
     base = {"data": str(data), "workers": a.workers, "batch_size": a.batch_size, "batches": batches,
-            "warmup": a.warmup}
+            "warmup": a.warmup, "recipe": a.recipe}
 
     children = {}
     disturbed: list[dict] = []
     try:
-        for name, (kind, stock) in LOADERS.items():
-            children[name] = Child(name, {**base, "kind": kind, "stock": stock}, "bench.cpu_loader")
+        for name, (kind, stock, reduce) in loaders.items():
+            children[name] = Child(name, {**base, "kind": kind, "stock": stock, "reduce": reduce}, "bench.cpu_loader")
         print("per-core reference (one process, no loader)", file=sys.stderr)
         n_single = min(500, len(p.source))
         single = {}
-        for key, name in (("pillow_simd", "feedgpu"), ("pillow", "torch_pillow")):
+        for key, name in (("pillow_simd", "torch_pillow_simd"), ("pillow", "torch_pillow")):
+            if name not in children:
+                continue
             wait_quiet(a.quiet_wait)
             single[key] = children[name].ask({"mode": "single", "images": n_single})
 
@@ -177,8 +237,8 @@ def main(argv=None) -> int:
 
         # one unrecorded round first: each process's first run pays one-time costs (first touch
         # of fresh memory, imports, file cache) that a training run pays once, not per epoch
-        warm = [run(name, -1, None) for name in LOADERS]
-        runs = run_rounds(list(LOADERS), a.rounds, run)
+        warm = [run(name, -1, None) for name in loaders]
+        runs = run_rounds(list(loaders), a.rounds, run)
     finally:
         for c in children.values():
             c.close()
@@ -189,17 +249,20 @@ def main(argv=None) -> int:
         s["samples_per_s_min"] = min(r["samples_per_s"] for r in rs)
         s["samples_per_s_max"] = max(r["samples_per_s"] for r in rs)
         s["steal_percent_median"] = statistics.median(r["steal_percent"] or 0 for r in rs)
-        if name == "feedgpu":
+        # CPU seconds (main process + workers) spent per 1,000 samples delivered
+        s["cpu_s_per_1000"] = round(statistics.median(r["cpu_percent"] / 100 * 1000 / r["samples_per_s"]
+                                                      for r in rs), 2)
+        if name.startswith("feedgpu"):
             stages = rs[0]["stage_ms_per_sample"].keys()
             s["stage_ms_per_sample"] = {k: round(statistics.median(r["stage_ms_per_sample"][k] for r in rs), 3)
                                         for k in stages}
-    ratios = {"feedgpu_over_torch_pillow": ratio(summary, "feedgpu", "torch_pillow"),
-              "feedgpu_over_torch_pillow_simd": ratio(summary, "feedgpu", "torch_pillow_simd"),
-              "torch_pillow_simd_over_torch_pillow": ratio(summary, "torch_pillow_simd", "torch_pillow")}
+    pairs = {f"{x}_over_{y}": (x, y) for x in summary for y in ("torch_pillow", "torch_pillow_simd", "feedgpu")
+             if x != y and y in summary and (x.startswith("feedgpu") or x == "torch_pillow_simd")
+             and not (x == "torch_pillow_simd" and y == "feedgpu")}
+    ratios = {key: ratio(summary, x, y) for key, (x, y) in pairs.items()}
     # the same ratio taken within each round (the loaders ran back to back), then the median
     per_round = {}
-    for key, (x, y) in {"feedgpu_over_torch_pillow": ("feedgpu", "torch_pillow"),
-                        "feedgpu_over_torch_pillow_simd": ("feedgpu", "torch_pillow_simd")}.items():
+    for key, (x, y) in pairs.items():
         vals = []
         for r in range(1, a.rounds + 1):
             rx = [q["samples_per_s"] for q in runs if q["round"] == r and q["loader"] == x]
@@ -214,17 +277,33 @@ def main(argv=None) -> int:
            "ratios_per_round": per_round, "per_core_no_loader": single, "runs": runs,
            "warmup_runs_not_counted": warm, "disturbed_runs_repeated": disturbed,
            "total_seconds": round(total, 1)}
-    write_results(a.out, "cpu_loader", doc, markdown)
+    name = "cpu_loader" if (a.dataset, a.recipe) == ("imagenet-like", "train") else \
+        f"cpu_loader_{a.dataset.replace('-', '_')}_{a.recipe}"
+    doc["results_name"] = name
+    write_results(a.out, name, doc, markdown)
     return 0
 
 
 # -- the report --------------------------------------------------------------------------------------
-NAMES = {"feedgpu": "feedgpu.DataLoader", "torch_pillow_simd": "torch DataLoader + Pillow-SIMD",
-         "torch_pillow": "torch DataLoader + stock Pillow"}
+NAMES = {"feedgpu": "feedgpu.DataLoader", "feedgpu_full": "feedgpu.DataLoader, decode reduce: off",
+         "feedgpu_reduce": "feedgpu.DataLoader, decode reduce: auto",
+         "torch_pillow_simd": "torch DataLoader + Pillow-SIMD", "torch_pillow": "torch DataLoader + stock Pillow"}
+RECIPES = {"train": "decode → RandomResizedCrop(224, bilinear) → horizontal flip → normalize to float32 NCHW",
+           "val": "decode → Resize(256) + CenterCrop(224) (bilinear) → normalize to float32 NCHW"}
 
 
 def _f(v, spec: str) -> str:
     return "–" if v is None else format(v, spec)
+
+
+def _pair_label(key: str, doc: dict) -> str:
+    """``"x_over_y"`` -> ``"x / y"`` with the loaders' names."""
+    names = list(doc["summary"])
+    for x in names:
+        for y in names:
+            if key == f"{x}_over_{y}":
+                return f"{NAMES.get(x, x)} / {NAMES.get(y, y)}"
+    return key
 
 
 def markdown(doc: dict) -> str:
@@ -233,26 +312,28 @@ def markdown(doc: dict) -> str:
         "# CPU loader benchmark: feedgpu vs torch DataLoader + Pillow",
         "",
         f"Recorded {doc['created']} with `{doc['command'].strip()}` ({doc['total_seconds']:.0f} s). "
-        "Raw numbers, every run: `cpu_loader.json`.",
+        f"Raw numbers, every run: `{doc.get('results_name', 'cpu_loader')}.json`.",
         "",
-        f"**feedgpu / torch DataLoader + stock Pillow: {ra['feedgpu_over_torch_pillow']:.2f}×** "
-        "(the target: ≥ 2.0×); "
-        f"feedgpu / torch DataLoader + Pillow-SIMD: {ra['feedgpu_over_torch_pillow_simd']:.2f}×.",
+        ("; ".join(f"**{_pair_label(k, doc)}: {v:.2f}×**" for k, v in ra.items()
+                   if v is not None and k.endswith("_over_torch_pillow")) + " (the target: feedgpu ≥ 2.0×)."
+         if "torch_pillow" in su else "No torch + stock Pillow loader in this run."),
         "",
         "## Setup",
         "",
         f"- Machine: {m['cpus_usable']} CPUs ({m['cpu_model']}), {m['ram_gb']} GB RAM, {m['platform']}; "
         f"Python {m['python']}, torch {m['torch']}.",
-        f"- PIL builds: {m['pil_label']} (feedgpu and the second torch loader); {m['pil_stock']} from PyPI in "
-        "`bench/.pillow-stock` (the third).",
-        f"- Data: {d['images']} ImageNet-like JPEGs built by `feedgpu.sample_data.build_imagenet_like` from "
-        f"`{s['photos']}` photographs (ImageFolder layout; "
-        f"mean {d['mean_bytes'] / 1024:.1f} KB, {d['mean_width']}×{d['mean_height']} px, "
+        f"- PIL builds: {m['pil_label']} (feedgpu and torch + Pillow-SIMD)" +
+        (f"; {m['pil_stock']} from PyPI in `bench/.pillow-stock` (torch + stock Pillow)." if m.get("pil_stock") else "."),
+        (f"- Data: {d['images']} ImageNet-like JPEGs built by `feedgpu.sample_data.build_imagenet_like` from "
+         f"`{s['photos']}` photographs" if s.get("dataset", "imagenet-like") == "imagenet-like" else
+         f"- Data: the full-size photographs of `{s['photos']}`, repeated to {d['images']} files") +
+        f" (ImageFolder layout; mean {d['mean_bytes'] / 1024:.1f} KB, {d['mean_width']}×{d['mean_height']} px, "
         f"{d['mean_megapixels']:.3f} megapixels).",
-        f"- Pipeline: `{s['pipeline']}` — decode → RandomResizedCrop(224, bilinear) → horizontal flip → "
-        "normalize to float32 NCHW, output on the CPU. The torch loaders run the torchvision-equivalent "
-        "transforms of `feedgpu.bench.torch_baseline` (`Image.open().convert(\"RGB\")`, `RandomResizedCrop`, "
-        "`RandomHorizontalFlip`, `ToTensor`, `Normalize`, `default_collate`, `pin_memory=False`).",
+        f"- Pipeline: `{s['pipeline']}` — {RECIPES[s.get('recipe', 'train')]}, output on the CPU; "
+        "feedgpu runs `decode: {reduce: rows}` (the default), `feedgpu_full` `reduce: off`, `feedgpu_reduce` "
+        "`reduce: auto`. The torch loaders run the torchvision-equivalent "
+        "transforms of `feedgpu.bench.torch_baseline` (`Image.open().convert(\"RGB\")`, the same geometric "
+        "transforms, `ToTensor`, `Normalize`, `default_collate`, `pin_memory=False`).",
         f"- Settings: {s['workers']} workers each, batch {s['batch_size']}, prefetch {s['prefetch_factor']}, "
         f"shuffle, drop_last ({s['batches_per_epoch']} batches per epoch); per run {s['warmup']} warm-up "
         f"batches, then {s['timed_batches']} timed batches; one unrecorded warm-up round, then "
@@ -260,14 +341,15 @@ def markdown(doc: dict) -> str:
         "",
         "## Results (medians over rounds)",
         "",
-        "| loader | PIL | samples/s (min–max) | ms/batch | first batch s | CPU % | RSS peak / worker MB "
-        "| PSS / worker MB | USS / worker MB | main RSS peak MB |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| loader | PIL | samples/s (min–max) | ms/batch | first batch s | CPU % | CPU s / 1,000 samples "
+        "| RSS peak / worker MB | PSS / worker MB | USS / worker MB | main RSS peak MB |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, x in su.items():
         L.append(f"| {NAMES.get(name, name)} | {x['pil']} | **{x['samples_per_s']:.0f}** "
                  f"({x['samples_per_s_min']:.0f}–{x['samples_per_s_max']:.0f}) | {x['ms_per_batch']:.0f} | "
-                 f"{x['first_batch_s']:.2f} | {x['cpu_percent']:.0f} | {_f(x['rss_peak_mb_per_worker'], '.0f')} | "
+                 f"{x['first_batch_s']:.2f} | {x['cpu_percent']:.0f} | {_f(x.get('cpu_s_per_1000'), '.2f')} | "
+                 f"{_f(x['rss_peak_mb_per_worker'], '.0f')} | "
                  f"{_f(x['pss_mb_per_worker'], '.0f')} | {_f(x['uss_mb_per_worker'], '.0f')} | "
                  f"{x['rss_peak_mb_main']:.0f} |")
     pr = doc["ratios_per_round"]
@@ -275,29 +357,25 @@ def markdown(doc: dict) -> str:
         "",
         "| ratio | of medians | per round: median (min–max) |",
         "| --- | ---: | ---: |",
-        f"| feedgpu / torch + stock Pillow | **{ra['feedgpu_over_torch_pillow']:.2f}×** | "
-        f"{pr['feedgpu_over_torch_pillow']['median']:.2f}× ({pr['feedgpu_over_torch_pillow']['min']:.2f}–"
-        f"{pr['feedgpu_over_torch_pillow']['max']:.2f}) |",
-        f"| feedgpu / torch + Pillow-SIMD | {ra['feedgpu_over_torch_pillow_simd']:.2f}× | "
-        f"{pr['feedgpu_over_torch_pillow_simd']['median']:.2f}× ({pr['feedgpu_over_torch_pillow_simd']['min']:.2f}–"
-        f"{pr['feedgpu_over_torch_pillow_simd']['max']:.2f}) |",
-        f"| torch + Pillow-SIMD / torch + stock Pillow | {ra['torch_pillow_simd_over_torch_pillow']:.2f}× | |",
-        "",
-        "Per-core reference, one process without a loader (first "
-        f"{doc['per_core_no_loader']['pillow_simd']['images']} images):",
-        "",
-        "| PIL | decode + crop-resize + flip, img/s | + ToTensor + Normalize, img/s |",
-        "| --- | ---: | ---: |",
     ]
-    for key in ("pillow_simd", "pillow"):
-        x = doc["per_core_no_loader"][key]
+    for key, v in ra.items():
+        r = pr.get(key)
+        L.append(f"| {_pair_label(key, doc)} | **{_f(v, '.2f')}×** | " +
+                 (f"{r['median']:.2f}× ({r['min']:.2f}–{r['max']:.2f}) |" if r else "|"))
+    single = doc["per_core_no_loader"]
+    if single:
+        L += ["", f"Per-core reference, one process without a loader (first {next(iter(single.values()))['images']} "
+              "images):", "", "| PIL | decode + geometric transforms, img/s | + ToTensor + Normalize, img/s |",
+              "| --- | ---: | ---: |"]
+    for x in single.values():
         L.append(f"| {x['pil']} | {x['decode_crop_flip']['images_per_s']:.0f} "
                  f"({x['decode_crop_flip']['ms_per_image']:.2f} ms) | {x['full_transform']['images_per_s']:.0f} "
                  f"({x['full_transform']['ms_per_image']:.2f} ms) |")
-    st = su.get("feedgpu", {}).get("stage_ms_per_sample")
-    if st:
-        L += ["", "feedgpu's time per sample in its workers (median over runs, ms): " +
-              ", ".join(f"{k} {v:.2f}" for k, v in st.items()) + f" (sum {sum(st.values()):.2f})."]
+    for name in su:
+        st = su[name].get("stage_ms_per_sample")
+        if st:
+            L += ["", f"{name}'s time per sample in its workers (median over runs, ms): " +
+                  ", ".join(f"{k} {v:.2f}" for k, v in st.items()) + f" (sum {sum(st.values()):.2f})."]
     L += [
         "",
         "## How it is measured",
@@ -310,7 +388,8 @@ def markdown(doc: dict) -> str:
         "consumer reads a slice of each batch and does nothing else, so this is the loader's own pace.",
         "- first batch: from `iter(loader)` to the first batch (includes starting the workers).",
         "- CPU %: CPU seconds of the main process and all its children (the workers) over the timed window ÷ "
-        "its wall time; 200 % = both cores busy.",
+        "its wall time; 200 % = both cores busy. CPU s / 1,000 samples: those CPU seconds per 1,000 samples "
+        "delivered (median over runs).",
         "- Memory per worker: RSS peak (VmHWM) counts pages shared with the main process and the shared batch "
         "buffers; PSS splits shared pages among their users; USS is what the worker alone holds. Sampled "
         "half-way through the timed window (PSS, USS) and at every batch (RSS peak).",

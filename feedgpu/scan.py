@@ -278,7 +278,7 @@ def open_for_scan(data: str, fmt: str | None = None, overrides: dict | None = No
                 source = NothingLeft(fmt, data, e)   # every record left out: report them, not an error
         decode = Decode()
     if max_pixels is not None:
-        decode = Decode(decode.exif_orientation, max_pixels, decode.background)
+        decode = Decode(decode.exif_orientation, max_pixels, decode.background, decode.reduce)
     return source, decode, pipeline
 
 

@@ -17,7 +17,7 @@ from ..stages.base import SampleStage, stage_random
 from . import progress
 from .pixels import Pixels
 
-__all__ = ["CachedSteps", "ReadStep", "Sample", "StageStep", "sample_steps"]
+__all__ = ["CachedSteps", "ReadStep", "Sample", "StageStep", "WindowDecodeStep", "sample_steps", "window_pair"]
 
 
 class Sample:
@@ -65,23 +65,79 @@ class StageStep:
     def run(self, s: Sample, epoch: int, secs: dict) -> None:
         t0 = time.perf_counter()
         st = self.stage
-        rng = stage_random(st, self.seed, epoch, s.index, self.draw_id)
+        rng = self.random(s, epoch)
         progress.at(self.label, s.index)
         x = s.x
         wrap = isinstance(x, Pixels)
         if wrap:
             x = x.either() if self.arrays else x.image()
-        try:
-            y = st.apply(x, rng)
-        except SampleError as e:
-            raise type(e)(s.key or self.source.key(s.index), e.reason, e.detail) from None
-        except Exception as e:
-            raise StageError(f"stage {self.pos} ({self.label}) failed on {s.key or self.source.key(s.index)}: "
-                             f"{type(e).__name__}: {e}") from e
+        y = self.call(s, st.apply, x, rng)
         if wrap and self.arrays:
             y = Pixels(image=y) if isinstance(y, Image.Image) else Pixels(array=y)
         s.x = y
         secs[st.name] += time.perf_counter() - t0
+
+    def random(self, s: Sample, epoch: int):
+        """What the stage's ``apply`` gets as ``rng`` for sample ``s`` in ``epoch``."""
+        return stage_random(self.stage, self.seed, epoch, s.index, self.draw_id)
+
+    def call(self, s: Sample, fn, *args):
+        """``fn(*args)`` for sample ``s``, its errors raised as :meth:`run` raises them."""
+        try:
+            return fn(*args)
+        except SampleError as e:
+            raise type(e)(s.key or self.source.key(s.index), e.reason, e.detail) from None
+        except _StageFailed as e:   # already named for its own stage
+            raise e.__cause__ from e.__cause__.__cause__
+        except Exception as e:
+            raise StageError(f"stage {self.pos} ({self.label}) failed on {s.key or self.source.key(s.index)}: "
+                             f"{type(e).__name__}: {e}") from e
+
+
+class _StageFailed(Exception):
+    """An error another step's stage raised inside this step's call, already in its final form
+    (its ``__cause__``)."""
+
+
+class WindowDecodeStep:
+    """Decode and the window-resizing stage right after it, as one step: the stage's window is
+    drawn from the upright image's size read from the header (the same draws as the two
+    separate steps), then :meth:`~feedgpu.stages.decode.Decode.apply_window` decodes the rows of
+    the JPEG the window needs (at the DCT scale it allows, with ``reduce="auto"``) and the stage
+    resamples the window of that image.
+    Input that is not encoded bytes (a PIL image, an array, cached pixels) runs the two steps.
+
+    Args:
+        decode: the :class:`StageStep` of the decode stage (``reduce`` not ``"off"``).
+        resize: the :class:`StageStep` of the next stage, which has ``window(width, height, rng)``
+            and ``resize_window(img, box, out)`` (see :func:`window_pair`).
+    """
+
+    def __init__(self, decode: StageStep, resize: StageStep):
+        self.decode, self.resize = decode, resize
+
+    def run(self, s: Sample, epoch: int, secs: dict) -> None:
+        if not isinstance(s.x, (bytes, bytearray, memoryview)):
+            self.decode.run(s, epoch, secs)
+            self.resize.run(s, epoch, secs)
+            return
+        t0 = time.perf_counter()
+        st = self.resize.stage
+        rng = self.resize.random(s, epoch)
+        progress.at(self.decode.label, s.index)
+
+        def target(width: int, height: int):
+            try:
+                return self.resize.call(s, st.window, width, height, rng)
+            except (SampleError, StageError) as e:
+                raise _StageFailed() from e
+
+        img, box, out = self.decode.call(s, self.decode.stage.apply_window, s.x, target)
+        t1 = time.perf_counter()
+        secs[self.decode.stage.name] += t1 - t0
+        progress.at(self.resize.label, s.index)
+        s.x = self.resize.call(s, st.resize_window, img, box, out)
+        secs[st.name] += time.perf_counter() - t1
 
 
 class CachedSteps:
@@ -129,7 +185,29 @@ def sample_steps(source, plan, seed: int, cache=None) -> list:
     stages before its cut, then a :class:`StageStep` per stage after it."""
     read = ReadStep(source)
     stages = [StageStep(pos, st, seed, plan.draw_ids[pos], source) for pos, st in enumerate(plan.sample_stages)]
+    k = len(stages) if cache is None else cache.after
+    if window_pair(plan.sample_stages) and k != 1:   # never across the cache's cut
+        stages[:2] = [WindowDecodeStep(stages[0], stages[1])]
+        k = k - 1 if k >= 2 else k
     if cache is None:
         return [read, *stages]
-    k = cache.after
     return [CachedSteps(cache, read, stages[:k]), *stages[k:]]
+
+
+def _owner(cls: type, name: str) -> type | None:
+    return next((c for c in cls.__mro__ if name in vars(c)), None)
+
+
+def window_pair(stages) -> bool:
+    """True when the first two sample stages run as one :class:`WindowDecodeStep`: a decode
+    stage with ``apply_window`` and ``reduce`` other than ``"off"``, then a stage with ``window`` and
+    ``resize_window``, neither with an ``apply`` of a subclass that would bypass those."""
+    if len(stages) < 2:
+        return False
+    dec, nxt = stages[0], stages[1]
+    if getattr(dec, "reduce", "off") == "off" or not hasattr(dec, "apply_window"):
+        return False
+    if not (hasattr(nxt, "window") and hasattr(nxt, "resize_window")):
+        return False
+    return (_owner(type(dec), "apply") is _owner(type(dec), "apply_window")
+            and _owner(type(nxt), "apply") is _owner(type(nxt), "window"))

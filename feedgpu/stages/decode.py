@@ -35,15 +35,16 @@ in a TIFF without libtiff: Pillow-SIMD is often built without libwebp or libtiff
 from __future__ import annotations
 
 import io
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from ..errors import DecodeError
+from ..errors import ConfigError, DecodeError
 from ..spec import ImageSpec
 from .base import SampleStage
-from .jpeg_header import jpeg_precision, read_jpeg_header, scan_end_error
+from .dct_scale import choose_scale, reduced_box, rows_needed
+from .jpeg_header import frame_rows, jpeg_precision, read_jpeg_header, scan_end_error, with_rows
 from .params import RGB, PositiveInt
 
 IMAGENET_MEAN_PIXEL = (124, 116, 104)
@@ -60,6 +61,11 @@ _TRANSPOSE = {
 }
 UNKNOWN_KEY = "?"
 _ALPHA_MODES = {"LA", "La", "RGBA", "RGBa", "PA"}
+#: ``reduce``'s values (see :class:`Decode`)
+Reduce = Literal["auto", "off", "rows"]
+#: ``reduce``'s default: the full decode's pixels (the choice against ``"auto"`` is measured in
+#: bench/results/decode_quality.md)
+DEFAULT_REDUCE = "rows"
 
 
 class Decode(SampleStage):
@@ -69,20 +75,32 @@ class Decode(SampleStage):
         exif_orientation: apply the EXIF orientation tag (default True).
         max_pixels: largest width x height accepted (default 89,478,485).
         background: RGB colour transparent pixels are composited onto (default ImageNet mean).
+        reduce: how much of a JPEG the Python engine decodes when the next stage resizes a
+            window of the image (``random_resized_crop``, ``resize_center_crop``, ``resize``;
+            :meth:`apply_window`). ``"rows"`` (the default): not the rows below the window
+            (and the resampling filter's reach), with the pixels of a full decode to the bit.
+            ``"auto"``: also at the largest DCT scale (1/2, 1/4, 1/8) that keeps the window at
+            least the output size: less work on photos much larger than the output, pixels
+            close to but not equal to a full decode's (bench/results/decode_quality.md).
+            ``"off"``: the whole image at full size. The DALI engine decodes only the window,
+            at full size, whatever this setting.
     """
 
     name = "decode"
     version = 2   # 2: wide-integer and float images scaled, cut JPEGs corrupt (cached outputs change)
 
     def __init__(self, exif_orientation: bool = True, max_pixels: PositiveInt = PILLOW_MAX_PIXELS,
-                 background: RGB = IMAGENET_MEAN_PIXEL):
+                 background: RGB = IMAGENET_MEAN_PIXEL, reduce: Reduce = DEFAULT_REDUCE):
+        if reduce not in ("auto", "off", "rows"):
+            raise ConfigError(f"{self.name}: reduce must be 'rows', 'auto' or 'off', got {reduce!r}")
+        self.reduce = reduce
         self.exif_orientation = bool(exif_orientation)
         self.max_pixels = int(max_pixels)
         self.background = tuple(int(c) for c in background)
 
     def config(self) -> dict[str, Any]:
         return {"exif_orientation": self.exif_orientation, "max_pixels": self.max_pixels,
-                "background": list(self.background)}
+                "background": list(self.background), "reduce": self.reduce}
 
     def out_spec(self, spec: ImageSpec) -> ImageSpec:
         return ImageSpec(None, None, 3, "uint8", "HWC", "image")
@@ -99,6 +117,73 @@ class Decode(SampleStage):
         self._check_pixels(w, h, key)
         if img.format == "JPEG" and isinstance(x, (bytes, bytearray, memoryview)):
             _check_scan_end(x, key)   # after the pixel limit, as in header(): one reason on both engines
+        return self._finish(img, key)
+
+    def apply_window(self, x: Any, target) -> tuple[Image.Image, tuple, tuple[int, int]]:
+        """Decode ``x`` for a stage that resizes a window of it: ``target(width, height)`` (the
+        upright size) gives ``(box, (out_w, out_h))``, the window (``(left, top, right, bottom)``
+        float pixels) and the size it is resized to. Returns ``(image, box, (out_w, out_h))``
+        with ``box`` the same window in the returned image.
+
+        With ``reduce="off"``, or for anything but JPEG bytes, the image is :meth:`apply`'s and
+        the box ``target``'s. Otherwise a JPEG that ends with its end marker is decoded down to
+        the last row the resize reads (:func:`~feedgpu.stages.dct_scale.rows_needed`; a frame
+        header giving fewer rows, :func:`~feedgpu.stages.jpeg_header.frame_rows`), and with
+        ``reduce="auto"`` at the largest DCT scale (1/2, 1/4, 1/8) whose reduced window is still
+        at least the output size (:func:`~feedgpu.stages.dct_scale.choose_scale`); the box is
+        moved into that image. With ``"rows"`` the resized window is the full decode's to the
+        bit. Raises :class:`DecodeError` as :meth:`apply` does, for the same inputs."""
+        jpeg_bytes = isinstance(x, (bytes, bytearray, memoryview))
+        if self.reduce == "off" or not jpeg_bytes:
+            img = self.apply(x)
+            box, out = target(img.width, img.height)
+            return img, box, out
+        key = UNKNOWN_KEY
+        img = self._open(x, key)
+        w, h = img.size
+        self._check_pixels(w, h, key)
+        orientation = None
+        if img.format == "JPEG":
+            _check_scan_end(x, key)
+            orientation = self._jpeg_orientation(img)
+        if orientation is None:   # not a JPEG, or an EXIF block _finish() decides about
+            img = self._finish(img, key)
+            box, out = target(img.width, img.height)
+            return img, box, out
+        uw, uh = (h, w) if orientation in (5, 6, 7, 8) else (w, h)
+        box, out = target(uw, uh)
+        scale = choose_scale(box, *out) if self.reduce == "auto" else 1
+        rows = h
+        # rows are left out only where the box keeps its coordinates (the missing rows are at the
+        # upright image's bottom or right): a box moved by whole pixels can resample differently
+        # in the last bit. A file cut short is decoded whole, as apply() decodes it.
+        frame = frame_rows(x) if orientation in (1, 2, 5, 8) and _has_eoi(x) else None
+        if frame is not None:
+            need = rows_needed(box, *out, uw, uh, orientation, scale, 8 * frame[1])
+            if need < h:   # the rows below the window are never decoded
+                rows = need
+                img = self._open(with_rows(x, frame[0], rows), key)
+        if scale > 1 and img.draft(None, (w // scale, rows // scale)) is None:
+            scale = 1
+        if scale > 1 or rows < h:
+            if img.size != (-(-w // scale), -(-rows // scale)):   # cannot happen: draft picks `scale` itself
+                raise AssertionError(f"decoding {w}x{h} at 1/{scale}, {rows} rows, gave {img.size}")
+            box = reduced_box(box, uw, uh, orientation, scale, rows)
+        return self._finish(img, key), box, out
+
+    def _jpeg_orientation(self, img: Image.Image) -> int | None:
+        """The EXIF orientation :meth:`_finish` applies to an opened JPEG (1 when it applies
+        none), read from the header; None when reading it raises (``_finish`` then decides)."""
+        if not self.exif_orientation:
+            return 1
+        try:
+            value = img.getexif().get(_EXIF_ORIENTATION, 1)
+        except Exception:  # noqa: BLE001 - a broken EXIF block: _finish() meets it as apply() does
+            return None
+        return value if value in _TRANSPOSE else 1
+
+    def _finish(self, img: Image.Image, key: str) -> Image.Image:
+        """Load an opened image's pixels, apply its EXIF orientation and convert it to RGB."""
         try:
             img.load()
         except OSError as e:

@@ -157,8 +157,19 @@ class RandomResizedCrop(SampleStage):
 
     def apply(self, img: Image.Image, rng) -> Image.Image:
         """``rng``: the uniform draws (see :func:`random_resized_crop_params`) or a Generator."""
-        top, left, h, w = random_resized_crop_params(img.width, img.height, self.scale, self.ratio, rng)
-        return img.resize((self.size[1], self.size[0]), self._resample, box=(left, top, left + w, top + h))
+        box, out = self.window(img.width, img.height, rng)
+        return self.resize_window(img, box, out)
+
+    def window(self, width: int, height: int, rng) -> tuple[tuple, tuple[int, int]]:
+        """The crop window of a ``width`` x ``height`` image, ``(left, top, right, bottom)`` in
+        pixels, and the output ``(width, height)`` it is resized to (what
+        :meth:`~feedgpu.stages.decode.Decode.apply_window` takes)."""
+        top, left, h, w = random_resized_crop_params(width, height, self.scale, self.ratio, rng)
+        return (left, top, left + w, top + h), (self.size[1], self.size[0])
+
+    def resize_window(self, img: Image.Image, box, out: tuple[int, int]) -> Image.Image:
+        """Resample ``box`` of ``img`` to ``out`` (width, height) in one call."""
+        return img.resize(out, self._resample, box=box)
 
     has_dali = True
     window_resize = True
@@ -210,6 +221,18 @@ class Resize(SampleStage):
         if short == self.size or (short < self.size and not self.upscale):
             return img
         return img.resize(self._target(w, h), self._resample)
+
+    def window(self, width: int, height: int, rng=None) -> tuple[tuple, tuple[int, int]]:
+        """The whole image and the size it is resized to (what
+        :meth:`~feedgpu.stages.decode.Decode.apply_window` takes)."""
+        return (0, 0, width, height), self._target(width, height)
+
+    def resize_window(self, img: Image.Image, box, out: tuple[int, int]) -> Image.Image:
+        """Resample ``box`` of ``img`` to ``out`` (width, height); the image itself when it is
+        already that size."""
+        if img.size == out and tuple(box) == (0, 0) + img.size:
+            return img
+        return img.resize(out, self._resample, box=box)
 
     def _target(self, w: int, h: int) -> tuple[int, int]:
         short = min(w, h)
@@ -273,6 +296,15 @@ class ResizeCenterCrop(SampleStage):
     def apply(self, img: Image.Image, rng=None) -> Image.Image:
         w, h = img.size
         return img.resize((self.crop[1], self.crop[0]), self._resample, box=self._box(w, h))
+
+    def window(self, width: int, height: int, rng=None) -> tuple[tuple, tuple[int, int]]:
+        """The source box resize + center crop keeps and the output ``(width, height)`` (what
+        :meth:`~feedgpu.stages.decode.Decode.apply_window` takes)."""
+        return self._box(width, height), (self.crop[1], self.crop[0])
+
+    def resize_window(self, img: Image.Image, box, out: tuple[int, int]) -> Image.Image:
+        """Resample ``box`` of ``img`` to ``out`` (width, height) in one call."""
+        return img.resize(out, self._resample, box=box)
 
     def _box(self, w: int, h: int) -> tuple[float, float, float, float]:
         """The source region (left, top, right, bottom) that resize + center crop keeps."""

@@ -271,3 +271,60 @@ def _first_scan(data) -> int | None:
         if code == 0xDA:
             return pos if pos <= n else None
     return None
+
+
+#: frame headers whose height field a decoder may be given smaller (Huffman baseline, extended
+#: sequential, progressive): :func:`frame_rows`
+_ROWS_SOF = frozenset({0xC0, 0xC1, 0xC2})
+
+
+def frame_rows(data) -> tuple[int, int] | None:
+    """``(offset of the frame header's 16-bit height field, largest vertical sampling factor)``
+    of a single-frame Huffman JPEG (SOF0, SOF1, SOF2) with a height in its frame header, or None
+    (no such frame before the first scan, markers that do not parse, a second frame header).
+
+    Giving libjpeg the same file with a smaller height ``r`` (:func:`with_rows`) decodes the first
+    ``r`` rows only, and all but the last ``8 * factor`` of them (one row of MCUs: its chroma
+    upsampling would lack the row below) are the full decode's rows to the bit."""
+    n = len(data)
+    if n < 4 or data[0] != 0xFF or data[1] != 0xD8:
+        return None
+    pos, found = 2, None
+    while pos + 4 <= n:
+        if data[pos] != 0xFF:
+            return None
+        code = data[pos + 1]
+        if code == 0xFF:
+            pos += 1
+            continue
+        if code in _STANDALONE or code == 0x01:
+            pos += 2
+            continue
+        if code in (0xD8, 0xD9):
+            return None
+        length = (data[pos + 2] << 8) | data[pos + 3]
+        if length < 2 or pos + 2 + length > n:
+            return None
+        if code in _SOF:
+            if found is not None or code not in _ROWS_SOF or length < 8:
+                return None
+            comps = data[pos + 9]
+            if length != 8 + 3 * comps or comps == 0:
+                return None
+            height = (data[pos + 5] << 8) | data[pos + 6]
+            vmax = max(data[pos + 11 + 3 * i] & 0x0F for i in range(comps))
+            if height == 0 or not 1 <= vmax <= 4:
+                return None
+            found = (pos + 5, vmax)
+        if code == 0xDA:
+            return found
+        pos += 2 + length
+    return None
+
+
+def with_rows(data, offset: int, rows: int) -> bytes:
+    """A copy of ``data`` whose frame header (height field at ``offset``, from
+    :func:`frame_rows`) declares ``rows`` rows (1 to 65535)."""
+    out = bytearray(data)
+    struct.pack_into(">H", out, offset, rows)
+    return bytes(out)

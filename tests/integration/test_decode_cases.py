@@ -93,23 +93,33 @@ def test_indexing_finds_empty_files(cases_datasets, fmt):
 
 
 # -- the loader over every case file, on_error="skip" --------------------------------------------------
-def _reference_row(payload, idx: int, seed: int) -> np.ndarray:
-    """What the pipeline's stages give for sample ``idx`` of epoch 0, done here in-process."""
-    img = Decode().apply(payload)
+def _reference_row(payload, idx: int, seed: int, reduce: str = "off") -> np.ndarray:
+    """What the pipeline's stages give for sample ``idx`` of epoch 0, done here in-process: the
+    full decode, then the stages (``reduce="rows"`` must give exactly that); ``reduce="auto"``:
+    the window drawn from the header's size, the JPEG decoded at its scale."""
     crop, flip = RandomResizedCrop(224), HorizontalFlip()
-    keys = stage_draw_ids([Decode(), crop, flip])
-    img = crop.apply(img, stage_random(crop, seed, 0, idx, keys[1]))
+    keys = stage_draw_ids([Decode(reduce="off"), crop, flip])
+    draws = stage_random(crop, seed, 0, idx, keys[1])
+    if reduce in ("off", "rows"):
+        img = crop.apply(Decode(reduce="off").apply(payload), draws)
+    else:
+        img = crop.resize_window(*Decode(reduce=reduce).apply_window(payload, lambda w, h: crop.window(w, h, draws)))
     img = flip.apply(img, stage_random(flip, seed, 0, idx, keys[2]))
     return np.asarray(img)
 
 
+@pytest.mark.parametrize("reduce", ["off", "rows", "auto"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_loader_skips_bad_files_and_decodes_the_rest(cases_datasets, fmt, no_leaked_workers):
+def test_loader_skips_bad_files_and_decodes_the_rest(cases_datasets, fmt, reduce, no_leaked_workers):
+    """Every decode path: ``"off"`` (the whole image), ``"rows"`` (decode and crop as one step,
+    the rows the window needs: the same pixels to the bit), ``"auto"`` (also at a DCT scale
+    where the window is at least twice the output: some of the good photos here)."""
     root = cases_datasets[fmt]
     src = open_format(fmt, root)
     where = case_index(fmt, src)
     bs, seed = 8, 5
-    p = Pipeline(src, [Decode(), RandomResizedCrop(224), HorizontalFlip()], batch_size=bs, shuffle=False, max_skipped=None,
+    p = Pipeline(src, [Decode(reduce=reduce), RandomResizedCrop(224), HorizontalFlip()], batch_size=bs, shuffle=False,
+                 max_skipped=None,
                  num_workers=2, seed=seed, on_error="skip", device="cpu")
     loader = DataLoader(p, timeout=60)
     with warnings.catch_warnings(record=True) as caught:
@@ -148,17 +158,20 @@ def test_loader_skips_bad_files_and_decodes_the_rest(cases_datasets, fmt, no_lea
     # the samples that decode come out as the stages make them, row by row
     for name, (i, _) in where.items():
         if expectation(name) == "decode":
-            want = _reference_row(src.read(i).payload, i, seed)
+            want = _reference_row(src.read(i).payload, i, seed, reduce)
             np.testing.assert_array_equal(images[i].numpy(), want, err_msg=name)
             assert labels[i] == 0
-    for i in range(len(src)):
-        if src.labels[i] == 1:
-            np.testing.assert_array_equal(images[i].numpy(), _reference_row(src.read(i).payload, i, seed))
+    good = [i for i in range(len(src)) if src.labels[i] == 1]
+    for i in good:
+        np.testing.assert_array_equal(images[i].numpy(), _reference_row(src.read(i).payload, i, seed, reduce))
+    if reduce == "auto":   # some windows here were decoded reduced (not the full decode's pixels)
+        assert any(not np.array_equal(images[i].numpy(), _reference_row(src.read(i).payload, i, seed)) for i in good)
 
 
+@pytest.mark.parametrize("reduce", ["off", "rows", "auto"])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("name", sorted(SKIP))
-def test_on_error_raise_names_the_file_and_reason(cases_datasets, fmt, name, no_leaked_workers):
+def test_on_error_raise_names_the_file_and_reason(cases_datasets, fmt, name, reduce, no_leaked_workers):
     root = cases_datasets[fmt]
     src = open_format(fmt, root)
     where = case_index(fmt, src)
@@ -167,8 +180,8 @@ def test_on_error_raise_names_the_file_and_reason(cases_datasets, fmt, name, no_
         assert (expected_key(fmt, root, name), AT_INDEX[name]) in src.rejected
         return
     good = int(np.flatnonzero(src.labels == 1)[0])
-    p = Pipeline(src, [Decode(), ResizeCenterCrop(64, 64)], batch_size=2, num_workers=2, on_error="raise",
-                 device="cpu")
+    p = Pipeline(src, [Decode(reduce=reduce), ResizeCenterCrop(64, 64)], batch_size=2, num_workers=2,
+                 on_error="raise", device="cpu")
     loader = DataLoader(p, sampler=[good, where[name][0]], timeout=60)
     with pytest.raises(DecodeError) as info:
         list(loader)
