@@ -34,7 +34,7 @@ def pytest_configure(config):
 
 
 #: The tiers (folders of ``tests/``), each also a marker (``pytest tests -m engines``).
-TIERS = ("unit", "integration", "engines", "gpu")
+TIERS = ("unit", "integration", "engines", "gpu", "tv")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -48,7 +48,7 @@ def pytest_collection_modifyitems(config, items):
             continue
         item.add_marker(getattr(pytest.mark, tier))
     if stray:
-        raise pytest.UsageError("tests outside the tier folders (tests/unit, integration, engines, gpu): "
+        raise pytest.UsageError("tests outside the tier folders (tests/unit, integration, engines, gpu, tv): "
                                 + ", ".join(stray[:5]))
 
 

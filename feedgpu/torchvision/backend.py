@@ -32,7 +32,7 @@ class TorchvisionBackend:
             self._logged = True
             log.info("%s", self.summary())
         return TorchvisionWork(self.found, self.compiled, loader._collate, loader.seed,
-                               batched=loader.batch_sampler is not None)
+                               batched=loader.batch_sampler is not None, positional=loader._user is not None)
 
     def summary(self) -> str:
         """One line: how many transforms were compiled and what runs as Python, and why."""

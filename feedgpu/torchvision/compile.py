@@ -75,6 +75,7 @@ def _table() -> dict:
     table[T.ToTensor] = lambda t: ops.ToTensorOp(t, "float")
     table[T2.ToImage] = lambda t: ops.ToTensorOp(t, "uint8")
     table[T2.ToDtype] = ops.ToDtypeOp
+    table[T2.ToPureTensor] = ops.PureTensorOp
     return table
 
 

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 from ..stages.geometry import RRC_DRAWS, random_resized_crop_params
 
-__all__ = ["CenterCropOp", "ConvertDtypeOp", "FlipOp", "NormalizeOp", "Op", "RandomCropOp", "RandomResizedCropOp",
+__all__ = ["CenterCropOp", "ConvertDtypeOp", "FlipOp", "NormalizeOp", "Op", "PureTensorOp", "RandomCropOp", "RandomResizedCropOp",
            "ResizeOp", "ToDtypeOp", "ToTensorOp", "describe", "functional"]
 
 
@@ -224,6 +224,18 @@ class ConvertDtypeOp(ToDtypeOp):
         if self.F.__name__.startswith("torchvision.transforms.v2"):
             return self.F.to_dtype(x, self.t.dtype, scale=True)
         return self.F.convert_image_dtype(x, self.t.dtype)
+
+
+class PureTensorOp(Op):
+    """v2 ``ToPureTensor``: a plain ``torch.Tensor`` of the same data (no copy)."""
+
+    name = "to_pure_tensor"
+    takes = ("uint8", "float")
+
+    def apply(self, x, u=None):
+        import torch
+
+        return x.as_subclass(torch.Tensor)
 
 
 class NormalizeOp(Op):
