@@ -13,8 +13,11 @@ PY="$VENV/bin/python"
 pip_() { "$PY" -m pip install -q --disable-pip-version-check "$@"; }
 # Any build of Pillow-SIMD below uses AVX2 where the CPU has it.
 if grep -qw avx2 /proc/cpuinfo 2>/dev/null; then export CC="${CC:-cc} -mavx2"; fi
-# torch and torchvision from PyPI as one pinned pair (torchvision's ops are built for one torch).
-"$PY" -c "import torchvision" 2>/dev/null || pip_ "torch==2.14.1" "torchvision==0.29.1"
+# torch and torchvision from PyPI as one pinned pair (torchvision's ops are built for one torch):
+# on x86_64 PyPI's CUDA build of torch (it runs on the CPU too), on aarch64 its CPU build.
+PAIR=("torch==2.14.1" "torchvision==0.29.1")
+[ "$(uname -m)" = aarch64 ] && PAIR=("torch==2.9.1" "torchvision==0.24.1")
+"$PY" -c "import torchvision" 2>/dev/null || pip_ "${PAIR[@]}"
 # feedgpu with the torchvision and DALI extras and the test runner (not all of dev: lightning,
 # accelerate and moto are for tests that run in .venv).
 pip_ -e ".[torchvision,dali]" "pytest>=8" "pytest-timeout>=2.2"
