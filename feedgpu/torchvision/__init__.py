@@ -9,6 +9,8 @@ the user imported torchvision already.
 """
 from .backend import TorchvisionBackend, backend_for, explain_loader
 from .compile import Compiled, compile_transform
+from .pipeline_out import pipeline_config, pipeline_yaml
 from .recognise import recognise
 
-__all__ = ["Compiled", "TorchvisionBackend", "backend_for", "compile_transform", "explain_loader", "recognise"]
+__all__ = ["Compiled", "TorchvisionBackend", "backend_for", "compile_transform", "explain_loader", "pipeline_config", "pipeline_yaml",
+           "recognise"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 import torchvision.transforms as T
 from torch.utils.data import DataLoader as TorchLoader, Subset, WeightedRandomSampler
@@ -13,7 +14,7 @@ from torchvision.datasets import DatasetFolder, ImageFolder
 from torchvision.datasets.folder import default_loader
 
 import feedgpu
-from recipes import uint8_train, v1_val
+from recipes import jitter_train, uint8_train, v1_train, v1_val
 
 
 def _batches(loader, n=None):
@@ -128,3 +129,25 @@ def test_state_dict_resumes_the_compiled_draws(folder_ds):
     assert len(rest) == len(whole) - 3
     for a, b in zip(whole[3:], rest, strict=True):
         assert torch.equal(a, b)
+
+
+def test_pipeline_from_torchvision(folder_ds):
+    import yaml
+
+    from feedgpu.torchvision import pipeline_yaml
+
+    train = ImageFolder(folder_ds, transform=v1_train())
+    text = pipeline_yaml(train)
+    data = yaml.safe_load(text)
+    assert [s["op"] for s in data["stages"]] == ["decode", "random_resized_crop", "horizontal_flip", "normalize"]
+    assert data["source"] == {"format": "folder", "path": str(folder_ds)} and "left out" not in text
+    p = feedgpu.Pipeline.from_torchvision(train, **{"loader.batch_size": 8, "loader.num_workers": 0})
+    x, y = next(iter(feedgpu.DataLoader(p)))
+    assert x.shape == (8, 3, 224, 224) and x.dtype == torch.float32
+
+    jitter = Subset(ImageFolder(folder_ds, transform=jitter_train()), [0, 1])
+    with pytest.warns(UserWarning, match="ColorJitter: runs as Python.*Subset|Subset.*ColorJitter"):
+        feedgpu.Pipeline.from_torchvision(jitter)
+    assert "#   - ColorJitter: runs as Python" in pipeline_yaml(jitter)
+    with pytest.raises(ValueError, match="not an ImageFolder"):
+        feedgpu.Pipeline.from_torchvision(torch.utils.data.TensorDataset(torch.zeros(2)))
