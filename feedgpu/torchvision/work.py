@@ -8,11 +8,15 @@ would. Results travel back as a plain Dataset's do (:class:`~feedgpu.exec.work.D
 """
 from __future__ import annotations
 
+import torch.utils.data as tud
+from PIL import Image
+
 from ..exec import progress
 from ..exec.work import DatasetWork
 from ..stages.draws import Draws, stage_draw_ids
+from .fused import FusedConvert, fuse
 
-__all__ = ["TorchvisionWork"]
+__all__ = ["TorchvisionWork", "load_rgb"]
 
 
 class TorchvisionWork(DatasetWork):
@@ -38,20 +42,26 @@ class TorchvisionWork(DatasetWork):
         self.positional = positional
         self.found = found
         self.base = found.base
-        self.ops, self.tail = list(compiled.ops), list(compiled.tail)
+        self.ops, self.tail = fuse(compiled.ops), list(compiled.tail)
         self.draw_ids = stage_draw_ids(self.ops)
+        fused = self.ops[-1] if self.ops and isinstance(self.ops[-1], FusedConvert) else None
+        # the whole sample is compiled and torch's default_collate batches it: write the batch directly
+        self.direct = fused if (fused is not None and not self.tail and batched and found.base.target_transform is None
+                                and collate_fn is tud.default_collate) else None
 
-    def item(self, i: int, epoch: int, position: int = 0) -> tuple:
+    def item(self, i: int, epoch: int, position: int = 0, stop_before_direct: bool = False) -> tuple:
         """Sample ``i`` of the loader's dataset in ``epoch``: ``(sample, target)``; ``position``:
-        its place in the rank's epoch, ``(batch number << 20) + row`` (used with ``positional``)."""
+        its place in the rank's epoch, ``(batch number << 20) + row`` (used with ``positional``);
+        ``stop_before_direct``: leave out the fused conversion (the batch writes it)."""
         j = self.found.base_index(i)
         path, target = self.base.samples[j]
         progress.at("read", i)
-        x = self.base.loader(path)
+        x = load_rgb(path)
         key = int(i) % len(self.found.outer)
         if self.positional:
             key += (int(position) + 1) << 40   # indices below 2**40 keep their own keys
-        for op, draw_id in zip(self.ops, self.draw_ids):
+        ops = self.ops[:-1] if stop_before_direct and self.direct is not None else self.ops
+        for op, draw_id in zip(ops, self.draw_ids):
             x = op.apply(x, Draws(self.seed, epoch, key, draw_id) if op.draws else None)
         for t in self.tail:
             x = t(x)
@@ -68,6 +78,41 @@ class TorchvisionWork(DatasetWork):
 
     def handle(self, task: tuple):
         seq, epoch, keys = task[1], task[2], task[3].tolist()
-        items = [self.item(i, epoch, (seq << 20) + row) for row, i in enumerate(keys)]
+        direct = self.direct is not None
+        items = [self.item(i, epoch, (seq << 20) + row, direct) for row, i in enumerate(keys)]
         progress.at("collate_fn", keys[0] if keys and isinstance(keys[0], int) else -1)
+        if direct:
+            return self._assemble(items)
         return self.collate_fn(items)
+
+    def _assemble(self, items: list):
+        """``default_collate``'s ``[images, labels]`` for images still PIL before the fused
+        conversion: each written into its row of one tensor (in shared memory in a worker, as
+        default_collate puts it), labels as int64. Images of different sizes or targets that
+        are not ints: converted one by one and given to ``default_collate`` (which raises for
+        different sizes, as with torch's loader)."""
+        import torch
+
+        fused = self.direct
+        sizes = {img.size for img, _ in items}
+        if len(sizes) != 1 or not all(type(t) is int for _, t in items):
+            return self.collate_fn([(fused.apply(img), t) for img, t in items])
+        (w, h), = sizes
+        out = torch.empty((len(items), 3, h, w), dtype=fused.dtype)
+        if tud.get_worker_info() is not None:
+            out.share_memory_()
+        rows = out.numpy()
+        for k, (img, _) in enumerate(items):
+            fused.write(img, rows[k])
+        return [out, torch.tensor([t for _, t in items], dtype=torch.int64)]
+
+
+def load_rgb(path) -> Image.Image:
+    """torchvision's ``pil_loader`` (the file opened with PIL, ``convert("RGB")``), without the
+    copy ``convert`` makes of an image that is RGB already: the same pixels."""
+    with open(path, "rb") as f:
+        img = Image.open(f)
+        if img.mode == "RGB":
+            img.load()
+            return img
+        return img.convert("RGB")
