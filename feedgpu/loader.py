@@ -30,7 +30,7 @@ from .loader_stats import loader_stats, source_fingerprint
 from .pipeline import Pipeline
 from .remote.ahead_loader import auto_attach
 from .sampling import ShardedOrder
-from .torchvision import backend_for, explain_loader
+from .torchvision import backend_for, dali_pipeline, explain_loader
 
 T_co = TypeVar("T_co", covariant=True)
 # torch's DataLoader refuses to change these once it is built (ValueError); so does feedgpu's
@@ -138,7 +138,7 @@ class DataLoader(tud.DataLoader[T_co]):
                  stats_callback: Callable[[dict], None] | None = None, worker_memory=None, loader=None, output=None,
                  compile: bool = True):
         self._iterable, self.loader, self.output = None, loader, output
-        dataset = with_sections(dataset, loader, output)
+        dataset = dali_pipeline(with_sections(dataset, loader, output), engine, compile, collate_fn)
         if isinstance(dataset, tud.IterableDataset):  # run as torch runs it (feedgpu.exec.iterable)
             init_iterable(self, dataset, locals())
             return

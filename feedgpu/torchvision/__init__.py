@@ -9,8 +9,9 @@ the user imported torchvision already.
 """
 from .backend import TorchvisionBackend, backend_for, explain_loader
 from .compile import Compiled, compile_transform
+from .dali import dali_pipeline
 from .pipeline_out import pipeline_config, pipeline_yaml
 from .recognise import recognise
 
-__all__ = ["Compiled", "TorchvisionBackend", "backend_for", "compile_transform", "explain_loader", "pipeline_config", "pipeline_yaml",
-           "recognise"]
+__all__ = ["Compiled", "TorchvisionBackend", "backend_for", "compile_transform", "dali_pipeline", "explain_loader",
+           "pipeline_config", "pipeline_yaml", "recognise"]
