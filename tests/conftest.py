@@ -52,6 +52,46 @@ def pytest_collection_modifyitems(config, items):
                                 + ", ".join(stray[:5]))
 
 
+def _torchvision_missing() -> str | None:
+    """Why torchvision does not import here (None when it does). ``.venv`` holds torch's CPU
+    build, beside which PyPI's torchvision fails to load its ops: tests/tv runs in ``.venv-tv``
+    (scripts/setup_tv.sh; scripts/test.sh and .ci/run run it there)."""
+    try:
+        import torchvision  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - ImportError, or the RuntimeError of ops built for another torch
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Where torchvision does not import, tests/tv holds one test, test_tv_environment.py, which
+    skips saying why; its other files are not collected (they import torchvision)."""
+    p = Path(collection_path)
+    if p.suffix == ".py" and p.parent.name == "tv" and p.parent.parent == REPO / "tests" \
+            and p.name.startswith("test_") and p.name != "test_tv_environment.py":
+        return _torchvision_missing() is not None or None
+    return None
+
+
+@pytest.fixture(scope="session")
+def small_ds(folder_ds, tmp_path_factory) -> Path:
+    """The sample dataset's images with the short side reduced to 160-200 px (ImageFolder
+    layout, JPEG quality 90): cheap samples for statistics over thousands of them (tests/tv)."""
+    from PIL import Image
+
+    out = tmp_path_factory.mktemp("small") / "train"
+    for k, src in enumerate(sorted(Path(folder_ds).rglob("*.jpg"))):
+        dst = out / src.parent.name / src.name
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        with Image.open(src) as im:
+            im = im.convert("RGB")
+            short = 160 + (k * 7) % 41
+            scale = short / min(im.size)
+            im.resize((max(1, round(im.width * scale)), max(1, round(im.height * scale))),
+                      Image.Resampling.BILINEAR).save(dst, quality=90)
+    return out
+
+
 def case_files() -> list[str]:
     """Every file in ``shared/cases/images`` (new files are picked up automatically)."""
     return sorted(p.name for p in CASES.iterdir() if p.is_file())

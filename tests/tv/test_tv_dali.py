@@ -14,7 +14,7 @@ from recipes import jitter_train, to_unit, v1_train, v1_val, v2_train, v2_val
 
 pytest.importorskip("nvidia.dali")
 
-EPOCHS = 25   # x 120 images: 3,000 samples, as tests/tv/test_recipes.py's statistics
+EPOCHS = 25   # x 120 images: 3,000 samples, as tests/tv/test_tv_recipes.py's statistics
 
 
 @pytest.mark.parametrize("recipe", [v1_val, v2_val], ids=["v1_val", "v2_val"])
