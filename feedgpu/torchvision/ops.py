@@ -46,7 +46,12 @@ class Op:
 
     def __init__(self, t):
         self.t = t
-        self.F = functional(t)
+
+    @property
+    def F(self):   # noqa: N802 - torchvision's own name for its functional module
+        """torchvision's functional module for :attr:`t` (looked up, not stored: ops pickle
+        for workers started with spawn)."""
+        return functional(self.t)
 
     @property
     def deterministic(self) -> bool:

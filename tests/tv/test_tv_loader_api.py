@@ -151,3 +151,11 @@ def test_pipeline_from_torchvision(folder_ds):
     assert "#   - ColorJitter: runs as Python" in pipeline_yaml(jitter)
     with pytest.raises(ValueError, match="not an ImageFolder"):
         feedgpu.Pipeline.from_torchvision(torch.utils.data.TensorDataset(torch.zeros(2)))
+
+
+def test_spawned_workers_give_the_same_batches(folder_ds):
+    ds = Subset(ImageFolder(folder_ds, transform=v1_train(64)), list(range(24)))
+    inline = [x for x, _ in feedgpu.DataLoader(ds, batch_size=8, num_workers=0, seed=9)]
+    spawned = [x for x, _ in feedgpu.DataLoader(ds, batch_size=8, num_workers=1, seed=9,
+                                                multiprocessing_context="spawn")]
+    assert len(spawned) == 3 and all(torch.equal(a, b) for a, b in zip(inline, spawned))
