@@ -159,3 +159,31 @@ def test_spawned_workers_give_the_same_batches(folder_ds):
     spawned = [x for x, _ in feedgpu.DataLoader(ds, batch_size=8, num_workers=1, seed=9,
                                                 multiprocessing_context="spawn")]
     assert len(spawned) == 3 and all(torch.equal(a, b) for a, b in zip(inline, spawned))
+
+
+def test_ranks_share_the_epoch_once_with_labels(folder_ds):
+    ds = ImageFolder(folder_ds, transform=uint8_train(32))
+    seen = []
+    for rank in (0, 1):
+        loader = feedgpu.DataLoader(ds, batch_size=16, shuffle=True, num_workers=1, seed=3, rank=rank, world_size=2)
+        for x, y in loader:
+            assert x.shape[1:] == (3, 32, 32)
+            seen += y.tolist()
+    labels = sorted(t for _, t in ds.samples)
+    assert sorted(seen) == labels   # every sample once (120 = 2 x 60: no padding), with its label
+
+
+def test_a_bad_file_raises_as_in_torch(folder_ds, tmp_path):
+    import shutil
+
+    root = tmp_path / "train"
+    shutil.copytree(folder_ds, root)
+    bad = sorted(root.rglob("*.jpg"))[5]
+    bad.write_bytes(b"not a jpeg at all")
+    ds = ImageFolder(root, transform=v1_val())
+    with pytest.raises(Exception) as theirs:
+        list(TorchLoader(ds, batch_size=8))
+    with pytest.raises(Exception) as ours:
+        list(feedgpu.DataLoader(ds, batch_size=8, num_workers=1))
+    assert str(bad) in str(theirs.value) and str(bad) in str(ours.value)
+    assert isinstance(ours.value, type(theirs.value)), (type(ours.value), type(theirs.value))
