@@ -187,3 +187,10 @@ def test_a_bad_file_raises_as_in_torch(folder_ds, tmp_path):
         list(feedgpu.DataLoader(ds, batch_size=8, num_workers=1))
     assert str(bad) in str(theirs.value) and str(bad) in str(ours.value)
     assert isinstance(ours.value, type(theirs.value)), (type(ours.value), type(theirs.value))
+
+
+def test_each_epoch_draws_anew(folder_ds):
+    ds = Subset(ImageFolder(folder_ds, transform=uint8_train(32)), list(range(20)))
+    loader = feedgpu.DataLoader(ds, batch_size=10, num_workers=1, persistent_workers=True)
+    first, second = [x for x, _ in loader], [x for x, _ in loader]
+    assert not any(torch.equal(a, b) for a, b in zip(first, second))
