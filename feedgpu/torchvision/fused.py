@@ -1,6 +1,7 @@
 """The conversion at the end of a compiled recipe, fused: ``ToTensor`` (or ``PILToTensor`` /
 ``ToImage``) and the per-pixel ops after it (``ToDtype``, ``ConvertImageDtype``, ``Normalize``,
-``ToPureTensor``) as one table lookup per channel, written straight into the batch.
+``ToPureTensor``) as one table lookup per channel (in the main process written straight into
+the batch; in a worker into the tensor default_collate stacks into shared memory).
 
 Each of those ops maps a channel's uint8 value to one output value, whatever the other pixels,
 so the table is made by running the user's own transforms (torchvision's kernels) on a probe

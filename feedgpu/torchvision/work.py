@@ -87,20 +87,20 @@ class TorchvisionWork(DatasetWork):
 
     def _assemble(self, items: list):
         """``default_collate``'s ``[images, labels]`` for images still PIL before the fused
-        conversion: each written into its row of one tensor (in shared memory in a worker, as
-        default_collate puts it), labels as int64. Images of different sizes or targets that
-        are not ints: converted one by one and given to ``default_collate`` (which raises for
-        different sizes, as with torch's loader)."""
+        conversion: in the main process (``num_workers=0``) each written into its row of one
+        tensor, labels as int64; in a worker, or for images of different sizes or targets that
+        are not ints, converted one by one and given to ``default_collate`` (which puts the batch
+        in shared memory, and raises for different sizes, as with torch's loader)."""
         import torch
 
         fused = self.direct
         sizes = {img.size for img, _ in items}
-        if len(sizes) != 1 or not all(type(t) is int for _, t in items):
+        if len(sizes) != 1 or not all(type(t) is int for _, t in items) or tud.get_worker_info() is not None:
+            # in a worker the batch must be in shared memory: default_collate allocates it there
+            # (moving a finished tensor there would copy it again)
             return self.collate_fn([(fused.apply(img), t) for img, t in items])
         (w, h), = sizes
         out = torch.empty((len(items), 3, h, w), dtype=fused.dtype)
-        if tud.get_worker_info() is not None:
-            out.share_memory_()
         rows = out.numpy()
         for k, (img, _) in enumerate(items):
             fused.write(img, rows[k])
