@@ -12,6 +12,9 @@ Steps (each in its own process, with a time limit; a failed step is reported and
 4. ``resnet50`` / ``resnet18``: ``feedgpu bench --model M --compare-engines`` (model alone,
    loader alone, both; GPU idle share; placement), once with the Python engine and once with the
    DALI GPU engine, as the end-to-end table of anchors.md.
+5. ``torchvision``: the ImageNet reference train recipe as a user writes it (``ImageFolder`` +
+   ``Compose``), compiled by ``feedgpu.DataLoader`` with ``engine="dali", device="cuda"`` and on the
+   Python engine (``bench/torchvision_gpu.py``; skipped, saying so, where torchvision does not import).
 
 Outputs (logs, JSON, plots) go to ``--out``; a step's JSON and plot are removed before it runs,
 and the table shows figures only from the steps of this run that succeeded (never a file left
@@ -59,6 +62,10 @@ def steps(a) -> list[tuple[str, list[str], int, list[Path]]]:
             ("data only", _feedgpu("bench", *data, *sum((["--engine", e] for e in engines), []),
                                    "--device", device, "--json", str(out / "data_only.json")), 900,
              [out / "data_only.json"])]
+    todo.append(("torchvision", [sys.executable, "-m", "bench.torchvision_gpu", "--device", device, "--images",
+                                 str(a.images), "--batch-size", str(a.batch_size), "--workers", str(a.workers),
+                                 "--batches", "3" if a.cpu else "10", "--json", str(out / "torchvision.json")], 600,
+                 [out / "torchvision.json"]))
     consumer = ["--consumer-rate", "3000"] if a.cpu else None
     plots = importlib.util.find_spec("matplotlib") is not None   # not on the GPU machine
     for model in (["synthetic"] if a.cpu else ["resnet50", "resnet18"]):
@@ -115,6 +122,13 @@ def summary(out: Path, results: list[dict]) -> list[str]:
         rows += ["", "| data only: loader | samples/s | ms/batch | CPU % |", "| --- | ---: | ---: | ---: |"]
         for x in doc["summary"].values():
             rows.append(f"| {x['label']} | {x['samples_per_s']:.0f} | {x['ms_per_batch']:.1f} | {x['cpu_percent']:.0f} |")
+    tv = out / "torchvision.json"
+    if tv in fresh and tv.exists():
+        x = json.loads(tv.read_text())
+        rows += ["", "| torchvision train recipe | samples/s | batches on |", "| --- | ---: | --- |"]
+        rows += [f"| {e} | {x[e]['samples_per_s']:.0f} | {x[e]['batch_device']} |" for e in ("dali", "python") if e in x]
+        if "skipped" in x:
+            rows.append(f"| skipped | - | {x['skipped'][:80]} |")
     e2e = sorted(f for f in out.glob("e2e_*.json") if f in fresh)
     if e2e:
         rows += ["", "| end to end | model alone /s | loader alone /s | both /s | GPU idle | placement |",

@@ -30,6 +30,7 @@ from .loader_stats import loader_stats, source_fingerprint
 from .pipeline import Pipeline
 from .remote.ahead_loader import auto_attach
 from .sampling import ShardedOrder
+from .torchvision import backend_for, dali_pipeline, explain_loader
 
 T_co = TypeVar("T_co", covariant=True)
 # torch's DataLoader refuses to change these once it is built (ValueError); so does feedgpu's
@@ -100,10 +101,12 @@ class DataLoader(tud.DataLoader[T_co]):
             the pipeline's. ``dataset`` is then the pipeline with these sections.
         stats_callback: called after each balancer window as ``stats_callback(event)`` with the
             window's measurement and decision (dicts), to send them to your own logger.
-        worker_memory: bytes each worker may hold (an int or ``"2GiB"``); default: the
-            pipeline's, else a share of the available memory divided by the workers. Sizes the
-            source's read cache, caps the prefetch depth and the balancer's pool
-            (:mod:`feedgpu.exec.memory_budget`); not used for an ``IterableDataset``.
+        worker_memory: bytes each worker may hold (an int or ``"2GiB"``); default: the pipeline's, else a
+            share of the available memory divided by the workers. Sizes the source's read cache, caps the
+            prefetch depth and the balancer's pool (:mod:`feedgpu.exec.memory_budget`); not for an ``IterableDataset``.
+        compile: for a torchvision ``ImageFolder``/``DatasetFolder`` (also in ``Subset``), compile its
+            transforms into feedgpu stages (:mod:`feedgpu.torchvision`; :meth:`explain` shows what ran
+            where). Default True; False runs it as a plain Dataset.
 
     Yields :class:`~feedgpu.exec.work.Batch` ``(images, labels)`` for pipelines, ``collate_fn``'s
     output for torch Datasets. Batches from pipelines on the CPU view shared memory without a
@@ -132,14 +135,16 @@ class DataLoader(tud.DataLoader[T_co]):
                  pin_memory_device: str = "", in_order: bool = True, seed: int | None = None,
                  rank: int | None = None, world_size: int | None = None, device: str | None = None,
                  on_error: str | None = None, cache=None, engine=None, max_skipped=_UNSET, executor=None,
-                 stats_callback: Callable[[dict], None] | None = None, worker_memory=None, loader=None, output=None):
+                 stats_callback: Callable[[dict], None] | None = None, worker_memory=None, loader=None, output=None,
+                 compile: bool = True):
         self._iterable, self.loader, self.output = None, loader, output
-        dataset = with_sections(dataset, loader, output)
+        dataset = dali_pipeline(with_sections(dataset, loader, output), engine, compile, collate_fn)
         if isinstance(dataset, tud.IterableDataset):  # run as torch runs it (feedgpu.exec.iterable)
             init_iterable(self, dataset, locals())
             return
         p = dataset if isinstance(dataset, Pipeline) else None
-        self.pipeline = p
+        self.pipeline, self.compile = p, compile
+        self._torchvision, self._plain_why = (None, "a Pipeline") if p is not None else backend_for(dataset, compile)
         unbatched = batch_size is None
         if unbatched and p is not None:
             raise ConfigError("batch_size=None (unbatched loading) needs a torch Dataset: a Pipeline assembles "
@@ -174,8 +179,7 @@ class DataLoader(tud.DataLoader[T_co]):
                               "> 0 to enable multiprocessing, otherwise set prefetch_factor to None.")
         if persistent_workers is True and self.num_workers == 0:
             raise ConfigError("persistent_workers option needs num_workers > 0")
-        persistent_default = persistent_workers is _UNSET
-        if persistent_workers is _UNSET:
+        if (persistent_default := persistent_workers is _UNSET):
             persistent_workers = bool(p.persistent_workers and self.num_workers > 0) if p else False
         if prefetch_factor is not None and (isinstance(prefetch_factor, bool) or not isinstance(prefetch_factor, int)):
             raise ArgumentTypeError(f"prefetch_factor must be an int, got {prefetch_factor!r}")
@@ -187,8 +191,7 @@ class DataLoader(tud.DataLoader[T_co]):
         t = timeout if timeout is not _UNSET else (p.timeout if p else 0.0)
         if isinstance(t, bool) or not isinstance(t, (int, float)):
             raise ArgumentTypeError(f"timeout must be a number of seconds, got {t!r}")
-        t = float(t)
-        if t < 0:
+        if (t := float(t)) < 0:
             raise ConfigError("timeout option should be non-negative")
         # the given values of feedgpu's own keywords (frameworks re-create the loader from them)
         self.rank, self.world_size, self.device, self.on_error = rank, world_size, device, on_error
@@ -200,12 +203,10 @@ class DataLoader(tud.DataLoader[T_co]):
         if self._executor.remote and persistent_default and p is not None:
             persistent_workers = p.persistent_workers  # remote workers persist as local ones would
         if seed is None:
-            if p is not None and generator is None:
-                seed = p.seed
-            else:
-                import torch
+            import torch
 
-                seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+            seed = p.seed if p is not None and generator is None else \
+                int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
         self.seed = int(seed)
         # torch's public attributes
         self.dataset, self.shuffle, self.timeout, self.worker_init_fn = dataset, shuffled, t, worker_init_fn
@@ -232,13 +233,11 @@ class DataLoader(tud.DataLoader[T_co]):
         self._sharding_epoch = getattr(sampler, "epoch", None)
         self._order: ShardedOrder | None = None
         self._agreed: set[int] = set()    # world sizes whose ranks checked their data (and seed)
-        self._epoch = 0
-        self._start = 0
+        self._epoch, self._start = 0, 0
         self._restored: tuple[int, int] | None = None   # set by load_state_dict until the next iteration
         self._drives_sampler_epoch = False   # set_epoch() was called: a user sampler's set_epoch follows it
         self._position, self._rows_seen, self._batches_seen = (0, 0), 0, 0
-        self._fingerprint: str | None = None
-        self._pool: ProcessPool | None = None
+        self._fingerprint, self._pool = None, None   # str, ProcessPool
         self._ahead: Ahead | None = None   # the next epoch's first batches, already submitted
         self._work = self._live = None
         self._executor_totals, self._stats = ExecutorTotals(), LoaderStats()
@@ -286,8 +285,7 @@ class DataLoader(tud.DataLoader[T_co]):
             self.sampler.seed = self.seed
 
     def _num_samples(self, optional: bool = False) -> int | None:
-        """Samples in the dataset now (a torch Dataset that grows is followed, as in torch);
-        ``optional``: None for a torch Dataset without ``__len__``."""
+        """Samples in the dataset now (followed as it grows, as in torch); ``optional``: None without len()."""
         if self.pipeline is not None:
             return len(self.pipeline.source)
         return None if optional and not hasattr(self.dataset, "__len__") else len(self.dataset)
@@ -426,6 +424,10 @@ class DataLoader(tud.DataLoader[T_co]):
         self._rows_seen, self._batches_seen = rows, batches
 
     # -- observability -------------------------------------------------------------------------
+    def explain(self) -> str:
+        """What runs where (:func:`feedgpu.torchvision.explain_loader`): stages, transforms, or why not compiled."""
+        return explain_loader(self)
+
     def stats(self) -> dict:
         """Counters since the loader was made: batches, samples, rate, consumer wait, seconds per
         stage (summed over workers), skipped samples by reason and the last skipped keys, the
@@ -439,8 +441,8 @@ class DataLoader(tud.DataLoader[T_co]):
 
     @property
     def balancer(self) -> Autoscaler | None:
-        """The :class:`~feedgpu.exec.autoscale.Autoscaler` sizing the pool under
-        ``num_workers="auto"`` (its ``timeline`` and ``measurements`` hold every window), else None."""
+        """The :class:`~feedgpu.exec.autoscale.Autoscaler` sizing the pool under ``num_workers="auto"``
+        (its ``timeline`` and ``measurements`` hold every window), else None."""
         return self._autoscaler
 
     def worker_pids(self) -> list[int]:
@@ -466,8 +468,8 @@ class DataLoader(tud.DataLoader[T_co]):
         return (self.num_workers + remote) * self._prefetch
 
     def _release_pool(self, force: bool = False) -> None:
-        """Stop the workers unless they persist; ``force`` also frees the batch buffers, which
-        otherwise outlive the pool and serve the next epoch's workers (no new page faults)."""
+        """Stop the workers unless they persist; ``force`` also frees the batch buffers (else kept for the
+        next epoch's workers: no new page faults)."""
         if force:
             self._ahead = None  # its tasks die with the pool and its buffers with the work
         if self._pool is not None and (force or not self.persistent_workers):
@@ -481,8 +483,7 @@ class DataLoader(tud.DataLoader[T_co]):
             self._work = None
 
     def shutdown(self) -> None:
-        """Stop the workers now (also done at epoch end unless ``persistent_workers``, on errors
-        and at garbage collection)."""
+        """Stop the workers now (also at epoch end unless ``persistent_workers``, on errors, at gc)."""
         if getattr(self, "_iterable", None) is not None:
             return self._iterable.shutdown()
         self._close_live()
@@ -491,8 +492,7 @@ class DataLoader(tud.DataLoader[T_co]):
 
     def __del__(self):
         if getattr(self, "_iterable", None) is not None:
-            # a live iterator holds the runner, which stops its workers when it goes:
-            # `for b in DataLoader(iterable_ds)` drops the loader at once, not its iteration
+            # a live iterator holds the runner, which stops its workers when it goes (not the loader)
             return
         try:
             self.shutdown()

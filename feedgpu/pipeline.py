@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from typing import Any
 
 from . import config as cfg
@@ -258,6 +259,20 @@ class Pipeline:
                 raise ConfigError(f"{where}: stages[{i}] ({s.op}): {e}") from None
         return cls(c.source, stages, loader=c.loader, output=c.output, cache=c.cache.settings(), engine=c.engine,
                    executor=c.executor, name=c.name, definition=c.model_dump(mode="json"))
+
+    @classmethod
+    def from_torchvision(cls, dataset, **overrides) -> "Pipeline":
+        """The feedgpu pipeline of a torchvision ``ImageFolder``/``DatasetFolder`` (also in
+        ``Subset``) and its transforms, to go on from (:func:`feedgpu.torchvision.pipeline_yaml`
+        writes it as YAML). ``overrides`` as for :meth:`from_yaml`. What a pipeline cannot express
+        (a Subset's indices, ``target_transform``, transforms without a stage) is left out with a
+        ``UserWarning`` listing it. Raises ``ValueError`` for a dataset feedgpu does not compile."""
+        from .torchvision.pipeline_out import pipeline_config
+
+        data, left_out = pipeline_config(dataset)
+        if left_out:
+            warnings.warn("Pipeline.from_torchvision left out: " + "; ".join(left_out), UserWarning, stacklevel=2)
+        return cls.from_config(cfg.merge(data, overrides), where=f"{type(dataset).__name__} (torchvision)")
 
     # -- source ---------------------------------------------------------------------------
     @property

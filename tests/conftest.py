@@ -34,7 +34,7 @@ def pytest_configure(config):
 
 
 #: The tiers (folders of ``tests/``), each also a marker (``pytest tests -m engines``).
-TIERS = ("unit", "integration", "engines", "gpu")
+TIERS = ("unit", "integration", "engines", "gpu", "tv")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -48,8 +48,48 @@ def pytest_collection_modifyitems(config, items):
             continue
         item.add_marker(getattr(pytest.mark, tier))
     if stray:
-        raise pytest.UsageError("tests outside the tier folders (tests/unit, integration, engines, gpu): "
+        raise pytest.UsageError("tests outside the tier folders (tests/unit, integration, engines, gpu, tv): "
                                 + ", ".join(stray[:5]))
+
+
+def _torchvision_missing() -> str | None:
+    """Why torchvision does not import here (None when it does). ``.venv`` holds torch's CPU
+    build, beside which PyPI's torchvision fails to load its ops: tests/tv runs in ``.venv-tv``
+    (scripts/setup_tv.sh; scripts/test.sh and .ci/run run it there)."""
+    try:
+        import torchvision  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - ImportError, or the RuntimeError of ops built for another torch
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Where torchvision does not import, tests/tv holds one test, test_tv_environment.py, which
+    skips saying why; its other files are not collected (they import torchvision)."""
+    p = Path(collection_path)
+    if p.suffix == ".py" and p.parent.name == "tv" and p.parent.parent == REPO / "tests" \
+            and p.name.startswith("test_") and p.name != "test_tv_environment.py":
+        return _torchvision_missing() is not None or None
+    return None
+
+
+@pytest.fixture(scope="session")
+def small_ds(folder_ds, tmp_path_factory) -> Path:
+    """The sample dataset's images with the short side reduced to 160-200 px (ImageFolder
+    layout, JPEG quality 90): cheap samples for statistics over thousands of them (tests/tv)."""
+    from PIL import Image
+
+    out = tmp_path_factory.mktemp("small") / "train"
+    for k, src in enumerate(sorted(Path(folder_ds).rglob("*.jpg"))):
+        dst = out / src.parent.name / src.name
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        with Image.open(src) as im:
+            im = im.convert("RGB")
+            short = 160 + (k * 7) % 41
+            scale = short / min(im.size)
+            im.resize((max(1, round(im.width * scale)), max(1, round(im.height * scale))),
+                      Image.Resampling.BILINEAR).save(dst, quality=90)
+    return out
 
 
 def case_files() -> list[str]:

@@ -53,10 +53,14 @@ from .options import parse_sets
 @click.option("--compare-engines", is_flag=True,
               help="With --model/--consumer-rate: also measure DALI's engines alone and say where the stages "
                    "should run.")
+@click.option("--dataset", "dataset_ref", metavar="MODULE:FACTORY",
+              help="Your own Dataset: a function returning it (e.g. train:make_dataset); measures torch's "
+                   "DataLoader against feedgpu.DataLoader on it and shows what feedgpu compiled.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True),
               help="With --model/--consumer-rate: write throughput, idle share and workers over time as PNG.")
 def bench(pipeline_file, data, images, workers, batch_size, batches, min_seconds, rounds, warmup, engines, no_baseline,
-          device, json_path, sets, model, consumer_rate, duration, compare_engines, plot_path) -> None:
+          device, json_path, sets, model, consumer_rate, duration, compare_engines, plot_path,
+          dataset_ref) -> None:
     """Measure feedgpu against torch's DataLoader on the same data, transforms and PIL build.
 
     The torch baseline is ``torch.utils.data.DataLoader`` with torchvision-style transforms,
@@ -82,6 +86,8 @@ def bench(pipeline_file, data, images, workers, batch_size, batches, min_seconds
 
     t0 = time.perf_counter()
     note = lambda line: click.echo(line, err=True)  # noqa: E731
+    if dataset_ref:
+        return _dataset(dataset_ref, workers, batch_size, batches, rounds, warmup, json_path, note)
     try:
         device = runner.check_device(device)
         p, file, path = runner.load_pipeline(pipeline_file, data, parse_sets(sets), device, images)
@@ -111,6 +117,23 @@ def bench(pipeline_file, data, images, workers, batch_size, batches, min_seconds
         for line in report.comparison_warnings(doc):
             note(line)
         note(f"({doc['total_seconds']:.0f} s in all)")
+    if json_path:
+        report.write_json(doc, json_path)
+        note(f"wrote {json_path}")
+
+
+def _dataset(ref, workers, batch_size, batches, rounds, warmup, json_path, note) -> None:
+    """``--dataset``: :func:`feedgpu.bench.dataset.compare_dataset`."""
+    from ..bench import report
+    from ..bench.dataset import compare_dataset, dataset_lines
+    from ..errors import ConfigError
+
+    try:
+        doc = compare_dataset(ref, workers=2 if workers is None else workers, batch_size=batch_size or 64,
+                              batches=batches or 10, rounds=rounds, warmup=max(1, warmup), note=note)
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from None
+    click.echo("\n".join(dataset_lines(doc)))
     if json_path:
         report.write_json(doc, json_path)
         note(f"wrote {json_path}")

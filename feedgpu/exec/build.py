@@ -57,6 +57,8 @@ def make_work(loader):
         if auto is not None:
             auto.buffer_bytes = work.slots.nbytes * (inflight + work.keep_views)
         return work
+    if getattr(loader, "_torchvision", None) is not None:   # a torchvision dataset, compiled
+        return loader._torchvision.make_work(loader)
     if hasattr(loader.dataset, "make_work"):  # a dataset that batches itself (feedgpu.tabular)
         return loader.dataset.make_work(loader.seed)
     if getattr(loader, "_memory_watch", None) is None:

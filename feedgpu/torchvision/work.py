@@ -1,0 +1,118 @@
+"""The torchvision backend's task: a batch of a recognised dataset, sample by sample.
+
+Each sample is read with the dataset's own loader (torchvision's ``pil_loader``: the file
+opened with PIL and converted to RGB), run through the compiled ops with feedgpu's per-sample
+draws, then through the tail (the user's own transform objects) and ``target_transform``,
+and the batch goes through ``collate_fn``, as the dataset's ``__getitem__`` and torch's loader
+would. Results travel back as a plain Dataset's do (:class:`~feedgpu.exec.work.DatasetWork`).
+"""
+from __future__ import annotations
+
+import torch.utils.data as tud
+from PIL import Image
+
+from ..exec import progress
+from ..exec.work import DatasetWork
+from ..stages.draws import Draws, stage_draw_ids
+from .fused import FusedConvert, fuse
+
+__all__ = ["TorchvisionWork", "load_rgb"]
+
+
+class TorchvisionWork(DatasetWork):
+    """Tasks ``(tag, seq, epoch, indices)``; payload: ``collate_fn``'s batch of
+    ``(sample, target)`` pairs.
+
+    Random ops draw from ``(seed, epoch, key, op)`` (:class:`~feedgpu.stages.draws.Draws`); the
+    key is the sample's index in the loader's dataset, which feedgpu's own order gives once per
+    epoch (so a sample's draws are the same for any worker count, world size or resume point).
+    A user's sampler may give an index several times in an epoch (``WeightedRandomSampler``,
+    replacement): with ``positional`` the key is then the index and its position in the rank's
+    epoch (batch number and row), so each occurrence draws anew, as torch's RNG would.
+
+    Args:
+        found: the recognised dataset (:class:`~feedgpu.torchvision.recognise.Found`).
+        compiled: its transform compiled (:class:`~feedgpu.torchvision.compile.Compiled`).
+        collate_fn, seed, batched: as for :class:`DatasetWork`; ``seed`` keys the ops' draws.
+        positional: key the draws by position too (a user's sampler).
+    """
+
+    def __init__(self, found, compiled, collate_fn, seed: int, batched: bool = True, positional: bool = False):
+        super().__init__(found.outer, collate_fn, seed, batched)
+        self.positional = positional
+        self.found = found
+        self.base = found.base
+        self.ops, self.tail = fuse(compiled.ops), list(compiled.tail)
+        self.draw_ids = stage_draw_ids(self.ops)
+        fused = self.ops[-1] if self.ops and isinstance(self.ops[-1], FusedConvert) else None
+        # the whole sample is compiled and torch's default_collate batches it: write the batch directly
+        self.direct = fused if (fused is not None and not self.tail and batched and found.base.target_transform is None
+                                and collate_fn is tud.default_collate) else None
+
+    def item(self, i: int, epoch: int, position: int = 0, stop_before_direct: bool = False) -> tuple:
+        """Sample ``i`` of the loader's dataset in ``epoch``: ``(sample, target)``; ``position``:
+        its place in the rank's epoch, ``(batch number << 20) + row`` (used with ``positional``);
+        ``stop_before_direct``: leave out the fused conversion (the batch writes it)."""
+        j = self.found.base_index(i)
+        path, target = self.base.samples[j]
+        progress.at("read", i)
+        x = load_rgb(path)
+        key = int(i) % len(self.found.outer)
+        if self.positional:
+            key += (int(position) + 1) << 40   # indices below 2**40 keep their own keys
+        ops = self.ops[:-1] if stop_before_direct and self.direct is not None else self.ops
+        for op, draw_id in zip(ops, self.draw_ids):
+            x = op.apply(x, Draws(self.seed, epoch, key, draw_id) if op.draws else None)
+        for t in self.tail:
+            x = t(x)
+        if self.base.target_transform is not None:
+            target = self.base.target_transform(target)
+        return x, target
+
+    def describe(self, index: int) -> str:
+        """The sample's file, for messages."""
+        try:
+            return str(self.base.samples[self.found.base_index(index)][0])
+        except (IndexError, TypeError, ValueError):
+            return super().describe(index)
+
+    def handle(self, task: tuple):
+        seq, epoch, keys = task[1], task[2], task[3].tolist()
+        direct = self.direct is not None
+        items = [self.item(i, epoch, (seq << 20) + row, direct) for row, i in enumerate(keys)]
+        progress.at("collate_fn", keys[0] if keys and isinstance(keys[0], int) else -1)
+        if direct:
+            return self._assemble(items)
+        return self.collate_fn(items)
+
+    def _assemble(self, items: list):
+        """``default_collate``'s ``[images, labels]`` for images still PIL before the fused
+        conversion: in the main process (``num_workers=0``) each written into its row of one
+        tensor, labels as int64; in a worker, or for images of different sizes or targets that
+        are not ints, converted one by one and given to ``default_collate`` (which puts the batch
+        in shared memory, and raises for different sizes, as with torch's loader)."""
+        import torch
+
+        fused = self.direct
+        sizes = {img.size for img, _ in items}
+        if len(sizes) != 1 or not all(type(t) is int for _, t in items) or tud.get_worker_info() is not None:
+            # in a worker the batch must be in shared memory: default_collate allocates it there
+            # (moving a finished tensor there would copy it again)
+            return self.collate_fn([(fused.apply(img), t) for img, t in items])
+        (w, h), = sizes
+        out = torch.empty((len(items), 3, h, w), dtype=fused.dtype)
+        rows = out.numpy()
+        for k, (img, _) in enumerate(items):
+            fused.write(img, rows[k])
+        return [out, torch.tensor([t for _, t in items], dtype=torch.int64)]
+
+
+def load_rgb(path) -> Image.Image:
+    """torchvision's ``pil_loader`` (the file opened with PIL, ``convert("RGB")``), without the
+    copy ``convert`` makes of an image that is RGB already: the same pixels."""
+    with open(path, "rb") as f:
+        img = Image.open(f)
+        if img.mode == "RGB":
+            img.load()
+            return img
+        return img.convert("RGB")

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Every test: tests/ in .venv (all tiers but tests/tv), then tests/tv in .venv-tv (PyPI's torch and
+# torchvision; see scripts/setup_tv.sh). Arguments go to both pytest runs (-x, -k EXPR, ...).
+# Exits non-zero if either run fails.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+.venv/bin/python -m pytest -q -p no:cacheprovider tests --ignore=tests/tv "$@"; main=$?
+.venv-tv/bin/python -m pytest -q -p no:cacheprovider tests/tv "$@"; tv=$?
+# with a selection (-k, -m), one side may select nothing (pytest's exit 5): not a failure then
+if [ $# -gt 0 ]; then [ $main = 5 ] && main=0; [ $tv = 5 ] && tv=0; fi
+exit $(( main != 0 ? main : tv ))
