@@ -60,5 +60,3 @@ if ! "$PY" -c "import matplotlib" 2>/dev/null; then
 fi
 # Nothing above may have replaced Pillow-SIMD (feedgpu doctor shows the active PIL build).
 "$PY" -c "import PIL, sys; sys.exit(0 if '.post' in PIL.__version__ else 'stock Pillow replaced Pillow-SIMD; rerun scripts/setup.sh after pip uninstall -y pillow')"
-# The second environment, for the torchvision tests (tests/tv): .venv-tv (FEEDGPU_TV=0 skips it).
-bash scripts/setup_tv.sh

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Second environment for the torchvision tests (tests/torchvision): .venv-tv with PyPI's torch and
+# Second environment for the torchvision tests (tests/tv): .venv-tv with PyPI's torch and
 # torchvision, Pillow-SIMD over the stock Pillow that torchvision pulls in, DALI and feedgpu itself.
 # PyPI's torchvision loads its compiled ops only beside PyPI's own torch build (a CUDA build that runs
 # on the CPU), not beside the CPU build of .venv, so the two cannot share one environment.
-# Called by scripts/setup.sh; FEEDGPU_TV=0 skips it. Idempotent: a second run only checks.
+# Called by scripts/test.sh; FEEDGPU_TV=0 skips it. Idempotent: a second run only checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ "${FEEDGPU_TV:-1}" = 0 ] && exit 0

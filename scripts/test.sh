@@ -4,6 +4,8 @@
 # Exits non-zero if either run fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# .venv-tv is built (or checked) here, not by scripts/setup.sh, so the main job does not need it.
+bash scripts/setup_tv.sh || exit $?
 .venv/bin/python -m pytest -q -p no:cacheprovider tests --ignore=tests/tv "$@"; main=$?
 .venv-tv/bin/python -m pytest -q -p no:cacheprovider tests/tv "$@"; tv=$?
 # with a selection (-k, -m), one side may select nothing (pytest's exit 5): not a failure then
