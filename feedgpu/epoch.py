@@ -271,6 +271,7 @@ class EpochIterator:
                 report.skipped = [s for s in report.skipped if s[0] not in self._bad]
                 self._bad.update(key for key, _, _ in report.skipped)
             loader._stats.add_report(report)
+            ahead_loader.note_report(loader, report)
             if report.skipped:
                 try:
                     self.budget.add(report.skipped)

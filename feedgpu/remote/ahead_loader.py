@@ -29,12 +29,13 @@ import os
 import socket
 import threading
 import time
+import warnings
 import weakref
 from concurrent.futures import Future
 
 import numpy as np
 
-_COUNTERS = ("bytes_downloaded", "hits", "misses", "retries", "evictions", "failures")
+_COUNTERS = ("bytes_downloaded", "hits", "misses", "retries", "evictions", "failures", "unchecked")
 _host = socket.gethostname()
 
 
@@ -126,6 +127,7 @@ class NetworkTotals:
         self.cache = cache
         self.ahead = {"read_ahead_wait_s": 0.0, "read_ahead_waits": 0, "read_ahead_fetched": 0,
                       "read_ahead_failed": 0}
+        self.warned_unchecked = False
 
     def add(self, st: dict) -> None:
         a = self.ahead
@@ -151,6 +153,22 @@ def auto_attach(loader) -> None:
     loader._network = NetworkTotals(remote.cache)
 
 
+def note_report(loader, report) -> None:
+    """A batch report arrived: the first time a worker says it served shards from the shard cache
+    without checking the store (it could not be reached), say so in the main process (a worker's
+    own warning goes to its stderr only)."""
+    totals = getattr(loader, "_network", None)
+    net = getattr(report, "network", None)
+    if totals is None or net is None or totals.warned_unchecked:
+        return
+    proc, counters = net
+    if counters.get("unchecked") and proc != f"{_host}:{os.getpid()}":
+        totals.warned_unchecked = True
+        warnings.warn(f"feedgpu: the store could not be reached from a worker ({proc}); it serves shards verified "
+                      f"earlier from the shard cache {totals.cache.directory} without checking the store for "
+                      "changes", stacklevel=4)
+
+
 def closed(loader, ahead) -> None:
     """A pass's read-ahead ``ahead`` closed: add its figures to the loader's totals and let the
     fetcher's downloads go."""
@@ -164,7 +182,8 @@ def closed(loader, ahead) -> None:
 
 def network_stats(loader) -> dict | None:
     """``loader.stats()["network"]``, None for a loader without a source read from URLs:
-    ``bytes_downloaded``, ``hits``, ``misses``, ``retries``, ``evictions``, ``failures`` (summed
+    ``bytes_downloaded``, ``hits``, ``misses``, ``retries``, ``evictions``, ``failures``,
+    ``unchecked`` (cached shards served while the store could not be reached) (summed
     over the main process and every worker's shard cache, workers as of their latest batch),
     ``network_wait_s`` (seconds the main process blocked for shards before handing a batch to a
     worker, ``read_ahead_wait_s``, plus seconds workers blocked downloading shards themselves,
