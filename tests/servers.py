@@ -26,6 +26,7 @@ class FileServer:
             ETag stays the file's: damage the ETag cannot show).
         delay: ``{name: seconds}``: GETs of ``name`` wait this long before answering.
         after_get: ``{name: callable}``: called once, after the next GET of ``name`` was sent.
+        flaky: ``{name: n}``: the next ``n`` requests of ``name`` (any method) answer 503.
         status: ``{name: code}``: every request for ``name`` answers this HTTP status (404, 500 ...)
             with an empty body.
         html: names (or folder names, without a trailing slash) answered with a 200 HTML page (a
@@ -44,6 +45,7 @@ class FileServer:
         self.fail: dict[str, int] = {}
         self.down: set[str] = set()
         self.status: dict[str, int] = {}
+        self.flaky: dict[str, int] = {}
         self.html: set[str] = set()
         self.ranges = True
         self.etag = True
@@ -131,7 +133,7 @@ class FileServer:
         with self._lock:
             self.requests[(h.command, name)] += 1
         path = self.root / name
-        code = self.status.get(name)
+        code = self.status.get(name) or (503 if self._take(self.flaky, name) else None)
         if code is not None:
             h.send_response(code)
             h.send_header("Content-Length", "0")

@@ -81,9 +81,7 @@ def classify(exc: BaseException) -> Fault:
     """The :class:`Fault` of ``exc`` (and the exceptions it was raised from)."""
     if isinstance(exc, Mismatch):
         return Fault(exc.kind, str(exc), retry=True)
-    names = []
     for e in _chain(exc):
-        names.append(type(e).__name__)
         status = _status(e)
         if status is not None:
             if status == 404 or status == 410:
@@ -109,8 +107,9 @@ def classify(exc: BaseException) -> Fault:
                 or type(e).__name__ in ("ServerDisconnectedError", "ClientPayloadError", "ClientOSError"):
             return Fault("reset", f"the connection was closed mid-answer ({_words(e)})", retry=True,
                          unreachable=True)
-        if type(e).__name__ == "ClientConnectorError":
-            return Fault("refused", f"cannot connect ({_words(e)})", retry=True, unreachable=True)
+    connector = next((e for e in _chain(exc) if "ClientConnector" in type(e).__name__), None)
+    if connector is not None:   # aiohttp's, without a cause that says more
+        return Fault("refused", f"cannot connect ({_words(connector)})", retry=True, unreachable=True)
     if isinstance(exc, FileNotFoundError):
         return Fault("not found", "not found", retry=False)
     if isinstance(exc, PermissionError):

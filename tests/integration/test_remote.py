@@ -192,8 +192,10 @@ def test_retries_exhausted_make_a_bad_shard_within_the_skip_budget(served, tmp_p
 
 def test_unreachable_shard_while_indexing_is_named(served, tmp_path):
     served.down.add("tar/shard-000002.tar")
-    with pytest.warns(UserWarning, match="bad shard"):
-        src = TarShardSource(shard_urls(served), cache=cache_in(tmp_path, retries=1))
+    with pytest.raises(SourceError, match=r"1 of 3 file\(s\) cannot be read:\n.*shard-000002.tar: .*HTTP 503"):
+        TarShardSource(shard_urls(served), cache=cache_in(tmp_path, retries=1))
+    with pytest.warns(UserWarning, match="bad shard"):   # a budget of whole files: left out, named
+        src = TarShardSource(shard_urls(served), cache=cache_in(tmp_path, retries=1), max_bad_files=1)
     assert len(src) == 20
     assert src.rejected == [(shard_urls(served)[2], "bad shard")]
 

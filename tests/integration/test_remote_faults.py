@@ -96,3 +96,110 @@ def test_an_outage_after_a_complete_epoch_trains_from_the_shard_cache(data, serv
     net = loader.stats()["network"]
     assert net["unchecked"] >= 3, net   # each shard, in some process
     assert sum(served.requests.values()) == requests_before
+
+
+# -- fail fast, by name, at open ---------------------------------------------------------------------
+def slept_cache(path, retries=2, backoff_s=1.0, **kw):
+    """A cache whose back-off sleeps are recorded, not slept (the bound is their sum)."""
+    slept = []
+    c = ShardCache(path, retries=retries, backoff_s=backoff_s, sleep=slept.append, **kw)
+    c.slept = slept
+    return c
+
+
+@pytest.mark.parametrize("kind", ["tar", "pq"])
+def test_unreadable_files_at_open_are_one_error_naming_each_url_and_cause(served, tmp_path, kind):
+    urls = files(served, kind)
+    typo = urls[0].replace("00000", "0000x")              # 404
+    dns = f"http://feedgpu-nohost.invalid/{kind}/x"       # DNS
+    folder = f"{served.url}/{kind}"                       # a folder URL: the server's HTML listing
+    served.html.add(kind)
+    served.status[urls[2].rpartition(f"{served.url}/")[2]] = 500
+    cache = slept_cache(tmp_path / "c")
+    with pytest.raises(Exception) as e:
+        open_source(kind, [urls[1], typo, dns, folder, urls[2]], cache)
+    msg = str(e.value)
+    assert type(e.value).__name__ == "SourceError", msg
+    assert "4 of 5 file(s) cannot be read" in msg, msg
+    assert f"{typo}: request failed after 1 attempt(s): not found (HTTP 404)" in msg, "a 404 is not retried"
+    assert f"{dns}: request failed after 3 attempt(s): DNS lookup failed" in msg
+    assert f"{folder}: an HTML page (a server's folder listing or error page), not a data file" in msg
+    assert "_index.json" in msg
+    assert f"{urls[2]}: request failed after 3 attempt(s): the server answered HTTP 500" in msg
+    assert urls[1] + ":" not in msg
+
+
+@pytest.mark.parametrize("kind", ["tar", "pq"])
+def test_a_skip_budget_of_whole_files_opens_without_them_each_named(data, served, tmp_path, kind):
+    urls = files(served, kind)
+    served.status[urls[1].rpartition(f"{served.url}/")[2]] = 404
+    with pytest.raises(Exception, match="1 of 3 file"):
+        open_source(kind, urls, slept_cache(tmp_path / "c"), max_bad_files=0)
+    with pytest.warns(UserWarning, match="bad shard"):
+        src = open_source(kind, urls, slept_cache(tmp_path / "c"), max_bad_files=1)
+    assert src.rejected == [(urls[1], "bad shard")], "one entry per file, tar and Parquet alike"
+    assert len(src) == N - 10
+
+
+@pytest.mark.parametrize("kind", ["tar", "pq"])
+def test_an_index_listing_a_missing_file_and_a_brace_pattern_naming_one_are_errors(served, tmp_path, kind):
+    ext = KINDS[kind][1]
+    missing = sorted((served.root / kind).glob(f"*{ext}"))[2]
+    missing.unlink()
+    url = f"{served.url}/{kind}/{missing.name}"
+    with pytest.raises(Exception, match=f"{url}: request failed after 1 attempt.*not found"):
+        open_source(kind, index(served, kind), slept_cache(tmp_path / "c"))
+    stem = missing.name[:-len(ext) - 1]
+    with pytest.raises(Exception, match=f"{url}: request failed after 1 attempt.*not found"):
+        open_source(kind, f"{served.url}/{kind}/{stem}{{0..2}}{ext}", slept_cache(tmp_path / "c"))
+
+
+@pytest.mark.parametrize("kind", ["tar", "pq"])
+def test_a_server_down_at_open_fails_within_one_retry_chain(served, tmp_path, kind):
+    served.stop()
+    cache = slept_cache(tmp_path / "c", retries=3, backoff_s=1.0)
+    with pytest.raises(Exception, match=r"cannot read the index file .*after 4 attempt\(s\): connection refused"):
+        open_source(kind, index(served, kind), cache)
+    assert cache.slept == [1.0, 2.0, 4.0]
+    cache = slept_cache(tmp_path / "c2", retries=3, backoff_s=1.0)
+    with pytest.raises(Exception, match="(?s)3 of 3 file.*connection refused") as e:
+        open_source(kind, files(served, kind), cache)
+    assert type(e.value).__name__ == "SourceError"
+    # one retry chain's back-off, then the host is known down: the other files are tried once
+    assert sum(cache.slept) == cache.retry_budget_s() == 7.0
+
+
+@pytest.mark.parametrize("kind", ["tar", "pq"])
+def test_a_5xx_at_open_is_retried_as_reads_are(data, served, tmp_path, kind):
+    served.flaky[f"{kind}/_index.json"] = 2             # the index file: twice 503, then served
+    first = sorted((served.root / kind).glob(f"*{KINDS[kind][1]}"))[0].name
+    served.fail[f"{kind}/{first}"] = 2                  # ranged reads (Parquet's footer, a shard): twice 503
+    cache = slept_cache(tmp_path / "c", retries=3)
+    src = open_source(kind, index(served, kind), cache)
+    assert len(src) == N and not src.rejected
+    assert cache.slept[:2] == [1.0, 2.0] and cache.stats()["retries"] >= 2
+    if kind == "pq":
+        assert served.requests[("GET", f"{kind}/_index.json")] == 3
+
+
+def test_parquet_on_a_server_without_byte_ranges_names_it(served, tmp_path):
+    served.ranges = False
+    with pytest.raises(Exception, match="does not serve byte ranges.*server with range requests") as e:
+        open_source("pq", index(served, "pq"), slept_cache(tmp_path / "c"))
+    assert type(e.value).__name__ == "SourceError"
+    # a tar source needs no ranges: each shard is downloaded whole
+    src = open_source("tar", index(served, "tar"), slept_cache(tmp_path / "t"))
+    assert len(src) == N and src.read(N - 1).payload
+
+
+@pytest.mark.parametrize("kind", ["tar", "pq"])
+def test_a_checksum_mismatch_is_tried_twice_at_most_then_named(served, tmp_path, kind):
+    name = f"{kind}/" + sorted((served.root / kind).glob(f"*{KINDS[kind][1]}"))[0].name
+    src = open_source(kind, index(served, kind), slept_cache(tmp_path / "c", retries=4))
+    before = served.gets(name)
+    served.corrupt[name] = 10**6   # a flipped byte under a consistent ETag: the store's bytes are wrong
+    from feedgpu.errors import DownloadError
+
+    with pytest.raises(DownloadError, match="after 2 attempt.*checksum mismatch: SHA-256"):
+        src.remote.local(0)
+    assert served.gets(name) - before == 2, "downloaded twice, not once per retry"
