@@ -42,8 +42,8 @@ holds something else, :class:`~feedgpu.errors.RemoteChangedError` is raised inst
 download records the file's SHA-256: where the caller gives the index file's (``sha256=``), an
 entry whose recorded SHA-256 differs is never served, whatever the store's headers say (a
 same-size rewrite that keeps Last-Modified on a server without ETags). ``verify="content"``
-downloads each cached entry again once per run and compares the SHA-256 (for stores whose
-headers cannot show a change).
+downloads each cached entry again once per run (the first process of the run to use it) and
+keeps no member table saved under the headers, for stores whose headers cannot show a change.
 """
 from __future__ import annotations
 
@@ -279,7 +279,10 @@ class ShardCache:
             remove(tmp)
 
     def load_index(self, ident: Identity, kind: str) -> dict | None:
-        """The index :meth:`save_index` kept for this identity (same URL, size, ETag), else None."""
+        """The index :meth:`save_index` kept for this identity (same URL, size, ETag), else None
+        (always None with ``verify="content"``: the headers cannot be trusted to tell)."""
+        if self.verify == "content":
+            return None
         try:
             with open(self._path(ident.url, f"{kind}-index.json"), encoding="utf-8", errors="surrogateescape") as f:
                 doc = json.load(f)
@@ -410,16 +413,8 @@ class ShardCache:
         if fresh and sha256 is not None and recorded != sha256:
             fresh = False   # the index's SHA-256 wins over the store's headers
         if fresh and self.verify == "content" and not self._content_checked(url):
-            fresh = False
-            old = recorded
-            self._download(url, remote, sha256)
-            self._count("misses")
-            _, now_sha = self._read_meta(url)
-            if expect is not None and old is not None and now_sha != old:
-                raise RemoteChangedError(f"{url} changed since the source was indexed: its content (SHA-256 "
-                                         f"{now_sha}) is not the cached copy's ({old}) though its size and "
-                                         f"{'ETag' if remote.etag else 'Last-Modified'} are; open the source again")
-        elif fresh:
+            fresh = False   # downloaded again once per run: its SHA-256 is recorded anew
+        if fresh:
             self._count("hits")
         else:
             self._download(url, remote, sha256)

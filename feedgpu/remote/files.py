@@ -46,8 +46,14 @@ def default_cache_dir() -> str:
 
 def make_cache(cache=None, cache_dir=None, cache_budget=None, storage_options=None,
                verify: str = "identity") -> ShardCache:
-    """A :class:`ShardCache` from a source's options (``cache``: one to share, used as is)."""
+    """A :class:`ShardCache` from a source's options (``cache``: one to share, used as is; a
+    ``verify`` other than its own raises :class:`~feedgpu.errors.ConfigError`)."""
     if cache is not None:
+        if verify != "identity" and cache.verify != verify:
+            from ..errors import ConfigError
+
+            raise ConfigError(f"verify={verify!r} with a shard cache given (cache=) whose verify is "
+                              f"{cache.verify!r}: set it on the ShardCache")
         return cache
     return ShardCache(cache_dir or default_cache_dir(), cache_budget, storage_options=storage_options, verify=verify)
 

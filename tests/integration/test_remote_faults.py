@@ -7,6 +7,8 @@ Retry back-offs are injected (``backoff_s``): a test that must not wait on the b
 one larger than its time bound, so the bound holds on a busy machine and a regression shows."""
 from __future__ import annotations
 
+import hashlib
+import json
 import pickle
 import shutil
 import time
@@ -203,3 +205,82 @@ def test_a_checksum_mismatch_is_tried_twice_at_most_then_named(served, tmp_path,
     with pytest.raises(DownloadError, match="after 2 attempt.*checksum mismatch: SHA-256"):
         src.remote.local(0)
     assert served.gets(name) - before == 2, "downloaded twice, not once per retry"
+
+
+# -- changed bytes are never served: detection that does not depend on the server's headers ---------
+def rewrite_same_size_keeping_mtime(path: Path, at: int) -> bytes:
+    """Flip a byte at ``at`` (inside a member's data), size and mtime kept (cp -p, rsync -t)."""
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+    import os
+
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    return bytes(data)
+
+
+def test_no_etag_is_said_once_at_open_unless_content_is_checked(served, tmp_path):
+    served.etag = False
+    with pytest.warns(UserWarning, match=r"3 of 3 file\(s\) come without an ETag.*size and Last-Modified only") as rec:
+        open_source("tar", files(served, "tar"), slept_cache(tmp_path / "a"))
+    assert sum("without an ETag" in str(w.message) for w in rec) == 1
+    served.last_modified = False
+    with pytest.warns(UserWarning, match="seen by size only"):
+        open_source("pq", files(served, "pq"), slept_cache(tmp_path / "b"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # the index's SHA-256s, or verify="content", check the content
+        open_source("tar", index(served, "tar"), slept_cache(tmp_path / "c"))
+        open_source("pq", files(served, "pq"), slept_cache(tmp_path / "d", verify="content"))
+
+
+def test_a_same_size_rewrite_keeping_last_modified_is_never_served_under_a_new_index(served, tmp_path):
+    served.etag = False   # the server has Last-Modified only
+    old = open_source("tar", index(served, "tar"), slept_cache(tmp_path / "c"))
+    before = bytes(old.read(0).payload)
+    shard = served.root / "tar/shard-000000.tar"
+    new = rewrite_same_size_keeping_mtime(shard, int(old.offsets[0]) + 100)
+    doc = json.loads((served.root / "tar/_index.json").read_text())
+    doc["files"][0]["sha256"] = hashlib.sha256(new).hexdigest()   # the dataset's owner wrote a new index
+    (served.root / "tar/_index.json").write_text(json.dumps(doc))
+    fresh = open_source("tar", index(served, "tar"), slept_cache(tmp_path / "c"))   # the same shard cache
+    got = bytes(fresh.read(0).payload)
+    assert got != before and got == new[int(old.offsets[0]):int(old.offsets[0]) + int(old.sizes[0])]
+
+
+def test_a_same_size_rewrite_is_caught_by_verify_content(served, tmp_path):
+    served.etag = False
+    urls = files(served, "tar")
+    with pytest.warns(UserWarning, match="without an ETag"):
+        old = open_source("tar", urls, slept_cache(tmp_path / "c"))
+    before = bytes(old.read(0).payload)
+    new = rewrite_same_size_keeping_mtime(served.root / "tar/shard-000000.tar", int(old.offsets[0]) + 100)
+    with pytest.warns(UserWarning, match="without an ETag"):   # identity only: the headers cannot tell
+        same = open_source("tar", urls, slept_cache(tmp_path / "c"))
+    assert bytes(same.read(0).payload) == before
+    checked = open_source("tar", urls, slept_cache(tmp_path / "c", verify="content"))   # a new run
+    want = new[int(old.offsets[0]):int(old.offsets[0]) + int(old.sizes[0])]
+    assert bytes(checked.read(0).payload) == want != before
+    by_option = TarShardSource(urls, cache_dir=tmp_path / "v", verify="content")   # the source's option
+    assert by_option.remote.cache.verify == "content" and bytes(by_option.read(0).payload) == want
+    # the store's bytes no longer match the index that describes them: named, never served
+    idx = open_source("tar", index(served, "tar"), slept_cache(tmp_path / "c", retries=4, verify="content"))
+    from feedgpu.errors import SampleError
+
+    with pytest.raises(SampleError, match="after 2 attempt.*checksum mismatch"):
+        idx.read(0)
+
+
+def test_the_index_sha256_wins_over_the_headers_for_any_file(served, tmp_path):
+    served.etag = False
+    url = files(served, "pq")[0]
+    path = served.root / "pq" / url.rpartition("/")[2]
+    cache = slept_cache(tmp_path / "c")
+    expect = cache.stat(url)
+    old = Path(cache.local_path(url, expect)).read_bytes()
+    new = rewrite_same_size_keeping_mtime(path, len(old) // 2)
+    again = slept_cache(tmp_path / "c")   # a new run
+    assert Path(again.local_path(url, again.stat(url))).read_bytes() == old, "headers alone cannot tell"
+    third = slept_cache(tmp_path / "c")
+    got = Path(third.local_path(url, third.stat(url), sha256=hashlib.sha256(new).hexdigest())).read_bytes()
+    assert got == new
