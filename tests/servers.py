@@ -14,6 +14,19 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 
+class _Quiet(ThreadingHTTPServer):
+    """A client that went away (the server was stopped under it) is not an error to print."""
+
+    allow_reuse_address = True
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):
+        import sys
+
+        if not isinstance(sys.exc_info()[1], (ConnectionError, OSError)):
+            super().handle_error(request, client_address)
+
+
 class FileServer:
     """Serves the files under ``root`` at ``http://127.0.0.1:PORT/<relative path>``.
 
@@ -94,9 +107,7 @@ class FileServer:
         """Serve (again) on the server's port."""
         if self.httpd is not None:
             return
-        ThreadingHTTPServer.allow_reuse_address = True
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", self.port), self._handler)
-        self.httpd.daemon_threads = True
+        self.httpd = _Quiet(("127.0.0.1", self.port), self._handler)
         self.port = self.httpd.server_address[1]
         self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self._thread.start()
@@ -106,6 +117,10 @@ class FileServer:
         if self.httpd is None:
             return
         self.httpd.shutdown()
+        try:   # worker processes forked meanwhile hold the listening socket too: stop it for all
+            self.httpd.socket.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self.httpd.server_close()
         self._thread.join(5)
         self.httpd = None

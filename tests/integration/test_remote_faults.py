@@ -284,3 +284,30 @@ def test_the_index_sha256_wins_over_the_headers_for_any_file(served, tmp_path):
     third = slept_cache(tmp_path / "c")
     got = Path(third.local_path(url, third.stat(url), sha256=hashlib.sha256(new).hexdigest())).read_bytes()
     assert got == new
+
+
+# -- a server that stays down ends the epoch by name, in bounded time, with no duplicate -----------
+@pytest.mark.parametrize("kind", ["tar", "pq"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_server_that_stays_down_ends_the_epoch_by_name_in_bounded_time(data, served, tmp_path, kind, workers):
+    from feedgpu.errors import DownloadError, ShardFetchError
+
+    last = f"{kind}/" + sorted((served.root / kind).glob(f"*{KINDS[kind][1]}"))[2].name
+    served.delay[last] = 5.0   # the last file is still being sent when the server goes down
+    cache = cache_in(tmp_path / "c", retries=3, backoff_s=0.5)   # 3.5 s of back-off at most
+    src = open_source(kind, index(served, kind), cache)
+    reference = clone_all(DataLoader(pipe(local(data, kind), num_workers=workers, shuffle=False)))
+    loader = DataLoader(pipe(src, num_workers=workers, shuffle=False))
+    it = iter(loader)
+    got = [next(it)]
+    served.stop()
+    t0 = time.monotonic()
+    with pytest.raises(ShardFetchError, match=f"{last}.*connection.*skip budget") as e:
+        for b in it:
+            got.append(b)
+    elapsed = time.monotonic() - t0
+    assert isinstance(e.value.__cause__, DownloadError)
+    # one retry chain's back-off (the others are tried once: the host is known down), plus the
+    # time the 5 s delay needs to be cut, plus a margin for a busy machine
+    assert elapsed < cache.retry_budget_s() + 15.0, elapsed
+    assert batches_equal([b for b in got], reference[:4]), "the samples before it, each once, no spare"
