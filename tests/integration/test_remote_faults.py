@@ -311,3 +311,69 @@ def test_a_server_that_stays_down_ends_the_epoch_by_name_in_bounded_time(data, s
     # time the 5 s delay needs to be cut, plus a margin for a busy machine
     assert elapsed < cache.retry_budget_s() + 15.0, elapsed
     assert batches_equal([b for b in got], reference[:4]), "the samples before it, each once, no spare"
+
+
+# -- no orphans --------------------------------------------------------------------------------------
+SLOW_DATASET = '''
+import os, time
+import torch
+
+
+class Slow(torch.utils.data.Dataset):
+    """Each item waits as a sample in a long network retry chain would."""
+
+    def __init__(self, marks):
+        self.marks = marks
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        open(os.path.join(self.marks, str(os.getpid())), "w").close()
+        time.sleep(300)
+        return torch.zeros(1)
+'''
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("State:") and "Z" in line.split()[1] for line in f)   # a zombie
+    except FileNotFoundError:
+        return True
+
+
+def test_workers_busy_with_a_task_exit_when_their_main_process_dies(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    (tmp_path / "slowds.py").write_text(SLOW_DATASET)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    code = (f"import sys; sys.path.insert(0, {str(tmp_path)!r}); from slowds import Slow; "
+            "from feedgpu import DataLoader; "
+            f"next(iter(DataLoader(Slow({str(marks)!r}), batch_size=1, num_workers=2)))")
+    main = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(REPO)))
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(marks.iterdir())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        workers = [int(p.name) for p in marks.iterdir()]
+        assert len(workers) == 2, "both workers are inside a task"
+        main.send_signal(signal.SIGKILL)   # the main process dies; the workers' tasks run 300 s more
+        main.wait(10)
+        deadline = time.monotonic() + 20
+        while not all(_gone(p) for p in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(_gone(p) for p in workers), "no orphan keeps working for a dead main process"
+    finally:
+        main.kill()
+        for p in marks.iterdir():
+            try:
+                os.kill(int(p.name), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
