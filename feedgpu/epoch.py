@@ -390,7 +390,11 @@ class EpochIterator:
         task, ok, payload = self.ready.pop(b)
         if not ok:  # raised in batch order: every earlier batch has been delivered
             self.work.discard(task)
-            raise BatchFailed(unpack_exception(payload, f"while assembling batch {b} of epoch {self.epoch}"))
+            exc = unpack_exception(payload, f"while assembling batch {b} of epoch {self.epoch}")
+            net = getattr(exc, "feedgpu_network", None)
+            if net is not None:   # what the worker retried and gave up on, though its batch failed
+                self.loader._stats.network[net[0]] = net[1]
+            raise BatchFailed(exc)
         batch = self.work.finish(task, payload)
         self._fill()
         report = payload if self.loader.pipeline is not None else None

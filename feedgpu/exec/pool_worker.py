@@ -36,7 +36,7 @@ def _pack_exception(e: BaseException, wid: int) -> tuple:
         pickle.loads(blob)
     except Exception:
         blob = None
-    return (blob, f"{type(e).__name__}: {e}", tb, wid)
+    return (blob, f"{type(e).__name__}: {e}", tb, wid, getattr(e, "feedgpu_network", None))
 
 
 def _unsendable(e: Exception) -> Exception:

@@ -140,17 +140,20 @@ class NetworkTotals:
 def auto_attach(loader) -> None:
     """Attach the read-ahead (:func:`feedgpu.shard_ahead.attach`) to a loader whose pipeline's
     source is read from URLs and whose order is feedgpu's, with :class:`RemoteFetcher` and the
-    shard cache's ``max_downloads`` in flight; else do nothing."""
+    shard cache's ``max_downloads`` in flight (with a user's sampler, only its network figures);
+    else do nothing."""
     pipe = loader.pipeline
     remote = getattr(pipe.source, "remote", None) if pipe is not None else None
-    if remote is None or loader._user is not None:
+    if remote is None:
+        return
+    loader._network = NetworkTotals(remote.cache)   # stats()["network"], read-ahead or not
+    if loader._user is not None:   # a user's sampler: workers download what they read
         return
     from ..shard_ahead import attach
 
     src = pipe.source
     fetcher = RemoteFetcher(loader, remote, src.shard_names(), np.asarray(src.shard_of()))
     attach(loader, fetcher, max_in_flight=remote.cache.max_downloads)
-    loader._network = NetworkTotals(remote.cache)
 
 
 def note_report(loader, report) -> None:

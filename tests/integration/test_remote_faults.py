@@ -377,3 +377,23 @@ def test_workers_busy_with_a_task_exit_when_their_main_process_dies(tmp_path):
                 os.kill(int(p.name), signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+# -- what workers retried and gave up on is counted -------------------------------------------------
+@pytest.mark.parametrize("kind", ["tar", "pq"])
+def test_network_stats_count_what_workers_retried_and_failed_in_failing_batches(served, tmp_path, kind):
+    import torch
+
+    from feedgpu.errors import SkipBudgetExceeded
+
+    name = f"{kind}/" + sorted((served.root / kind).glob(f"*{KINDS[kind][1]}"))[1].name
+    src = open_source(kind, index(served, kind), cache_in(tmp_path / "c", retries=2))
+    served.fail[name] = 10**6   # every download of the second file: 503
+    # a user's sampler: no read-ahead in the main process, the workers download themselves
+    loader = DataLoader(pipe(src, num_workers=2, shuffle=False, max_skipped=None),
+                        sampler=torch.utils.data.SequentialSampler(range(N)))
+    with warnings.catch_warnings(), pytest.raises(SkipBudgetExceeded):
+        warnings.simplefilter("ignore", SkippedSampleWarning)
+        list(loader)   # batch 2 is all of the second file: no spare can stand in, the batch fails
+    net = loader.stats()["network"]
+    assert net["failures"] >= 1 and net["retries"] >= 2, net
