@@ -79,24 +79,32 @@ def local(data, kind):
 
 # -- an outage: a fully cached dataset trains on ---------------------------------------------------
 @pytest.mark.parametrize("kind", ["tar", "pq"])
-@pytest.mark.parametrize("workers", [0, 2])
-def test_an_outage_after_a_complete_epoch_trains_from_the_shard_cache(data, served, tmp_path, kind, workers):
+@pytest.mark.parametrize("workers,persistent", [(0, False), (2, False), (2, True)])
+def test_an_outage_after_a_complete_epoch_trains_from_the_shard_cache(data, served, tmp_path, kind, workers,
+                                                                       persistent):
     # a back-off far over the bound: waiting on it even once fails the time bound below
     src = open_source(kind, index(served, kind), cache_in(tmp_path / "c", backoff_s=30.0, retries=4))
-    reference = clone_all(DataLoader(pipe(local(data, kind), num_workers=workers)))
-    assert batches_equal(clone_all(DataLoader(pipe(src, num_workers=workers, persistent_workers=False))), reference)
+    ref_loader = DataLoader(pipe(local(data, kind), num_workers=workers))
+    reference, second = clone_all(ref_loader), clone_all(ref_loader)   # epochs 0 and 1
+    loader = DataLoader(pipe(src, num_workers=workers, persistent_workers=persistent))
+    assert batches_equal(clone_all(loader), reference)
     served.stop()   # the server goes down for good
     requests_before = sum(served.requests.values())
-    # a new process (new workers; for 0 workers, the source as a new process unpickles it)
-    again = src if workers else pickle.loads(pickle.dumps(src))
-    loader = DataLoader(pipe(again, num_workers=workers, persistent_workers=False))
+    if not persistent:   # new workers (for 0 workers, a new process: the source unpickled)
+        again = src if workers else pickle.loads(pickle.dumps(src))
+        loader = DataLoader(pipe(again, num_workers=workers, persistent_workers=False))
     t0 = time.monotonic()
-    with pytest.warns(UserWarning, match="could not be reached|cannot be reached"):
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
         got = clone_all(loader)
     assert time.monotonic() - t0 < 25.0, "no retry back-off for a verified cached shard"
-    assert batches_equal(got, reference), "every sample once, in order"
-    net = loader.stats()["network"]
-    assert net["unchecked"] >= 3, net   # each shard, in some process
+    assert batches_equal(got, second if persistent else reference), "every sample once, in order"
+    said = [str(w.message) for w in rec if "reached" in str(w.message)]
+    if not persistent:   # processes that had not checked the store yet say why they do not
+        assert len(said) == 1, said
+        assert loader.stats()["network"]["unchecked"] >= 3   # each shard, in some process
+    else:                # persistent workers checked the store in epoch 1: nothing to say
+        assert said == []
     assert sum(served.requests.values()) == requests_before
 
 
@@ -397,3 +405,41 @@ def test_network_stats_count_what_workers_retried_and_failed_in_failing_batches(
         list(loader)   # batch 2 is all of the second file: no spare can stand in, the batch fails
     net = loader.stats()["network"]
     assert net["failures"] >= 1 and net["retries"] >= 2, net
+
+
+def test_only_shards_not_cached_wait_on_the_network_during_an_outage(data, served, tmp_path):
+    from feedgpu.errors import ShardFetchError
+
+    cache = cache_in(tmp_path / "c", retries=3, backoff_s=0.5)
+    src = open_source("tar", index(served, "tar"), cache)
+    reference = clone_all(DataLoader(pipe(local(data, "tar"), num_workers=2, shuffle=False)))
+    assert batches_equal(clone_all(DataLoader(pipe(src, num_workers=2, shuffle=False))), reference)
+    (tmp_path / "c" / f"{ShardCache.key(files(served, 'tar')[2])}.data").unlink()   # evicted
+    served.stop()
+    fresh = pickle.loads(pickle.dumps(src))   # a new process: nothing checked in it yet
+    got = []
+    t0 = time.monotonic()
+    with warnings.catch_warnings(), pytest.raises(ShardFetchError, match="shard-000002.tar.*connection refused"):
+        warnings.simplefilter("ignore")
+        for b in DataLoader(pipe(fresh, num_workers=2, shuffle=False)):
+            got.append(b)
+    assert time.monotonic() - t0 < cache.retry_budget_s() + 15.0
+    assert batches_equal(got, reference[:4]), "the cached shards' samples, each once; then the named error"
+
+
+def test_a_failure_memo_is_shared_by_the_processes_of_a_run_not_by_a_new_run(served, tmp_path):
+    from feedgpu.errors import DownloadError
+
+    url = files(served, "tar")[1]
+    name = url.rpartition(f"{served.url}/")[2]
+    served.fail[name] = 10**6
+    cache = slept_cache(tmp_path / "c", retries=2)
+    with pytest.raises(DownloadError, match="after 3 attempt"):
+        cache.local_path(url)
+    gets = served.gets(name)
+    worker = pickle.loads(pickle.dumps(cache))   # a worker of the same loader: the same run
+    with pytest.raises(DownloadError, match="after 3 attempt"):
+        worker.local_path(url)
+    assert served.gets(name) == gets, "no second retry chain in a worker"
+    served.fail.clear()
+    assert Path(slept_cache(tmp_path / "c").local_path(url)).is_file(), "a new run tries again"
