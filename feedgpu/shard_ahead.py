@@ -365,7 +365,8 @@ def attach(loader, fetcher: Fetcher | None, **options) -> None:
     for the network" (the balancer's
     ``network_wait_fraction``, ``loader.stats()["read_ahead"]``). A shard whose fetch fails is
     named in a warning and left to the source's own reader, which reads it or counts its samples
-    as skipped. The next epoch's first batches are not started early while a fetcher is attached
+    as skipped; one lost for good (a download error) whose samples the skip budget cannot hold
+    ends the epoch with :class:`ShardFetchError` before any of them is read (:func:`fetch_batch`). The next epoch's first batches are not started early while a fetcher is attached
     (they would need that epoch's shards). Raises :class:`ConfigError` for a loader without a
     pipeline or with a user's sampler."""
     if fetcher is not None and (loader.pipeline is None or loader._user is not None):

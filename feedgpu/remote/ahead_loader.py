@@ -11,9 +11,12 @@ source's ``remote.fetch_async(i)`` (checked against the file's indexed identity 
 the time the runner blocks for a shard is "waiting for the network" (the balancer's
 ``add_network_wait``, and ``stats()["network"]["read_ahead_wait_s"]``).
 
-A shard whose fetch fails is left to the worker, which meets the same
-:class:`~feedgpu.errors.DownloadError` reading it: its samples are the named ``"bad shard"``
-skips they are without read-ahead (within the skip budget).
+A shard whose fetch fails for good ends the epoch with a
+:class:`~feedgpu.errors.ShardFetchError` naming it before any of its samples is read, unless the
+skip budget can hold every sample the epoch still reads from it
+(:func:`~feedgpu.shard_ahead.fetch_batch`); then it is left to the worker, which meets the same
+:class:`~feedgpu.errors.DownloadError` at once (the failure memo is shared through the shard
+cache folder): its samples are named ``"bad shard"`` skips.
 
 Sources without ``remote`` (local files, torch Datasets) get nothing attached and pay nothing.
 With a pixel cache (``cache:``), a shard whose samples the cache all holds is not downloaded

@@ -443,3 +443,15 @@ def test_a_failure_memo_is_shared_by_the_processes_of_a_run_not_by_a_new_run(ser
     assert served.gets(name) == gets, "no second retry chain in a worker"
     served.fail.clear()
     assert Path(slept_cache(tmp_path / "c").local_path(url)).is_file(), "a new run tries again"
+
+
+def test_a_server_back_within_the_back_off_costs_one_stall_and_nothing_else(served, tmp_path):
+    import threading
+
+    url = files(served, "tar")[0]
+    cache = cache_in(tmp_path / "c", retries=4, backoff_s=0.5)   # 7.5 s of back-off
+    served.stop()
+    threading.Timer(1.0, served.start).start()   # back 1 s later
+    assert Path(cache.local_path(url)).read_bytes() == (served.root / "tar/shard-000000.tar").read_bytes()
+    st = cache.stats()
+    assert st["failures"] == 0 and 1 <= st["retries"] <= 3
