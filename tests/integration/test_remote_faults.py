@@ -455,3 +455,19 @@ def test_a_server_back_within_the_back_off_costs_one_stall_and_nothing_else(serv
     assert Path(cache.local_path(url)).read_bytes() == (served.root / "tar/shard-000000.tar").read_bytes()
     st = cache.stats()
     assert st["failures"] == 0 and 1 <= st["retries"] <= 3
+
+
+@pytest.mark.parametrize("kind", ["tar", "pq"])
+@pytest.mark.parametrize("shuffle", [True, "shards"])
+def test_a_server_down_before_the_first_batch_is_named_within_one_retry_chain(served, tmp_path, kind, shuffle):
+    from feedgpu.errors import ShardFetchError
+
+    cache = cache_in(tmp_path / "c", retries=3, backoff_s=0.5)
+    src = open_source(kind, index(served, kind), cache)   # opened; nothing downloaded yet for Parquet images
+    served.stop()
+    loader = DataLoader(pipe(src, num_workers=2, shuffle=shuffle))
+    t0 = time.monotonic()
+    with warnings.catch_warnings(), pytest.raises(ShardFetchError, match="connection refused.*skip budget"):
+        warnings.simplefilter("ignore")
+        next(iter(loader))
+    assert time.monotonic() - t0 < cache.retry_budget_s() + 15.0
