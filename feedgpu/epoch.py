@@ -20,7 +20,7 @@ import numpy as np
 
 from . import shard_ahead
 from .remote import ahead_loader
-from .errors import IteratorSuperseded, SkipBudgetExceeded
+from .errors import IteratorSuperseded, ShardFetchError, SkipBudgetExceeded
 from .exec.host_buffers import pin
 from .exec.process_pool import unpack_exception
 from .sampling import ShardedOrder
@@ -74,6 +74,8 @@ class EpochIterator:
         self.view = order.view(epoch, start)
         self.shards = shard_ahead.for_epoch(loader, self.view)   # shards fetched ahead (None: not attached)
         self._unfetched: set[str] = set()
+        self._lost: dict[int, int] = {}     # shards whose download failed for good -> samples left
+        self._fatal: tuple | None = None    # (batch, error): a lost shard the skip budget cannot hold
         first = self.next_b = self.view.first   # batches are numbered as in the whole epoch
         # With device prefetch, a batch counts as seen when the prefetcher hands it to the
         # training loop (it calls commit()), not when it leaves the CPU pool.
@@ -174,15 +176,13 @@ class EpochIterator:
 
     def _fetch(self, b: int) -> None:
         if self.shards is not None:
-            shard_ahead.fetch_batch(self.shards, self.view, b, self._unfetched)
+            shard_ahead.fetch_batch(self.shards, self.view, b, self._unfetched, self.budget, self._lost)
 
     def _fetched(self, b: int) -> None:
         if self.shards is not None:
             shard_ahead.release_batch(self.shards, self.view, b)
 
     def _submit(self, tag: int, seq: int, epoch: int, indices: np.ndarray, pending: dict) -> None:
-        if tag == self.tag:
-            self._fetch(seq)
         task = self.work.task(tag, seq, epoch, indices, self._spares(seq, len(indices), epoch))
         self.pool.submit(task)
         pending[seq] = task
@@ -194,6 +194,13 @@ class EpochIterator:
             if (self.shards is not None and self.submitted > self.next_b
                     and not shard_ahead.batch_ready(self.shards, self.view, self.submitted)):
                 break   # a later batch waits for its shards; only the next one blocks on the network
+            if self._fatal is not None:
+                break
+            try:
+                self._fetch(self.submitted)   # its shards first: a shard lost for good stops here
+            except ShardFetchError as e:
+                self._fatal = (self.submitted, e)   # raised when the loop asks for this batch
+                break
             indices = self._take()
             if indices is None:
                 self._ended(self.submitted)
@@ -226,6 +233,11 @@ class EpochIterator:
             self.close()
             raise StopIteration
         b = self.next_b
+        if self._fatal is not None and b >= self._fatal[0]:   # a shard lost for good, over the skip budget
+            error = self._fatal[1]
+            self.close()
+            self.loader._release_pool(force=True)
+            raise error
         if self.inline and self._indices(b) is None:  # the user's sampler ended: so does the epoch
             self.close()
             raise StopIteration
@@ -271,6 +283,7 @@ class EpochIterator:
                 report.skipped = [s for s in report.skipped if s[0] not in self._bad]
                 self._bad.update(key for key, _, _ in report.skipped)
             loader._stats.add_report(report)
+            ahead_loader.note_report(loader, report)
             if report.skipped:
                 try:
                     self.budget.add(report.skipped)
@@ -360,6 +373,8 @@ class EpochIterator:
         while b not in self.ready:
             if self.shards is not None and self.submitted <= b:   # held back for its shards
                 self._fill()
+                if self._fatal is not None and b >= self._fatal[0]:
+                    raise self._fatal[1]   # a shard lost for good: __next__ closes and raises it
             tag, seq, wid, ok, payload = self.pool.get(self.loader.timeout or None)
             if tag is None:  # worker_init_fn failed
                 raise unpack_exception(payload, "in worker_init_fn")
@@ -375,7 +390,11 @@ class EpochIterator:
         task, ok, payload = self.ready.pop(b)
         if not ok:  # raised in batch order: every earlier batch has been delivered
             self.work.discard(task)
-            raise BatchFailed(unpack_exception(payload, f"while assembling batch {b} of epoch {self.epoch}"))
+            exc = unpack_exception(payload, f"while assembling batch {b} of epoch {self.epoch}")
+            net = getattr(exc, "feedgpu_network", None)
+            if net is not None:   # what the worker retried and gave up on, though its batch failed
+                self.loader._stats.network[net[0]] = net[1]
+            raise BatchFailed(exc)
         batch = self.work.finish(task, payload)
         self._fill()
         report = payload if self.loader.pipeline is not None else None

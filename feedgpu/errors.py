@@ -134,21 +134,25 @@ class RemoteError(FeedgpuError):
 
 
 class DownloadError(RemoteError):
-    """A remote file could not be downloaded after every retry (network errors, a truncated
-    response, a size or checksum that does not match). A source turns it into a skipped sample
-    of reason ``"bad shard"`` (counted in the skip budget) for every record of that file.
+    """A remote file could not be downloaded (or asked about) after every retry (network errors,
+    a truncated response, a size or checksum that does not match, a 404). A source turns it
+    into a skipped sample of reason ``"bad shard"`` (counted in the skip budget) for every record
+    of that file, unless the loader's read-ahead met it first and the skip budget cannot hold
+    the whole file (then it ends the epoch).
 
     Attributes:
         url: the file.
         attempts: downloads tried.
+        kind: the fault, as :func:`feedgpu.remote.faults.classify` names it (``"refused"``,
+            ``"dns"``, ``"timeout"``, ``"not found"``, ``"http 503"``, ``"checksum"`` ...).
     """
 
-    def __init__(self, message: str, url: str = "", attempts: int = 0):
+    def __init__(self, message: str, url: str = "", attempts: int = 0, kind: str = ""):
         super().__init__(message)
-        self.url, self.attempts = url, attempts
+        self.url, self.attempts, self.kind = url, attempts, kind
 
     def __reduce__(self):
-        return (type(self), (self.args[0], self.url, self.attempts))
+        return (type(self), (self.args[0], self.url, self.attempts, self.kind))
 
 
 class RemoteChangedError(RemoteError):

@@ -148,6 +148,13 @@ class SourceSettings:
             file): the node-local shard cache's folder and disk budget (``"200GiB"``), and options
             passed to the store's fsspec filesystem (credentials come the store's standard way,
             never here). See :func:`feedgpu.sources.open_source`.
+        max_bad_files (int >= 0 | None): tar and parquet sources read from URLs: files that may
+            be unreadable at open (default 0: one error naming each; None: any, each left out
+            as "bad shard").
+        verify ("identity" | "content"): tar and parquet sources read from URLs: how the shard
+            cache sees a changed file (default "identity": size and ETag or Last-Modified, and
+            the index file's SHA-256; "content": also downloads each cached file again once per
+            run and compares its SHA-256).
 
     Raises :class:`~feedgpu.errors.ConfigError` naming the key (``source.format: ...``).
     """
@@ -161,6 +168,8 @@ class SourceSettings:
     cache_dir: Union[str, None] = None
     cache_budget: Union[Annotated[int, Field(gt=0, strict=True)], str, None] = None
     storage_options: Union[dict, None] = None
+    max_bad_files: Union[Annotated[int, Field(ge=0, strict=True)], None] = 0
+    verify: Literal["identity", "content"] = "identity"
 
 
 #: ``{YAML section: its settings class}`` (``cache``: the section with ``enabled``)

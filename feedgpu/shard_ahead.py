@@ -111,6 +111,7 @@ class ShardAhead:
         self._state = np.full(shards, _WAITING, np.int8)
         self._result: dict[int, Any] = {}
         self._error: dict[int, str] = {}
+        self._exc: dict[int, BaseException] = {}   # the fetch's own exception (a ShardFetchError's cause)
         self._futures: dict[int, Future] = {}
         self._next = 0                      # index into need of the next shard to fetch ahead
         self._demand: list[int] = []        # shards a reader waits for, not requested yet
@@ -207,7 +208,9 @@ class ShardAhead:
             if self._state[s] == _READY:
                 return self._result[s]
             if self._state[s] == _FAILED:
-                raise ShardFetchError(self.name(s), self._error[s])
+                err = ShardFetchError(self.name(s), self._error[s])
+                err.__cause__ = self._exc.get(s)
+                raise err
             raise ShardFetchError(self.name(s), "the read-ahead was closed before it was fetched")
 
     def _account(self, t0: float) -> float:
@@ -294,6 +297,7 @@ class ShardAhead:
             elif fut.exception() is not None:
                 e = fut.exception()
                 self._state[s], self._error[s] = _FAILED, f"{type(e).__name__}: {e}"
+                self._exc[s] = e
             else:
                 self._state[s], self._result[s] = _READY, fut.result()
             release = None
@@ -361,7 +365,8 @@ def attach(loader, fetcher: Fetcher | None, **options) -> None:
     for the network" (the balancer's
     ``network_wait_fraction``, ``loader.stats()["read_ahead"]``). A shard whose fetch fails is
     named in a warning and left to the source's own reader, which reads it or counts its samples
-    as skipped. The next epoch's first batches are not started early while a fetcher is attached
+    as skipped; one lost for good (a download error) whose samples the skip budget cannot hold
+    ends the epoch with :class:`ShardFetchError` before any of them is read (:func:`fetch_batch`). The next epoch's first batches are not started early while a fetcher is attached
     (they would need that epoch's shards). Raises :class:`ConfigError` for a loader without a
     pipeline or with a user's sampler."""
     if fetcher is not None and (loader.pipeline is None or loader._user is not None):
@@ -394,12 +399,34 @@ def batch_positions(view, b: int) -> range:
     return range(k * bs, min((k + 1) * bs, len(view.indices)))
 
 
-def fetch_batch(ahead: ShardAhead, view, b: int, warned: set) -> None:
-    """Acquire the shards of batch ``b``; a failed one is warned about once (``warned``: names)."""
+def fetch_batch(ahead: ShardAhead, view, b: int, warned: set, budget=None, lost: dict | None = None) -> None:
+    """Acquire the shards of batch ``b``; a failed one is warned about once (``warned``: names)
+    and left to the source's reader, whose samples of it become ``"bad shard"`` skips.
+
+    A shard whose download failed for good (:class:`~feedgpu.errors.DownloadError`) is lost for
+    the epoch: when the skip budget (``budget``, a :class:`~feedgpu.skips.SkipBudget`) cannot
+    hold the samples the epoch still reads from it (``lost``: shard -> samples, the shards
+    already given up this epoch), raises :class:`ShardFetchError` naming it and the cause
+    instead, before any of its samples is read (no spare stands in for them)."""
+    from .errors import DownloadError
+
     for pos in batch_positions(view, b):
         try:
             ahead.acquire(pos)
         except ShardFetchError as e:
+            s = int(ahead.seq[pos])
+            if budget is not None and lost is not None and isinstance(e.__cause__, DownloadError) and s not in lost:
+                n = int(np.count_nonzero(ahead.seq[pos:] == s))
+                if budget.limit is not None and max(budget.total, sum(lost.values())) + n > budget.limit:
+                    why = str(e.__cause__).removeprefix(f"{e.shard}: ")
+                    err = ShardFetchError(e.shard, f"{why}; the {n} sample(s) this epoch still reads from "
+                                          f"it do not fit the skip budget (max_skipped={budget.max_skipped!r}, "
+                                          f"{budget.limit} per epoch, {budget.total} used), so the epoch stops "
+                                          "here instead of training on part of the data (raise max_skipped to go "
+                                          "on without it)")
+                    err.__cause__ = e.__cause__
+                    raise err
+                lost[s] = n
             if e.shard not in warned:
                 warned.add(e.shard)
                 warnings.warn(f"feedgpu: {e}; its samples are read by the source directly", stacklevel=3)

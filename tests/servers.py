@@ -1,14 +1,30 @@
 """Real servers on loopback for the remote-data tests: an HTTP file server (Range requests,
-ETag, request counts and fault switches) and moto's S3 server."""
+ETag, Last-Modified, request counts and fault switches; it can be stopped and started again on
+its port) and moto's S3 server."""
 from __future__ import annotations
 
+import email.utils
 import hashlib
 import os
+import socket
 import threading
 import time
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+
+
+class _Quiet(ThreadingHTTPServer):
+    """A client that went away (the server was stopped under it) is not an error to print."""
+
+    allow_reuse_address = True
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):
+        import sys
+
+        if not isinstance(sys.exc_info()[1], (ConnectionError, OSError)):
+            super().handle_error(request, client_address)
 
 
 class FileServer:
@@ -23,13 +39,31 @@ class FileServer:
             ETag stays the file's: damage the ETag cannot show).
         delay: ``{name: seconds}``: GETs of ``name`` wait this long before answering.
         after_get: ``{name: callable}``: called once, after the next GET of ``name`` was sent.
+        flaky: ``{name: n}``: the next ``n`` requests of ``name`` (any method) answer 503.
+        status: ``{name: code}``: every request for ``name`` answers this HTTP status (404, 500 ...)
+            with an empty body.
+        html: names (or folder names, without a trailing slash) answered with a 200 HTML page (a
+            server's folder listing), whatever the file is.
+        ranges: False: Range headers are ignored (200 with the whole file, no ``Accept-Ranges``).
+        etag, last_modified: False: the header is not sent (ETag: an MD5 prefix of the content;
+            Last-Modified: the file's mtime).
         requests: ``Counter`` of ``(method, name)``; ``bytes_sent``: body bytes of GETs.
+
+    :meth:`stop` closes the port and every open connection (clients get "connection refused");
+    :meth:`start` serves again on the same port.
     """
 
     def __init__(self, root):
         self.root = Path(root)
         self.fail: dict[str, int] = {}
         self.down: set[str] = set()
+        self.status: dict[str, int] = {}
+        self.flaky: dict[str, int] = {}
+        self.html: set[str] = set()
+        self.ranges = True
+        self.etag = True
+        self.last_modified = True
+        self._conns: set = set()
         self.truncate: dict[str, int] = {}
         self.corrupt: dict[str, int] = {}
         self.delay: dict[str, float] = {}
@@ -45,17 +79,58 @@ class FileServer:
             def log_message(self, *args):   # quiet
                 pass
 
+            def setup(self):
+                super().setup()
+                with server._lock:
+                    server._conns.add(self.connection)
+
+            def finish(self):
+                try:
+                    super().finish()
+                finally:
+                    with server._lock:
+                        server._conns.discard(self.connection)
+
             def do_HEAD(self):
                 server._serve(self, body=False)
 
             def do_GET(self):
                 server._serve(self, body=True)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self._handler = Handler
+        self.port = 0
+        self.httpd = None
+        self.start()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        """Serve (again) on the server's port."""
+        if self.httpd is not None:
+            return
+        self.httpd = _Quiet(("127.0.0.1", self.port), self._handler)
+        self.port = self.httpd.server_address[1]
         self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self._thread.start()
+
+    def stop(self) -> None:
+        """Close the port and every open connection: requests are refused until :meth:`start`."""
+        if self.httpd is None:
+            return
+        self.httpd.shutdown()
+        try:   # worker processes forked meanwhile hold the listening socket too: stop it for all
+            self.httpd.socket.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.httpd.server_close()
+        self._thread.join(5)
+        self.httpd = None
+        with self._lock:
+            conns, self._conns = list(self._conns), set()
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def gets(self, name: str) -> int:
         return self.requests[("GET", name)]
@@ -73,6 +148,22 @@ class FileServer:
         with self._lock:
             self.requests[(h.command, name)] += 1
         path = self.root / name
+        code = self.status.get(name) or (503 if self._take(self.flaky, name) else None)
+        if code is not None:
+            h.send_response(code)
+            h.send_header("Content-Length", "0")
+            h.end_headers()
+            return
+        if name.rstrip("/") in self.html:
+            page = (f"<!DOCTYPE html><html><head><title>Index of /{name}</title></head><body><h1>Index of "
+                    f"/{name}</h1><ul><li><a href=\"a.tar\">a.tar</a></li></ul></body></html>").encode()
+            h.send_response(200)
+            h.send_header("Content-Type", "text/html; charset=utf-8")
+            h.send_header("Content-Length", str(len(page)))
+            h.end_headers()
+            if body:
+                h.wfile.write(page)
+            return
         if name in self.down or (h.command == "GET" and "Range" in h.headers and self._take(self.fail, name)):
             h.send_response(503)
             h.send_header("Content-Length", "0")
@@ -86,7 +177,7 @@ class FileServer:
         data = path.read_bytes()
         etag = '"' + hashlib.md5(data).hexdigest()[:16] + '"'
         start, end = 0, len(data)
-        rng = h.headers.get("Range")
+        rng = h.headers.get("Range") if self.ranges else None
         if rng and rng.startswith("bytes="):
             a, _, b = rng[6:].partition("-")
             start = int(a) if a else max(0, len(data) - int(b))
@@ -97,8 +188,12 @@ class FileServer:
             h.send_response(200)
         part = data[start:end]
         h.send_header("Content-Length", str(len(part)))
-        h.send_header("Accept-Ranges", "bytes")
-        h.send_header("ETag", etag)
+        if self.ranges:
+            h.send_header("Accept-Ranges", "bytes")
+        if self.etag:
+            h.send_header("ETag", etag)
+        if self.last_modified:
+            h.send_header("Last-Modified", email.utils.formatdate(path.stat().st_mtime, usegmt=True))
         h.send_header("Content-Type", "application/octet-stream")
         h.end_headers()
         if not body:
@@ -120,9 +215,7 @@ class FileServer:
             hook()
 
     def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self._thread.join(5)
+        self.stop()
 
 
 class S3Server:

@@ -123,10 +123,17 @@ class Assembler:
         for begin in self._begin:
             begin(epoch)
         supply = Spares(spares, self.on_error, rep.skipped, len(indices))
-        for j, idx in enumerate(indices.tolist()):
-            labels[j] = supply.run(lambda i: self._one(images, j, i, epoch, rep.stage_seconds), idx)
-        rep.rows = len(indices)
         remote = getattr(self.source, "remote", None)
+        try:
+            for j, idx in enumerate(indices.tolist()):
+                labels[j] = supply.run(lambda i: self._one(images, j, i, epoch, rep.stage_seconds), idx)
+        except Exception as e:
+            if remote is not None:   # a failed batch's retries and failures count too
+                from ..remote.ahead_loader import process_counters
+
+                e.feedgpu_network = process_counters(remote.cache)
+            raise
+        rep.rows = len(indices)
         if remote is not None:   # the shard cache's counters travel back with the batch
             from ..remote.ahead_loader import process_counters
 

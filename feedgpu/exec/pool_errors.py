@@ -15,8 +15,10 @@ def seconds_text(t) -> str:
 
 def unpack_exception(packed: tuple, context: str) -> BaseException:
     """Rebuild a worker's exception in the main process, its traceback as a note."""
-    blob, summary, tb, wid = packed
+    blob, summary, tb, wid, *more = packed
     exc = pickle.loads(blob) if blob is not None else WorkerError(summary)
+    if more and more[0] is not None:   # a remote source's shard-cache counters at the failure
+        exc.feedgpu_network = more[0]
     return with_note(exc, f"raised in feedgpu worker {wid} {context}; worker traceback:\n{tb}")
 
 

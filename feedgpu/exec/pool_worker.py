@@ -16,6 +16,8 @@ import os
 import pickle
 import queue
 import signal
+import threading
+import time
 import traceback
 
 from ..errors import WorkerError
@@ -23,6 +25,7 @@ from . import progress
 
 log = logging.getLogger("feedgpu.pool")
 IDLE_S = 0.5   # a worker with no task for this long flushes its buffers (on_exit hook)
+ORPHAN_POLL_S = 1.0   # how often a worker busy with a task checks that its main process lives
 FLUSH = "__feedgpu_flush__"
 
 
@@ -33,7 +36,7 @@ def _pack_exception(e: BaseException, wid: int) -> tuple:
         pickle.loads(blob)
     except Exception:
         blob = None
-    return (blob, f"{type(e).__name__}: {e}", tb, wid)
+    return (blob, f"{type(e).__name__}: {e}", tb, wid, getattr(e, "feedgpu_network", None))
 
 
 def _unsendable(e: Exception) -> Exception:
@@ -114,6 +117,11 @@ def _worker_main(wid: int, load: _Load, tasks, conn, parent: int, board, seeding
     # the main process, or the forkserver (which exits when the main process does); spawn and
     # forkserver children do not have the parent's exit-time finalizers, forked ones skip them
     first_parent = os.getppid()
+
+    def orphaned() -> bool:
+        return os.getppid() != first_parent or (first_parent != parent and not _pid_alive(parent))
+
+    _watch_parent(orphaned)
     board.attach(wid)
     try:
         import torch
@@ -141,9 +149,6 @@ def _worker_main(wid: int, load: _Load, tasks, conn, parent: int, board, seeding
     except BaseException as e:
         conn.send((None, -1, wid, False, _pack_exception(e, wid)))
         return
-
-    def orphaned() -> bool:
-        return os.getppid() != first_parent or (first_parent != parent and not _pid_alive(parent))
 
     taken = 0   # items taken from the queue, written to the board: a death is blamed on the last one
     while True:
@@ -176,6 +181,19 @@ def _worker_main(wid: int, load: _Load, tasks, conn, parent: int, board, seeding
             conn.send(result)
         except Exception as e:  # noqa: BLE001 - the result cannot travel: say why instead of dying
             conn.send((tag, seq, wid, False, _pack_exception(_unsendable(e), wid)))
+
+
+def _watch_parent(orphaned) -> None:
+    """Exit this worker when its main process is gone, even in the middle of a task (a sample
+    that waits on a network retry chain, a stage that hangs): a daemon thread polls every
+    ``ORPHAN_POLL_S`` seconds. Results have nowhere to go, so nothing is lost by not finishing."""
+    def watch():
+        while True:
+            time.sleep(ORPHAN_POLL_S)
+            if orphaned():
+                os._exit(0)
+
+    threading.Thread(target=watch, name="feedgpu-orphan-watch", daemon=True).start()
 
 
 def _pid_alive(pid: int) -> bool:

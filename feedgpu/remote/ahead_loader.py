@@ -11,9 +11,12 @@ source's ``remote.fetch_async(i)`` (checked against the file's indexed identity 
 the time the runner blocks for a shard is "waiting for the network" (the balancer's
 ``add_network_wait``, and ``stats()["network"]["read_ahead_wait_s"]``).
 
-A shard whose fetch fails is left to the worker, which meets the same
-:class:`~feedgpu.errors.DownloadError` reading it: its samples are the named ``"bad shard"``
-skips they are without read-ahead (within the skip budget).
+A shard whose fetch fails for good ends the epoch with a
+:class:`~feedgpu.errors.ShardFetchError` naming it before any of its samples is read, unless the
+skip budget can hold every sample the epoch still reads from it
+(:func:`~feedgpu.shard_ahead.fetch_batch`); then it is left to the worker, which meets the same
+:class:`~feedgpu.errors.DownloadError` at once (the failure memo is shared through the shard
+cache folder): its samples are named ``"bad shard"`` skips.
 
 Sources without ``remote`` (local files, torch Datasets) get nothing attached and pay nothing.
 With a pixel cache (``cache:``), a shard whose samples the cache all holds is not downloaded
@@ -29,12 +32,13 @@ import os
 import socket
 import threading
 import time
+import warnings
 import weakref
 from concurrent.futures import Future
 
 import numpy as np
 
-_COUNTERS = ("bytes_downloaded", "hits", "misses", "retries", "evictions", "failures")
+_COUNTERS = ("bytes_downloaded", "hits", "misses", "retries", "evictions", "failures", "unchecked")
 _host = socket.gethostname()
 
 
@@ -126,6 +130,7 @@ class NetworkTotals:
         self.cache = cache
         self.ahead = {"read_ahead_wait_s": 0.0, "read_ahead_waits": 0, "read_ahead_fetched": 0,
                       "read_ahead_failed": 0}
+        self.warned_unchecked = False
 
     def add(self, st: dict) -> None:
         a = self.ahead
@@ -138,17 +143,36 @@ class NetworkTotals:
 def auto_attach(loader) -> None:
     """Attach the read-ahead (:func:`feedgpu.shard_ahead.attach`) to a loader whose pipeline's
     source is read from URLs and whose order is feedgpu's, with :class:`RemoteFetcher` and the
-    shard cache's ``max_downloads`` in flight; else do nothing."""
+    shard cache's ``max_downloads`` in flight (with a user's sampler, only its network figures);
+    else do nothing."""
     pipe = loader.pipeline
     remote = getattr(pipe.source, "remote", None) if pipe is not None else None
-    if remote is None or loader._user is not None:
+    if remote is None:
+        return
+    loader._network = NetworkTotals(remote.cache)   # stats()["network"], read-ahead or not
+    if loader._user is not None:   # a user's sampler: workers download what they read
         return
     from ..shard_ahead import attach
 
     src = pipe.source
     fetcher = RemoteFetcher(loader, remote, src.shard_names(), np.asarray(src.shard_of()))
     attach(loader, fetcher, max_in_flight=remote.cache.max_downloads)
-    loader._network = NetworkTotals(remote.cache)
+
+
+def note_report(loader, report) -> None:
+    """A batch report arrived: the first time a worker says it served shards from the shard cache
+    without checking the store (it could not be reached), say so in the main process (a worker's
+    own warning goes to its stderr only)."""
+    totals = getattr(loader, "_network", None)
+    net = getattr(report, "network", None)
+    if totals is None or net is None or totals.warned_unchecked:
+        return
+    proc, counters = net
+    if counters.get("unchecked") and proc != f"{_host}:{os.getpid()}":
+        totals.warned_unchecked = True
+        warnings.warn(f"feedgpu: the store could not be reached from a worker ({proc}); it serves shards verified "
+                      f"earlier from the shard cache {totals.cache.directory} without checking the store for "
+                      "changes", stacklevel=4)
 
 
 def closed(loader, ahead) -> None:
@@ -164,7 +188,8 @@ def closed(loader, ahead) -> None:
 
 def network_stats(loader) -> dict | None:
     """``loader.stats()["network"]``, None for a loader without a source read from URLs:
-    ``bytes_downloaded``, ``hits``, ``misses``, ``retries``, ``evictions``, ``failures`` (summed
+    ``bytes_downloaded``, ``hits``, ``misses``, ``retries``, ``evictions``, ``failures``,
+    ``unchecked`` (cached shards served while the store could not be reached) (summed
     over the main process and every worker's shard cache, workers as of their latest batch),
     ``network_wait_s`` (seconds the main process blocked for shards before handing a batch to a
     worker, ``read_ahead_wait_s``, plus seconds workers blocked downloading shards themselves,

@@ -10,11 +10,23 @@ A download goes to ``<key>.data.part-<pid>-<thread>`` (sized to the file up fron
 counts downloads in flight), in ranged reads of ``chunk_bytes``; it is checked (byte count, the
 store's identity before and after, the index file's SHA-256 where there is one, and the ETag
 where the store's ETag is a plain MD5: S3 and GCS single-part objects), then renamed into place.
-A failed check is retried like a network error, with exponential backoff; the bytes are never
-served. After the last retry a :class:`~feedgpu.errors.DownloadError` names the URL, and the
-process remembers the failure for ``failure_ttl_s`` seconds (no retry storm for each sample of a
-bad shard). ``ENOSPC`` while writing, or a budget too small for the file, raises
-:class:`~feedgpu.errors.CacheFullError` with the partial file removed.
+A failed check is retried like a network error, with exponential backoff (a SHA-256 that does
+not match is tried once more, no further); the bytes are never served. Faults that cannot
+heal (HTTP 404, 403, a server without byte ranges) are not retried
+(:mod:`~feedgpu.remote.faults`). After the last try a :class:`~feedgpu.errors.DownloadError`
+names the URL and the cause, and the failure is remembered for ``failure_ttl_s`` seconds in the
+folder (``<key>.fail``) for every process of the same run (the cache object and its copies in
+workers), so a loader's workers do not each run the retry chain again; a memo does not expire
+while a retry chain of this process runs. ``ENOSPC`` while writing, or a budget too small for the
+file, raises :class:`~feedgpu.errors.CacheFullError` with the partial file removed.
+
+An outage: a host whose retry chain ended with a fault that means the store could not be reached
+(refused, DNS, timeout, reset, HTTP 5xx) is remembered for ``failure_ttl_s`` seconds; while it
+is, a request to it is tried once, without back-off. A cached entry that is verified (its recorded
+identity is the one the caller indexed, ``expect``, or its recorded SHA-256 is the index's) is
+served when the store cannot be reached, instead of waiting on the network: counted in
+``unchecked`` and named in one warning per process, since a change on the store is not seen
+then.
 
 Eviction: least recently used first, when a download needs room under ``budget_bytes``. Files
 this process pins (:meth:`ShardCache.pin`: a source holds one while a shard is open) and files
@@ -26,7 +38,12 @@ A changed remote file: a cached entry is served only while its recorded identity
 store's, checked by each process when it first uses the entry (and again after
 ``revalidate_s`` seconds, when set); a different identity is downloaded again. When the caller
 says what it expects (``expect=``, the identity the source was indexed on) and the store now
-holds something else, :class:`~feedgpu.errors.RemoteChangedError` is raised instead.
+holds something else, :class:`~feedgpu.errors.RemoteChangedError` is raised instead. Every
+download records the file's SHA-256: where the caller gives the index file's (``sha256=``), an
+entry whose recorded SHA-256 differs is never served, whatever the store's headers say (a
+same-size rewrite that keeps Last-Modified on a server without ETags). ``verify="content"``
+downloads each cached entry again once per run (the first process of the run to use it) and
+keeps no member table saved under the headers, for stores whose headers cannot show a change.
 """
 from __future__ import annotations
 
@@ -38,17 +55,18 @@ import os
 import re
 import threading
 import time
+import uuid
 from collections import Counter
 
 from ..errors import CacheFullError, ConfigError, DownloadError, RemoteChangedError, RemoteError
+from .faults import Mismatch as _Mismatch
+from .faults import classify, unreachable_kind
+from .memo import FailureMemo
 from .folder import entries, locked, make_room, remove
 from .urls import Identity, filesystem, identity_from_info, scheme
 
 _MD5 = re.compile(r"[0-9a-f]{32}")
-
-
-class _Mismatch(Exception):
-    """A download whose bytes are not the file's (retried, never served)."""
+VERIFY = ("identity", "content")
 
 
 def _parse_budget(value) -> int | None:
@@ -79,16 +97,23 @@ class ShardCache:
         chunk_bytes: bytes per ranged read (default 8 MiB).
         revalidate_s: re-check a cached entry's remote identity after this many seconds
             (default ``None``: once per process).
-        failure_ttl_s: how long a failed URL fails at once without a new download (default 60 s).
+        failure_ttl_s: how long a failed URL fails at once without a new download, and a host
+            that could not be reached is tried once per request without back-off (default 60 s).
+        verify: ``"identity"`` (default: size and ETag, or Last-Modified without an ETag, plus
+            the index file's SHA-256 where given) or ``"content"`` (also download each cached
+            entry again once per run and compare its SHA-256).
         sleep, clock: injected for tests (``time.sleep``, ``time.monotonic``).
 
-    Raises :class:`~feedgpu.errors.ConfigError` for a bad budget.
+    The whole time a request can take before :class:`~feedgpu.errors.DownloadError` is about
+    :meth:`retry_budget_s` (the back-offs) plus one attempt's timeouts per try.
+
+    Raises :class:`~feedgpu.errors.ConfigError` for a bad budget or ``verify``.
     """
 
     def __init__(self, directory, budget_bytes=None, *, storage_options: dict | None = None,
                  max_downloads: int = 4, retries: int = 4, backoff_s: float = 0.5, max_backoff_s: float = 30.0,
                  chunk_bytes: int = 8 << 20, revalidate_s: float | None = None, failure_ttl_s: float = 60.0,
-                 sleep=time.sleep, clock=time.monotonic):
+                 verify: str = "identity", sleep=time.sleep, clock=time.monotonic):
         self.directory = os.path.abspath(os.fspath(directory))
         os.makedirs(self.directory, exist_ok=True)
         self.budget_bytes = _parse_budget(budget_bytes)
@@ -98,7 +123,13 @@ class ShardCache:
         self.max_downloads, self.retries = int(max_downloads), int(retries)
         self.backoff_s, self.max_backoff_s, self.chunk_bytes = backoff_s, max_backoff_s, int(chunk_bytes)
         self.revalidate_s, self.failure_ttl_s = revalidate_s, failure_ttl_s
+        if verify not in VERIFY:
+            raise ConfigError(f"ShardCache: verify must be one of {VERIFY}, got {verify!r}")
+        self.verify = verify
         self.sleep, self.clock = sleep, clock
+        #: this run's token: the cache object and its copies in workers share failure memos and
+        #: content checks through the folder
+        self.run = uuid.uuid4().hex
         self._fresh()
 
     def _fresh(self) -> None:
@@ -107,7 +138,7 @@ class ShardCache:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._fs: dict = {}
         self._valid: dict[str, tuple[Identity, float]] = {}   # url -> (identity checked, when)
-        self._failed: dict[str, tuple[DownloadError, float]] = {}
+        self._memo = FailureMemo(self)
         self._pins: Counter = Counter()
         self._stats = Counter()
         self._wait_s = 0.0
@@ -143,9 +174,30 @@ class ShardCache:
     # -- public API --------------------------------------------------------------------------
     def stat(self, url: str) -> Identity:
         """The store's current identity of ``url``, retried as downloads are; raises
+        :class:`~feedgpu.errors.DownloadError` after the last retry (``kind``: the fault)."""
+        self._check_fork()
+        return self._retrying(url, lambda: self._stat(url), what="request")
+
+    def cat(self, url: str) -> bytes:
+        """The whole (small) file at ``url`` (an index file), retried as downloads are; raises
         :class:`~feedgpu.errors.DownloadError` after the last retry."""
         self._check_fork()
-        return self._retrying(url, lambda: self._stat(url))
+
+        def attempt():
+            fs = self._filesystem(url)
+            return fs.cat_file(fs._strip_protocol(url))
+        return self._retrying(url, attempt, what="request")
+
+    def retrying(self, url: str, attempt, what: str = "request"):
+        """``attempt()`` under this cache's retry policy (faults that may heal retried with
+        back-off); raises :class:`~feedgpu.errors.DownloadError` naming ``url`` and the cause."""
+        self._check_fork()
+        return self._retrying(url, attempt, what=what)
+
+    def retry_budget_s(self) -> float:
+        """Seconds of back-off one request waits at most before it fails (``retries`` waits of
+        ``backoff_s * 2**k``, each at most ``max_backoff_s``): with the defaults 7.5 s."""
+        return sum(min(self.max_backoff_s, self.backoff_s * 2 ** k) for k in range(self.retries))
 
     def local_path(self, url: str, expect: Identity | None = None, sha256: str | None = None) -> str:
         """The local copy of ``url``, downloaded first if it is not cached (blocking; another
@@ -164,20 +216,25 @@ class ShardCache:
             self._touch(url)
             self._count("hits")
             return data
-        failed = self._failed.get(url)
-        if failed is not None and now - failed[1] < self.failure_ttl_s:
-            raise failed[0]
+        failed = self._memo.failure(url)
+        if failed is not None:
+            if unreachable_kind(failed.kind) and self._memo.serve_cached(url, expect, sha256, str(failed)):
+                return data
+            raise failed
+        if self._memo.offline(url) and self._memo.serve_cached(url, expect, sha256, "it could not be reached"):
+            return data
         t0 = self.clock()
         try:
             with self._file_lock(url):
-                self._retrying(url, lambda: self._ensure(url, expect, sha256))
+                self._retrying(url, lambda: self._ensure(url, expect, sha256),
+                               fallback=lambda why: self._memo.serve_cached(url, expect, sha256, why))
         except DownloadError as e:
-            self._failed[url] = (e, self.clock())
+            self._memo.remember(url, e)
             raise
         finally:
             with self._lock:
                 self._wait_s += self.clock() - t0
-        self._failed.pop(url, None)
+        self._memo.forget(url)
         return data
 
     def fetch_async(self, url: str, expect: Identity | None = None,
@@ -222,7 +279,10 @@ class ShardCache:
             remove(tmp)
 
     def load_index(self, ident: Identity, kind: str) -> dict | None:
-        """The index :meth:`save_index` kept for this identity (same URL, size, ETag), else None."""
+        """The index :meth:`save_index` kept for this identity (same URL, size, ETag), else None
+        (always None with ``verify="content"``: the headers cannot be trusted to tell)."""
+        if self.verify == "content":
+            return None
         try:
             with open(self._path(ident.url, f"{kind}-index.json"), encoding="utf-8", errors="surrogateescape") as f:
                 doc = json.load(f)
@@ -236,7 +296,8 @@ class ShardCache:
         """This process's counters: ``bytes_downloaded``, ``hits`` (served from the folder),
         ``misses`` (downloaded), ``network_wait_s`` (seconds callers of :meth:`local_path` waited
         for downloads, their own or another process's), ``retries``, ``evictions``,
-        ``failures`` (URLs given up on), ``cached_bytes`` (the folder's files now)."""
+        ``failures`` (URLs given up on), ``unchecked`` (verified entries served while the store
+        could not be reached), ``cached_bytes`` (the folder's files now)."""
         out = self.counters()
         out["cached_bytes"] = sum(size for *_, size in entries(self.directory))
         return out
@@ -247,7 +308,7 @@ class ShardCache:
         self._check_fork()
         with self._lock:
             out = {k: int(self._stats[k]) for k in ("bytes_downloaded", "hits", "misses", "retries",
-                                                     "evictions", "failures")}
+                                                     "evictions", "failures", "unchecked")}
             out["network_wait_s"] = self._wait_s
         return out
 
@@ -269,21 +330,38 @@ class ShardCache:
         fs = self._filesystem(url)
         return identity_from_info(url, fs.info(fs._strip_protocol(url)))
 
-    def _retrying(self, url: str, attempt):
-        last = None
-        for k in range(self.retries + 1):
-            if k:
-                self._count("retries")
-                self.sleep(min(self.max_backoff_s, self.backoff_s * 2 ** (k - 1)))
-            try:
-                return attempt()
-            except (RemoteError, ConfigError):
-                raise
-            except Exception as e:   # noqa: BLE001 - network, store and check failures are retried
-                last = e
+    def _retrying(self, url: str, attempt, what: str = "download", fallback=None):
+        """``attempt()`` with the retry policy; ``fallback(why)``, on a fault that means the store
+        could not be reached, may end the chain (True: served some other way)."""
+        last, fault, n, checks = None, None, 0, 0
+        tries = 1 if self._memo.offline(url) else self.retries + 1   # a host known down: no back-off
+        with self._memo.chain():
+            for k in range(tries):
+                if k:
+                    self._count("retries")
+                    self.sleep(min(self.max_backoff_s, self.backoff_s * 2 ** (k - 1)))
+                n = k + 1
+                try:
+                    out = attempt()
+                    self._memo.online(url)
+                    return out
+                except (RemoteError, ConfigError):
+                    raise
+                except Exception as e:   # noqa: BLE001 - network, store and check failures, by their fault
+                    last, fault = e, classify(e)
+                if fault.unreachable and fallback is not None and fallback(fault.text):
+                    return None
+                if not fault.retry:
+                    break
+                if fault.kind == "checksum":
+                    checks += 1
+                    if checks > 1:   # the same wrong bytes twice: the store holds them, not the network
+                        break
+        if fault.unreachable:
+            self._memo.went_offline(url)
         self._count("failures")
-        raise DownloadError(f"{url}: download failed after {self.retries + 1} attempt(s): "
-                            f"{type(last).__name__}: {last}", url, self.retries + 1) from last
+        raise DownloadError(f"{url}: {what} failed after {n} attempt(s): {fault.text}", url, n,
+                            fault.kind) from last
 
     def _file_lock(self, url: str):
         return locked(self._path(url, "lock"))
@@ -291,13 +369,21 @@ class ShardCache:
     def _dir_lock(self):
         return locked(os.path.join(self.directory, ".lock"))
 
-    def _read_meta(self, url: str) -> Identity | None:
+    def _read_meta(self, url: str) -> tuple[Identity | None, str | None]:
+        """The entry's recorded identity and SHA-256 (None, None when there is no entry)."""
         try:
             with open(self._path(url, "json"), encoding="utf-8") as f:
                 d = json.load(f)
-            return Identity(d["url"], int(d["size"]), d.get("etag", ""), d.get("mtime", ""))
+            return Identity(d["url"], int(d["size"]), d.get("etag", ""), d.get("mtime", "")), d.get("sha256")
         except (OSError, ValueError, KeyError, TypeError):
-            return None
+            return None, None
+
+    def _content_checked(self, url: str) -> bool:
+        try:
+            with open(self._path(url, "json"), encoding="utf-8") as f:
+                return json.load(f).get("checked_run") == self.run
+        except (OSError, ValueError, AttributeError):
+            return False
 
     def _touch(self, url: str) -> None:
         try:   # an explicit time: the kernel's own file times tick too coarsely to order uses
@@ -314,12 +400,21 @@ class ShardCache:
                                      f"{remote.describe()}); its index no longer describes it, so it is not "
                                      "read: open the source again")
         data = self._path(url, "data")
-        meta = self._read_meta(url)
+        meta, recorded = self._read_meta(url)
         try:
             have = os.path.getsize(data)
         except OSError:
             have = -1
-        if meta is not None and meta.url == url and meta.same(remote) and have == remote.size:
+        fresh = meta is not None and meta.url == url and meta.same(remote) and have == remote.size
+        if fresh and sha256 is not None and recorded is None:   # an entry from before SHA-256s were kept
+            from .index import sha256_file
+
+            recorded = sha256_file(data)
+        if fresh and sha256 is not None and recorded != sha256:
+            fresh = False   # the index's SHA-256 wins over the store's headers
+        if fresh and self.verify == "content" and not self._content_checked(url):
+            fresh = False   # downloaded again once per run: its SHA-256 is recorded anew
+        if fresh:
             self._count("hits")
         else:
             self._download(url, remote, sha256)
@@ -341,7 +436,7 @@ class ShardCache:
         tmp = f"{data}.part-{os.getpid()}-{threading.get_ident()}"
         fs = self._filesystem(url)
         path = fs._strip_protocol(url)
-        digest = hashlib.sha256() if sha256 else None
+        digest = hashlib.sha256()   # recorded with the entry: the index's SHA-256 is checked against it
         md5 = hashlib.md5() if _MD5.fullmatch(remote.etag) and scheme(url) in ("s3", "gs", "gcs") else None
         f = None
         meta_tmp = f"{meta_path}.tmp-{os.getpid()}-{threading.get_ident()}"
@@ -372,12 +467,13 @@ class ShardCache:
             after = self._stat(url)
             if not after.same(remote):
                 raise _Mismatch(f"it changed during the download ({remote.describe()}, then {after.describe()})")
-            if digest is not None and digest.hexdigest() != sha256:
-                raise _Mismatch(f"SHA-256 {digest.hexdigest()} is not the index file's {sha256}")
+            if sha256 and digest.hexdigest() != sha256:
+                raise _Mismatch(f"checksum mismatch: SHA-256 {digest.hexdigest()} is not the index file's {sha256}",
+                                "checksum")
             if md5 is not None and md5.hexdigest() != remote.etag:
-                raise _Mismatch(f"MD5 {md5.hexdigest()} is not its ETag {remote.etag}")
+                raise _Mismatch(f"checksum mismatch: MD5 {md5.hexdigest()} is not its ETag {remote.etag}", "checksum")
             with open(meta_tmp, "w", encoding="utf-8") as m:
-                json.dump(remote.as_dict(), m)
+                json.dump(dict(remote.as_dict(), sha256=digest.hexdigest(), checked_run=self.run), m)
             os.replace(tmp, data)
             os.replace(meta_tmp, meta_path)
         except BaseException as e:

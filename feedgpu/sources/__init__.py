@@ -10,6 +10,8 @@ __all__ = ["ClassNames", "DatasetSource", "FolderSource", "ParquetSource", "Reco
 
 #: Options of the tar and Parquet sources for URLs (the shard cache and the store's options).
 REMOTE_OPTIONS = ("cache_dir", "cache_budget", "storage_options")
+#: Options of the tar and Parquet sources for URLs with a default that is not None.
+REMOTE_DEFAULTS = {"max_bad_files": 0, "verify": "identity"}
 
 
 def open_source(format: str, path=None, **options) -> Source:
@@ -18,11 +20,13 @@ def open_source(format: str, path=None, **options) -> Source:
     For ``tar`` and ``parquet``, ``path`` may be URLs (``s3://``, ``gs://``, ``http(s)://``,
     ``file://``) or an index file, read through the node-local shard cache: ``cache_dir``
     (default ``<user cache dir>/feedgpu/shards``), ``cache_budget`` (bytes or ``"200GiB"``,
-    default no limit) and ``storage_options`` (passed to the store's fsspec filesystem;
-    credentials come the store's standard way). Raises :class:`~feedgpu.errors.ConfigError`
-    when these are given to a folder source."""
+    default no limit), ``storage_options`` (passed to the store's fsspec filesystem;
+    credentials come the store's standard way), ``max_bad_files`` (files that may be unreadable
+    at open, default 0) and ``verify`` (``"identity"`` or ``"content"``). Raises
+    :class:`~feedgpu.errors.ConfigError` when these are given to a folder source."""
     if format == "folder":
         given = [k for k in REMOTE_OPTIONS if options.pop(k, None) is not None]
+        given += [k for k, v in REMOTE_DEFAULTS.items() if options.pop(k, v) != v]
         if given:
             from ..errors import ConfigError
 

@@ -93,9 +93,15 @@ class ParquetSource(Source):
     footer and label column by ranged reads, without downloading its images; a file is
     downloaded whole into the shard cache when its first image is read (one download per node,
     then read as a local file: a file is the unit the cache verifies, locks and evicts).
-    A file that cannot be downloaded makes each of its rows a skipped sample of reason
-    ``"bad shard"``; one the store cannot be reached for while indexing is left out as
-    ``"bad shard"``; one changed since indexing raises :class:`~feedgpu.errors.RemoteChangedError`.
+    Files that cannot be read at open (after the shard cache's retries: refused, DNS, 404, 5xx,
+    not Parquet, an HTML page, a server without byte ranges) raise one :class:`SourceError`
+    naming each URL and cause, unless ``max_bad_files`` (int >= 0, default 0; None: any) allows
+    them: then each is left out as ``"bad shard"`` (one entry per file), named. A file that
+    cannot be downloaded when read makes each of its rows a skipped sample of reason
+    ``"bad shard"`` (the loader's read-ahead ends the epoch instead when the skip budget cannot
+    hold the whole file); one changed since indexing raises
+    :class:`~feedgpu.errors.RemoteChangedError`. ``verify``: the shard cache's change check
+    (:class:`~feedgpu.remote.cache.ShardCache`).
 
     Raises :class:`SourceError` when a file or column is missing or has the wrong type, a file
     is not Parquet, or no row is left; a file cut before its footer (it starts as Parquet, or is
@@ -111,7 +117,7 @@ class ParquetSource(Source):
 
     def __init__(self, files, image_column: str = "image", label_column: str | None = "label",
                  cache_bytes: int | None = None, *, cache_dir=None, cache_budget=None, storage_options=None,
-                 cache=None):
+                 cache=None, max_bad_files: int | None = 0, verify: str = "identity"):
         super().__init__()
         self._remote = None
         from ..remote.index import is_index
@@ -121,7 +127,8 @@ class ParquetSource(Source):
             from ..remote.files import RemoteFiles, make_cache
 
             self._remote = RemoteFiles(files, ".parquet", "parquet",
-                                       make_cache(cache, cache_dir, cache_budget, storage_options))
+                                       make_cache(cache, cache_dir, cache_budget, storage_options, verify),
+                                       max_bad_files)
             self.files = self._remote.urls
         else:
             self.files = expand_paths(files, ".parquet")
@@ -140,16 +147,20 @@ class ParquetSource(Source):
             remote = self._remote.files[fid] if self._remote is not None else None
             if remote is None and not os.path.isfile(path):
                 raise SourceError(f"parquet source: {path} is not a file")
+            pf, error = None, None
             if remote is not None and remote.identity is None:   # the store could not be reached for it
-                self.reject(path, "bad shard", remote.error)
-                self._meta.append((path, -1, "", ""))
-                self._rg_starts.append(np.zeros(1, np.int64))
-                continue
-            try:
-                pf = pq.ParquetFile(path if remote is None else self._remote.open(fid))   # URL: ranged reads
-            except (pa.ArrowException, OSError) as e:
-                self._unreadable(path, e, fid)   # a cut file: rejected; not Parquet at all: SourceError
-                self._meta.append(self._file_meta(fid))
+                error = remote.error
+            elif remote is None:
+                try:
+                    pf = pq.ParquetFile(path)
+                except (pa.ArrowException, OSError) as e:
+                    self._unreadable(path, e, fid)   # a cut file: rejected; not Parquet at all: SourceError
+            else:
+                pf, error = self._remote_footer(fid, path)
+            if error is not None:   # a remote file that cannot be read: named at the end of the loop
+                self.reject(path, "bad shard", error)
+            if pf is None:
+                self._meta.append((path, -1, "", "") if error is not None else self._file_meta(fid))
                 self._rg_starts.append(np.zeros(1, np.int64))
                 continue
             schema = pf.schema_arrow
@@ -172,7 +183,7 @@ class ParquetSource(Source):
                 # found when it is read (reason "empty"), not while indexing.
                 if label_column:
                     try:
-                        lab = _int64_labels(pf.read_row_group(rg, columns=[label_column]).column(0))
+                        lab = _int64_labels(self._labels(pf, rg, fid))
                     except (pa.ArrowException, OSError) as e:   # a damaged page: its rows, named
                         lab = np.full(n, _CORRUPT, np.int64)
                         self._corrupt[(fid, rg)] = " ".join(str(e).split())
@@ -182,6 +193,8 @@ class ParquetSource(Source):
                 rgs.append(np.full(n, rg, np.int32))
                 rows.append(np.arange(n, dtype=np.int32))
                 labels.append(lab)
+        if self._remote is not None:
+            self._remote.check_open()   # files that cannot be read: one error naming each, or "bad shard"s
         file_ids = np.concatenate(fids) if fids else np.zeros(0, np.int32)
         row_groups = np.concatenate(rgs) if rgs else np.zeros(0, np.int32)
         rows_ = np.concatenate(rows) if rows else np.zeros(0, np.int32)
@@ -235,11 +248,64 @@ class ParquetSource(Source):
         st = os.stat(self.files[fid])
         return (os.path.abspath(self.files[fid]), st.st_size, st.st_mtime_ns, change_stamp(st))
 
+    def _remote_footer(self, fid: int, url: str):
+        """``(ParquetFile over ranged reads, None)`` of remote file ``fid``, or ``(None, why)``:
+        network faults retried with the shard cache's policy; a file that is not Parquet (an
+        HTML page?), or a server without byte ranges, named; a file cut before its footer is
+        rejected as ``"truncated file"`` (``(None, None)``)."""
+        from ..remote.faults import classify
+        from ..remote.files import cause_of
+
+        def attempt():
+            try:
+                return pq.ParquetFile(self._remote.open(fid)), None
+            except (pa.ArrowException, OSError) as e:
+                if classify(e).kind != "error":   # the network's fault: retried
+                    raise
+                return None, e
+        try:
+            pf, error = self._remote.cache.retrying(url, attempt)
+        except DownloadError as e:
+            self._remote.fail(url, cause_of(e))
+            return None, cause_of(e)
+        if error is None:
+            return pf, None
+        try:
+            head = self._remote.cache.retrying(url, lambda: self._remote.open(fid).read(512))
+        except DownloadError:
+            head = b""
+        if head[:4] in (b"PAR1", b""):
+            self.reject(url, "truncated file", f"{error}; its rows are lost (Parquet's index is at the end of the file)")
+            return None, None
+        why = self._remote.unreadable(url, head, error)
+        why = why if why != " ".join(str(error).split()) else f"not a Parquet file ({why})"
+        self._remote.fail(url, why)
+        return None, why
+
+    def _labels(self, pf, rg: int, fid: int) -> pa.ChunkedArray:
+        """Row group ``rg``'s label column; for a URL, network faults retried (a damaged page raises)."""
+        read = lambda: pf.read_row_group(rg, columns=[self.label_column]).column(0)   # noqa: E731
+        if self._remote is None:
+            return read()
+        from ..remote.faults import classify
+
+        def attempt():
+            try:
+                return read(), None
+            except (pa.ArrowException, OSError) as e:
+                if classify(e).kind != "error":
+                    raise
+                return None, e
+        col, error = self._remote.cache.retrying(self.files[fid], attempt)
+        if error is not None:
+            raise error
+        return col
+
     def _unreadable(self, path: str, error: Exception, fid: int) -> None:
         """A file pyarrow cannot open: one that starts as Parquet (``PAR1``) or is empty was cut
         before its footer, where Parquet keeps its index, so all its rows are lost: rejected as
         ``"truncated file"``, named. Anything else raises :class:`SourceError`."""
-        with (open(path, "rb") if self._remote is None else self._remote.open(fid)) as f:
+        with open(path, "rb") as f:
             head = f.read(4)
         if head in (b"PAR1", b""):
             self.reject(path, "truncated file", f"{error}; its rows are lost (Parquet's index is at the "

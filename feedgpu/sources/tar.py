@@ -82,6 +82,10 @@ class TarShardSource(Source):
             none; fsspec options of the store) or a cache to share.
         index_dir: where local shards' saved indexes live (:mod:`feedgpu.sources.tar_index`);
             None: the ``tar-index`` folder of feedgpu's cache dir; False: neither read nor write one.
+        max_bad_files: URLs only: shards that may be unreadable at open (int >= 0, default 0;
+            None: any); each is then left out as ``"bad shard"`` (one entry per file), named.
+        verify: URLs only: the shard cache's change check, ``"identity"`` (default) or
+            ``"content"`` (see :class:`~feedgpu.remote.cache.ShardCache`); ignored with ``cache``.
 
     Attributes:
         saved_shards: how many shards were read from a saved index (int);
@@ -91,11 +95,13 @@ class TarShardSource(Source):
 
     URLs: shards are read from local copies in the shard cache, downloaded whole when first
     read (with an index file, whose member table is the index, no shard is needed to open the
-    source; without one, each shard is downloaded while indexing). A shard that cannot be
-    downloaded after the cache's retries is left out while indexing as ``"bad shard"``, named
-    (its records, named, when the index file lists them); one that fails when read makes each
-    of its samples a skipped sample of reason ``"bad shard"``, counted in the loader's skip
-    budget. A shard changed on the store since the source was opened raises
+    source; without one, each shard is downloaded while indexing). Shards that cannot be read
+    at open (after the cache's retries: refused, DNS, 404, 5xx, not a tar, an HTML page) raise
+    one :class:`SourceError` naming each URL and cause, unless ``max_bad_files`` allows them
+    (then each is left out as ``"bad shard"``, one entry per file); one that fails when read
+    makes each of its samples a skipped sample of reason ``"bad shard"``, counted in the
+    loader's skip budget (the loader's read-ahead ends the epoch instead when the budget cannot
+    hold the whole shard). A shard changed on the store since the source was opened raises
     :class:`~feedgpu.errors.RemoteChangedError` when read. Keys and fingerprints use the URLs.
 
     Labels come from the ``.cls`` member (a non-negative integer as text); a source with no
@@ -108,7 +114,7 @@ class TarShardSource(Source):
     format = "tar"
 
     def __init__(self, shards, *, cache_dir=None, cache_budget=None, storage_options=None, cache=None,
-                 index_dir=None):
+                 index_dir=None, max_bad_files: int | None = 0, verify: str = "identity"):
         super().__init__()
         self._remote = None
         from ..remote.index import is_index
@@ -118,7 +124,8 @@ class TarShardSource(Source):
             from ..remote.files import RemoteFiles, make_cache
 
             self._remote = RemoteFiles(shards, ".tar", "tar",
-                                       make_cache(cache, cache_dir, cache_budget, storage_options))
+                                       make_cache(cache, cache_dir, cache_budget, storage_options, verify),
+                                       max_bad_files)
             self.shards = self._remote.urls
         else:
             self.shards = expand_paths(shards, ".tar")
@@ -142,6 +149,8 @@ class TarShardSource(Source):
             other_labels += part.get("other", 0)
             if part.get("_table_problem"):
                 problems.append(part["_table_problem"])
+        if self._remote is not None:
+            self._remote.check_open()   # files that cannot be read: one error naming each, or "bad shard"s
         if problems:
             warnings.warn(f"feedgpu: did not use the member tables beside {len(problems)} shard(s), indexed them "
                           f"afresh: {'; '.join(problems[:3])}" + (" ..." if len(problems) > 3 else ""), stacklevel=2)
@@ -218,7 +227,16 @@ class TarShardSource(Source):
             if local is None or isinstance(local, dict):   # the index file's member table, or the cache's
                 yield sid, path, local
                 continue
-            part = index_with_tarfile(path, local)
+            try:
+                if self._remote.is_html(local):
+                    raise SourceError("an HTML page")
+                part = index_with_tarfile(path, local)
+            except SourceError as e:   # not a tar (an HTML page?): named with the others
+                why = self._remote.unreadable(path, local, e)
+                self._remote.fail(path, why)
+                self.reject(path, "bad shard", why)
+                yield sid, path, None
+                continue
             self._remote.cache.save_index(self._remote.files[sid].identity, "tar", part)
             yield sid, path, part
 
@@ -226,6 +244,8 @@ class TarShardSource(Source):
         """``(shard id, URL, local path | member table | None)`` per remote shard: downloaded (up
         to the cache's ``max_downloads`` ahead, pinned until indexed) unless the index file holds
         its member table; one that cannot be downloaded is left out as ``"bad shard"`` (None)."""
+        from ..remote.files import cause_of
+
         files, cache = self._remote.files, self._remote.cache
         ahead: dict = {}
         window = cache.max_downloads   # shards pinned ahead: within the budget
@@ -243,10 +263,8 @@ class TarShardSource(Source):
         for sid, f in enumerate(files):
             for j in range(sid, min(len(files), sid + window)):
                 submit(j)
-            if f.identity is None:   # the store could not be reached for it
-                names = [f"{f.url}:{m}" for m in f.samples["members"]] if f.samples else [f.url]
-                for name in names:
-                    self.reject(name, "bad shard", f.error)
+            if f.identity is None:   # the store could not be reached for it: one file, named
+                self.reject(f.url, "bad shard", f.error)
                 continue
             if f.samples is not None:
                 yield sid, f.url, f.samples
@@ -259,6 +277,7 @@ class TarShardSource(Source):
             try:
                 yield sid, f.url, ahead.pop(sid).result()
             except DownloadError as e:
+                self._remote.fail(f.url, cause_of(e))
                 self.reject(f.url, "bad shard", str(e))
             finally:
                 cache.unpin(f.url)
