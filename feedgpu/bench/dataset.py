@@ -12,9 +12,16 @@ __all__ = ["compare_dataset", "dataset_lines"]
 
 
 def _load(ref: str):
+    """The Dataset ``ref``'s factory returns; its module is looked up from the current directory
+    first, as ``python -m`` does (the ``feedgpu`` command's own path does not hold it)."""
+    import os
+    import sys
+
     from ..stages.custom import import_callable
 
-    factory = import_callable(ref)
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    factory = import_callable(ref, what="bench --dataset")
     return factory()
 
 

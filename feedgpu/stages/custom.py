@@ -11,19 +11,20 @@ from .base import SampleStage
 from .params import PositiveInt
 
 
-def import_callable(ref: str) -> Callable:
-    """``"package.module:attr"`` -> the object. Raises :class:`ConfigError` when missing."""
+def import_callable(ref: str, what: str = "python stage: fn") -> Callable:
+    """``"package.module:attr"`` -> the object. Raises :class:`ConfigError` when missing, its
+    message starting with ``what`` (the option that named it)."""
     mod, sep, attr = ref.partition(":")
     if not sep or not mod or not attr:
-        raise ConfigError(f"python stage: fn must look like 'module:callable', got {ref!r}")
+        raise ConfigError(f"{what} must look like 'module:callable', got {ref!r}")
     try:
         obj = importlib.import_module(mod)
         for part in attr.split("."):
             obj = getattr(obj, part)
     except (ImportError, AttributeError) as e:
-        raise ConfigError(f"python stage: cannot import {ref!r}: {e}") from None
+        raise ConfigError(f"{what}: cannot import {ref!r}: {e}") from None
     if not callable(obj):
-        raise ConfigError(f"python stage: {ref!r} is not callable")
+        raise ConfigError(f"{what}: {ref!r} is not callable")
     return obj
 
 

@@ -17,8 +17,11 @@ def test_bench_dataset_runs_both_loaders(folder_ds, tmp_path):
         f"def make():\n    return ImageFolder({str(folder_ds)!r}, transform=T.Compose([T.RandomResizedCrop(64), "
         "T.RandomHorizontalFlip(), T.ColorJitter(0.2), T.ToTensor()]))\n")
     out = tmp_path / "bench.json"
-    env = {"PYTHONPATH": f"{REPO}:{tmp_path}", "PATH": "/usr/bin:/bin"}
-    res = subprocess.run([sys.executable, "-m", "feedgpu.cli.main", "bench", "--dataset", "mytrain:make",
+    # the user's module is found in the current directory, as with `python -m`, through the
+    # installed `feedgpu` command (whose own path does not hold the current directory)
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
+    feedgpu_cmd = [str(Path(sys.executable).parent / "feedgpu")]
+    res = subprocess.run(feedgpu_cmd + ["bench", "--dataset", "mytrain:make",
                           "--rounds", "1", "--batches", "2", "--batch-size", "16", "--workers", "1",
                           "--json", str(out)], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=240)
     assert res.returncode == 0, res.stderr[-2000:]
@@ -28,6 +31,6 @@ def test_bench_dataset_runs_both_loaders(folder_ds, tmp_path):
     assert set(doc["runs"]) == {"torch", "feedgpu"} and doc["samples"] == 120
     assert all(r["samples_per_s"] > 0 for v in doc["runs"].values() for r in v)
 
-    bad = subprocess.run([sys.executable, "-m", "feedgpu.cli.main", "bench", "--dataset", "nowhere:make"],
+    bad = subprocess.run(feedgpu_cmd + ["bench", "--dataset", "nowhere:make"],
                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
-    assert bad.returncode == 2 and "cannot import" in bad.stderr
+    assert bad.returncode == 2 and "bench --dataset: cannot import 'nowhere:make'" in bad.stderr
