@@ -154,7 +154,7 @@ class SourceSettings:
         verify ("identity" | "content"): tar and parquet sources read from URLs: how the shard
             cache sees a changed file (default "identity": size and ETag or Last-Modified, and
             the index file's SHA-256; "content": also downloads each cached file again once per
-            run and compares its SHA-256).
+            run, replacing the cached copy, so bytes changed behind unchanged headers are read).
 
     Raises :class:`~feedgpu.errors.ConfigError` naming the key (``source.format: ...``).
     """

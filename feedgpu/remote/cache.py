@@ -101,7 +101,7 @@ class ShardCache:
             that could not be reached is tried once per request without back-off (default 60 s).
         verify: ``"identity"`` (default: size and ETag, or Last-Modified without an ETag, plus
             the index file's SHA-256 where given) or ``"content"`` (also download each cached
-            entry again once per run and compare its SHA-256).
+            entry again once per run, replacing the copy and recording its SHA-256 anew).
         sleep, clock: injected for tests (``time.sleep``, ``time.monotonic``).
 
     The whole time a request can take before :class:`~feedgpu.errors.DownloadError` is about
