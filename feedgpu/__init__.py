@@ -5,7 +5,8 @@
 from ._version import __version__
 from .errors import (CacheFullError, ConfigError, DecodeError, DownloadError, FeedgpuError, IteratorSuperseded,
                      LoaderTimeout, RemoteChangedError, RemoteError, SampleError, ShardFetchError, SharedMemoryError,
-                     SkipBudgetExceeded, SourceError, StageError, StateError, UploadError, WorkerError)
+                     SkipBudgetExceeded, SourceError, StageError, StateError, TooManyOpenFiles, UploadError,
+                     WorkerError)
 from .exec.memory_budget import MemoryBudgetWarning
 from .exec.memory_watch import CopyOnReadWarning
 from .exec.work import Batch
@@ -21,7 +22,7 @@ __all__ = [
     "LoaderTimeout", "MemoryBudgetWarning", "ParquetSource", "Pipeline", "RemoteChangedError",
     "RemoteError", "SampleError", "ShardFetchError", "SharedMemoryError", "SkipBudgetExceeded",
     "SkippedSampleWarning", "SourceError", "StageError", "StateError", "TarShardSource",
-    "UploadError", "WorkerError", "pil_build",
+    "TooManyOpenFiles", "UploadError", "WorkerError", "pil_build",
 ]
 
 

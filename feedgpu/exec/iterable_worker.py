@@ -159,8 +159,12 @@ def _send(conn, msg: tuple, wid: int, epoch) -> None:
     except Exception as e:  # noqa: BLE001 - the batch cannot travel: say why instead of dying
         from ..errors import SharedMemoryError, WorkerError
 
-        if isinstance(e, OSError) and "space" in str(e).lower():
-            err: Exception = SharedMemoryError(
+        from . import fd_limit
+
+        if fd_limit.out_of_descriptors(e):
+            err: Exception = fd_limit.error(e)
+        elif isinstance(e, OSError) and "space" in str(e).lower():
+            err = SharedMemoryError(
                 f"a worker could not put its batch in shared memory ({type(e).__name__}: {e}); torch shares "
                 "tensors through /dev/shm: give the container more (docker --shm-size) or lower batch_size")
         else:
