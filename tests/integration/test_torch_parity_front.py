@@ -1,0 +1,127 @@
+"""torch's loader behaviours next to feedgpu's: the iterator's len(), arguments torch refuses,
+the too-many-workers warning, running out of file descriptors, an IterDataPipe's shuffle."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+import torch.utils.data as tud
+
+from feedgpu import DataLoader
+
+pytestmark = pytest.mark.timeout(180)
+LOADERS = [tud.DataLoader, DataLoader]
+
+from test_torch_parity import Items  # noqa: E402  item i: i
+
+
+class Unsized(tud.Sampler):
+    def __iter__(self):
+        return iter(range(5))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("kw", [dict(batch_size=4), dict(batch_size=4, drop_last=True), dict(batch_size=5, shuffle=True),
+                                dict(batch_size=None), dict(batch_sampler=tud.BatchSampler(range(23), 6, False))])
+def test_the_iterator_has_torchs_len(kw, num_workers):
+    lens = []
+    for make in LOADERS:
+        it = iter(make(Items(23), num_workers=num_workers, **kw))
+        lens.append(len(it))
+        next(it)
+        assert len(it) == lens[-1]   # torch's counts the epoch, not what is left
+    assert lens[0] == lens[1]
+
+
+def test_the_iterator_of_a_sampler_without_len_raises_typeerror_as_torchs():
+    for make in LOADERS:
+        with pytest.raises(TypeError, match="has no len"):
+            len(iter(make(Items(23), batch_size=2, sampler=Unsized())))
+
+
+def test_a_resumed_iterator_counts_what_remains():
+    loader = DataLoader(Items(23), batch_size=4, shuffle=True, seed=1)
+    it = iter(loader)
+    next(it), next(it)
+    again = DataLoader(Items(23), batch_size=4, shuffle=True, seed=1)
+    again.load_state_dict(loader.state_dict())
+    rest = iter(again)
+    assert len(rest) == len(loader) - 2 == len(list(rest))
+
+
+def test_batch_size_none_with_drop_last_is_refused_in_torchs_words():
+    messages = []
+    for make in LOADERS:
+        with pytest.raises(ValueError) as e:
+            make(Items(23), batch_size=None, drop_last=True)
+        messages.append(str(e.value))
+    assert messages[0] == messages[1]
+
+
+def test_too_many_workers_warn_in_torchs_words():
+    n = (torch.multiprocessing.cpu_count() or 1) + 1
+    for make in LOADERS:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loader = make(Items(4), batch_size=2, num_workers=n)
+            next(iter(loader))   # torch warns when its workers start
+        words = [str(w.message) for w in caught if "excessive worker creation" in str(w.message)]
+        assert words and "might get DataLoader running slow or even freeze" in words[0], (make, caught)
+
+
+_OUT_OF_FDS = """
+import resource, sys, torch, torch.utils.data as tud
+from feedgpu import DataLoader as Ours
+
+class Stream(tud.IterableDataset):
+    def __iter__(self):
+        return (torch.randn(2, 2) for _ in range(200))
+
+class Items(tud.Dataset):
+    def __len__(self):
+        return 200
+    def __getitem__(self, i):
+        return torch.randn(2, 2)
+
+make = Ours if sys.argv[1] == "feedgpu" else tud.DataLoader
+ds = Stream() if sys.argv[2] == "iterable" else Items()
+keep = []
+resource.setrlimit(resource.RLIMIT_NOFILE, (100, 100))
+try:
+    for t in make(ds, multiprocessing_context="fork", num_workers=1):
+        keep.append(t)   # every batch kept: one descriptor each
+    print("no error")
+except RuntimeError as e:
+    print("RuntimeError", str(e).replace(chr(10), " "))
+"""
+
+
+@pytest.mark.parametrize("kind", ["iterable", "map"])
+def test_running_out_of_file_descriptors_raises_torchs_runtimeerror(kind, tmp_path):
+    """torch's test_fd_limit_exceeded, with both loaders (each in its own process)."""
+    script = tmp_path / "fds.py"
+    script.write_text(textwrap.dedent(_OUT_OF_FDS))
+    for which in ("torch", "feedgpu"):
+        out = subprocess.run([sys.executable, str(script), which, kind], capture_output=True, text=True,
+                             timeout=120).stdout
+        assert out.startswith("RuntimeError") and "ulimit -n" in out and "set_sharing_strategy" in out, (which, out)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_an_iterdatapipe_takes_shuffle_as_in_torch(num_workers):
+    from torch.utils.data.datapipes.iter import IterableWrapper
+
+    runs = []
+    for make in LOADERS:
+        pipe = IterableWrapper(range(20)).shuffle().sharding_filter()
+        torch.manual_seed(3)
+        runs.append([[int(x) for x in make(pipe, batch_size=None, shuffle=s, num_workers=num_workers)]
+                     for s in (True, True, False)])
+    theirs, ours = runs
+    assert ours[0] == theirs[0]                       # the same shuffle for the same torch seed
+    assert sorted(ours[1]) == list(range(20)) and ours[1] != ours[0]   # every pass reshuffled, once each
+    assert ours[2] == theirs[2] == list(range(20))    # shuffle=False turns the Shuffler off
