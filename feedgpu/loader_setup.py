@@ -63,13 +63,14 @@ def refuse_combinations(in_order, pin_memory_device, batch_size, shuffle, sample
         raise ConfigError("in_order=False: feedgpu always delivers batches in order (exact resume needs it)")
     if pin_memory_device:
         raise ConfigError("pin_memory_device is deprecated in torch; use device='cuda:N' instead")
-    if batch_sampler is not None:
-        if batch_size is not _UNSET and batch_size != 1 or shuffle or sampler is not None or drop_last is True:
-            raise ConfigError("batch_sampler option is mutually exclusive with batch_size, shuffle, sampler, "
-                              "and drop_last")
+    dropping = drop_last is not _UNSET and bool(drop_last)   # torch tests truthiness, before drop_last's type
     if sampler is not None and shuffle:
         raise ConfigError("sampler option is mutually exclusive with shuffle")
-    if batch_size is None and batch_sampler is None and drop_last is True:
+    if batch_sampler is not None:
+        if batch_size is not _UNSET and batch_size != 1 or shuffle or sampler is not None or dropping:
+            raise ConfigError("batch_sampler option is mutually exclusive with batch_size, shuffle, sampler, "
+                              "and drop_last")
+    elif batch_size is None and dropping:
         raise ConfigError("batch_size=None option disables auto-batching and is mutually exclusive with drop_last")
 
 

@@ -125,3 +125,42 @@ def test_an_iterdatapipe_takes_shuffle_as_in_torch(num_workers):
     assert ours[0] == theirs[0]                       # the same shuffle for the same torch seed
     assert sorted(ours[1]) == list(range(20)) and ours[1] != ours[0]   # every pass reshuffled, once each
     assert ours[2] == theirs[2] == list(range(20))    # shuffle=False turns the Shuffler off
+
+
+class Stream(tud.IterableDataset):
+    def __iter__(self):
+        return iter(range(20))
+
+
+def _refusals():
+    seq = tud.SequentialSampler(range(23))
+    batches = tud.BatchSampler(seq, 3, False)
+    start = list(torch.multiprocessing.get_all_start_methods())[-1]
+    return [
+        (Items(), dict(num_workers=-1)), (Items(), dict(timeout=-1)), (Items(), dict(batch_size=None, drop_last=True)),
+        (Items(), dict(num_workers=0, multiprocessing_context=start)),
+        (Items(), dict(num_workers=1, multiprocessing_context="bad")),
+        (Items(), dict(num_workers=1, multiprocessing_context=object())),
+        (Items(), dict(batch_size=11, sampler=seq, shuffle=True)),
+        (Items(), dict(batch_sampler=batches, sampler=seq, shuffle=True)),
+        (Items(), dict(batch_sampler=batches, sampler=seq, shuffle=3)),
+        (Items(), dict(batch_size=11, batch_sampler=batches)), (Items(), dict(shuffle=True, batch_sampler=batches)),
+        (Items(), dict(drop_last=True, batch_sampler=batches)), (Items(), dict(drop_last=3, batch_sampler=batches)),
+        (Stream(), dict(shuffle=True)), (Stream(), dict(shuffle=3)), (Stream(), dict(sampler=seq)),
+        (Stream(), dict(sampler=3)), (Stream(), dict(batch_sampler=batches)), (Stream(), dict(batch_sampler=3)),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_refusals())))
+def test_constructor_refusals_have_torchs_kind_and_words(case):
+    """The combinations torch's constructor refuses: the same exception kind and message (the
+    first check torch makes decides which message, e.g. ``sampler`` with ``shuffle`` before
+    ``batch_sampler``'s exclusions, and a non-bool ``drop_last`` counts as set)."""
+    dataset, kw = _refusals()[case]
+    errors = []
+    for make in LOADERS:
+        with pytest.raises((ValueError, TypeError)) as e:
+            make(dataset, **kw)
+        errors.append(e.value)
+    theirs, ours = errors
+    assert isinstance(ours, type(theirs)) and str(theirs).split(",")[0] in str(ours), (theirs, ours)
