@@ -5,10 +5,11 @@
   (``apply_shuffle_settings``: a ``Shuffler`` is appended, with torch's warning, when the pipe
   has none), as torch's loader applies it, instead of being refused as for another
   ``IterableDataset``.
-* At the start of every pass (new workers or the main process), one seed is drawn from the
-  loader's ``generator`` (torch's global RNG by default), after the workers' base seed, and
-  given to the pipe's random stages (``apply_random_seed``), so the shuffle is the same in every
-  worker (a ``sharding_filter`` then splits it) and follows the generator as in torch.
+* At the start of every pass, seeds are drawn from the loader's ``generator`` (torch's global
+  RNG by default) as torch's loader draws them and given to the pipe's random stages
+  (``apply_random_seed``): in the main process before new workers start (or before a pass
+  without workers), and sent to persistent workers with each later pass, so the shuffle is the
+  same in every worker (a ``sharding_filter`` then splits it) and follows the generator.
 * ``sharding_filter`` stages split the pipe over the process group's ranks, then the workers
   (``apply_sharding``), as torch's loader splits it.
 """
@@ -36,14 +37,22 @@ def with_shuffle(dataset, shuffle):
     return graph_settings.apply_shuffle_settings(dataset, shuffle=bool(shuffle))
 
 
-def reseed(dataset, generator) -> None:
-    """Seed an ``IterDataPipe``'s random stages for a new pass from ``generator``."""
-    if not is_datapipe(dataset):
-        return
+def draw(generator) -> int:
+    """One int64 seed from ``generator`` (torch's global RNG when None)."""
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+
+
+def apply_seed(dataset, seed: int) -> None:
+    """Seed an ``IterDataPipe``'s random stages with ``seed`` (in place)."""
     from torch.utils.data import graph_settings
 
-    seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
-    graph_settings.apply_random_seed(dataset, torch.Generator().manual_seed(seed))
+    graph_settings.apply_random_seed(dataset, torch.Generator().manual_seed(int(seed)))
+
+
+def reseed(dataset, generator) -> None:
+    """Seed an ``IterDataPipe``'s random stages for a new pass from ``generator``."""
+    if is_datapipe(dataset):
+        apply_seed(dataset, draw(generator))
 
 
 def distributed() -> tuple[int, int]:

@@ -325,6 +325,9 @@ class _WorkerIter:
             base_seed = workers.base_seed      # persistent workers are seeded once, as in torch
         else:
             base_seed = draw_base_seed(runner.generator)
+        # torch draws one more pipe seed per pass: persistent workers get it with the pass
+        pipe_seed = datapipes.draw(runner.generator) if restore is None and datapipes.is_datapipe(runner.dataset) \
+            else None
         if workers is None or workers.closed:
             workers = WorkerSet(runner, base_seed)
             if runner.persistent_workers:
@@ -340,7 +343,8 @@ class _WorkerIter:
         # a worker's state is known once it said "ready" (or when it was restored)
         self.unknown = set() if restore is not None or not runner.stateful else set(range(n))
         for w in range(n):
-            workers.reset(w, self.epoch, {"finished": True} if finished[w] else states[w])
+            workers.reset(w, self.epoch, {"finished": True} if finished[w] else states[w],
+                          None if fresh else pipe_seed)
             if finished[w] and not runner.persistent_workers:
                 workers.stop(w)
         self.yielded = 0

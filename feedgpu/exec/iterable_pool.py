@@ -156,10 +156,11 @@ class WorkerSet:
         except (OSError, ValueError, EOFError):
             self.dead_conns.add(w)   # its death is reported when it is waited for
 
-    def reset(self, w: int, epoch: int, state) -> None:
-        """Start pass ``epoch`` in worker ``w`` (from ``state`` when not None)."""
+    def reset(self, w: int, epoch: int, state, pipe_seed: int | None = None) -> None:
+        """Start pass ``epoch`` in worker ``w`` (from ``state`` when not None; ``pipe_seed``: reseed
+        an ``IterDataPipe`` first)."""
         self.queues[w] = collections.deque(m for m in self.queues[w] if m[1] == epoch)
-        self._send(w, ("reset", epoch, self.prefetch, state))
+        self._send(w, ("reset", epoch, self.prefetch, state, pipe_seed))
 
     def credit(self, w: int, epoch: int) -> None:
         self._send(w, ("credit", epoch, 1))

@@ -111,20 +111,26 @@ def test_running_out_of_file_descriptors_raises_torchs_runtimeerror(kind, tmp_pa
         assert out.startswith("RuntimeError") and "ulimit -n" in out and "set_sharing_strategy" in out, (which, out)
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_an_iterdatapipe_takes_shuffle_as_in_torch(num_workers):
+@pytest.mark.parametrize("num_workers,persistent", [(0, False), (2, False), (2, True)])
+def test_an_iterdatapipe_takes_shuffle_as_in_torch(num_workers, persistent):
+    """shuffle= reaches the pipe's Shuffler, each pass is seeded from torch's RNG as torch seeds it
+    (the same orders, pass after pass, also with persistent workers), and sharding_filter splits
+    the pipe over the workers: each sample once per pass."""
     from torch.utils.data.datapipes.iter import IterableWrapper
 
     runs = []
     for make in LOADERS:
-        pipe = IterableWrapper(range(20)).shuffle().sharding_filter()
         torch.manual_seed(3)
-        runs.append([[int(x) for x in make(pipe, batch_size=None, shuffle=s, num_workers=num_workers)]
-                     for s in (True, True, False)])
-    theirs, ours = runs
-    assert ours[0] == theirs[0]                       # the same shuffle for the same torch seed
-    assert sorted(ours[1]) == list(range(20)) and ours[1] != ours[0]   # every pass reshuffled, once each
-    assert ours[2] == theirs[2] == list(range(20))    # shuffle=False turns the Shuffler off
+        loader = make(IterableWrapper(range(20)).shuffle().sharding_filter(), batch_size=None, shuffle=True,
+                      num_workers=num_workers, persistent_workers=persistent)
+        passes = [[int(x) for x in loader] for _ in range(3)]
+        unshuffled = [int(x) for x in make(IterableWrapper(range(20)).shuffle().sharding_filter(), batch_size=None,
+                                           shuffle=False, num_workers=num_workers)]
+        runs.append((passes, unshuffled))
+    (theirs, plain_theirs), (ours, plain_ours) = runs
+    assert ours == theirs
+    assert all(sorted(p) == list(range(20)) for p in ours) and ours[0] != ours[1]
+    assert plain_ours == plain_theirs == list(range(20))   # shuffle=False turns the Shuffler off
 
 
 class Stream(tud.IterableDataset):
