@@ -123,6 +123,10 @@ class DataLoader(tud.DataLoader[T_co]):
     raises one, e.g. a ``num_workers`` that is not an int).
     """
 
+    #: torch's persistent iterator attribute, read by code written for torch's loader; feedgpu
+    #: keeps its live iterator elsewhere (one iteration at a time), so this stays None
+    _iterator = None
+
     def __init__(self, dataset, batch_size: int | None = _UNSET, shuffle: bool | None = None, sampler=None,
                  batch_sampler=None, num_workers: int = _UNSET, collate_fn: Callable | None = None,
                  pin_memory: bool = False, drop_last: bool = _UNSET, timeout: float = _UNSET,

@@ -170,3 +170,14 @@ def test_constructor_refusals_have_torchs_kind_and_words(case):
         errors.append(e.value)
     theirs, ours = errors
     assert isinstance(ours, type(theirs)) and str(theirs).split(",")[0] in str(ours), (theirs, ours)
+
+
+def test_code_reading_torchs_iterator_attribute_finds_none():
+    """Code written for torch's loader reads ``loader._iterator`` (None unless torch keeps
+    persistent workers' iterator); feedgpu's loader has the attribute, always None."""
+    for make in LOADERS:
+        loader = make(Items(8), batch_size=4)
+        assert loader._iterator is None
+        list(loader)
+        assert loader._iterator is None
+    assert DataLoader(Stream(), batch_size=4)._iterator is None
