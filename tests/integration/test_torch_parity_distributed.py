@@ -308,3 +308,27 @@ def test_delivered_indices_are_torchs_multiset(n, world, kind, bs, sampler_drop_
     theirs = _delivered(tud.DataLoader, n, world, kind, bs, sampler_drop_last, drop_last, 0, seed)
     assert Counter(v for r in ours for v in r) == Counter(v for r in theirs for v in r)
     assert ours == theirs   # and, rank by rank, the same order
+
+
+class TinyImages(tud.Dataset):
+    """Sample i: an 8x8 image filled with i, label i."""
+
+    def __len__(self):
+        return 23
+
+    def __getitem__(self, i):
+        return np.full((8, 8, 3), i, np.uint8), i
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_pipeline_reads_the_samplers_split(num_workers):
+    from feedgpu import Pipeline
+    from feedgpu.stages import Decode, ResizeCenterCrop
+
+    pipe = Pipeline(TinyImages(), [Decode(), ResizeCenterCrop(8, 8)], batch_size=4, num_workers=0, device="cpu", seed=3)
+    for r in range(3):
+        s = tud.DistributedSampler(pipe, num_replicas=3, rank=r, seed=1)
+        s.set_epoch(2)
+        loader = DataLoader(pipe, sampler=s, batch_size=4, num_workers=num_workers)
+        labels = [int(k) for b in loader for k in b.labels]
+        assert labels == list(iter(s)) and len(loader) == 2
