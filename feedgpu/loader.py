@@ -329,7 +329,8 @@ class DataLoader(tud.DataLoader[T_co]):
             return self._iterable.set_epoch(epoch)
         epoch = int(epoch)
         if reads_as_sharding(self.sampler):   # the sampler's epoch chooses the order: it follows
-            self._sharding_epoch = self.sampler.set_epoch(epoch) or epoch
+            self.sampler.set_epoch(epoch)
+            self._sharding_epoch = epoch
         self._drives_sampler_epoch = self._user is not None
         if self._restored is not None and self._restored[0] == epoch:
             self._epoch, self._start = self._restored
