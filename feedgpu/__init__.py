@@ -10,7 +10,8 @@ import importlib
 from ._version import __version__
 from .errors import (CacheFullError, ConfigError, DecodeError, DownloadError, FeedgpuError, IteratorSuperseded,
                      LoaderTimeout, RemoteChangedError, RemoteError, SampleError, ShardFetchError, SharedMemoryError,
-                     SkipBudgetExceeded, SourceError, StageError, StateError, UploadError, WorkerError)
+                     SkipBudgetExceeded, SourceError, StageError, StateError, TooManyOpenFiles, UploadError,
+                     WorkerError)
 
 __all__ = [
     "Batch", "CacheFullError", "ConfigError", "CopyOnReadWarning", "DataLoader", "DatasetSource",
@@ -18,7 +19,7 @@ __all__ = [
     "LoaderTimeout", "MemoryBudgetWarning", "ParquetSource", "Pipeline", "RemoteChangedError",
     "RemoteError", "SampleError", "ShardFetchError", "SharedMemoryError", "SkipBudgetExceeded",
     "SkippedSampleWarning", "SourceError", "StageError", "StateError", "TarShardSource",
-    "UploadError", "WorkerError", "pil_build",
+    "TooManyOpenFiles", "UploadError", "WorkerError", "pil_build",
 ]
 
 #: public name -> the module that defines it, imported when the name is first read

@@ -223,6 +223,17 @@ class EpochIterator:
     def __iter__(self):
         return self
 
+    def __len__(self) -> int:
+        """Batches of this pass, as torch's iterator counts them: ``len(loader)`` from an epoch's
+        start, what remains after a restored position. Raises ``TypeError`` for a user's sampler
+        without ``len()``, as torch does."""
+        if not self.open:
+            return self.view.num_batches
+        if self.view.expected is None:
+            src = self.order.batch_sampler if self.order.batch_sampler is not None else self.order.sampler
+            raise TypeError(f"object of type '{type(src).__name__}' has no len()")
+        return self.view.expected
+
     def __next__(self):
         if self.superseded:
             raise IteratorSuperseded(

@@ -78,6 +78,12 @@ class WorkerError(FeedgpuError, RuntimeError):
     by signal: Killed.`` or ``DataLoader worker (pid N) exited unexpectedly with exit code C``."""
 
 
+class TooManyOpenFiles(WorkerError):
+    """The process ran out of file descriptors while batches travelled from the workers; the
+    message names ``ulimit -n`` and ``torch.multiprocessing.set_sharing_strategy``, as torch's
+    ``RuntimeError`` does (:mod:`feedgpu.exec.fd_limit`)."""
+
+
 class SkipBudgetExceeded(FeedgpuError):
     """More samples were skipped than ``max_skipped`` allows, or one batch used up its spares.
 

@@ -25,20 +25,18 @@ from .exec.process_pool import ProcessPool
 from .metrics import ExecutorTotals, LoaderStats
 from .orders import (OrderRandomSampler, OrderSampler, OrderSequentialSampler, UserOrder, order_len,
                      reads_as_sharding, shard_settings, sharded)
-from .loader_setup import _UNSET, init_iterable, refuse_combinations, resolve_settings, with_sections
+from .loader_setup import (_UNSET, ArgumentTypeError, init_iterable, refuse_combinations, resolve_settings,
+                           with_sections, worker_count)
 from .loader_stats import loader_stats, source_fingerprint
 from .pipeline import Pipeline
 from .remote.ahead_loader import auto_attach
+from .sampler_split import follow_sampler_epoch, split_order
 from .sampling import ShardedOrder
 from .torchvision import backend_for, dali_pipeline, explain_loader
 
 T_co = TypeVar("T_co", covariant=True)
 # torch's DataLoader refuses to change these once it is built (ValueError); so does feedgpu's
 _FROZEN = ("batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers")
-
-
-class ArgumentTypeError(ConfigError, TypeError):
-    """An argument of the wrong type, where torch raises ``TypeError``."""
 
 
 class DataLoader(tud.DataLoader[T_co]):
@@ -52,10 +50,11 @@ class DataLoader(tud.DataLoader[T_co]):
     Args:
         seed: base seed of the order and of random stages. Default: the pipeline's; for a torch
             Dataset drawn from ``generator`` (or torch's global RNG), as torch does.
-        rank, world_size: shard for distributed training; default: read when each iteration
-            starts, from a ``DistributedSampler`` given as ``sampler`` (what Lightning injects),
-            else from ``torch.distributed`` when it is initialized, else 0 of 1, so a loader built
-            before ``init_process_group`` shards too. Every rank gets ``len(loader)`` batches.
+        rank, world_size: shard feedgpu's order for distributed training; default: read when each
+            iteration starts from ``torch.distributed`` when it is initialized, else 0 of 1, so a
+            loader built before ``init_process_group`` shards too. Every rank gets ``len(loader)``
+            batches. A ``DistributedSampler`` as ``sampler`` (what Lightning injects) is split as
+            torch splits it, with its seed and epoch (:mod:`feedgpu.sampler_split`).
             Taken from ``torch.distributed``, construction (when it is initialized by then) and
             the first iteration on a world size are collective: they raise :class:`ConfigError`
             on every rank when a rank has no data or ranks hold different sample counts, and
@@ -127,6 +126,10 @@ class DataLoader(tud.DataLoader[T_co]):
     raises one, e.g. a ``num_workers`` that is not an int).
     """
 
+    #: torch's persistent iterator attribute, read by code written for torch's loader; feedgpu
+    #: keeps its live iterator elsewhere (one iteration at a time), so this stays None
+    _iterator = None
+
     def __init__(self, dataset, batch_size: int | None = _UNSET, shuffle: bool | None = None, sampler=None,
                  batch_sampler=None, num_workers: int = _UNSET, collate_fn: Callable | None = None,
                  pin_memory: bool = False, drop_last: bool = _UNSET, timeout: float = _UNSET,
@@ -151,8 +154,8 @@ class DataLoader(tud.DataLoader[T_co]):
                               "whole batches in shared memory; give a batch size")
         refuse_combinations(in_order, pin_memory_device, batch_size, shuffle, sampler, batch_sampler, drop_last)
         user_sampler = (sampler is not None and not reads_as_sharding(sampler)) or batch_sampler is not None
-        if user_sampler and (rank is not None or world_size is not None):
-            raise ConfigError("rank/world_size shard feedgpu's own sampler; with a custom sampler, shard in the sampler")
+        if (sampler is not None or batch_sampler is not None) and (rank is not None or world_size is not None):
+            raise ConfigError("rank/world_size shard feedgpu's own sampler; with a sampler, shard in the sampler")
         bs = 1 if unbatched else (batch_size if batch_size is not _UNSET else (p.batch_size if p else 1))
         if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
             raise ConfigError(f"batch_size should be a positive integer value, but got batch_size={bs}")
@@ -162,18 +165,8 @@ class DataLoader(tud.DataLoader[T_co]):
         if drop_last is not _UNSET and not isinstance(drop_last, bool):
             raise ConfigError(f"drop_last should be a boolean value, but got drop_last={drop_last}")
         dl = bool(drop_last if drop_last is not _UNSET else (p.drop_last if p else False))
-        nw = num_workers if num_workers is not _UNSET else (p.num_workers if p else 0)
-        self.auto_workers = nw == "auto"
-        if not self.auto_workers and (isinstance(nw, bool) or not isinstance(nw, int)):
-            raise ArgumentTypeError(f"num_workers must be an int >= 0 or 'auto', got {nw!r}")
-        if not self.auto_workers and nw < 0:
-            raise ConfigError("num_workers option should be non-negative; use num_workers=0 to disable "
-                              "multiprocessing.")
-        self.num_workers = 1 if self.auto_workers else int(nw)  # the live count under "auto"
-        if not self.auto_workers and self.num_workers > cpu_cores():
-            warnings.warn(f"num_workers={self.num_workers} exceeds the {cpu_cores()} cores this process may use: the "
-                          "workers compete for them and each one's start-up and memory add up; consider "
-                          "num_workers='auto'", stacklevel=2)
+        self.auto_workers, self.num_workers = worker_count(
+            num_workers if num_workers is not _UNSET else (p.num_workers if p else 0))  # the live count under "auto"
         if self.num_workers == 0 and prefetch_factor is not None:
             raise ConfigError("prefetch_factor option could only be specified in multiprocessing.let num_workers "
                               "> 0 to enable multiprocessing, otherwise set prefetch_factor to None.")
@@ -309,10 +302,12 @@ class DataLoader(tud.DataLoader[T_co]):
             if seed != self.seed:
                 self.shutdown()  # workers and buffers are rebuilt with the common seed
                 self._set_seed(seed)
-        shuffle = bool(self.sampler.shuffle) if reads_as_sharding(self.sampler) else self.shuffle
         n = self._num_samples() if n is None else n
-        self._order = sharded(n, self._batch_size, shuffle, self.seed, rank, world, self.drop_last, self._order,
-                              *shard_settings(self.pipeline))
+        if reads_as_sharding(self.sampler):   # torch's split of the sampler (feedgpu.sampler_split)
+            self._order = split_order(self.sampler, n, self._batch_size, self.drop_last, self._order)
+        else:
+            self._order = sharded(n, self._batch_size, self.shuffle, self.seed, rank, world, self.drop_last,
+                                  self._order, *shard_settings(self.pipeline))
         return self._order
 
     def __len__(self) -> int:
@@ -325,12 +320,15 @@ class DataLoader(tud.DataLoader[T_co]):
 
         Right after :meth:`load_state_dict`, ``set_epoch`` of the restored epoch keeps the restored
         position (a loop ``for epoch in range(start, n): loader.set_epoch(epoch)`` resumes mid-epoch
-        without repeating batches); any other epoch starts from its first batch. With a
-        ``DistributedSampler`` as ``sampler``, its ``set_epoch`` does the same. An
-        ``IterableDataset``'s own ``set_epoch`` is called, if it has one."""
+        without repeating batches); any other epoch starts from its first batch. A
+        ``DistributedSampler`` given as ``sampler`` is set to ``epoch`` too (its ``set_epoch`` has
+        the same effect). An ``IterableDataset``'s own ``set_epoch`` is called, if it has one."""
         if self._iterable is not None:
             return self._iterable.set_epoch(epoch)
         epoch = int(epoch)
+        if reads_as_sharding(self.sampler):   # the sampler's epoch chooses the order: it follows
+            self.sampler.set_epoch(epoch)
+            self._sharding_epoch = epoch
         self._drives_sampler_epoch = self._user is not None
         if self._restored is not None and self._restored[0] == epoch:
             self._epoch, self._start = self._restored
@@ -347,10 +345,8 @@ class DataLoader(tud.DataLoader[T_co]):
         if self._iterable is not None:
             return iter(self._iterable)
         self._close_live(superseded=True)
-        sampler_epoch = getattr(self.sampler, "epoch", None) if reads_as_sharding(self.sampler) else None
-        if sampler_epoch is not None and sampler_epoch != self._sharding_epoch:
-            self._sharding_epoch = sampler_epoch
-            self.set_epoch(sampler_epoch)  # DistributedSampler.set_epoch, as a framework calls it
+        if reads_as_sharding(self.sampler):
+            follow_sampler_epoch(self)   # the DistributedSampler's epoch, as torch's loader reads it
         order = self._sharded_order()
         if self._user is not None:  # a user's sampler keeps its owner's epoch (UserOrder.epoch_for)
             self._epoch = self._user.epoch_for(self._epoch, self._restored is not None or self._drives_sampler_epoch)

@@ -3,18 +3,46 @@ pipeline's, and the hand-over of an ``IterableDataset`` to :mod:`feedgpu.exec.it
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Callable
 
 import torch.utils.data as tud
 
 from .cache.settings import CacheSettings
 from .errors import ConfigError
+from .exec.autoscale import cpu_cores
 from .exec.engines import EngineSettings
 from .exec.executors import ExecutorSettings, check_executor
 from .pipeline import resolve_device
 
 #: an argument not given (``None`` means something for several of them)
 _UNSET: Any = object()
+
+
+class ArgumentTypeError(ConfigError, TypeError):
+    """An argument of the wrong type, where torch raises ``TypeError``."""
+
+
+def worker_count(nw) -> tuple[bool, int]:
+    """``(auto, workers)`` for ``num_workers`` (an int >= 0 or ``"auto"``; ``"auto"`` starts at 1).
+
+    Raises :class:`ArgumentTypeError` for another type, :class:`ConfigError` for a negative
+    count, in torch's words; warns (``UserWarning``, torch's words) when more workers than the
+    cores this process may use are asked for."""
+    if nw == "auto":
+        return True, 1
+    if isinstance(nw, bool) or not isinstance(nw, int):
+        raise ArgumentTypeError(f"num_workers must be an int >= 0 or 'auto', got {nw!r}")
+    if nw < 0:
+        raise ConfigError("num_workers option should be non-negative; use num_workers=0 to disable multiprocessing.")
+    cores = cpu_cores()
+    if nw > cores:
+        warnings.warn(f"This DataLoader will create {nw} worker processes in total. Our suggested max number of "
+                      f"worker in current system is {cores}, which is smaller than what this DataLoader is going to "
+                      "create. Please be aware that excessive worker creation might get DataLoader running slow or "
+                      "even freeze, lower the worker number to avoid potential slowness/freeze if necessary "
+                      "(or let feedgpu choose: num_workers='auto').", stacklevel=3)
+    return False, int(nw)
 
 
 class _Unbatched:
@@ -35,12 +63,15 @@ def refuse_combinations(in_order, pin_memory_device, batch_size, shuffle, sample
         raise ConfigError("in_order=False: feedgpu always delivers batches in order (exact resume needs it)")
     if pin_memory_device:
         raise ConfigError("pin_memory_device is deprecated in torch; use device='cuda:N' instead")
-    if batch_sampler is not None:
-        if batch_size is not _UNSET and batch_size != 1 or shuffle or sampler is not None or drop_last is True:
-            raise ConfigError("batch_sampler option is mutually exclusive with batch_size, shuffle, sampler, "
-                              "and drop_last")
+    dropping = drop_last is not _UNSET and bool(drop_last)   # torch tests truthiness, before drop_last's type
     if sampler is not None and shuffle:
         raise ConfigError("sampler option is mutually exclusive with shuffle")
+    if batch_sampler is not None:
+        if batch_size is not _UNSET and batch_size != 1 or shuffle or sampler is not None or dropping:
+            raise ConfigError("batch_sampler option is mutually exclusive with batch_size, shuffle, sampler, "
+                              "and drop_last")
+    elif batch_size is None and dropping:
+        raise ConfigError("batch_size=None option disables auto-batching and is mutually exclusive with drop_last")
 
 
 def with_sections(dataset, loader, output):

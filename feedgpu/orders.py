@@ -6,11 +6,11 @@ and the torch samplers it shows to frameworks.
   :class:`OrderSampler` (a ``RandomSampler`` when shuffling, else a ``SequentialSampler``, so
   Lightning and accelerate recognise "the default sampler" and inject their distributed one) and
   ``loader.batch_sampler`` a plain ``torch.utils.data.BatchSampler`` over it.
-* A ``torch.utils.data.DistributedSampler`` given as ``sampler`` (what Lightning injects when it
-  re-creates a loader) is read, not iterated: its ``rank``, ``num_replicas``, ``shuffle`` and
-  ``epoch`` (set by ``set_epoch``) choose feedgpu's sharded order, so the loader keeps its
-  seeded order, exact resume and skip budget. The order differs from the one the sampler would
-  give, with the same sharding rules (:mod:`feedgpu.sampling`).
+* A plain ``torch.utils.data.DistributedSampler`` given as ``sampler`` (what Lightning injects
+  when it re-creates a loader) is read, not iterated: :class:`~feedgpu.sampler_split.SamplerSplit`
+  computes the same split from its ``seed``, ``epoch``, ``shuffle``, ``drop_last``, ``rank`` and
+  ``num_replicas``, as a seekable order, so the loader gives torch's rows and keeps exact resume
+  and the skip budget.
 * Any other ``sampler`` or ``batch_sampler`` is a :class:`UserOrder`: iterated as torch does.
 """
 from __future__ import annotations
@@ -83,7 +83,7 @@ class OrderSequentialSampler(OrderSampler, tud.SequentialSampler):
 
 
 def reads_as_sharding(sampler) -> bool:
-    """True for a plain ``DistributedSampler``, whose settings feedgpu's order takes over."""
+    """True for a plain ``DistributedSampler``, whose split :mod:`feedgpu.sampler_split` computes."""
     return type(sampler) is tud.DistributedSampler
 
 

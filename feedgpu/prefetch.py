@@ -85,6 +85,9 @@ class CudaPrefetcher:
                 buffers.give_back_after(arr, copied)
         self.queue.append((d_imgs, d_labels, ev))
 
+    def __len__(self) -> int:
+        return len(self.it)
+
     def __iter__(self):
         return self
 

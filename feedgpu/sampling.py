@@ -135,6 +135,23 @@ class ShardedOrder:
         the epoch's start)."""
         return min(batches * self.world_size * self.batch_size, self.n)
 
+    def rank_share(self, full: np.ndarray, start: int) -> tuple[int, np.ndarray]:
+        """``(batches, indices)`` of this rank in the epoch order ``full`` after ``start`` (the
+        sharding, padding and drop rules of the module docstring)."""
+        w, bs = self.world_size, self.batch_size
+        rest = full[start:]
+        m = len(rest)
+        if self.drop_last:
+            num_batches = m // (w * bs)
+            per_rank = num_batches * bs
+        else:
+            per_rank = math.ceil(m / w)
+            num_batches = math.ceil(per_rank / bs)
+        total = per_rank * w
+        if total > m:  # the padding rule: repeat the head of the epoch order
+            rest = np.concatenate([rest, np.resize(full, total - m)])
+        return num_batches, rest[:total][self.rank::w]
+
     def config(self) -> dict:
         """The order's settings (``shard_window`` only when set, so states of plain orders keep
         their settings)."""
@@ -165,7 +182,7 @@ class EpochShard:
         w, bs = order.world_size, order.batch_size
         self.first = start // (w * bs)
         full = order.epoch_order(epoch)
-        self.num_batches, self.indices = _rank_share(order, full, start)
+        self.num_batches, self.indices = order.rank_share(full, start)
         # this rank's whole-epoch shard (the spares' pool), from the same order: no second permutation
         self._full: np.ndarray | None = self.indices if start == 0 else None
         self._order_of_epoch = None if start == 0 else full
@@ -195,7 +212,7 @@ class EpochShard:
         all among a batch's spares rather than one bad sample drawn again and again."""
         o = self.order
         if self._full is None:
-            self._full = _rank_share(o, self._order_of_epoch, 0)[1]
+            self._full = o.rank_share(self._order_of_epoch, 0)[1]
             self._order_of_epoch = None
         pos = self.start + (b - self.first) * o.world_size * o.batch_size
         rng = np.random.default_rng([o.seed & _SEED_MASK, int(self.epoch), o.rank, int(pos), 1])
@@ -205,19 +222,3 @@ class EpochShard:
             pick = np.concatenate([pick, rng.integers(0, m, size=k - m)])
         return self._full[pick]
 
-
-def _rank_share(order: ShardedOrder, full: np.ndarray, start: int) -> tuple[int, np.ndarray]:
-    """``(batches, indices)`` of ``order``'s rank in the epoch order ``full`` after ``start``."""
-    w, bs = order.world_size, order.batch_size
-    rest = full[start:]
-    m = len(rest)
-    if order.drop_last:
-        num_batches = m // (w * bs)
-        per_rank = num_batches * bs
-    else:
-        per_rank = math.ceil(m / w)
-        num_batches = math.ceil(per_rank / bs)
-    total = per_rank * w
-    if total > m:  # the padding rule: repeat the head of the epoch order
-        rest = np.concatenate([rest, np.resize(full, total - m)])
-    return num_batches, rest[:total][order.rank::w]

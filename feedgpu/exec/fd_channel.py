@@ -153,11 +153,10 @@ class Channel:
             size, nfds = _HEAD.unpack(head)
             blob = self._exact(size)
             if len(fds) != nfds or flags & socket.MSG_CTRUNC:
-                from ..errors import WorkerError
+                from . import fd_limit
 
-                raise WorkerError(f"a worker's batch came with {len(fds)} of its {nfds} shared-memory file "
-                                  "descriptors: this process is out of descriptors (raise `ulimit -n`, or use "
-                                  "torch.multiprocessing.set_sharing_strategy('file_system'))")
+                raise fd_limit.error(OSError(f"a worker's batch came with {len(fds)} of its {nfds} shared-memory "
+                                             "file descriptors"))
         except BaseException:
             _close_all(fds)
             raise

@@ -48,6 +48,7 @@ import weakref
 
 from ..epoch import close_live
 from ..errors import ConfigError, IteratorSuperseded, LoaderTimeout, StateError
+from . import datapipes
 from .host_buffers import pin
 from .iterable_pool import WorkerSet
 from .iterable_worker import Fetcher, is_stateful, unpack_error
@@ -268,6 +269,8 @@ class _InlineIter:
 
     def __init__(self, runner: IterableRunner, restore: dict | None):
         self.runner, self.closed, self.superseded = runner, False, False
+        if restore is None:   # an IterDataPipe's shuffle seed, drawn before the base seed as in torch
+            datapipes.reseed(runner.dataset, runner.generator)
         base_seed = restore["base_seed"] if restore is not None else draw_base_seed(runner.generator)
         start = restore["workers"][0] if restore is not None else None
         self.fetcher = Fetcher(runner.dataset, runner.batch_size, runner.drop_last, runner.collate_fn,
@@ -313,12 +316,18 @@ class _WorkerIter:
         self.runner, self.closed, self.superseded = runner, False, False
         n = runner.num_workers
         workers = runner._workers if runner.persistent_workers else None
+        fresh = restore is None and (workers is None or workers.closed)
+        if fresh:   # an IterDataPipe's shuffle seed, drawn before the base seed as in torch
+            datapipes.reseed(runner.dataset, runner.generator)
         if restore is not None:
             base_seed = restore["base_seed"]
         elif workers is not None:
             base_seed = workers.base_seed      # persistent workers are seeded once, as in torch
         else:
             base_seed = draw_base_seed(runner.generator)
+        # torch draws one more pipe seed per pass: persistent workers get it with the pass
+        pipe_seed = datapipes.draw(runner.generator) if restore is None and datapipes.is_datapipe(runner.dataset) \
+            else None
         if workers is None or workers.closed:
             workers = WorkerSet(runner, base_seed)
             if runner.persistent_workers:
@@ -334,7 +343,8 @@ class _WorkerIter:
         # a worker's state is known once it said "ready" (or when it was restored)
         self.unknown = set() if restore is not None or not runner.stateful else set(range(n))
         for w in range(n):
-            workers.reset(w, self.epoch, {"finished": True} if finished[w] else states[w])
+            workers.reset(w, self.epoch, {"finished": True} if finished[w] else states[w],
+                          None if fresh else pipe_seed)
             if finished[w] and not runner.persistent_workers:
                 workers.stop(w)
         self.yielded = 0
@@ -460,7 +470,8 @@ def runner_for_loader(dataset, *, shuffle=None, sampler=None, batch_sampler=None
                           "round-robin over the workers (exact resume needs it)")
     if pin_memory_device:
         raise ConfigError("pin_memory_device is deprecated in torch; pin_memory=True pins for the current device")
-    if shuffle not in (False, None):
+    dataset = datapipes.with_shuffle(dataset, shuffle)   # an IterDataPipe takes shuffle, as in torch
+    if shuffle not in (False, None) and not datapipes.is_datapipe(dataset):
         raise ConfigError(f"DataLoader with IterableDataset: expected unspecified shuffle option, but got "
                           f"shuffle={shuffle}")
     if sampler is not None:
@@ -480,4 +491,5 @@ def runner_for_loader(dataset, *, shuffle=None, sampler=None, batch_sampler=None
         raise ConfigError(f"{', '.join(given)}: feedgpu's options for map-style datasets and Pipelines; an "
                           "IterableDataset orders, shards and seeds itself (with get_worker_info() and the "
                           "loader's generator), as in torch")
+    kw["worker_init_fn"] = datapipes.sharded(dataset, num_workers, kw.get("worker_init_fn"))
     return IterableRunner(dataset, batch_size=batch_size, num_workers=num_workers, **kw)

@@ -26,6 +26,7 @@ import time
 import weakref
 
 from ..errors import LoaderTimeout, WorkerError
+from . import fd_limit
 from .iterable_worker import worker_loop
 from .pool_start import FORK_START_S, frozen_gc, stuck_fork
 
@@ -155,10 +156,11 @@ class WorkerSet:
         except (OSError, ValueError, EOFError):
             self.dead_conns.add(w)   # its death is reported when it is waited for
 
-    def reset(self, w: int, epoch: int, state) -> None:
-        """Start pass ``epoch`` in worker ``w`` (from ``state`` when not None)."""
+    def reset(self, w: int, epoch: int, state, pipe_seed: int | None = None) -> None:
+        """Start pass ``epoch`` in worker ``w`` (from ``state`` when not None; ``pipe_seed``: reseed
+        an ``IterDataPipe`` first)."""
         self.queues[w] = collections.deque(m for m in self.queues[w] if m[1] == epoch)
-        self._send(w, ("reset", epoch, self.prefetch, state))
+        self._send(w, ("reset", epoch, self.prefetch, state, pipe_seed))
 
     def credit(self, w: int, epoch: int) -> None:
         self._send(w, ("credit", epoch, 1))
@@ -185,9 +187,11 @@ class WorkerSet:
                         self.unheard.pop(w, None)
                     else:
                         self.queues[w].append(m)
-            except (EOFError, OSError):   # closed: the worker died (reported below) or is dying
+            except (EOFError, OSError) as e:   # closed: the worker died (reported below) or is dying
+                fd_limit.raise_if_out(e)
                 self.dead_conns.add(w)
             except Exception as e:  # noqa: BLE001 - a message this process cannot rebuild
+                fd_limit.raise_if_out(e)
                 if self.procs[w].exitcode is None:
                     raise WorkerError(f"a batch from DataLoader worker (pid {self.procs[w].pid}) could not be "
                                       f"received ({type(e).__name__}: {e}); what a batch holds must be importable in "

@@ -5,7 +5,8 @@ worker process (:func:`worker_loop`).
 Messages on a worker's duplex pipe (tuples, sent with multiprocessing's ForkingPickler, for
 which ``torch.multiprocessing`` registers tensor reductions: tensors travel in shared memory)::
 
-    main -> worker   ("reset", epoch, credits, state)   start a pass, from ``state`` if not None
+    main -> worker   ("reset", epoch, credits, state, pipe_seed)   start a pass, from ``state`` if not
+                     None (``pipe_seed``: reseed an IterDataPipe first)
                      ("credit", epoch, k)               produce k more batches of that pass
                      ("stop",)                          exit
     worker -> main   ("started", None)                  first, before anything else (see iterable_pool)
@@ -159,8 +160,12 @@ def _send(conn, msg: tuple, wid: int, epoch) -> None:
     except Exception as e:  # noqa: BLE001 - the batch cannot travel: say why instead of dying
         from ..errors import SharedMemoryError, WorkerError
 
-        if isinstance(e, OSError) and "space" in str(e).lower():
-            err: Exception = SharedMemoryError(
+        from . import fd_limit
+
+        if fd_limit.out_of_descriptors(e):
+            err: Exception = fd_limit.error(e)
+        elif isinstance(e, OSError) and "space" in str(e).lower():
+            err = SharedMemoryError(
                 f"a worker could not put its batch in shared memory ({type(e).__name__}: {e}); torch shares "
                 "tensors through /dev/shm: give the container more (docker --shm-size) or lower batch_size")
         else:
@@ -204,6 +209,10 @@ def worker_loop(wid: int, num_workers: int, dataset, conn, base_seed: int, init_
                     continue
                 # "reset": a new pass
                 epoch, credits, state = msg[1], msg[2], msg[3]
+                if len(msg) > 4 and msg[4] is not None:   # an IterDataPipe's seed for this pass
+                    from . import datapipes
+
+                    datapipes.apply_seed(dataset, msg[4])
                 fetcher, ended = None, False
                 if state is not None and state.get("finished"):
                     ended = True

@@ -43,6 +43,10 @@ def _unsendable(e: Exception) -> Exception:
     """Why a worker could not send its result back, as the error the main process raises."""
     import errno
 
+    from . import fd_limit
+
+    if fd_limit.out_of_descriptors(e):
+        return fd_limit.error(e)
     if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.ENOMEM) or "No space left" in str(e):
         from ..errors import SharedMemoryError
 

@@ -65,6 +65,7 @@ import time
 from typing import Any, Callable
 
 from ..errors import LoaderTimeout, WorkerError
+from . import fd_limit
 from .fd_channel import Channel
 from .pool_errors import _death, seconds_text, torch_death, unpack_exception  # noqa: F401  (importers' names)
 from .pool_start import FORK_START_S, frozen_gc, resolve_context, stuck_fork
@@ -357,9 +358,13 @@ class ProcessPool:
                 w = conns[conn]
                 try:
                     result = conn.recv()
-                except (EOFError, OSError, pickle.UnpicklingError):
+                except (EOFError, OSError, pickle.UnpicklingError) as e:
+                    fd_limit.raise_if_out(e)
                     self._ended(w)
                     continue
+                except Exception as e:  # noqa: BLE001 - torch's rebuild of a storage out of descriptors
+                    fd_limit.raise_if_out(e)
+                    raise
                 if self._accept(w, result):
                     return result
             for w in [w for w in self._workers.values() if not w.proc.is_alive() or self._stuck(w)]:

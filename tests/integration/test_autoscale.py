@@ -340,8 +340,13 @@ def test_windows_span_short_epochs_of_non_persistent_workers(no_leaked_workers):
 def test_more_workers_than_cores_warns():
     from feedgpu.exec.autoscale import cpu_cores
 
-    with pytest.warns(UserWarning, match="exceeds the .* cores"):
-        DataLoader(Tiny(), batch_size=4, num_workers=cpu_cores() + 1)
+    n = cpu_cores() + 1
+    with pytest.warns(UserWarning) as caught:   # torch's words, which log filters and tests look for
+        DataLoader(Tiny(), batch_size=4, num_workers=n)
+    message = str(caught[0].message)
+    assert "excessive worker creation might get DataLoader running slow or even freeze" in message
+    assert f"will create {n} worker processes" in message and f"is {n - 1}," in message
+    assert caught[0].filename == __file__   # points at the caller's line
 
 
 class SlowSeven(tud.Dataset):

@@ -140,4 +140,4 @@ def test_out_of_descriptors_raises_a_clear_error():
         p.join(10)
         tx.close()
         rep_rx.close()
-    assert "out of descriptors" in msg and "ulimit -n" in msg, msg
+    assert "Too many open files" in msg and "ulimit -n" in msg and "set_sharing_strategy" in msg, msg

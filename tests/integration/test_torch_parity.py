@@ -263,10 +263,10 @@ def test_a_distributed_sampler_chooses_the_shard_and_the_epoch():
     for e in range(2):
         both = seen[0][e] + seen[1][e]
         assert len(both) == 24 and set(both) == set(range(23))  # one repeat pads 23 to 2 x 12
-    # the shard is feedgpu's order for that epoch, rank and world size
-    ref = DataLoader(ds, batch_size=4, seed=5, shuffle=True, rank=1, world_size=2)
-    ref.set_epoch(2)
-    assert _flat(ref) == seen[1][1]
+    # the shard is the sampler's own, as torch's loader reads it (its seed, not the loader's)
+    s = tud.DistributedSampler(ds, num_replicas=2, rank=1, shuffle=True, seed=0)
+    s.set_epoch(2)
+    assert _flat(tud.DataLoader(ds, batch_size=4, sampler=s)) == seen[1][1]
 
 
 def test_rebuilding_from_the_attributes_as_lightning_does_keeps_the_settings(sources):
