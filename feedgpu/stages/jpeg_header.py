@@ -245,16 +245,18 @@ def scan_end_error(data) -> str | None:
     return None
 
 
-def _first_scan(data) -> int | None:
-    """Offset just past the first SOS segment's header, or None when the markers before it do
-    not parse."""
+def _segments(data):
+    """The marker segments of a JPEG up to its first scan: ``(code, offset of the marker, length
+    of the segment after the marker)``, the last one the SOS; stops early (no SOS) where the
+    markers do not parse: not a JPEG, a byte that is not a marker, a second SOI or an EOI, a
+    length below 2. Fill bytes and markers without a length are passed over."""
     n = len(data)
     if n < 4 or data[0] != 0xFF or data[1] != 0xD8:
-        return None
+        return
     pos = 2
     while pos + 4 <= n:
         if data[pos] != 0xFF:
-            return None
+            return
         code = data[pos + 1]
         if code == 0xFF:
             pos += 1
@@ -263,13 +265,23 @@ def _first_scan(data) -> int | None:
             pos += 2
             continue
         if code in (0xD8, 0xD9):
-            return None
+            return
         length = (data[pos + 2] << 8) | data[pos + 3]
         if length < 2:
-            return None
-        pos += 2 + length
+            return
+        yield code, pos, length
         if code == 0xDA:
-            return pos if pos <= n else None
+            return
+        pos += 2 + length
+
+
+def _first_scan(data) -> int | None:
+    """Offset just past the first SOS segment's header, or None when the markers before it do
+    not parse."""
+    for code, pos, length in _segments(data):
+        if code == 0xDA:
+            end = pos + 2 + length
+            return end if end <= len(data) else None
     return None
 
 
@@ -286,24 +298,9 @@ def frame_rows(data) -> tuple[int, int] | None:
     Giving libjpeg the same file with a smaller height ``r`` (:func:`with_rows`) decodes the first
     ``r`` rows only, and all but the last ``8 * factor`` of them (one row of MCUs: its chroma
     upsampling would lack the row below) are the full decode's rows to the bit."""
-    n = len(data)
-    if n < 4 or data[0] != 0xFF or data[1] != 0xD8:
-        return None
-    pos, found = 2, None
-    while pos + 4 <= n:
-        if data[pos] != 0xFF:
-            return None
-        code = data[pos + 1]
-        if code == 0xFF:
-            pos += 1
-            continue
-        if code in _STANDALONE or code == 0x01:
-            pos += 2
-            continue
-        if code in (0xD8, 0xD9):
-            return None
-        length = (data[pos + 2] << 8) | data[pos + 3]
-        if length < 2 or pos + 2 + length > n:
+    found = None
+    for code, pos, length in _segments(data):
+        if pos + 2 + length > len(data):
             return None
         if code in _SOF:
             if found is not None or code not in _ROWS_SOF or length < 8:
@@ -318,7 +315,6 @@ def frame_rows(data) -> tuple[int, int] | None:
             found = (pos + 5, vmax)
         if code == 0xDA:
             return found
-        pos += 2 + length
     return None
 
 
