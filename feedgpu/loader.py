@@ -25,8 +25,8 @@ from .exec.process_pool import ProcessPool
 from .metrics import ExecutorTotals, LoaderStats
 from .orders import (OrderRandomSampler, OrderSampler, OrderSequentialSampler, UserOrder, order_len,
                      reads_as_sharding, shard_settings, sharded)
-from .loader_setup import (_UNSET, ArgumentTypeError, init_iterable, refuse_combinations, resolve_settings,
-                           with_sections, worker_count)
+from .loader_setup import (_UNSET, ArgumentTypeError, init_iterable, refuse_combinations, refuse_unagreed_seed,
+                           resolve_settings, with_sections, worker_count)
 from .loader_stats import loader_stats, source_fingerprint
 from .pipeline import Pipeline
 from .remote.ahead_loader import auto_attach
@@ -198,6 +198,8 @@ class DataLoader(tud.DataLoader[T_co]):
         if seed is None:
             import torch
 
+            if p is None and generator is None:
+                refuse_unagreed_seed(shuffled, rank, world_size)
             seed = p.seed if p is not None and generator is None else \
                 int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
         self.seed = int(seed)

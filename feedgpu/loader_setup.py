@@ -56,6 +56,19 @@ class _Unbatched:
         return self.collate_fn(items[0])
 
 
+def refuse_unagreed_seed(shuffle: bool, rank, world_size) -> None:
+    """Refuse a shuffled order sharded by the loader's own ``rank``/``world_size`` whose seed
+    would be drawn from each process's torch RNG: given explicitly, the ranks do not exchange
+    rank 0's seed (as they do when the shards come from ``torch.distributed``), and ranks whose
+    RNGs differ would read overlapping shards (samples repeated, others never read). Called when
+    neither ``seed``, a ``generator`` nor a pipeline gives the seed. Raises :class:`ConfigError`."""
+    if shuffle and (world_size or 1) > 1:
+        raise ConfigError(f"rank={rank}, world_size={world_size} shard a shuffled order whose seed each process "
+                          "draws from its own torch RNG: "
+                          "give seed= (the same on every rank) or a generator seeded alike, so that every rank "
+                          "draws the same permutation")
+
+
 def refuse_combinations(in_order, pin_memory_device, batch_size, shuffle, sampler, batch_sampler, drop_last) -> None:
     """Raise :class:`ConfigError` for the argument combinations torch refuses (its own words) and
     for the two feedgpu cannot honour (``in_order=False``, ``pin_memory_device``)."""

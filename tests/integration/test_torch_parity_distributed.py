@@ -332,3 +332,26 @@ def test_a_pipeline_reads_the_samplers_split(num_workers):
         loader = DataLoader(pipe, sampler=s, batch_size=4, num_workers=num_workers)
         labels = [int(k) for b in loader for k in b.labels]
         assert labels == list(iter(s)) and len(loader) == 2
+
+
+def test_explicit_ranks_of_a_shuffled_dataset_need_one_seed():
+    """rank=/world_size= given to the loader shard feedgpu's shuffled order with no exchange
+    between the ranks: a seed drawn from each process's torch RNG (seeded differently per rank,
+    as separately started processes may be) would give overlapping shards, so it is refused;
+    seed= (or a generator seeded alike) makes the ranks cover the data once."""
+    from feedgpu.errors import ConfigError
+
+    ds = Items(30)
+    torch.manual_seed(0)
+    with pytest.raises(ConfigError, match="give seed="):
+        DataLoader(ds, batch_size=5, shuffle=True, rank=0, world_size=2)
+    seen = []
+    for rank in range(2):
+        torch.manual_seed(rank)   # each process's own RNG
+        seen += [int(i) for b in DataLoader(ds, batch_size=5, shuffle=True, rank=rank, world_size=2, seed=7)
+                 for i in b]
+        seen += [int(i) for b in DataLoader(ds, batch_size=5, shuffle=True, rank=rank, world_size=2,
+                                            generator=torch.Generator().manual_seed(3)) for i in b]
+    assert sorted(seen) == sorted(list(range(30)) * 2)
+    # unshuffled, the seed plays no part: no refusal
+    assert len(list(DataLoader(ds, batch_size=5, rank=1, world_size=2))) == 3
