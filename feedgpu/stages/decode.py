@@ -35,10 +35,11 @@ in a TIFF without libtiff: Pillow-SIMD is often built without libwebp or libtiff
 from __future__ import annotations
 
 import io
-from typing import Any, Literal, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
+from pydantic import BeforeValidator
 
 from ..errors import ConfigError, DecodeError
 from ..spec import ImageSpec
@@ -61,8 +62,8 @@ _TRANSPOSE = {
 }
 UNKNOWN_KEY = "?"
 _ALPHA_MODES = {"LA", "La", "RGBA", "RGBa", "PA"}
-#: ``reduce``'s values (see :class:`Decode`)
-Reduce = Literal["auto", "off", "rows"]
+#: ``reduce``'s values (see :class:`Decode`); YAML 1.1 reads a bare ``off`` as false, taken as "off"
+Reduce = Annotated[Literal["auto", "off", "rows"], BeforeValidator(lambda v: "off" if v is False else v)]
 #: ``reduce``'s default: the full decode's pixels (the choice against ``"auto"`` is measured in
 #: bench/results/decode_quality.md)
 DEFAULT_REDUCE = "rows"

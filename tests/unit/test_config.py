@@ -96,6 +96,17 @@ def test_wrong_value_lists_the_allowed_values(tmp_path, train_data):
         assert f"'{name}'" in msg
 
 
+def test_decode_reduce_off_unquoted_in_yaml(tmp_path):
+    """YAML 1.1 reads a bare ``off`` as false: ``reduce: off`` as the docs write it means "off"."""
+    path = tmp_path / "p.yaml"
+    path.write_text("source: {format: folder, path: %s}\nstages:\n  - op: decode\n    reduce: off\n"
+                    "  - {op: resize_center_crop, resize: 32, crop: 32}\n  - op: normalize\n" % tmp_path)
+    assert Pipeline.from_yaml(path).stages[0].reduce == "off"
+    path.write_text(path.read_text().replace("reduce: off", "reduce: on"))   # true: not a value of reduce
+    with pytest.raises(ConfigError, match="reduce"):
+        Pipeline.from_yaml(path)
+
+
 def test_unknown_op_lists_the_allowed_ops(tmp_path, train_data):
     train_data["stages"][2] = {"op": "blur", "sigma": 2}
     with pytest.raises(ConfigError) as info:
