@@ -88,8 +88,8 @@ def list_folder(folder: str, kind: str) -> list[str]:
         compressed.sort()
         raise SourceError(f"tar source: {len(compressed)} compressed shard(s) in {folder}, which cannot be read "
                           f"by random access: {', '.join(compressed[:10])}" + (" ..." if len(compressed) > 10 else "")
-                          + "; decompress them to .tar (gunzip, xz -d, zstd -d) or convert them with "
-                          "`feedgpu convert`")
+                          + "; decompress them to plain .tar shards (gunzip, bunzip2, xz -d, zstd -d, "
+                          "lz4 -d), beside or instead of the compressed ones")
     parts = []
     if other:
         what = "tar shards (.tar)" if kind == "tar" else f"Parquet files ({', '.join(PARQUET_EXTENSIONS)})"
