@@ -89,7 +89,7 @@ def list_folder(folder: str, kind: str) -> list[str]:
         raise SourceError(f"tar source: {len(compressed)} compressed shard(s) in {folder}, which cannot be read "
                           f"by random access: {', '.join(compressed[:10])}" + (" ..." if len(compressed) > 10 else "")
                           + "; decompress them to plain .tar shards (gunzip, bunzip2, xz -d, zstd -d, "
-                          "lz4 -d), beside or instead of the compressed ones")
+                          "lz4 -d) in a folder without them, or name the plain shards by a glob or a list")
     parts = []
     if other:
         what = "tar shards (.tar)" if kind == "tar" else f"Parquet files ({', '.join(PARQUET_EXTENSIONS)})"
