@@ -362,5 +362,7 @@ class Source:
                           + "); source.rejected lists them all, `feedgpu scan` reports them", stacklevel=3)
 
     def describe(self) -> str:
-        n = self.classes.size if isinstance(self.classes, ClassNames) else len(self.classes)
-        return f"{self.format} source, {len(self)} samples, {n} classes"
+        c = self.classes
+        if isinstance(c, ClassNames) and not c.named and len(c.present) != c.size:   # sparse integer labels
+            return f"{self.format} source, {len(self)} samples, {len(c.present)} distinct labels (largest {c.size - 1})"
+        return f"{self.format} source, {len(self)} samples, {c.size if isinstance(c, ClassNames) else len(c)} classes"
