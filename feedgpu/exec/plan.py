@@ -78,7 +78,7 @@ class Plan:
         rows = [("source", "-", "cpu pool (read)", "-", BYTES.describe())]
         for i, s in enumerate(self.steps):
             kind = "batch" if isinstance(s.stage, BatchStage) else "sample"
-            rows.append((s.stage.name, kind, s.where, "yes" if s.stage.deterministic else "no (seeded)",
+            rows.append((s.stage.explain_name(), kind, s.where, "yes" if s.stage.deterministic else "no (seeded)",
                          s.out.describe()))
             if cached and i + 1 == self.cache_prefix:
                 rows.append(self.cache_cut.describe(None if cached is True else cached))

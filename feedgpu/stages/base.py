@@ -56,6 +56,12 @@ class Stage:
     def out_spec(self, spec: ImageSpec) -> ImageSpec:
         return spec
 
+    def explain_name(self) -> str:
+        """How ``pipeline explain`` names the stage: its ``name``, and a setting that changes what
+        it computes from its default (e.g. ``decode (reduce=auto)``, whose pixels are close to,
+        not equal to, a full decode's)."""
+        return self.name
+
     def torch_baseline(self) -> list:
         """The torchvision-style callables doing this stage's work the way a plain
         ``torch.utils.data`` user writes it (PIL in, PIL out; a batch stage: PIL in, tensor

@@ -99,6 +99,9 @@ class Decode(SampleStage):
         self.max_pixels = int(max_pixels)
         self.background = tuple(int(c) for c in background)
 
+    def explain_name(self) -> str:
+        return self.name if self.reduce == DEFAULT_REDUCE else f"{self.name} (reduce={self.reduce})"
+
     def config(self) -> dict[str, Any]:
         return {"exif_orientation": self.exif_orientation, "max_pixels": self.max_pixels,
                 "background": list(self.background), "reduce": self.reduce}
