@@ -3,27 +3,38 @@
 (:mod:`~feedgpu.torchvision.compile`), run by :class:`~feedgpu.torchvision.work.TorchvisionWork`
 in feedgpu's workers. The loader keeps torch's behaviour for everything around the samples
 (samplers, ``collate_fn``, ``pin_memory``, ``drop_last``, ``generator``, sharding,
-``state_dict()``), as for any map-style Dataset."""
+``state_dict()``), as for any map-style Dataset.
+
+The dataset is followed as torch's loader reads it: when an iteration starts, a ``transform``,
+``target_transform`` or ``Subset.indices`` reassigned since the backend was made is recognised and
+compiled again (:func:`follow_dataset`), unless persistent workers are running, which keep the
+dataset as it was when they started, as torch's do."""
 from __future__ import annotations
 
 import logging
 
 from .compile import FEEDGPU, Compiled, compile_transform
-from .recognise import Found, recognise
+from .recognise import Found, dataset_key, recognise, same_key
 from .work import TorchvisionWork
 
-__all__ = ["TorchvisionBackend", "backend_for", "explain_loader"]
+__all__ = ["TorchvisionBackend", "backend_for", "explain_loader", "follow_dataset"]
 
 log = logging.getLogger("feedgpu.torchvision")
 
 
 class TorchvisionBackend:
     """A recognised dataset and its compiled transform. ``found``: the dataset;
-    ``compiled``: the transform's ops, tail and explain rows."""
+    ``compiled``: the transform's ops, tail and explain rows; ``key``: what they were made from
+    (:func:`~feedgpu.torchvision.recognise.dataset_key`)."""
 
     def __init__(self, found: Found, compiled: Compiled):
         self.found, self.compiled = found, compiled
+        self.key = dataset_key(found.outer)
         self._logged = False
+
+    def current(self, dataset) -> bool:
+        """Whether ``dataset`` is still what this backend was made from."""
+        return dataset is self.found.outer and same_key(self.key, dataset_key(dataset))
 
     def make_work(self, loader) -> TorchvisionWork:
         """The work for ``loader``'s current settings; logs :meth:`summary` at INFO the first time
@@ -74,14 +85,43 @@ def backend_for(dataset, compile: bool = True) -> tuple[TorchvisionBackend | Non
     return TorchvisionBackend(found, compile_transform(found.base.transform)), ""
 
 
+def _workers_keep_copy(loader) -> bool:
+    """Persistent workers are running: they keep the dataset they started with (torch's too)."""
+    pool = loader._pool
+    return bool(loader.persistent_workers) and pool is not None and not pool.closed
+
+
+def follow_dataset(loader) -> None:
+    """At the start of an iteration of ``loader``: when its torchvision dataset changed since the
+    backend was made (a ``transform``, ``target_transform``, ``loader`` or ``Subset.indices``
+    reassigned, a transform's parameters changed), recognise and compile it again, so the
+    iteration runs what torch's loader would run. Not while persistent workers run: they keep
+    their copy, as torch's workers do (``loader.shutdown()`` restarts them with the dataset of now)."""
+    backend = getattr(loader, "_torchvision", None)
+    if backend is None or backend.current(loader.dataset) or _workers_keep_copy(loader):
+        return
+    loader._release_pool(force=True)   # the work made from the old dataset goes
+    loader._torchvision, loader._plain_why = backend_for(loader.dataset, loader.compile)
+
+
 def explain_loader(loader) -> str:
     """:meth:`feedgpu.DataLoader.explain`: a pipeline's plan, a torchvision dataset's transforms
     (compiled or run as Python, and why), or a plain Dataset and why it was not compiled."""
     if loader.pipeline is not None:
         return loader.pipeline.explain(loader._device)
     backend = getattr(loader, "_torchvision", None)
+    if backend is not None and not backend.current(loader.dataset):
+        if _workers_keep_copy(loader):
+            return backend.explain() + "\nthe dataset changed since the persistent workers started: they keep it as " \
+                                       "it was (as torch's do) until loader.shutdown()"
+        backend, why = backend_for(loader.dataset, loader.compile)   # what the next iteration compiles
+        if backend is None:
+            return _plain(loader, why)
     if backend is not None:
         return backend.explain()
-    why = getattr(loader, "_plain_why", "an IterableDataset: run as torch runs it")
+    return _plain(loader, getattr(loader, "_plain_why", "an IterableDataset: run as torch runs it"))
+
+
+def _plain(loader, why: str) -> str:
     return (f"dataset: {type(loader.dataset).__name__} (dataset[i] in feedgpu's workers, then collate_fn, "
             f"as torch's loader)\nnot compiled: {why}")
