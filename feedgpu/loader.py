@@ -104,7 +104,7 @@ class DataLoader(tud.DataLoader[T_co]):
             share of the available memory divided by the workers. Sizes the source's read cache, caps the
             prefetch depth and the balancer's pool (:mod:`feedgpu.exec.memory_budget`); not for an ``IterableDataset``.
         compile: for a torchvision ``ImageFolder``/``DatasetFolder`` (also in ``Subset``), compile its
-            transforms into feedgpu stages (:mod:`feedgpu.torchvision`; :meth:`explain` shows what ran
+            transforms into feedgpu ops (:mod:`feedgpu.torchvision`; :meth:`explain` shows what ran
             where). Default True; False runs it as a plain Dataset.
 
     Yields :class:`~feedgpu.exec.work.Batch` ``(images, labels)`` for pipelines, ``collate_fn``'s

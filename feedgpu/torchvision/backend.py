@@ -12,6 +12,7 @@ dataset as it was when they started, as torch's do."""
 from __future__ import annotations
 
 import logging
+import textwrap
 
 from .compile import FEEDGPU, Compiled, compile_transform
 from .recognise import Found, dataset_key, recognise, same_key
@@ -49,7 +50,7 @@ class TorchvisionBackend:
         """One line: how many transforms were compiled and what runs as Python, and why."""
         rows = self.compiled.rows
         n = sum(r.where == FEEDGPU for r in rows)
-        text = f"feedgpu.DataLoader: {self.found.describe()}: {n} of {len(rows)} transforms compiled into feedgpu stages"
+        text = f"feedgpu.DataLoader: {self.found.describe()}: {n} of {len(rows)} transforms compiled into feedgpu ops"
         py = [r for r in rows if r.where != FEEDGPU]
         if py:
             text += f"; as Python in the workers: {', '.join(r.transform.split('(')[0] for r in py)} " \
@@ -57,19 +58,24 @@ class TorchvisionBackend:
         return text
 
     def explain(self) -> str:
-        """A table: each transform, where it runs, the feedgpu stage it compiled to, and why
-        the ones that are not compiled are not."""
+        """A table: each transform (its whole repr, wrapped), where it runs, the op it compiled to,
+        and why the ones that are not compiled are not. Compiled ops are not pipeline stages
+        (``feedgpu stages``): they run torchvision's kernels with feedgpu's draws."""
         base = self.found.base
         lines = [f"dataset: {self.found.describe()}",
                  "backend: torchvision (files read with the dataset's loader, PIL, in feedgpu's workers)",
-                 f"{'#':>2}  {'transform':<60}  {'runs as':<36}  {'stage':<20}  why not compiled"]
+                 f"{'#':>2}  {'transform':<60}  {'runs as':<36}  {'compiled op':<20}  why not compiled"]
         for i, r in enumerate(self.compiled.rows):
-            lines.append(f"{i:>2}  {r.transform[:60]:<60}  {r.where:<36}  {r.stage:<20}  {r.why}")
+            text = textwrap.wrap(r.transform, 60, break_on_hyphens=False) or [""]
+            lines.append(f"{i:>2}  {text[0]:<60}  {r.where:<36}  {r.stage:<20}  {r.why}".rstrip())
+            lines += [f"    {more}" for more in text[1:]]
         if not self.compiled.rows:
             lines.append("    (no transform: samples are the loader's PIL images)")
         tt = base.target_transform
         lines.append(f"target_transform: {'none' if tt is None else repr(tt) + ' (python, in the workers)'}")
-        lines.append("random stages draw per sample from (seed, epoch, sample index): reproducible for any "
+        lines.append("compiled ops run torchvision's own kernels in feedgpu's workers; they are not pipeline stages "
+                     "(feedgpu stages; feedgpu.torchvision.pipeline_yaml(ds) writes the pipeline of this dataset)")
+        lines.append("random ops draw per sample from (seed, epoch, sample index): reproducible for any "
                      "worker count; transforms run as Python draw from torch's RNG, seeded as torch seeds workers")
         return "\n".join(lines)
 

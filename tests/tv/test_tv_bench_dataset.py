@@ -26,7 +26,7 @@ def test_bench_dataset_runs_both_loaders(folder_ds, tmp_path):
                           "--json", str(out)], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=240)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "feedgpu.DataLoader / torch's DataLoader:" in res.stdout
-    assert "feedgpu has no stage for ColorJitter" in res.stdout
+    assert "feedgpu has no compiled op for ColorJitter" in res.stdout
     doc = json.loads(out.read_text())
     assert set(doc["runs"]) == {"torch", "feedgpu"} and doc["samples"] == 120
     assert all(r["samples_per_s"] > 0 for v in doc["runs"].values() for r in v)
