@@ -14,11 +14,12 @@ from __future__ import annotations
 import logging
 import textwrap
 
+from ..errors import ConfigError
 from .compile import FEEDGPU, Compiled, compile_transform
 from .recognise import Found, dataset_key, recognise, same_key
 from .work import TorchvisionWork
 
-__all__ = ["TorchvisionBackend", "backend_for", "explain_loader", "follow_dataset"]
+__all__ = ["TorchvisionBackend", "backend_for", "explain_loader", "follow_dataset", "refuse_changed_origin"]
 
 log = logging.getLogger("feedgpu.torchvision")
 
@@ -97,16 +98,33 @@ def _workers_keep_copy(loader) -> bool:
     return bool(loader.persistent_workers) and pool is not None and not pool.closed
 
 
+def refuse_changed_origin(pipeline) -> None:
+    """Raise :class:`ConfigError` when the torchvision dataset a DALI pipeline was made from
+    (:func:`~feedgpu.torchvision.dali.dali_pipeline`) changed since (a ``transform`` or
+    ``target_transform`` reassigned, a parameter set in place): the pipeline holds the recipe as
+    it was, and running it would give other samples than torch's loader gives."""
+    origin = getattr(pipeline, "torchvision_origin", None)
+    if origin is not None and not same_key(origin[1], dataset_key(origin[0])):
+        raise ConfigError(f"engine='dali': the {type(origin[0]).__name__}'s transform changed since the loader was "
+                          "built, and DALI runs the recipe as it was then; build a new feedgpu.DataLoader for the new "
+                          "recipe (or leave engine out: the Python engine follows the dataset at each iteration)")
+
+
 def follow_dataset(loader) -> None:
     """At the start of an iteration of ``loader``: when its torchvision dataset changed since the
     backend was made (a ``transform``, ``target_transform``, ``loader`` or ``Subset.indices``
     reassigned, a transform's parameters changed), recognise and compile it again, so the
     iteration runs what torch's loader would run. Not while persistent workers run: they keep
-    their copy, as torch's workers do (``loader.shutdown()`` restarts them with the dataset of now)."""
+    their copy, as torch's workers do (``loader.shutdown()`` restarts them with the dataset of now).
+    With ``engine="dali"`` (the recipe converted to a pipeline) a changed dataset raises
+    :class:`~feedgpu.errors.ConfigError` instead."""
+    if loader.pipeline is not None:
+        return refuse_changed_origin(loader.dataset)   # engine="dali": the pipeline made at construction
     backend = getattr(loader, "_torchvision", None)
     if backend is None or backend.current(loader.dataset) or _workers_keep_copy(loader):
         return
     loader._release_pool(force=True)   # the work made from the old dataset goes
+    loader._fingerprint = None   # state_dict()'s: the dataset's length may have changed
     loader._torchvision, loader._plain_why = backend_for(loader.dataset, loader.compile)
 
 
