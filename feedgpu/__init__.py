@@ -3,7 +3,8 @@
 ``import feedgpu`` needs neither a GPU nor NVIDIA DALI; nothing here touches CUDA. The public
 names below are imported on first use (:pep:`562`), so ``import feedgpu`` and the command line's
 help and listings do not pay for torch: ``feedgpu.DataLoader`` imports the loader (and torch)
-the first time it is read.
+the first time it is read. The subpackages :mod:`feedgpu.torchvision` and
+:mod:`feedgpu.integrations` are reachable as attributes the same way.
 """
 import importlib
 
@@ -31,7 +32,14 @@ _LAZY = {
 }
 
 
+#: subpackages reachable as attributes (``feedgpu.torchvision.pipeline_yaml``), imported when first
+#: read; ``import feedgpu`` imports neither (nor torchvision: feedgpu.torchvision never imports it)
+_SUBPACKAGES = ("integrations", "torchvision")
+
+
 def __getattr__(name: str):
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f".{name}", __name__)   # the import sets the attribute too
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -41,4 +49,4 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted(set(globals()) | set(__all__) | set(_SUBPACKAGES))

@@ -32,7 +32,7 @@ from .pipeline import Pipeline
 from .remote.ahead_loader import auto_attach
 from .sampler_split import follow_sampler_epoch, split_order
 from .sampling import ShardedOrder
-from .torchvision import backend_for, dali_pipeline, explain_loader
+from .torchvision import backend_for, dali_pipeline, explain_loader, follow_dataset
 
 T_co = TypeVar("T_co", covariant=True)
 # torch's DataLoader refuses to change these once it is built (ValueError); so does feedgpu's
@@ -104,7 +104,7 @@ class DataLoader(tud.DataLoader[T_co]):
             share of the available memory divided by the workers. Sizes the source's read cache, caps the
             prefetch depth and the balancer's pool (:mod:`feedgpu.exec.memory_budget`); not for an ``IterableDataset``.
         compile: for a torchvision ``ImageFolder``/``DatasetFolder`` (also in ``Subset``), compile its
-            transforms into feedgpu stages (:mod:`feedgpu.torchvision`; :meth:`explain` shows what ran
+            transforms into feedgpu ops (:mod:`feedgpu.torchvision`; :meth:`explain` shows what ran
             where). Default True; False runs it as a plain Dataset.
 
     Yields :class:`~feedgpu.exec.work.Batch` ``(images, labels)`` for pipelines, ``collate_fn``'s
@@ -347,6 +347,7 @@ class DataLoader(tud.DataLoader[T_co]):
         if self._iterable is not None:
             return iter(self._iterable)
         self._close_live(superseded=True)
+        follow_dataset(self)   # a torchvision dataset's transform or Subset.indices reassigned: compiled anew
         if reads_as_sharding(self.sampler):
             follow_sampler_epoch(self)   # the DistributedSampler's epoch, as torch's loader reads it
         order = self._sharded_order()

@@ -22,7 +22,25 @@ def _load(ref: str):
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
     factory = import_callable(ref, what="bench --dataset")
-    return factory()
+    return _checked(ref, factory())
+
+
+def _checked(ref: str, ds):
+    """``ds`` when both loaders can measure it: a map-style Dataset (``__getitem__`` and
+    ``__len__``, as torch's loader reads one; the runs shuffle). Raises
+    :class:`~feedgpu.errors.ConfigError` naming what the factory returned otherwise."""
+    import torch.utils.data as tud
+
+    from ..errors import ConfigError
+
+    what = f"bench --dataset: {ref!r} returned {ds!r:.80} ({type(ds).__name__})"
+    if isinstance(ds, tud.IterableDataset):
+        raise ConfigError(f"{what}, an IterableDataset: bench --dataset measures map-style Datasets "
+                          "(shuffled, as a training loop reads them); return one with __getitem__ and __len__")
+    if not (hasattr(ds, "__getitem__") and hasattr(ds, "__len__")) or isinstance(ds, (str, bytes)):
+        raise ConfigError(f"{what}, not a Dataset: the factory must return a map-style Dataset (a "
+                          "torch.utils.data.Dataset with __getitem__ and __len__, e.g. an ImageFolder)")
+    return ds
 
 
 def _endless(loader):
@@ -54,7 +72,7 @@ def compare_dataset(ref: str, workers: int = 2, batch_size: int = 64, batches: i
     rounds, the order alternating, each run ``batches`` batches after ``warmup``. Returns
     ``{"dataset", "settings", "runs": {loader: [run, ...]}, "median": {loader: samples/s},
     "ratio", "explain"}``. Raises :class:`~feedgpu.errors.ConfigError` when ``ref`` does not
-    import, and whatever the factory or the loaders raise."""
+    import or its factory returns no map-style Dataset, and whatever the factory or the loaders raise."""
     import torch.utils.data as tud
 
     import feedgpu

@@ -3,27 +3,40 @@
 (:mod:`~feedgpu.torchvision.compile`), run by :class:`~feedgpu.torchvision.work.TorchvisionWork`
 in feedgpu's workers. The loader keeps torch's behaviour for everything around the samples
 (samplers, ``collate_fn``, ``pin_memory``, ``drop_last``, ``generator``, sharding,
-``state_dict()``), as for any map-style Dataset."""
+``state_dict()``), as for any map-style Dataset.
+
+The dataset is followed as torch's loader reads it: when an iteration starts, a ``transform``,
+``target_transform`` or ``Subset.indices`` reassigned since the backend was made is recognised and
+compiled again (:func:`follow_dataset`), unless persistent workers are running, which keep the
+dataset as it was when they started, as torch's do."""
 from __future__ import annotations
 
 import logging
+import textwrap
 
+from ..errors import ConfigError
 from .compile import FEEDGPU, Compiled, compile_transform
-from .recognise import Found, recognise
+from .recognise import Found, dataset_key, recognise, same_key
 from .work import TorchvisionWork
 
-__all__ = ["TorchvisionBackend", "backend_for", "explain_loader"]
+__all__ = ["TorchvisionBackend", "backend_for", "explain_loader", "follow_dataset", "refuse_changed_origin"]
 
 log = logging.getLogger("feedgpu.torchvision")
 
 
 class TorchvisionBackend:
     """A recognised dataset and its compiled transform. ``found``: the dataset;
-    ``compiled``: the transform's ops, tail and explain rows."""
+    ``compiled``: the transform's ops, tail and explain rows; ``key``: what they were made from
+    (:func:`~feedgpu.torchvision.recognise.dataset_key`)."""
 
     def __init__(self, found: Found, compiled: Compiled):
         self.found, self.compiled = found, compiled
+        self.key = dataset_key(found.outer)
         self._logged = False
+
+    def current(self, dataset) -> bool:
+        """Whether ``dataset`` is still what this backend was made from."""
+        return dataset is self.found.outer and same_key(self.key, dataset_key(dataset))
 
     def make_work(self, loader) -> TorchvisionWork:
         """The work for ``loader``'s current settings; logs :meth:`summary` at INFO the first time
@@ -38,7 +51,7 @@ class TorchvisionBackend:
         """One line: how many transforms were compiled and what runs as Python, and why."""
         rows = self.compiled.rows
         n = sum(r.where == FEEDGPU for r in rows)
-        text = f"feedgpu.DataLoader: {self.found.describe()}: {n} of {len(rows)} transforms compiled into feedgpu stages"
+        text = f"feedgpu.DataLoader: {self.found.describe()}: {n} of {len(rows)} transforms compiled into feedgpu ops"
         py = [r for r in rows if r.where != FEEDGPU]
         if py:
             text += f"; as Python in the workers: {', '.join(r.transform.split('(')[0] for r in py)} " \
@@ -46,19 +59,24 @@ class TorchvisionBackend:
         return text
 
     def explain(self) -> str:
-        """A table: each transform, where it runs, the feedgpu stage it compiled to, and why
-        the ones that are not compiled are not."""
+        """A table: each transform (its whole repr, wrapped), where it runs, the op it compiled to,
+        and why the ones that are not compiled are not. Compiled ops are not pipeline stages
+        (``feedgpu stages``): they run torchvision's kernels with feedgpu's draws."""
         base = self.found.base
         lines = [f"dataset: {self.found.describe()}",
                  "backend: torchvision (files read with the dataset's loader, PIL, in feedgpu's workers)",
-                 f"{'#':>2}  {'transform':<60}  {'runs as':<36}  {'stage':<20}  why not compiled"]
+                 f"{'#':>2}  {'transform':<60}  {'runs as':<36}  {'compiled op':<20}  why not compiled"]
         for i, r in enumerate(self.compiled.rows):
-            lines.append(f"{i:>2}  {r.transform[:60]:<60}  {r.where:<36}  {r.stage:<20}  {r.why}")
+            text = textwrap.wrap(r.transform, 60, break_on_hyphens=False) or [""]
+            lines.append(f"{i:>2}  {text[0]:<60}  {r.where:<36}  {r.stage:<20}  {r.why}".rstrip())
+            lines += [f"    {more}" for more in text[1:]]
         if not self.compiled.rows:
             lines.append("    (no transform: samples are the loader's PIL images)")
         tt = base.target_transform
         lines.append(f"target_transform: {'none' if tt is None else repr(tt) + ' (python, in the workers)'}")
-        lines.append("random stages draw per sample from (seed, epoch, sample index): reproducible for any "
+        lines.append("compiled ops run torchvision's own kernels in feedgpu's workers; they are not pipeline stages "
+                     "(feedgpu stages; feedgpu.torchvision.pipeline_yaml(ds) writes the pipeline of this dataset)")
+        lines.append("random ops draw per sample from (seed, epoch, sample index): reproducible for any "
                      "worker count; transforms run as Python draw from torch's RNG, seeded as torch seeds workers")
         return "\n".join(lines)
 
@@ -74,14 +92,60 @@ def backend_for(dataset, compile: bool = True) -> tuple[TorchvisionBackend | Non
     return TorchvisionBackend(found, compile_transform(found.base.transform)), ""
 
 
+def _workers_keep_copy(loader) -> bool:
+    """Persistent workers are running: they keep the dataset they started with (torch's too)."""
+    pool = loader._pool
+    return bool(loader.persistent_workers) and pool is not None and not pool.closed
+
+
+def refuse_changed_origin(pipeline) -> None:
+    """Raise :class:`ConfigError` when the torchvision dataset a DALI pipeline was made from
+    (:func:`~feedgpu.torchvision.dali.dali_pipeline`) changed since (a ``transform`` or
+    ``target_transform`` reassigned, a parameter set in place): the pipeline holds the recipe as
+    it was, and running it would give other samples than torch's loader gives."""
+    origin = getattr(pipeline, "torchvision_origin", None)
+    if origin is not None and not same_key(origin[1], dataset_key(origin[0])):
+        raise ConfigError(f"engine='dali': the {type(origin[0]).__name__}'s transform changed since the loader was "
+                          "built, and DALI runs the recipe as it was then; build a new feedgpu.DataLoader for the new "
+                          "recipe (or leave engine out: the Python engine follows the dataset at each iteration)")
+
+
+def follow_dataset(loader) -> None:
+    """At the start of an iteration of ``loader``: when its torchvision dataset changed since the
+    backend was made (a ``transform``, ``target_transform``, ``loader`` or ``Subset.indices``
+    reassigned, a transform's parameters changed), recognise and compile it again, so the
+    iteration runs what torch's loader would run. Not while persistent workers run: they keep
+    their copy, as torch's workers do (``loader.shutdown()`` restarts them with the dataset of now).
+    With ``engine="dali"`` (the recipe converted to a pipeline) a changed dataset raises
+    :class:`~feedgpu.errors.ConfigError` instead."""
+    if loader.pipeline is not None:
+        return refuse_changed_origin(loader.dataset)   # engine="dali": the pipeline made at construction
+    backend = getattr(loader, "_torchvision", None)
+    if backend is None or backend.current(loader.dataset) or _workers_keep_copy(loader):
+        return
+    loader._release_pool(force=True)   # the work made from the old dataset goes
+    loader._fingerprint = None   # state_dict()'s: the dataset's length may have changed
+    loader._torchvision, loader._plain_why = backend_for(loader.dataset, loader.compile)
+
+
 def explain_loader(loader) -> str:
     """:meth:`feedgpu.DataLoader.explain`: a pipeline's plan, a torchvision dataset's transforms
     (compiled or run as Python, and why), or a plain Dataset and why it was not compiled."""
     if loader.pipeline is not None:
         return loader.pipeline.explain(loader._device)
     backend = getattr(loader, "_torchvision", None)
+    if backend is not None and not backend.current(loader.dataset):
+        if _workers_keep_copy(loader):
+            return backend.explain() + "\nthe dataset changed since the persistent workers started: they keep it as " \
+                                       "it was (as torch's do) until loader.shutdown()"
+        backend, why = backend_for(loader.dataset, loader.compile)   # what the next iteration compiles
+        if backend is None:
+            return _plain(loader, why)
     if backend is not None:
         return backend.explain()
-    why = getattr(loader, "_plain_why", "an IterableDataset: run as torch runs it")
+    return _plain(loader, getattr(loader, "_plain_why", "an IterableDataset: run as torch runs it"))
+
+
+def _plain(loader, why: str) -> str:
     return (f"dataset: {type(loader.dataset).__name__} (dataset[i] in feedgpu's workers, then collate_fn, "
             f"as torch's loader)\nnot compiled: {why}")

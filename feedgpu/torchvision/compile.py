@@ -14,13 +14,16 @@ from . import ops
 
 __all__ = ["Compiled", "Row", "compile_transform", "flatten"]
 
-FEEDGPU, PYTHON = "feedgpu stage", "python (your object, in the workers)"
+# a compiled op is not a pipeline stage (``feedgpu stages``): it runs torchvision's kernel with
+# feedgpu's per-sample draws; Pipeline.from_torchvision maps the ops to stages where it can
+FEEDGPU, PYTHON = "compiled op (feedgpu)", "python (your object, in the workers)"
 
 
 @dataclass(frozen=True)
 class Row:
-    """One transform: ``transform`` (its short repr), ``where`` it runs, the feedgpu ``stage`` it
-    compiles to (or ``"-"``) and ``why`` it is not compiled (``""`` when it is)."""
+    """One transform: ``transform`` (its repr), ``where`` it runs, the compiled op's name in
+    ``stage`` (or ``"-"``; an op, not a pipeline stage) and ``why`` it is not compiled (``""``
+    when it is)."""
 
     transform: str
     where: str
@@ -86,7 +89,7 @@ def _why_not(t, kind: str, table: dict) -> tuple[object | None, str]:
         base = next((c for c in table if isinstance(t, c)), None)
         if base is not None:
             return None, f"a subclass of {base.__module__}.{base.__name__}: its methods may differ"
-        return None, f"feedgpu has no stage for {cls.__name__}"
+        return None, f"feedgpu has no compiled op for {cls.__name__}"
     if cls.__name__ == "ToDtype" and not hasattr(t.dtype, "is_floating_point"):
         return None, "ToDtype with a dtype per input type: only one torch.dtype compiles"
     op = table[cls](t)

@@ -8,13 +8,15 @@ leaves nothing out) and nothing around it needs a Dataset (``Subset``, ``target_
 The pipeline gets torch's defaults (batch size 1, no shuffle, no workers, batches on the CPU)
 so the loader's arguments mean what they mean for torch's loader; batches are
 :class:`~feedgpu.exec.work.Batch` ``(images, labels)``. Pixels are DALI's: within about a level
-of torchvision's on average (resampling), not equal.
+of torchvision's on average (resampling), not equal. The recipe is converted when the loader is
+built: a transform changed later is refused when the next iteration starts
+(:func:`feedgpu.torchvision.backend.refuse_changed_origin`), never run as it was silently.
 """
 from __future__ import annotations
 
 from ..errors import ConfigError
 from .pipeline_out import pipeline_config
-from .recognise import recognise
+from .recognise import dataset_key, recognise
 
 __all__ = ["dali_pipeline"]
 
@@ -55,4 +57,7 @@ def dali_pipeline(dataset, engine, compile: bool = True, collate_fn=None):
     data["loader"] = {"batch_size": 1, "shuffle": False, "drop_last": False, "num_workers": 0,
                       "persistent_workers": False, "seed": seed, "on_error": "raise"}
     data["output"]["device"] = "cpu"
-    return Pipeline.from_config(data, where=f"{type(found.base).__name__} (torchvision, engine dali)")
+    pipe = Pipeline.from_config(data, where=f"{type(found.base).__name__} (torchvision, engine dali)")
+    pipe.torchvision_origin = (dataset, dataset_key(dataset))   # checked when each iteration starts (backend)
+    return pipe
+

@@ -254,6 +254,7 @@ class NormalizeOp(Op):
 
 
 def describe(t) -> str:
-    """A short repr of a transform: its class and main parameters, one line."""
+    """A transform's repr on one line: its class and all its parameters (only a repr longer than
+    400 characters, a custom object's, is cut)."""
     text = " ".join(repr(t).split())
-    return text if len(text) <= 100 else text[:97] + "..."
+    return text if len(text) <= 400 else text[:397] + "..."

@@ -2,7 +2,8 @@
 from): :func:`pipeline_config` and :func:`pipeline_yaml`; ``Pipeline.from_torchvision`` builds
 the pipeline from it.
 
-What a pipeline cannot say is left out and listed (``left_out``), never changed silently: a
+What a pipeline cannot say is left out and listed (``left_out``; a ``UserWarning`` from
+:func:`pipeline_yaml` and ``from_torchvision``), never changed silently: a
 ``Subset``'s indices (the pipeline reads the whole folder), ``target_transform``, transforms with
 no feedgpu stage (``CenterCrop`` or ``RandomCrop`` alone, ``Resize`` to a pair or with
 ``max_size``, every transform of the tail) and where feedgpu's stages differ from torchvision's
@@ -12,6 +13,7 @@ onto the ImageNet mean where PIL's ``convert("RGB")`` drops alpha, and uint8 out
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import yaml
@@ -97,8 +99,12 @@ def pipeline_config(dataset) -> tuple[dict, list[str]]:
 
 
 def pipeline_yaml(dataset) -> str:
-    """:func:`pipeline_config` as YAML text, with what it leaves out as comments at the top."""
+    """:func:`pipeline_config` as YAML text, with what it leaves out as comments at the top and
+    in a ``UserWarning`` (as ``Pipeline.from_torchvision`` warns). Raises ``ValueError`` for a
+    dataset the backend does not take."""
     data, left_out = pipeline_config(dataset)
+    if left_out:
+        warnings.warn("feedgpu.torchvision.pipeline_yaml left out: " + "; ".join(left_out), UserWarning, stacklevel=2)
     head = "# written by feedgpu from a torchvision dataset\n"
     if left_out:
         head += "# left out or changed here (feedgpu.DataLoader on the dataset itself runs them as torchvision does):\n"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-__all__ = ["Found", "recognise"]
+__all__ = ["Found", "dataset_key", "recognise", "same_key"]
 
 
 @dataclass(frozen=True)
@@ -58,3 +58,30 @@ def recognise(dataset) -> tuple[Found | None, str]:
     if get_image_backend() != "PIL":
         return None, f"torchvision's image backend is {get_image_backend()!r}, not PIL"
     return Found(d, tuple(chain), dataset), ""
+
+
+def dataset_key(dataset) -> tuple:
+    """What a compiled dataset depends on, to tell when it changed: the objects (each
+    ``Subset`` and its ``indices``, the base dataset, its ``transform``, ``target_transform`` and
+    ``loader``), compared by identity, and the transform's repr (a parameter set in place, an op
+    added to a ``Compose``'s list). A list of indices changed in place needs no new key: it is
+    read at each sample."""
+    from torch.utils.data import Subset
+
+    objs = []
+    d = dataset
+    while isinstance(d, Subset):
+        objs += [d, d.indices]
+        d = d.dataset
+    tf = getattr(d, "transform", None)
+    objs += [d, tf, getattr(d, "target_transform", None), getattr(d, "loader", None)]
+    try:
+        text = repr(tf)
+    except Exception:   # a transform whose repr fails: identities only
+        text = None
+    return tuple(objs), text
+
+
+def same_key(a: tuple, b: tuple) -> bool:
+    """Whether two :func:`dataset_key` results name the same objects and transform."""
+    return len(a[0]) == len(b[0]) and all(x is y for x, y in zip(a[0], b[0])) and a[1] == b[1]

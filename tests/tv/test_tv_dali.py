@@ -63,3 +63,12 @@ def test_dali_refuses_what_it_cannot_run_whole(folder_ds):
         feedgpu.DataLoader(Subset(ImageFolder(folder_ds, transform=v1_val()), [0, 1]), engine="dali")
     with pytest.raises(feedgpu.ConfigError, match="collate_fn"):
         feedgpu.DataLoader(ImageFolder(folder_ds, transform=v1_val()), engine="dali", collate_fn=list)
+
+
+def test_dali_refuses_a_recipe_changed_after_the_loader_was_built(folder_ds):
+    ds = ImageFolder(folder_ds, transform=v1_val())
+    loader = feedgpu.DataLoader(ds, batch_size=40, engine="dali")
+    assert len(next(iter(loader))[1]) == 40
+    ds.transform = v1_train()   # DALI holds the val recipe it was built with: refused, not run as it was
+    with pytest.raises(feedgpu.ConfigError, match="transform changed since the loader was built"):
+        next(iter(loader))

@@ -161,8 +161,8 @@ def test_jitter_recipe_runs_the_tail_as_python(folder_ds):
     loader = feedgpu.DataLoader(ds, batch_size=30, num_workers=2)
     text = loader.explain()
     rows = [line for line in text.splitlines() if line[:2].strip().isdigit()]
-    assert [("feedgpu stage" in r) for r in rows] == [True, True, False, False, False]
-    assert "feedgpu has no stage for ColorJitter" in rows[2]
+    assert [("compiled op (feedgpu)" in r) for r in rows] == [True, True, False, False, False]
+    assert "feedgpu has no compiled op for ColorJitter" in rows[2]
     assert "after ColorJitter" in rows[3] and "after ColorJitter" in rows[4]
     x, y = next(iter(loader))
     assert x.shape == (30, 3, 224, 224) and x.dtype == torch.float32 and y.tolist() == [ds.samples[i][1] for i in range(30)]
