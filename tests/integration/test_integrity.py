@@ -827,9 +827,9 @@ def test_parquet_reads_a_large_row_group_in_bounded_slices(tmp_path):
     for i in order:
         rec = src.read(i)
         assert bytes(rec.payload) == blobs[i] and rec.label == i
-        most = max(most, src._cached)
-    k = src._slicing[(0, 0)]
-    assert 0 < k < 100 and all(key[2] >= 0 for key in src._cache)
+        most = max(most, src._parts.cached)
+    k = src._parts.slicing[(0, 0)]
+    assert 0 < k < 100 and all(key[2] >= 0 for key in src._parts.entries)
     assert most <= (1 << 20) + k * 31_000
 
 
