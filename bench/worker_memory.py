@@ -10,7 +10,8 @@ Data: one Parquet file, one row group of ``--rows`` records of ~27 KB (a real 32
 271 MB / 10,000-JPEG case, images that decode fast), label = row % 8, ~1 MiB pages, written to
 ``bench/out/`` once. Each configuration runs in a fresh child process (this checkout, or
 ``--baseline``'s on its ``PYTHONPATH``): one worker reads one epoch in order (decode,
-resize_center_crop 16, batch 64) and its USS and RSS are read with psutil at the epoch's end;
+resize_center_crop 16, batch 64) and its USS and RSS are read with psutil at the epoch's end, and
+its USS over and over while the epoch runs (the peak);
 every label is checked. Configurations: ``default`` (``worker_memory`` not given), ``64MiB``,
 ``256MiB`` (on a checkout without ``worker_memory`` only ``default`` runs). Copy-on-read: a torch
 Dataset of 2,000,000 Python ints in a list (each sample sums 100 of them) and the same values in a
@@ -71,7 +72,8 @@ def make_data(path: Path, rows: int, pad: int) -> Path:
 
 # -- children ------------------------------------------------------------------------------------
 def child_parquet(data: str, budget: str | None) -> dict:
-    import inspect
+    import importlib.util
+    import threading
 
     import psutil
 
@@ -80,18 +82,32 @@ def child_parquet(data: str, budget: str | None) -> dict:
 
     src = ParquetSource(data)
     kw = {} if budget is None else {"worker_memory": budget}
-    if budget is not None and "worker_memory" not in inspect.signature(Pipeline).parameters:
+    if budget is not None and importlib.util.find_spec("feedgpu.exec.memory_budget") is None:
         return {"skipped": "no worker_memory setting in this checkout"}
     p = Pipeline(src, [Decode(), ResizeCenterCrop(resize=16, crop=16)], batch_size=64, num_workers=1,
                  device="cpu", shuffle=False, persistent_workers=True, **kw)
     dl = DataLoader(p)
+    peak, done = [0], threading.Event()
+
+    def watch():   # the worker's USS read over and over while the epoch runs
+        while not done.is_set():
+            try:
+                pids = dl.worker_pids()
+                if pids:
+                    peak[0] = max(peak[0], psutil.Process(pids[0]).memory_full_info().uss)
+            except (psutil.Error, AttributeError):
+                pass
+            done.wait(0.002)
+
     t = time.perf_counter()
+    threading.Thread(target=watch, daemon=True).start()
     labels = [int(v) for _, y in dl for v in y]
     seconds = time.perf_counter() - t
+    done.set()
     assert labels == [i % 8 for i in range(len(src))], "a record was lost, repeated or mislabelled"
     m = psutil.Process(dl.worker_pids()[0]).memory_full_info()
     dl.shutdown()
-    return {"uss_mib": round(m.uss / MiB, 1), "rss_mib": round(m.rss / MiB, 1), "seconds": round(seconds, 2),
+    return {"uss_mib": round(m.uss / MiB, 1), "peak_uss_mib": round(max(peak[0], m.uss) / MiB, 1), "rss_mib": round(m.rss / MiB, 1), "seconds": round(seconds, 2),
             "cache_mib": round(src.cache_bytes / MiB, 1)}
 
 
@@ -187,12 +203,13 @@ def main(argv=None) -> int:
         rs = [x for x in runs if (x["tree"], x["kind"], x["setting"]) == (tree, kind, arg) and "skipped" not in x]
         if not rs:
             continue
-        keys = ("uss_mib", "rss_mib", "seconds", "cache_mib") if kind == "parquet" else ("copied_mib", "uss_mib")
+        keys = ("uss_mib", "peak_uss_mib", "rss_mib", "seconds", "cache_mib") if kind == "parquet" else ("copied_mib", "uss_mib")
         summary[f"{tree}/{kind}/{arg}"] = {k: {"median": statistics.median(x[k] for x in rs),
                                                "runs": [x[k] for x in rs]} for k in keys if rs[0].get(k) is not None}
         if kind == "cow":
             summary[f"{tree}/{kind}/{arg}"]["warned"] = [x["warned"] for x in rs]
-    doc = {"machine": machine() | {"baseline_commit": commit_of(Path(a.baseline)) if a.baseline else None},
+    doc = {"machine": machine() | {"feedgpu_commit": commit_of(REPO),
+                                   "baseline_commit": commit_of(Path(a.baseline)) if a.baseline else None},
            "settings": vars(a) | {"data": str(data), "row_group_image_bytes": group},
            "runs": runs, "summary": summary, "total_seconds": time.perf_counter() - t0}
     write_results(a.out, "worker_memory", doc, markdown)
@@ -202,14 +219,17 @@ def main(argv=None) -> int:
 def markdown(doc: dict) -> str:
     m, s, sm = doc["machine"], doc["settings"], doc["summary"]
     lines = ["# Worker memory: one big Parquet row group, and copy-on-read", "",
-             f"Machine: {m['platform']}, {m['cpus']} CPUs, Python {m['python']}, torch {m['torch']}, "
-             f"feedgpu {m['feedgpu_commit']}" + (f" (baseline: {m['baseline_commit']})" if m.get("baseline_commit")
-                                                 else "") + ". Shared with other agents' jobs.", "",
+             f"Machine: {m['platform']}, {m.get('cpus', m.get('cpu_count'))} CPUs, Python {m['python']}, "
+             f"torch {m['torch']}, feedgpu {m.get('feedgpu_commit', '?')}"
+             + (f" (baseline: {m['baseline_commit']})" if m.get("baseline_commit") else "")
+             + f". Shared with other agents' jobs (load average {m.get('load_average', '?')}).", "",
              f"Data: one Parquet file, one row group of {s['rows']:,} JPEGs of ~{s['pad'] // 1000} KB "
              f"({s['row_group_image_bytes'] / MiB:,.0f} MiB of image column), ~1 MiB pages. One worker, one epoch "
-             f"in order, decode + resize_center_crop 16, batch 64; {s['rounds']} rounds, medians (per-round values).", "",
-             "| checkout | worker_memory | row-group cache MiB | worker USS MiB | worker RSS MiB | epoch s |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             f"in order, decode + resize_center_crop 16, batch 64; {s['rounds']} rounds, medians (per-round values). "
+             "Worker USS at the epoch's end; peak USS: the highest of the worker's USS read over and over (every "
+             "~2 ms plus psutil's read) while the epoch ran.", "",
+             "| checkout | worker_memory | row-group cache MiB | worker USS MiB | peak USS MiB | worker RSS MiB | "
+             "epoch s |", "| --- | --- | --- | --- | --- | --- | --- |"]
 
     def cell(d, k, spec=".1f"):
         v = d.get(k)
@@ -219,7 +239,7 @@ def markdown(doc: dict) -> str:
         tree, kind, arg = key.split("/")
         if kind == "parquet":
             lines.append(f"| {tree} | {arg} | {cell(d, 'cache_mib', '.0f')} | {cell(d, 'uss_mib')} | "
-                         f"{cell(d, 'rss_mib')} | {cell(d, 'seconds', '.2f')} |")
+                         f"{cell(d, 'peak_uss_mib')} | {cell(d, 'rss_mib')} | {cell(d, 'seconds', '.2f')} |")
     lines += ["", "Copy-on-read: a torch Dataset of 2,000,000 Python ints (list) or the same values in a numpy "
               "array, 1 forked worker, one shuffled epoch of 20,000 samples (each sums 100 ints). Copied = the "
               "worker's USS growth minus its RSS growth from the pool's start to the epoch's end.", "",

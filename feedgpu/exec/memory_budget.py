@@ -8,8 +8,9 @@ the YAML), bounds both:
 
 * a source's read cache is given :data:`CACHE_SHARE` of it (at most :data:`DEFAULT_CACHE_MAX` of a
   default budget; :meth:`Source.fit_memory`; a Parquet
-  source then reads row groups larger than a quarter of that in slices, so a worker holds about
-  the cache plus one slice whatever the row-group size, see :mod:`feedgpu.sources.parquet`);
+  source then reads row groups larger than a quarter of that in slices of 1 MiB pieces, and its
+  cached groups, the one being read and the reader's buffers stay within the cache together,
+  whatever the row-group size, see :mod:`feedgpu.sources.parquet_parts`);
 * the prefetch depth is capped so that a worker's batches in flight take at most
   :data:`SLOT_SHARE` of it (at least one batch per worker is always allowed);
 * under ``num_workers="auto"`` the balancer's RAM limit is the budget times the largest pool it

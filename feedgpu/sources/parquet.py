@@ -6,26 +6,25 @@ Shuffled access over a dataset much larger than the cache reads each row group o
 such datasets with small row groups (``feedgpu convert`` uses ~8 MiB).
 
 Memory: ``cache_bytes`` is sized by the loader's per-worker memory budget unless given
-(:mod:`feedgpu.exec.memory_budget`). A row group whose image column is over
-``max(1 MiB, cache_bytes / 4)`` (uncompressed, from the file's metadata) is read in slices of that size (``iter_batches``: later slices of one group
-continue the same reader, an earlier one restarts it), so a process holds about ``cache_bytes``
-plus one slice and one Parquet page for a source, whatever the row-group size (a page is read
-whole: pyarrow writes up to 1024 values to a page unless told otherwise, so 1024 images of 2 MB
-make one 2 GB page; ``feedgpu convert`` writes pages of ~1 MiB). Shuffled reads
-of such groups cost a re-read from the group's start per slice missed. A ``binary`` column of
-more than 2 GiB comes from Arrow as several chunks, read as they are (joining them would overflow
-``binary``'s 32-bit offsets); ``large_binary`` columns are read the same way.
-Files are read through 1 MiB buffers, not memory-mapped and not pre-buffered: a mapped file's
-pages count in the reading process's unique memory for as long as they stay mapped, and a
-pre-buffered read holds a row group's whole column chunk, slices or not. After a slice is read or
-the cache evicts, Arrow's allocator is told to return the freed memory.
+(:mod:`feedgpu.exec.memory_budget`), and bounds what a process's reads of a source hold at once:
+the row groups cached, the one being read and the reader's buffers
+(:mod:`feedgpu.sources.parquet_parts`). A row group whose image column is over
+``max(1 MiB, cache_bytes / 4)`` (uncompressed, from the file's metadata) is read in slices of that
+size, each streamed in pieces of about 1 MiB, whatever the row-group size; a page is read whole
+(pyarrow writes up to 1024 values to a page unless told otherwise, so 1024 images of 2 MB make one
+2 GB page; ``feedgpu convert`` writes pages of ~1 MiB). Shuffled reads of such groups cost a
+re-read from the group's start per slice missed. A ``binary`` column of more than 2 GiB comes
+from Arrow as several chunks, read as they are (joining them would overflow ``binary``'s 32-bit
+offsets); ``large_binary`` columns are read the same way. Files are read through 1 MiB buffers,
+not memory-mapped and not pre-buffered: a mapped file's pages count in the reading process's
+unique memory for as long as they stay mapped, and a pre-buffered read holds a row group's whole
+column chunk, slices or not.
 """
 from __future__ import annotations
 
 import hashlib
 import os
 import threading
-from collections import OrderedDict
 
 import numpy as np
 import pyarrow as pa
@@ -36,6 +35,7 @@ from ..errors import DownloadError, SampleError, SourceError
 from .base import CLASS_NAMES_FILE, Record, Source, class_names, class_names_from_text, expand_paths, file_hash, \
     index_array, missing_files, release_freed_memory
 from .file_stats import change_stamp
+from .parquet_parts import RowGroupParts, release
 
 _NULL = np.iinfo(np.int64).min   # a null label while indexing
 _HUGE = _NULL + 1                 # a uint64 label that int64 cannot hold
@@ -57,22 +57,6 @@ def _int64_labels(col: pa.ChunkedArray) -> np.ndarray:
     return lab
 
 
-class _Chunks:
-    """A row group's image column as Arrow gives it: one array, or several chunks (a ``binary``
-    column over 2 GiB); ``[r]`` finds row ``r`` without joining the chunks."""
-
-    __slots__ = ("chunks", "starts", "nbytes")
-
-    def __init__(self, col: pa.ChunkedArray):
-        self.chunks = [c for c in col.chunks if len(c)] or [pa.array([], col.type)]
-        self.starts = np.cumsum([0] + [len(c) for c in self.chunks[:-1]], dtype=np.int64)
-        self.nbytes = col.nbytes
-
-    def __getitem__(self, r: int):
-        k = int(np.searchsorted(self.starts, r, side="right")) - 1 if len(self.chunks) > 1 else 0
-        return self.chunks[k][r - int(self.starts[k])]
-
-
 class ParquetSource(Source):
     """Samples from Parquet files.
 
@@ -82,7 +66,8 @@ class ParquetSource(Source):
             :mod:`feedgpu.sources.extensions`), a glob, a path or a list of these.
         image_column: binary / large_binary column with encoded image bytes (default ``"image"``).
         label_column: integer column (default ``"label"``); ``None`` for unlabeled data (-1).
-        cache_bytes: bytes of decoded row groups kept per process; default (None): sized by the
+        cache_bytes: bytes a process's reads may hold (row groups cached, the one being read,
+            the reader's buffers); default (None): sized by the
             loader's memory budget (:meth:`fit_memory`), 256 MiB outside a loader. A value given
             here is kept.
         cache_dir, cache_budget, storage_options, cache: for URLs, the node-local shard cache, as
@@ -138,7 +123,7 @@ class ParquetSource(Source):
         self.image_column = image_column
         self.label_column = label_column
         self._cache_given = cache_bytes is not None
-        self.cache_bytes = int(cache_bytes) if cache_bytes is not None else 256 << 20
+        self._parts = RowGroupParts(image_column, int(cache_bytes) if cache_bytes is not None else 256 << 20)
         fids, rgs, rows, labels = [], [], [], []
         self._meta = []
         self._corrupt: dict = {}   # (file, row group) -> why its labels cannot be read
@@ -215,7 +200,7 @@ class ParquetSource(Source):
         self.file_ids, self.row_groups, self.rows = (index_array(a[keep]) for a in (file_ids, row_groups, rows_))
         self.labels = labels_[keep]
         del file_ids, row_groups, rows_, labels_, fids, rgs, rows, labels
-        pa.default_memory_pool().release_unused()   # the label columns read while indexing
+        release()   # the label columns read while indexing
         release_freed_memory()
         self._warn_rejected()
         if len(self.labels) == 0:
@@ -223,10 +208,6 @@ class ParquetSource(Source):
                                       + (f" ({len(self.rejected)} left out while indexing)" if self.rejected else ""))
         self.classes = (class_names(self.files[0], self.labels) if self._remote is None else
                         class_names_from_text(self._remote.text_beside(CLASS_NAMES_FILE), self.labels))
-        self._cache: OrderedDict = OrderedDict()   # (file, row group, slice or -1) -> _Chunks
-        self._cached = 0
-        self._slicing: dict = {}                    # (file, row group) -> rows per slice (0: whole)
-        self._live = None                           # the reader of the row group being sliced
         self._files: dict = {}
         self._pid = os.getpid()
         self._lock = threading.Lock()
@@ -235,8 +216,12 @@ class ParquetSource(Source):
         """The cache (and so the slice size, a quarter of it) from the loader's memory budget,
         unless ``cache_bytes`` was given; takes effect in processes that have read nothing yet."""
         if not self._cache_given and int(cache_bytes) != self.cache_bytes:
-            self.cache_bytes = max(1 << 20, int(cache_bytes))
-            self._slicing = {}
+            self._parts.resize(max(1 << 20, int(cache_bytes)))
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes the row groups read in one process may hold (:mod:`feedgpu.sources.parquet_parts`)."""
+        return self._parts.cache_bytes
 
     def _file_meta(self, fid: int) -> tuple:
         """What the fingerprint holds of a file: path, size, mtime and change stamp (device,
@@ -322,10 +307,12 @@ class ParquetSource(Source):
     def __getstate__(self) -> dict:
         """Pickled (to a Ray worker) without this process's open files, cached row groups and lock."""
         state = self.__dict__.copy()
-        state.update(_cache=OrderedDict(), _cached=0, _files={}, _pid=None, _lock=None, _live=None)
+        state.update(_parts=self._parts.fresh(), _files={}, _pid=None, _lock=None)
         return state
 
     def __setstate__(self, state: dict) -> None:
+        if "_parts" not in state:   # pickled before the parts had a class of their own
+            state["_parts"] = RowGroupParts(state["image_column"], state.pop("cache_bytes", 256 << 20))
         self.__dict__.update(state)
         self._pid, self._lock = os.getpid(), threading.Lock()
 
@@ -347,8 +334,8 @@ class ParquetSource(Source):
         """``(column part, row in it)`` for row ``r`` of row group ``rg``."""
         with self._lock:  # the DALI engine reads from a helper thread too
             if self._pid != os.getpid():
-                self._cache, self._cached, self._files, self._pid = OrderedDict(), 0, {}, os.getpid()
-                self._live = None
+                self._files, self._pid = {}, os.getpid()
+                self._parts.clear()
             pf = self._files.get(fid)
             if pf is None and self._remote is None:
                 pf = self._files[fid] = pq.ParquetFile(self.files[fid], buffer_size=_READ_BUFFER,
@@ -363,64 +350,7 @@ class ParquetSource(Source):
                                                                                           pre_buffer=False))
             elif self._remote is not None:
                 self._files[fid] = self._files.pop(fid)   # most recently used last
-            k = self._slice_rows(pf, fid, rg)
-            if k == 0:
-                return self._cached_part((fid, rg, -1), lambda: pf.read_row_group(rg, columns=[self.image_column])
-                                         .column(0)), r
-            s, at = divmod(r, k)
-            return self._cached_part((fid, rg, s), lambda: self._read_slice(pf, fid, rg, s, k)), at
-
-    def _slice_rows(self, pf, fid: int, rg: int) -> int:
-        """Rows per slice of a row group whose image column is over the slice budget
-        (``max(1 MiB, cache_bytes // 4)``, uncompressed, from the file's metadata), else 0 (read
-        whole)."""
-        key = (fid, rg)
-        k = self._slicing.get(key)
-        if k is None:
-            md = pf.metadata.row_group(rg)
-            size = next((md.column(j).total_uncompressed_size for j in range(md.num_columns)
-                         if md.column(j).path_in_schema == self.image_column), 0)
-            budget = max(1 << 20, self.cache_bytes // 4)
-            k = 0 if size <= budget else max(1, int(md.num_rows * budget // size))
-            self._slicing[key] = k
-        return k
-
-    def _read_slice(self, pf, fid: int, rg: int, s: int, k: int):
-        """Rows ``[s*k, (s+1)*k)`` of the row group, streamed with ``iter_batches`` (one live
-        reader per process: later slices of the same group continue it, an earlier one restarts)."""
-        live = self._live
-        if live is None or live[0] != (fid, rg) or live[2] > s:
-            live = [(fid, rg), pf.iter_batches(batch_size=k, row_groups=[rg], columns=[self.image_column],
-                                               use_threads=False), 0]
-        self._live = live
-        for batch in live[1]:
-            at = live[2]
-            live[2] += 1
-            if at == s:
-                n = pf.metadata.row_group(rg).num_rows
-                if len(batch) != min(k, n - s * k):   # not the slices asked for: read the group whole
-                    self._slicing[(fid, rg)] = 0
-                    self._live = None
-                    whole = pf.read_row_group(rg, columns=[self.image_column]).column(0)
-                    return whole.slice(s * k, k)
-                return pa.chunked_array([batch.column(0)])
-        raise SourceError(f"parquet source: {self.files[fid]} row group {rg} ended before slice {s}")
-
-    def _cached_part(self, key, read):
-        hit = self._cache.get(key)
-        if hit is not None:
-            self._cache.move_to_end(key)
-            return hit
-        col = _Chunks(read())
-        self._cache[key] = col
-        self._cached += col.nbytes
-        evicted = False
-        while self._cached > self.cache_bytes and len(self._cache) > 1:
-            self._cached -= self._cache.popitem(last=False)[1].nbytes
-            evicted = True
-        if evicted or key[2] >= 0:   # Arrow's allocator keeps freed memory unless told
-            pa.default_memory_pool().release_unused()
-        return col
+            return self._parts.get(pf, fid, rg, r, self.files[fid])
 
     def read(self, index: int) -> Record:
         fid, rg, r = int(self.file_ids[index]), int(self.row_groups[index]), int(self.rows[index])

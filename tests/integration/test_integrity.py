@@ -521,55 +521,36 @@ def test_index_skips_group_every_index_time_reject_by_reason(tmp_path):
 
 
 # -- 9. Parquet row groups over 2 GiB --------------------------------------------------------------------
-class _OverflowingColumn:
-    """A row group's column as Arrow returns one of more than 2 GiB of ``binary``: several chunks,
-    which cannot be joined (``combine_chunks`` overflows the 32-bit offsets)."""
+def test_parquet_reads_a_row_group_in_chunks_it_never_joins(tmp_path, monkeypatch):
+    """A row group's image column is kept as the chunks it is read in (pieces of about
+    ``READ_PIECE`` bytes, and Arrow gives a ``binary`` column of more than 2 GiB as several
+    chunks): joining them would overflow ``binary``'s 32-bit offsets (``ArrowInvalid: offset
+    overflow while concatenating arrays`` on the first batch, before). Here pieces of one row
+    make a small group of 7 images 7 chunks, whole and in slices, for both column types; a real
+    2.2 GiB row group was checked by hand."""
+    import feedgpu.sources.parquet_parts as parts
 
-    def __init__(self, col: pa.ChunkedArray):
-        self._col = col
-        self.chunks, self.type, self.nbytes, self.num_chunks = col.chunks, col.type, col.nbytes, col.num_chunks
-
-    def combine_chunks(self):
-        raise pa.ArrowInvalid("offset overflow while concatenating arrays")
-
-    def __getitem__(self, i):
-        return self._col[i]
-
-    def __len__(self):
-        return len(self._col)
-
-
-class _Table:
-    def __init__(self, col):
-        self._col = col
-
-    def column(self, i):
-        return self._col
-
-
-def test_parquet_reads_a_row_group_arrow_returns_in_chunks(tmp_path, monkeypatch):
-    """A ``binary`` column of more than 2 GiB in one row group comes from Arrow as several chunks;
-    joining them raised ``ArrowInvalid: offset overflow while concatenating arrays`` on the first
-    batch. Here a small row group is split the same way (a real 2.2 GiB row group was checked by
-    hand: Arrow gives it in 2 chunks), for both column types."""
     imgs = [small_jpeg(i) for i in range(7)]
-    real = pq.ParquetFile.read_row_group
-
-    def chunked(self, i, columns=None, **kw):
-        t = real(self, i, columns=columns, **kw)
-        if columns != ["image"]:
-            return t
-        col = t.column(0).combine_chunks()
-        return _Table(_OverflowingColumn(pa.chunked_array([col.slice(0, 2), col.slice(2, 0), col.slice(2, 4),
-                                                           col.slice(6)])))
-
+    monkeypatch.setattr(parts, "READ_PIECE", 1)
     for typ in (pa.binary(), pa.large_binary()):
         path = tmp_path / f"{typ}.parquet"
         pq.write_table(pa.table({"image": pa.array(imgs, typ), "label": list(range(7))}), path)
-        monkeypatch.setattr(pq.ParquetFile, "read_row_group", chunked)
         src = ParquetSource(path)
         assert payloads(src) == list(enumerate(imgs))
-        monkeypatch.undo()
+        whole = src._parts.entries[(0, 0, -1)]
+        assert len(whole.chunks) == 7 and whole.chunks[0].type == typ
+    # slices of a group over the slice budget: whole numbers of pieces, kept as chunks
+    monkeypatch.setattr(parts, "READ_PIECE", 100_000)
+    rng = np.random.default_rng(1)
+    blobs = [rng.integers(0, 256, 30_000 + i, dtype=np.uint8).tobytes() for i in range(100)]   # ~3 MB
+    path = tmp_path / "sliced.parquet"
+    pq.write_table(pa.table({"image": pa.array(blobs, pa.binary()), "label": list(range(100))}), path,
+                   row_group_size=100, compression="none")
+    src = ParquetSource(path, cache_bytes=1 << 20)
+    order = [99, 0, 50, 51, 3, 98, 33]
+    assert [bytes(src.read(i).payload) for i in order] == [blobs[i] for i in order]
+    k = src._parts.slicing[(0, 0)]
+    assert k == 33 and all(len(p.chunks) == 11 for key, p in src._parts.entries.items() if key[2] < 3)
 
 
 def test_loader_stats_can_count_index_time_rejects(tmp_path):
@@ -827,9 +808,9 @@ def test_parquet_reads_a_large_row_group_in_bounded_slices(tmp_path):
     for i in order:
         rec = src.read(i)
         assert bytes(rec.payload) == blobs[i] and rec.label == i
-        most = max(most, src._cached)
-    k = src._slicing[(0, 0)]
-    assert 0 < k < 100 and all(key[2] >= 0 for key in src._cache)
+        most = max(most, src._parts.cached)
+    k = src._parts.slicing[(0, 0)]
+    assert 0 < k < 100 and all(key[2] >= 0 for key in src._parts.entries)
     assert most <= (1 << 20) + k * 31_000
 
 
