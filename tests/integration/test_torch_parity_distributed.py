@@ -254,7 +254,7 @@ def test_a_state_of_another_split_is_refused():
     _, other_seed = _sampler_loader(40, 2, 0, seed=6)
     with pytest.raises(StateError, match="split_seed"):
         other_seed.load_state_dict(state)
-    own = DataLoader(Items(40), batch_size=BS, shuffle=True, rank=0, world_size=2)
+    own = DataLoader(Items(40), batch_size=BS, shuffle=True, seed=5, rank=0, world_size=2)
     with pytest.raises(StateError, match="split"):
         own.load_state_dict(state)
 
