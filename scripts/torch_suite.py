@@ -4,7 +4,8 @@ fail with feedgpu's.
 
 PyTorch's tests are not in its wheel: give the path of ``test/test_dataloader.py`` from the
 PyTorch source at the tag of the installed version (``torch.__version__``), e.g. a checkout of
-``v2.13.0``; its imports (``torch.testing._internal``) come from the installed torch::
+``v2.13.0``; its imports (``torch.testing._internal``, which needs the ``expecttest`` package of
+the ``dev`` extra) come from the installed torch::
 
     python scripts/torch_suite.py /path/to/pytorch/test/test_dataloader.py [-k EXPR] [--json out.json]
 

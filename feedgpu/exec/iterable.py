@@ -249,6 +249,11 @@ class IterableRunner:
                      "next_worker": state["next_worker"], "batches_seen": state["batches_seen"],
                      "base_seed": state["base_seed"]}
 
+    def worker_pids(self) -> list[int]:
+        """Process ids of the running workers (of the live pass, or persistent), [] without any."""
+        workers = getattr(self._live() if self._live is not None else None, "workers", None) or self._workers
+        return workers.pids() if workers is not None and not workers.closed else []
+
     def shutdown(self) -> None:
         """Stop the iterator and the workers now (also done at the end of a pass unless
         ``persistent_workers``, when the iterator is dropped, and at garbage collection)."""

@@ -243,6 +243,10 @@ class WorkerSet:
                 return
             self._pump(POLL_S)
 
+    def pids(self) -> list[int]:
+        """Process ids of the workers still running, in worker-id order."""
+        return [p.pid for w, p in enumerate(self.procs) if w not in self.stopped and p.is_alive()]
+
     def close(self) -> None:
         """Stop every worker now."""
         self.closed = True

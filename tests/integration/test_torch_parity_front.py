@@ -2,6 +2,7 @@
 the too-many-workers warning, running out of file descriptors, an IterDataPipe's shuffle."""
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 import textwrap
@@ -181,3 +182,56 @@ def test_code_reading_torchs_iterator_attribute_finds_none():
         list(loader)
         assert loader._iterator is None
     assert DataLoader(Stream(), batch_size=4)._iterator is None
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("kind", ["map", "iterable"])
+def test_workers_of_a_dropped_unfinished_iterator_exit_as_torchs(kind, persistent):
+    """What torch's test_partial_workers and test_iterable_style_dataset check through torch's
+    private ``it._workers``, read from the process table instead: an iterator left after a few
+    batches, then dropped with its loader, leaves no worker running (torch's and feedgpu's,
+    with and without persistent workers), and both loaders gave the same batches first."""
+    from conftest import child_pids, wait_gone
+
+    firsts = []
+    for make in LOADERS:
+        before = child_pids()
+        dataset = Items(40) if kind == "map" else Stream()
+        loader = make(dataset, batch_size=2, num_workers=2, persistent_workers=persistent)
+        it = iter(loader)
+        firsts.append([next(it).tolist() for _ in range(4)])
+        workers = child_pids() - before
+        assert len(workers) >= 2, (make, workers)
+        del it, loader
+        gc.collect()
+        assert not wait_gone(workers, timeout=30.0), (make, persistent)
+    theirs, ours = firsts
+    if kind == "map":   # an IterableDataset copied into each worker repeats per worker, as in torch
+        assert ours == theirs
+    else:
+        assert sorted(map(tuple, ours)) == sorted(map(tuple, theirs))
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("kind", ["map", "iterable"])
+def test_worker_pids_names_the_running_workers(kind, persistent):
+    """``loader.worker_pids()``, the public stand-in for torch's private ``it._workers``: the
+    processes started for the pass, for a map-style and an iterable-style dataset alike; none
+    once a non-persistent pass is dropped."""
+    from conftest import child_pids, wait_gone
+
+    before = child_pids()
+    loader = DataLoader(Items(40) if kind == "map" else Stream(), batch_size=2, num_workers=2,
+                        persistent_workers=persistent)
+    it = iter(loader)
+    next(it)
+    pids = loader.worker_pids()
+    assert len(pids) == 2 and set(pids) == child_pids() - before, (pids, child_pids() - before)
+    del it
+    gc.collect()
+    if persistent:
+        assert loader.worker_pids() == pids
+    else:
+        assert loader.worker_pids() == [] and not wait_gone(pids, timeout=30.0)
+    loader.shutdown()
+    assert not wait_gone(pids, timeout=30.0)
