@@ -8,8 +8,8 @@ from typing import Any
 
 from . import config as cfg
 from .errors import ConfigError
-from .exec.autoscale import cpu_cores, fixed_workers
-from .exec.balancer import start_workers
+from .balancer.autoscale import cpu_cores, fixed_workers
+from .balancer import start_workers
 from .exec.plan import Plan, make_plan
 from .exec.executors import check_executor
 from .settings import (CacheSettings, EngineSettings, ExecutorSettings, LoaderSettings, OutputSettings,

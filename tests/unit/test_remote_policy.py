@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from feedgpu.errors import ConfigError
-from feedgpu.exec.balancer import Measurement, Policy, PolicyConfig
-from feedgpu.exec.remote_policy import RemoteConfig, RemotePolicy
+from feedgpu.balancer import Measurement, Policy, PolicyConfig
+from feedgpu.balancer.remote_policy import RemoteConfig, RemotePolicy
 
 
 class Sim:

@@ -6,7 +6,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Iterable
 
-from ...errors import ConfigError
+from ..errors import ConfigError
 from .measurement import Measurement, _fmt_rate, _pct, count_unit
 
 #: The consumer "waits" when it spends more than this share of its step time waiting for data.

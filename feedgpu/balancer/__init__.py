@@ -1,7 +1,7 @@
 """The throughput balancer: pure policy, measurements in, decisions out.
 
 Nothing here starts a process, reads a clock or touches a GPU. The loader measures a window
-(a second or more of training, :mod:`feedgpu.exec.autoscale`), builds a :class:`Measurement`,
+(a second or more of training, :mod:`feedgpu.balancer.autoscale`), builds a :class:`Measurement`,
 asks :meth:`Policy.decide` and applies the :class:`Decision` before the next window. Given the
 same measurements, the policy makes the same decisions.
 

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from ...errors import ConfigError
+from ..errors import ConfigError
 from .measurement import ENGINES, _fmt_rate, _gib, _round
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ...errors import ConfigError
+from ..errors import ConfigError
 from .diagnosis import WAIT_THRESHOLD
 
 #: Settings whose throughputs are within this share are equal; the cheaper one is chosen.

@@ -1,7 +1,7 @@
 """The balancer's remote decision (``executor: ray``): when to borrow workers from the cluster.
 
-Pure policy, like :mod:`feedgpu.exec.balancer`: measurements in, decisions out, no clock, no
-Ray. It sits in front of the local :class:`~feedgpu.exec.balancer.Policy` and moves the count of
+Pure policy, like :mod:`feedgpu.balancer`: measurements in, decisions out, no clock, no
+Ray. It sits in front of the local :class:`~feedgpu.balancer.Policy` and moves the count of
 remote workers one step at a time:
 
 1. **Add** a remote worker when the training loop waits (``wait_fraction > wait_threshold``) and
@@ -42,9 +42,12 @@ import math
 from dataclasses import dataclass, replace
 
 from ..errors import ConfigError
-from .balancer import DRIFT_THRESHOLD, WAIT_THRESHOLD, Decision, Measurement, Policy, Record, _fmt_rate, _pct
-from .balancer.verdict import Verdict, confirmation, waiting_gain
-from .balancer.window import pooled_noise
+from .diagnosis import WAIT_THRESHOLD
+from .measurement import Decision, Measurement, _fmt_rate, _pct
+from .policy import Policy
+from .policy_config import DRIFT_THRESHOLD
+from .verdict import Verdict, confirmation, waiting_gain
+from .window import Record, pooled_noise
 
 log = logging.getLogger("feedgpu.balancer")
 
@@ -283,7 +286,7 @@ class RemotePolicy:
 
 
 def _record(ms: list[Measurement]) -> Record:
-    """The windows ``ms`` as a :class:`~feedgpu.exec.balancer.Record` (means and spread)."""
+    """The windows ``ms`` as a :class:`~feedgpu.balancer.Record` (means and spread)."""
     r = Record()
     for x in ms:
         r.add(x)
