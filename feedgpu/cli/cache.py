@@ -24,8 +24,8 @@ def _index_dir(index_dir: str | None) -> Path:
 
 
 def _tar_index_dir() -> Path:
-    """Where tar sources save their shards' indexes (:mod:`feedgpu.sources.tar_index`)."""
-    from ..sources.tar_index import default_index_dir
+    """Where tar sources save their shards' indexes (:mod:`feedgpu.sources.tar.index`)."""
+    from ..sources.tar.index import default_index_dir
 
     return default_index_dir()
 
@@ -301,7 +301,7 @@ def _convert_to_url(src, url, fmt, per_file, storage_options) -> None:
             convert.callback(src, str(local), fmt, per_file, None)
         except SystemExit as e:   # 1: records left out (listed), still uploaded
             code = e.code
-        from ..sources.tar_table import SUFFIX
+        from ..sources.tar.table import SUFFIX
 
         for table in local.glob(f"*{SUFFIX}"):   # a remote tar source reads its member table from _index.json
             table.unlink()
