@@ -1,5 +1,5 @@
 """What the balancer exchanges with the loader: one window's :class:`Measurement` in, a
-:class:`Decision` out, and the helpers that write their numbers in words.
+:class:`Decision` out (their numbers in words: :mod:`.text`).
 
 Units: rates in samples per second, times in seconds, CPU in cores (1.0 = one core busy for
 the whole window), memory in bytes, fractions in [0, 1].
@@ -139,25 +139,6 @@ class Decision:
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-def _round(x: float) -> int:
-    """Half up (Python's ``round`` sends 4.5 to 4)."""
-    return math.floor(x + 0.5)
-
-
-def _fmt_rate(x: float | None) -> str:
-    if x is None:
-        return "unknown"
-    return "unlimited" if math.isinf(x) else f"{x:,.0f}/s"
-
-
-def _pct(x: float) -> str:
-    return f"{100 * x:.1f} %"
-
-
-def _gib(x: float) -> str:
-    return f"{x / 2**30:.2f} GiB"
 
 
 def count_unit(engine: str) -> str:

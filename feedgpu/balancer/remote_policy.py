@@ -43,9 +43,10 @@ from dataclasses import dataclass, replace
 
 from ..errors import ConfigError
 from .diagnosis import WAIT_THRESHOLD
-from .measurement import Decision, Measurement, _fmt_rate, _pct
+from .measurement import Decision, Measurement
 from .policy import Policy
 from .policy_config import DRIFT_THRESHOLD
+from .text import fmt_rate, pct
 from .verdict import Verdict, confirmation, waiting_gain
 from .window import Record, pooled_noise
 
@@ -155,7 +156,7 @@ class RemotePolicy:
         if not waiting and r > c.min_remote and r not in self._no_remove and self._calm >= c.release_windows:
             return self._change(m, local, r, r - 1, "remote-remove",
                                 f"the training loop has not waited for {self._calm} windows "
-                                f"({_pct(m.wait_fraction)}); releasing a remote worker")
+                                f"({pct(m.wait_fraction)}); releasing a remote worker")
         d = local.decide(m)
         if d.changes:   # the windows before a local change are not the base of a remote step
             self._recent = []
@@ -165,7 +166,7 @@ class RemotePolicy:
                 return replace(d, reason=f"{d.reason}; a remote worker more is not worth it ({self._no_add[r]})",
                                remote_workers=r)
             return self._change(m, local, r, r + 1, "remote-add",
-                                f"the training loop waits {_pct(m.wait_fraction)} and the local pool cannot "
+                                f"the training loop waits {pct(m.wait_fraction)} and the local pool cannot "
                                 f"grow ({d.reason}); adding a remote worker")
         return replace(d, remote_workers=r)
 
@@ -217,8 +218,8 @@ class RemotePolicy:
         local.forget()   # its records were measured with another remote count
         rate, wait = judged.rate, judged.wait
         gain = rate / s.base.rate - 1 if s.base.rate > 0 else float("inf")
-        got = (f"{s.src} -> {s.dst} remote workers: {_fmt_rate(s.base.rate)} -> {_fmt_rate(rate)} "
-               f"({gain:+.1%}), wait {_pct(s.base.wait)} -> {_pct(wait)}")
+        got = (f"{s.src} -> {s.dst} remote workers: {fmt_rate(s.base.rate)} -> {fmt_rate(rate)} "
+               f"({gain:+.1%}), wait {pct(s.base.wait)} -> {pct(wait)}")
         if wait <= c.wait_threshold:
             return self._same(m, "hold", f"kept: {got}; the loop still does not wait")
         self._no_remove[s.src] = (got, s.base_demand)
@@ -231,8 +232,8 @@ class RemotePolicy:
         src, dst = (s.base, judged) if s.phase == "dst" else (judged, s.at_dst)
         local.forget()   # its records were measured with another remote count
         gain = dst.rate / src.rate - 1 if src.rate > 0 else math.inf
-        got = (f"{s.src} -> {s.dst} remote workers: {_fmt_rate(src.rate)} -> {_fmt_rate(dst.rate)} "
-               f"({gain:+.1%}), wait {_pct(src.wait)} -> {_pct(dst.wait)}")
+        got = (f"{s.src} -> {s.dst} remote workers: {fmt_rate(src.rate)} -> {fmt_rate(dst.rate)} "
+               f"({gain:+.1%}), wait {pct(src.wait)} -> {pct(dst.wait)}")
         se = pooled_noise([src, judged], lc.noise_prior, lc.noise_floor) * math.sqrt(1 / src.n + 1 / dst.n)
         cap, cap_se = waiting_gain(src, dst)
         if cap < gain and cap_se < se:   # a worker more only shortens the wait (verdict.waiting_gain)
@@ -241,7 +242,7 @@ class RemotePolicy:
         need = lc.add_threshold(m.workers + s.src)
         ok = gain > need or (gain > lc.loss_threshold and dst.wait <= c.wait_threshold)
         if s.phase == "src":
-            got += f" ({s.src} measured afresh after the add; before it {_fmt_rate(s.base.rate)})"
+            got += f" ({s.src} measured afresh after the add; before it {fmt_rate(s.base.rate)})"
         if ok and s.phase == "dst":
             # a gain a drift could explain is confirmed as the local policy's is: the old count
             # measured afresh (A-B-A)
@@ -261,11 +262,11 @@ class RemotePolicy:
             log.info("t=%.1f remote-add -> %d remote workers: kept: %s", m.t, s.dst, got)
             return Decision(m.workers, m.prefetch, "remote-add", f"kept: {got}", t=m.t, engine=m.engine,
                             remote_workers=s.dst)
-        self._no_add[s.src] = f"{got}, needed more than {_pct(need)}"
+        self._no_add[s.src] = f"{got}, needed more than {pct(need)}"
         self._since_no_add = 0
         if s.phase == "src":   # already back at the old count
-            return self._same(m, "hold", f"undone: {got}, needed more than {_pct(need)}")
-        return self._revert(m, s, f"undone: {got}, needed more than {_pct(need)}")
+            return self._same(m, "hold", f"undone: {got}, needed more than {pct(need)}")
+        return self._revert(m, s, f"undone: {got}, needed more than {pct(need)}")
 
     def _revert(self, m: Measurement, s: _Step, reason: str) -> Decision:
         self._settle = self.config.settle_windows
