@@ -42,10 +42,9 @@ import math
 from dataclasses import dataclass, replace
 
 from ..errors import ConfigError
-from .diagnosis import WAIT_THRESHOLD
 from .measurement import Decision, Measurement
 from .policy import Policy
-from .policy_config import DRIFT_THRESHOLD
+from .policy_config import WindowRules
 from .text import fmt_rate, pct
 from .verdict import Verdict, confirmation, waiting_gain
 from .window import Record, pooled_noise
@@ -54,8 +53,11 @@ log = logging.getLogger("feedgpu.balancer")
 
 
 @dataclass(frozen=True)
-class RemoteConfig:
-    """Args:
+class RemoteConfig(WindowRules):
+    """The remote policy's bounds; the window knobs come from :class:`~.policy_config.WindowRules`,
+    with the defaults below.
+
+    Args:
         max_remote: remote workers at most (``executor.max_remote_workers``; default 4).
         min_remote: remote workers at least (0).
         wait_threshold: the loop waits above this share of its time (0.03, as the local policy).
@@ -73,23 +75,18 @@ class RemoteConfig:
 
     max_remote: int = 4
     min_remote: int = 0
-    wait_threshold: float = WAIT_THRESHOLD
-    settle_windows: int = 1
-    measure_windows: int = 2
     release_windows: int = 2
     base_windows: int = 3
     start_windows: int = 20
     recheck_windows: int = 60
-    drift_threshold: float = DRIFT_THRESHOLD
 
     def __post_init__(self):
+        super().__post_init__()
         if not 0 <= self.min_remote <= self.max_remote:
             raise ConfigError(f"RemoteConfig: need 0 <= min_remote <= max_remote, got {self.min_remote}, "
                               f"{self.max_remote}")
-        if self.settle_windows < 0 or min(self.measure_windows, self.release_windows, self.base_windows,
-                                          self.start_windows, self.recheck_windows) < 1:
-            raise ConfigError("RemoteConfig: need settle_windows >= 0 and measure_windows, release_windows, "
-                              "base_windows, start_windows, recheck_windows >= 1")
+        if min(self.release_windows, self.start_windows, self.recheck_windows) < 1:
+            raise ConfigError("RemoteConfig: need release_windows, start_windows, recheck_windows >= 1")
 
 
 @dataclass(frozen=True)
