@@ -223,3 +223,11 @@ def test_from_value_fronts():
         EngineSettings.make({"exec": "async"})
     assert CacheSettings.make({"enabled": False, "dir": "/tmp"}) is None    # as in YAML
     assert CacheSettings.make(CacheSection(enabled=True, compression="zstd")) == CacheSettings(compression="zstd")
+
+
+def test_the_cache_codecs_are_one_list_for_settings_and_parts():
+    """What ``cache.compression`` accepts is what a stored part may name: one tuple."""
+    from feedgpu.cache import parts, settings
+
+    assert parts.CODECS is settings.CODECS == ("none", "zstd")
+    assert [parse_compression(c)[0] for c in settings.CODECS] == list(settings.CODECS)
