@@ -71,8 +71,8 @@ class WindowRules:
 
 @dataclass(frozen=True)
 class PolicyConfig(WindowRules):
-    """The constants of :class:`Policy` (defaults: the module constants); the window knobs are
-    :class:`WindowRules`', with the defaults below.
+    """The constants of :class:`Policy` (defaults: the module constants); the window knobs come
+    from :class:`WindowRules`, with the defaults below.
 
     Args:
         tolerance: throughputs within this share are equal (0.03): a costlier setting is kept
