@@ -55,8 +55,8 @@ from bench.harness import REPO, machine, write_results  # noqa: E402
 import torch  # noqa: E402
 
 from feedgpu import DataLoader, Pipeline  # noqa: E402
-from feedgpu.exec.autoscale import cpu_cores  # noqa: E402
-from feedgpu.exec.balancer import start_workers  # noqa: E402
+from feedgpu.balancer.autoscale import cpu_cores  # noqa: E402
+from feedgpu.balancer import start_workers  # noqa: E402
 from feedgpu.sample_data import default_sample  # noqa: E402
 
 PIPELINE = REPO / "pipelines" / "imagenet_train.yaml"

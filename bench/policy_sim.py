@@ -3,14 +3,14 @@
 setting it trains over a long run, how often it forgets its records, how often it changes.
 
 The real benchmark (``bench/balancer.py``) resolves a few percent at best on a shared VM, and
-a run lasts minutes; here the policy (:class:`feedgpu.exec.balancer.Policy`, deterministic)
+a run lasts minutes; here the policy (:class:`feedgpu.balancer.Policy`, deterministic)
 decides on windows drawn from a throughput curve with the noise measured in real runs, so
 thousands of windows and many seeds cost seconds, and two versions of the policy compare on the
 same draws. No loader runs: this measures the policy's decisions, not the loader's speed.
 
 A curve gives, per worker count, the samples/s the loop trains, the share of its step time it
 waits and the cores the workers use (the prefetch depth changes none). The windows are drawn by
-:class:`feedgpu.exec.simulate.Curve` and the policy driven by :func:`feedgpu.exec.simulate.run`,
+:class:`feedgpu.balancer.simulate.Curve` and the policy driven by :func:`feedgpu.balancer.simulate.run`,
 as the policy tests do: a window's rate is the curve's at the setting decided, times the
 machine's speed (a slow mean-reverting walk), times AR(1) noise (relative standard deviation
 ``--noise``, lag-one correlation ``--phi``: the windows of one setting in
@@ -34,9 +34,9 @@ import json
 import statistics
 from pathlib import Path
 
-from feedgpu.exec import simulate
-from feedgpu.exec.balancer import Policy, PolicyConfig
-from feedgpu.exec.simulate import Curve
+from feedgpu.balancer import simulate
+from feedgpu.balancer import Policy, PolicyConfig
+from feedgpu.balancer.simulate import Curve
 
 #: workers -> (samples/s trained, share of step time waiting, cores the workers use). From
 #: bench/results/archive/balancer_long_run.md and balancer_drift35.md (cnn-all, cnn-1t, busy-core) and a

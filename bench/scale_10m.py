@@ -19,7 +19,7 @@ first batch; for ``resume`` the same after ``load_state_dict`` of a state at 10 
 of the epoch. Order: tar cold (no saved index: the tar index folder is emptied; the member
 tables beside the shards, if any, not used: the numpy scan), tar warm (the index the cold run
 saved), with ``--tables`` (the data then has a member table beside each shard, as ``feedgpu
-convert`` writes them: :mod:`feedgpu.sources.tar_table`) tar cold with one indexing thread,
+convert`` writes them: :mod:`feedgpu.sources.tar.table`) tar cold with one indexing thread,
 tar_table (no saved index, the tables taken on the shards' mtimes) and tar_table_hash (taken on
 the hash of each shard's bytes, as for a copy that lost its mtimes), Parquet (it keeps no saved
 index: each open reads the footers and the label column), resume on each, and torch's loader over
@@ -169,7 +169,7 @@ def build(root: Path, samples: int, shards: int, files: int, tables: bool = Fals
                        compression="none", use_dictionary=False)
     time.sleep(2)
     if tables:   # beside each shard, as feedgpu convert writes them (2 s after the shards: mtimes are not racy)
-        from feedgpu.sources.tar_local import write_tables
+        from feedgpu.sources.tar.local import write_tables
 
         os.sync()
         write_tables(sorted(str(p) for p in (root / "tar").glob("*.tar")))
@@ -206,7 +206,7 @@ def child(kind: str, root: str, workers: int, at: float) -> dict:
     fmt = "tar" if kind.startswith("tar") else "parquet"
     if kind.startswith("torch"):
         return _torch_child(out, root, workers)
-    from feedgpu.sources import tar_local, tar_table
+    from feedgpu.sources.tar import local as tar_local, table as tar_table
 
     flags = set(kind.split("-")[1:])
     if "notable" in flags or kind.startswith("scan"):   # the member tables beside the shards not used

@@ -16,7 +16,9 @@ import operator
 import numpy as np
 import pandas as pd
 
-from feedgpu.tabular import ops as O
+from feedgpu.tabular.categorical import Categorify, Cross, Hash, OneHot
+from feedgpu.tabular.numeric import Bucketize, Clip, Fill, Label, Log1p, MinMax, Standardize
+from feedgpu.tabular.stage import mult_hash, string_hash
 
 
 CMP = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le, "==": operator.eq, "!=": operator.ne}
@@ -45,11 +47,11 @@ class PandasPipeline:
             self.joins.append((list(j.on), dim, j))
         self.maps, self.hashes = {}, {}  # vocabularies and string hashes as dicts, computed once
         for st in p.stages:
-            if isinstance(st, O.Categorify) and st.state["kind"] == "str":
+            if isinstance(st, Categorify) and st.state["kind"] == "str":
                 self.maps[id(st)] = {s: i + 2 for i, s in enumerate(st.state["vocab"])}
-            if isinstance(st, O.Hash) and p.source.kinds.get(st.inputs[0]) == "str":
+            if isinstance(st, Hash) and p.source.kinds.get(st.inputs[0]) == "str":
                 vals = self.df[st.inputs[0]].cat.categories
-                self.hashes[id(st)] = {s: O.string_hash(s, st.buckets) for s in vals}
+                self.hashes[id(st)] = {s: string_hash(s, st.buckets) for s in vals}
 
     def transform(self, idx: np.ndarray) -> dict:
         b = self.df.take(idx)
@@ -60,32 +62,32 @@ class PandasPipeline:
                 b[f"{j.prefix}matched"] = b[f"{j.prefix}matched"].fillna(0).astype(np.float32)
         for st in self.p.stages:
             c, out = st.inputs[0], st.outputs[0]
-            if isinstance(st, O.Label):
+            if isinstance(st, Label):
                 x = b[c]
                 y = CMP[st.cmp](x, float(st.num)) if st.cmp else x
                 y = y.astype(st.dtype)
                 y[x.isna()] = float(st.if_missing)
                 b[out] = y
-            elif isinstance(st, O.Fill):
+            elif isinstance(st, Fill):
                 x = b[c].astype(np.float32)
                 if st.indicator:
                     b[st.outputs[1]] = x.isna().astype(np.float32)
                 b[c] = x.fillna(np.float32(st.state["value"] if st.needs_fit else st.value))
-            elif isinstance(st, O.Clip):
+            elif isinstance(st, Clip):
                 b[c] = b[c].astype(np.float32).clip(st.lo, st.hi)
-            elif isinstance(st, O.Log1p):
+            elif isinstance(st, Log1p):
                 b[c] = np.log1p(b[c].astype(np.float32))
-            elif isinstance(st, O.Standardize):
+            elif isinstance(st, Standardize):
                 m, s = st._k()
                 b[c] = (b[c].astype(np.float32) - m) / s
-            elif isinstance(st, O.MinMax):
+            elif isinstance(st, MinMax):
                 lo, r = st._k()
                 b[c] = (b[c].astype(np.float32) - lo) / r
-            elif isinstance(st, O.Bucketize):
+            elif isinstance(st, Bucketize):
                 x = b[c].astype(np.float32)
                 k = np.searchsorted(st.boundaries, x.to_numpy(), side="right") + 1
                 b[out] = np.where(x.isna(), 0, k)
-            elif isinstance(st, O.Categorify):
+            elif isinstance(st, Categorify):
                 x = b[c]
                 if st.state["kind"] == "str":
                     v = x.map(self.maps[id(st)]).astype("float64").fillna(1)
@@ -93,23 +95,23 @@ class PandasPipeline:
                     b[out] = v.astype(np.int64)
                 else:
                     b[out] = st.map_ints(x.to_numpy())
-            elif isinstance(st, O.Hash):
+            elif isinstance(st, Hash):
                 x = b[c]
                 if not pd.api.types.is_numeric_dtype(x.dtype):
                     x = x.astype("category")  # DataFrame.join on it turned it back into str
                     v = x.map(self.hashes[id(st)]).astype("float64").fillna(0)
                     b[out] = v.astype(np.int64)
                 else:
-                    b[out] = O.mult_hash(x.to_numpy(np.int64), st.buckets)
-            elif isinstance(st, O.OneHot):
+                    b[out] = mult_hash(x.to_numpy(np.int64), st.buckets)
+            elif isinstance(st, OneHot):
                 blocks[out] = pd.get_dummies(pd.Categorical(b[c], categories=range(st.width)),
                                              dtype=np.float32).to_numpy()
-            elif isinstance(st, O.Cross):
+            elif isinstance(st, Cross):
                 key, nz = 0, True
                 for ci, card in zip(st.inputs, st.cards):
                     key = key * card + b[ci]
                     nz = nz & (b[ci] != 0)
-                b[out] = np.where(nz, O.mult_hash(key.to_numpy(np.int64), st.buckets), 0)
+                b[out] = np.where(nz, mult_hash(key.to_numpy(np.int64), st.buckets), 0)
         o = self.p.cfg.outputs
         parts = [blocks[c] if c in blocks else b[c].to_numpy(np.float32)[:, None] for c in o.dense]
         res = {"dense": np.concatenate(parts, axis=1).astype(np.float32)}

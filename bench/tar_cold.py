@@ -6,7 +6,7 @@ work, per shard; reading only the headers; the member table beside a shard; 1 or
 Data (under ``--root``, deleted at the end unless ``--keep``): ``--shards`` shards of
 ``--per-shard`` samples, as :mod:`bench.scale_10m` builds them (an 8x8 JPEG of 337 bytes and a
 ``.cls`` per sample: 2 KiB a sample, 20 MB a shard of 10,000), each with its member table
-(:func:`feedgpu.sources.tar_local.write_tables`), written 2 s after the shards. A shard is made
+(:func:`feedgpu.sources.tar.local.write_tables`), written 2 s after the shards. A shard is made
 "disk-cold" by ``posix_fadvise(POSIX_FADV_DONTNEED)`` on it (clean pages of a file can be
 dropped without root; the storage bytes a measurement read, from ``/proc/self/io``, show it
 worked); "cached" is a shard just read.
@@ -16,16 +16,16 @@ range of the rounds' medians):
 
 * ``read``: the whole shard read in 8 MiB ``readinto`` calls; ``dd direct``: ``dd bs=4M
   iflag=direct``, the disk's own rate with no page cache;
-* ``scan``: :func:`feedgpu.sources.tar_scan.scan_plain` (mmap + numpy); ``numpy only``: the same
+* ``scan``: :func:`feedgpu.sources.tar.scan.scan_plain` (mmap + numpy); ``numpy only``: the same
   scan on the shard's bytes already in memory;
 * ``headers only``: each 512-byte header read by ``pread`` at the offset the previous header's
   size gives (``POSIX_FADV_RANDOM``: no readahead), in Python;
-* ``hash``: :func:`feedgpu.sources.tar_table.content_hash` (xxh3-128 of the shard);
-  ``table (mtime)`` / ``table (hash)``: :func:`~feedgpu.sources.tar_table.load_table`, taking the
+* ``hash``: :func:`feedgpu.sources.tar.table.content_hash` (xxh3-128 of the shard);
+  ``table (mtime)`` / ``table (hash)``: :func:`~feedgpu.sources.tar.table.load_table`, taking the
   table on the shard's mtime / on the hash of its bytes (the mtime check patched off).
 
 Whole set: ``TarShardSource(shards, index_dir=False)`` with 1 and 2 indexing threads
-(:data:`feedgpu.sources.tar_local.INDEX_THREADS`), the tables patched off (the numpy scan) or on
+(:data:`feedgpu.sources.tar.local.INDEX_THREADS`), the tables patched off (the numpy scan) or on
 (taken on their hash), cached and disk-cold. Results: ``bench/results/tar_cold.{json,md}``.
 """
 from __future__ import annotations
@@ -57,7 +57,7 @@ def storage_read() -> int:
 
 
 def build(root: Path, shards: int, per: int) -> list[str]:
-    from feedgpu.sources.tar_local import write_tables
+    from feedgpu.sources.tar.local import write_tables
 
     if root.exists():
         shutil.rmtree(root)
@@ -84,7 +84,7 @@ def _prepare(path: str, cold: bool) -> None:
     """Before a timed step: drop the shard and its member table from the page cache (``cold``),
     else read the shard so that it is in the page cache."""
     if cold:
-        from feedgpu.sources import tar_table
+        from feedgpu.sources.tar import table as tar_table
 
         evict(path)
         evict(tar_table.table_path(path))
@@ -113,17 +113,17 @@ def _headers_only(path: str) -> int:
 
 
 def _numpy_only(data: bytes) -> None:
-    from feedgpu.sources.tar_members import IMAGE_SUFFIXES, LABEL_SUFFIXES
-    from feedgpu.sources.tar_scan import _scan
+    from feedgpu.sources.tar.members import IMAGE_SUFFIXES, LABEL_SUFFIXES
+    from feedgpu.sources.tar.scan import _scan
 
     arr = np.frombuffer(data, np.uint8)
     assert _scan(arr, len(data), IMAGE_SUFFIXES, LABEL_SUFFIXES) is not None
 
 
 def per_shard(paths: list[str], rounds: int) -> dict:
-    from feedgpu.sources import tar_table
-    from feedgpu.sources.tar_members import IMAGE_SUFFIXES, LABEL_SUFFIXES
-    from feedgpu.sources.tar_scan import scan_plain
+    from feedgpu.sources.tar import table as tar_table
+    from feedgpu.sources.tar.members import IMAGE_SUFFIXES, LABEL_SUFFIXES
+    from feedgpu.sources.tar.scan import scan_plain
 
     def scan(p):
         assert scan_plain(p, IMAGE_SUFFIXES, LABEL_SUFFIXES) is not None
@@ -172,7 +172,7 @@ def per_shard(paths: list[str], rounds: int) -> dict:
 def whole_set(paths: list[str], rounds: int) -> dict:
     import warnings
 
-    from feedgpu.sources import tar_local, tar_table
+    from feedgpu.sources.tar import local as tar_local, table as tar_table
     from feedgpu.sources.tar import TarShardSource
 
     def no_table(p):

@@ -12,7 +12,7 @@ be empty. Every image ending the folder source reads
 (:data:`~feedgpu.sources.extensions.IMAGE_EXTENSIONS`) is an image member the tar source reads. Beside the files: ``_classes.txt`` (class names) and ``_index.json`` (the files with
 their sizes and SHA-256, and for tar the member table: :mod:`feedgpu.remote.index`), which
 names the dataset by one path or URL where the store cannot list (HTTP). Beside each tar shard:
-its member table (``<shard>.feedgpu-index``, :mod:`feedgpu.sources.tar_table`), so a tar source
+its member table (``<shard>.feedgpu-index``, :mod:`feedgpu.sources.tar.table`), so a tar source
 opening the shards on another machine or with a new cache dir does not index them.
 
 Sample keys (:func:`sample_keys`): a file's path relative to the dataset, without its
@@ -46,7 +46,7 @@ from .sources.base import CLASS_NAMES_FILE, Source, encode_class_name
 from .sources.class_names import ClassNames
 from .sources.folder import FolderSource
 from .sources.tar import TarShardSource
-from .sources.tar_local import write_tables
+from .sources.tar.local import write_tables
 
 PARQUET_SCHEMA = pa.schema([("key", pa.string()), ("image", pa.large_binary()), ("label", pa.int64()),
                             ("format", pa.string()), ("width", pa.int32()), ("height", pa.int32())])

@@ -16,8 +16,8 @@ from . import distributed, loader_state
 from .cache.settings import CacheSettings
 from .epoch import Ahead, EpochIterator, close_live
 from .errors import ConfigError
-from .exec.autoscale import Autoscaler, cpu_cores, default_config
-from .exec.balancer.measurement import count_unit
+from .balancer.autoscale import Autoscaler, cpu_cores, default_config
+from .balancer.measurement import count_unit
 from .exec.memory_budget import parse_worker_memory
 from .exec.build import make_pool, make_work
 from .exec.engines import EngineSettings

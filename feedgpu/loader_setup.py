@@ -10,7 +10,7 @@ import torch.utils.data as tud
 
 from .cache.settings import CacheSettings
 from .errors import ConfigError
-from .exec.autoscale import cpu_cores
+from .balancer.autoscale import cpu_cores
 from .exec.engines import EngineSettings
 from .exec.executors import ExecutorSettings, check_executor
 from .pipeline import resolve_device

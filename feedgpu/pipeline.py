@@ -8,8 +8,8 @@ from typing import Any
 
 from . import config as cfg
 from .errors import ConfigError
-from .exec.autoscale import cpu_cores, fixed_workers
-from .exec.balancer import start_workers
+from .balancer.autoscale import cpu_cores, fixed_workers
+from .balancer import start_workers
 from .exec.plan import Plan, make_plan
 from .exec.executors import check_executor
 from .settings import (CacheSettings, EngineSettings, ExecutorSettings, LoaderSettings, OutputSettings,
@@ -179,11 +179,9 @@ class Pipeline:
         self.engine = EngineSettings.make(engine)
         self.executor = ExecutorSettings.make(executor)
         check_executor(self.executor, self.engine, self.cache)
-        plan = make_plan(self.stages, "cpu")  # validate the stage list now, not at the first batch
-        if self.engine.name == "dali":
-            from .exec.dali_graph import check_dali_plan
-
-            check_dali_plan(plan)  # e.g. a python stage: refused here, not at the first batch
+        # validate the stage list now, not at the first batch (the DALI engine: e.g. a python
+        # stage is refused here); the plan is kept for a loader on the CPU
+        self.plan("cpu")
 
     @property
     def shuffle(self) -> bool:
@@ -305,9 +303,25 @@ class Pipeline:
 
     # -- planning ---------------------------------------------------------------------------
     def plan(self, device: str | None = None) -> Plan:
-        """Where each stage runs for output ``device``. With the DALI engine on the GPU, the
-        whole pipeline runs there (normalize included)."""
+        """Where each stage runs for output ``device`` (default: the pipeline's). With the DALI
+        engine on the GPU, the whole pipeline runs there (normalize included).
+
+        Made once per device: later calls return the same :class:`Plan` while the stage objects,
+        the engine and executor settings and the worker count are the ones it was made from (a
+        stage list or a section assigned anew is planned again). Raises :class:`ConfigError`
+        for stages that cannot run (see :func:`~feedgpu.exec.plan.make_plan`)."""
         dev = resolve_device(device or self.device)
+        settings, stages = (self.engine, self.executor, self.num_workers), tuple(self.stages)
+        plans = self.__dict__.setdefault("_plans", {})
+        kept = plans.get(dev)
+        if (kept is not None and kept[0] == settings and len(kept[1]) == len(stages)
+                and all(a is b for a, b in zip(kept[1], stages))):
+            return kept[2]
+        plan = self._make_plan(dev)
+        plans[dev] = (settings, stages, plan)
+        return plan
+
+    def _make_plan(self, dev: str) -> Plan:
         if self.engine.name != "dali":
             if self.executor.remote:
                 from .imaging import pil_label
@@ -412,6 +426,7 @@ class Pipeline:
     def __getstate__(self):
         state = dict(self.__dict__)
         state.pop("_per_sample", None)  # rebuilt in the process that indexes it
+        state.pop("_plans", None)       # planned again where needed
         return state
 
     def __bool__(self) -> bool:

@@ -28,7 +28,7 @@ import time
 from typing import Any, Callable
 
 from ..errors import ConfigError
-from ..exec.balancer import diagnose
+from ..balancer import diagnose
 from ..metrics import cpu_seconds
 
 log = logging.getLogger(__name__)
@@ -210,13 +210,13 @@ def engine_label(loader) -> tuple[str, int]:
 def placement(make_loader: Callable[..., Any], alone: dict, duration_s: float, demand: float,
               on_gpu: bool, warmup_s: float = 0.0) -> dict:
     """Measure the loader alone on the other engines too (``python``, ``dali-cpu``; ``dali-gpu``
-    on a GPU) and let :func:`~feedgpu.exec.balancer.choose_placement` pick where the stages run:
+    on a GPU) and let :func:`~feedgpu.balancer.choose_placement` pick where the stages run:
     the rate each delivers (counted up to ``demand``) for the cores it uses (main process and
     workers). ``alone``: the configured loader measured alone, with its ``engine`` label and
     ``workers`` (:func:`engine_label`), so a pipeline configured for DALI is not reported as the
     Python engine. A Python loader that sizes its pool itself runs ``warmup_s`` untimed first."""
-    from ..exec.autoscale import cpu_cores
-    from ..exec.balancer import EngineRate, choose_placement
+    from ..balancer.autoscale import cpu_cores
+    from ..balancer import EngineRate, choose_placement
 
     mine = alone.get("engine", "python")
     options = [EngineRate(mine, alone["samples_per_s"], alone["cpu_cores"], max(1, alone["workers"]))]
@@ -294,8 +294,8 @@ def recommend(idle: float, diag: dict | None, costs: dict, on_gpu: bool) -> str:
 def _fixed_diagnosis(both: dict, model: dict, workers: int) -> dict:
     """Without a balancer: :func:`diagnose` of phase 3 as one window (CPU of the main process
     and the workers against all cores)."""
-    from ..exec.autoscale import cpu_cores
-    from ..exec.balancer import Measurement
+    from ..balancer.autoscale import cpu_cores
+    from ..balancer import Measurement
 
     m = Measurement(t=0.0, workers=max(1, workers), delivered_rate=both["samples_per_s"],
                     demand_rate=model["samples_per_s"], wait_fraction=min(1.0, both["wait_s"] / both["wall_s"]),

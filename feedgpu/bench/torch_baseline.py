@@ -28,12 +28,9 @@ import torch.utils.data as tud
 from ..errors import ConfigError
 from ..pipeline import Pipeline
 from ..stages.base import BatchStage
-from ..torch_ref import (CenterCrop, LoadImage, Normalize, PilCallable, RandomHorizontalFlip, RandomResizedCrop,
-                        Resize, ToTensor, ToUint8HWC, torchvision_rrc_params)
+from ..torch_ref import CenterCrop, Normalize, RandomHorizontalFlip, RandomResizedCrop, Resize, ToTensor, ToUint8HWC
 
-__all__ = ["CenterCrop", "Compose", "LoadImage", "Normalize", "PilCallable", "RandomHorizontalFlip",
-           "RandomResizedCrop", "Resize", "ToTensor", "ToUint8HWC", "TorchBaselineDataset", "build_transforms",
-           "torch_loader", "torchvision_rrc_params"]
+__all__ = ["Compose", "TorchBaselineDataset", "build_transforms", "torch_loader"]
 
 
 class Compose:

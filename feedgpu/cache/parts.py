@@ -31,15 +31,14 @@ import pyarrow as pa
 import zstandard
 
 from .checks import META_COLUMNS, CorruptPart, CorruptRow, checksum, content_checksum, meta_checksum
+from .settings import CODECS
 from .sink import WRITE_CHUNK, ChunkedFile
 
-__all__ = ["CODECS", "CorruptPart", "CorruptRow", "Part", "PartWriter", "RowBuffer", "RowEncoder", "SCHEMA",
-           "checksum", "content_checksum", "meta_checksum"]
+__all__ = ["Part", "PartWriter", "RowBuffer", "RowEncoder", "SCHEMA"]
 
 SCHEMA = pa.schema([("index", pa.int64()), ("key", pa.string()), ("label", pa.int64()),
                     ("height", pa.int32()), ("width", pa.int32()), ("check", pa.uint64()),
                     ("data", pa.large_binary())])
-CODECS = ("none", "zstd")
 
 
 class RowEncoder:

@@ -11,6 +11,7 @@ from pydantic import Field, field_validator
 from ..errors import ConfigError
 from ..settings_base import settings_class
 
+#: The codecs a cache part's rows are stored with (``compression``; a part read back must name one).
 CODECS = ("none", "zstd")
 #: The cache's fingerprint modes (``CacheSettings.fingerprint``): what a source's files are
 #: checked by, their ``stat`` or their bytes.

@@ -23,8 +23,9 @@ from pathlib import Path
 import numpy as np
 
 from . import manifest as mf
+from .checks import CorruptPart, CorruptRow
 from .flush import FlushPolicy
-from .parts import CorruptPart, CorruptRow, Part, PartWriter, RowBuffer, RowEncoder
+from .parts import Part, PartWriter, RowBuffer, RowEncoder
 from .settings import CacheSettings, parse_compression
 
 log = logging.getLogger("feedgpu.cache")

@@ -24,8 +24,8 @@ def _index_dir(index_dir: str | None) -> Path:
 
 
 def _tar_index_dir() -> Path:
-    """Where tar sources save their shards' indexes (:mod:`feedgpu.sources.tar_index`)."""
-    from ..sources.tar_index import default_index_dir
+    """Where tar sources save their shards' indexes (:mod:`feedgpu.sources.tar.index`)."""
+    from ..sources.tar.index import default_index_dir
 
     return default_index_dir()
 
@@ -67,7 +67,7 @@ def build_cmd(pipeline_file, data, cache_dir, compression, workers, fingerprint,
     from ..cache.store import entry_bytes
     from ..exec.cache_step import CacheStep
     from ..exec.process_pool import ProcessPool, unpack_exception
-    from ..exec.autoscale import fixed_workers
+    from ..balancer.autoscale import fixed_workers
     from ..pipeline import Pipeline
     from .options import parse_sets
 
@@ -301,7 +301,7 @@ def _convert_to_url(src, url, fmt, per_file, storage_options) -> None:
             convert.callback(src, str(local), fmt, per_file, None)
         except SystemExit as e:   # 1: records left out (listed), still uploaded
             code = e.code
-        from ..sources.tar_table import SUFFIX
+        from ..sources.tar.table import SUFFIX
 
         for table in local.glob(f"*{SUFFIX}"):   # a remote tar source reads its member table from _index.json
             table.unlink()

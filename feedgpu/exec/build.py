@@ -81,7 +81,7 @@ def make_pool(loader, work):
                             base_seed=draw_base_seed(loader.generator))  # per pool start (torch: per iterator)
     if not loader._executor.remote:
         return local
-    from .mixed_pool import MixedPool
+    from .remote.mixed_pool import MixedPool
 
     auto = loader._autoscaler
     remote = auto.remote if auto is not None else loader._remote_start

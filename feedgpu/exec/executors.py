@@ -5,7 +5,7 @@ machine. ``executor: ray`` also runs them on a Ray cluster (Ray is the ``ray`` e
 "feedgpu[ray]"``; ``import feedgpu`` does not need it): each batch of sample indices, already in
 the sampler's order and sharded for this rank, becomes a call on a remote worker (a Ray actor that
 holds the pipeline's stages), and the batch arrays come back through Ray's object store. See
-:mod:`feedgpu.exec.ray_workers`.
+:mod:`feedgpu.exec.remote.ray_workers`.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ class ExecutorSettings:
             are single threaded).
         max_local_workers (int | None): the most local worker processes the balancer may use
             (>= 1, taken as given even above the cores; default None: one more than the cores
-            this process may run on, see :func:`feedgpu.exec.autoscale.default_config`). With a fixed
+            this process may run on, see :func:`feedgpu.balancer.autoscale.default_config`). With a fixed
             ``num_workers`` that count is used; with ``num_workers=0`` every batch runs on the
             cluster.
 

@@ -63,7 +63,7 @@ from .faults import Mismatch as _Mismatch
 from .faults import classify, unreachable_kind
 from .memo import FailureMemo
 from .folder import entries, locked, make_room, remove
-from .urls import Identity, filesystem, identity_from_info, scheme
+from .urls import Identity, filesystem, identity_from_info, scheme, store_path
 
 _MD5 = re.compile(r"[0-9a-f]{32}")
 VERIFY = ("identity", "content")
@@ -185,7 +185,7 @@ class ShardCache:
 
         def attempt():
             fs = self._filesystem(url)
-            return fs.cat_file(fs._strip_protocol(url))
+            return fs.cat_file(store_path(url))
         return self._retrying(url, attempt, what="request")
 
     def retrying(self, url: str, attempt, what: str = "request"):
@@ -328,7 +328,7 @@ class ShardCache:
 
     def _stat(self, url: str) -> Identity:
         fs = self._filesystem(url)
-        return identity_from_info(url, fs.info(fs._strip_protocol(url)))
+        return identity_from_info(url, fs.info(store_path(url)))
 
     def _retrying(self, url: str, attempt, what: str = "download", fallback=None):
         """``attempt()`` with the retry policy; ``fallback(why)``, on a fault that means the store
@@ -435,7 +435,7 @@ class ShardCache:
                 pass
         tmp = f"{data}.part-{os.getpid()}-{threading.get_ident()}"
         fs = self._filesystem(url)
-        path = fs._strip_protocol(url)
+        path = store_path(url)
         digest = hashlib.sha256()   # recorded with the entry: the index's SHA-256 is checked against it
         md5 = hashlib.md5() if _MD5.fullmatch(remote.etag) and scheme(url) in ("s3", "gs", "gcs") else None
         f = None

@@ -102,13 +102,21 @@ def identity_from_info(url: str, info: dict[str, Any]) -> Identity:
     return Identity(url, int(size), str(etag).strip('"').removeprefix("W/").strip('"'), str(mtime))
 
 
+def store_path(url: str) -> str:
+    """``url``'s path within its store, as fsspec's filesystem for its scheme names it
+    (``fsspec.core.strip_protocol``: ``s3://bucket/key`` -> ``bucket/key``)."""
+    import fsspec.core
+
+    return fsspec.core.strip_protocol(url)
+
+
 def stat(url: str, fs=None, storage_options: dict | None = None) -> Identity:
     """The current :class:`Identity` of ``url``; raises ``FileNotFoundError`` / ``OSError``
     as the store does."""
     if fs is None:
         fs, path = filesystem(url, storage_options)
     else:
-        path = fs._strip_protocol(url)
+        path = store_path(url)
     return identity_from_info(url, fs.info(path))
 
 

@@ -1,14 +1,14 @@
 """Indexes built ahead of training, for data feedgpu did not write (``feedgpu index``).
 
-* Tar shards: :func:`index_shards` writes the member table (:mod:`.tar_table`) beside every local
-  shard that has no valid one, as :func:`~feedgpu.sources.tar_local.write_tables` writes it for
+* Tar shards: :func:`index_shards` writes the member table (:mod:`.tar.table`) beside every local
+  shard that has no valid one, as :func:`~feedgpu.sources.tar.local.write_tables` writes it for
   ``feedgpu convert --to tar``, so a source opening the shards on a new machine or with a new
   cache dir takes the tables instead of reading every member header. A shard whose table holds
-  (:func:`~feedgpu.sources.tar_table.load_table`) is left alone (``force`` rewrites it). A shard
+  (:func:`~feedgpu.sources.tar.table.load_table`) is left alone (``force`` rewrites it). A shard
   that cannot be indexed (missing, unreadable, not a plain tar) or is damaged (its index holds a
   ``"truncated shard"`` or ``"corrupt shard"`` record: a shard still being copied looks the same)
   gets no table and is named with its reason; the others are indexed all the same. Tables are
-  written to a temporary file and renamed (:func:`~feedgpu.sources.tar_index.write`), so a table
+  written to a temporary file and renamed (:func:`~feedgpu.sources.tar.index.write`), so a table
   is whole or absent.
 * An ImageFolder: :func:`index_folder` opens a :class:`~feedgpu.sources.folder.FolderSource`
   with the arguments the pipeline's ``source:`` section gives it (``index_dir``,
@@ -32,11 +32,12 @@ import numpy as np
 
 from ..errors import SourceError
 from ..remote.urls import is_url
-from . import folder_index, tar_local
+from . import folder_index
 from .base import expand_paths
 from .folder import FolderSource, saved_index_file
-from .tar_members import part_arrays
-from .tar_table import load_table, table_path, write_table
+from .tar import local as tar_local
+from .tar.members import part_arrays
+from .tar.table import load_table, table_path, write_table
 
 __all__ = ["DAMAGE_REASONS", "FolderReport", "TarReport", "index_folder", "index_shards", "path_kind"]
 
@@ -140,7 +141,7 @@ def index_shards(shards, threads: int | None = None, force: bool = False) -> Tar
     """Write the member table beside every local tar shard of ``shards`` (a path, directory,
     glob or a list of these, expanded as :class:`~feedgpu.sources.tar.TarShardSource` expands
     them) that has no valid one (all of them with ``force``); ``threads``: shards indexed at once
-    (default :data:`~feedgpu.sources.tar_local.INDEX_THREADS`). Failures are in the report, not
+    (default :data:`~feedgpu.sources.tar.local.INDEX_THREADS`). Failures are in the report, not
     raised (module docstring); images without a label count as ``"missing label"`` where other
     shards have labels, as the source counts them. Raises :class:`~feedgpu.errors.SourceError`
     when nothing matches ``shards``."""

@@ -8,17 +8,17 @@ import numpy as np
 from ..errors import ConfigError, TableDataError
 from .columns import DictMap, StrColumn
 from .source import SchemaError
-from .stage import KNUTH, TWO32, Stage, int_col, mult_hash, string_hash
+from .stage import KNUTH, TWO32, ColumnStage, int_col, mult_hash, string_hash
 
 __all__ = ["Categorify", "Cross", "Hash", "OneHot"]
 
-class Categorify(Stage):
+class Categorify(ColumnStage):
     """Vocabulary index: 0 missing, 1 out of vocabulary, 2.. the fit pass's values seen at least
     ``min_count`` times (at most ``max_size`` of them), most frequent first, ties by value.
     ``on_oov``: ``"index"`` (default, maps to 1 and counts it in ``oov``) or ``"raise"``
     (:class:`TableDataError`). Strings or integers. int64."""
 
-    op, needs_fit, out_kind = "categorify", True, "cat"
+    name, needs_fit, out_kind = "categorify", True, "cat"
 
     def __init__(self, column: str, out: str, min_count: int = 1, max_size: int | None = None, on_oov: str = "index"):
         super().__init__([column], [out])
@@ -89,7 +89,7 @@ class Categorify(Stage):
             raise TableDataError(f"{self.label}: {n} values outside the vocabulary (on_oov: raise)")
 
     @property
-    def dali_ok(self):  # integers go through lookup_table only when they are small non-negative keys
+    def has_dali(self):  # integers go through lookup_table only when they are small non-negative keys
         return self.state is None or self.state["kind"] == "str" or (
             not self.state["vocab"] or (min(self.state["vocab"]) >= 0 and max(self.state["vocab"]) < 65536))
 
@@ -111,11 +111,11 @@ class Categorify(Stage):
                 if keys else x * 0 + 1}
 
 
-class Hash(Stage):
+class Hash(ColumnStage):
     """Hash buckets: 0 missing, else 1..``buckets`` (``cardinality = buckets + 1``). Strings:
     :func:`string_hash`; integers (``0 <= x < 2^31``, else :class:`SchemaError`): :func:`mult_hash`. int64."""
 
-    op, out_kind = "hash", "cat"
+    name, out_kind = "hash", "cat"
 
     def __init__(self, column: str, out: str, buckets: int):
         super().__init__([column], [out])
@@ -150,12 +150,12 @@ class Hash(Stage):
         return {self.outputs[0]: ((x * k) % m * types.Constant(self.buckets, dtype=types.INT64)) // m + 1}
 
 
-class Cross(Stage):
+class Cross(ColumnStage):
     """Crossed feature of categorical outputs ``a, b, ...`` (each with a cardinality): 0 if any
     input is 0, else :func:`mult_hash` of the mixed-radix key ``(a * card_b + b) ...`` into
     ``buckets``. int64; ``cardinality = buckets + 1``."""
 
-    op, out_kind = "cross", "cat"
+    name, out_kind = "cross", "cat"
 
     def __init__(self, columns: list[str], out: str, buckets: int, cards: list[int]):
         super().__init__(list(columns), [out])
@@ -190,11 +190,11 @@ class Cross(Stage):
         return {self.outputs[0]: h * nz}
 
 
-class OneHot(Stage):
+class OneHot(ColumnStage):
     """One-hot float32 ``[N, cardinality]`` block of a categorical output (index 0, missing, has
     its own column). Goes into ``dense`` as ``cardinality`` columns."""
 
-    op = "one_hot"
+    name = "one_hot"
 
     def __init__(self, column: str, out: str, cardinality: int):
         super().__init__([column], [out])

@@ -86,7 +86,7 @@ class DaliTableEngine:
         self.cpu_stages, self.dali_stages = [], []
         on_dali: set[str] = set()
         for st in pipeline.stages:
-            if st.dali_ok:
+            if st.has_dali:
                 self.dali_stages.append(st)
                 on_dali |= set(st.outputs)
             else:

@@ -11,16 +11,16 @@ import numpy as np
 from ..errors import ConfigError, TableDataError
 from .columns import StrColumn
 from .source import SchemaError
-from .stage import Stage, f32, fit_values
+from .stage import ColumnStage, f32, fit_values
 
 __all__ = ["Bucketize", "Clip", "Fill", "Label", "Log1p", "MinMax", "Standardize"]
 
-class Fill(Stage):
+class Fill(ColumnStage):
     """Missing values (NaN) -> ``mean``/``median`` of the fit pass or ``constant``; with
     ``indicator`` also ``<column>_missing`` (float32 1.0 where the value was missing). CPU only
     (DALI has no select operator)."""
 
-    op, dali_ok = "fill", False
+    name, has_dali = "fill", False
 
     def __init__(self, column: str, strategy: str = "median", value: float = 0.0, indicator: bool = True):
         super().__init__([column], [column] + ([f"{column}_missing"] if indicator else []))
@@ -44,7 +44,7 @@ class Fill(Stage):
             cols[f"{c}_missing"] = miss.astype(np.float32)
 
 
-class _Affine(Stage):
+class _Affine(ColumnStage):
     """``(x - shift) / scale`` of one column with constants from the fit pass (:meth:`_k`). float32."""
 
     def __init__(self, column: str):
@@ -66,7 +66,7 @@ class Standardize(_Affine):
     """``(x - mean) / std`` with the fit pass's mean and standard deviation (population, NaN
     ignored; a zero std counts as 1). float32."""
 
-    op, needs_fit = "standardize", True
+    name, needs_fit = "standardize", True
 
     def fit(self, cols):
         x = fit_values(cols, self.inputs[0], self.label)
@@ -80,7 +80,7 @@ class Standardize(_Affine):
 class MinMax(_Affine):
     """``(x - min) / (max - min)`` with the fit pass's min and max (a zero range counts as 1). float32."""
 
-    op, needs_fit = "minmax", True
+    name, needs_fit = "minmax", True
 
     def fit(self, cols):
         x = fit_values(cols, self.inputs[0], self.label)
@@ -91,10 +91,10 @@ class MinMax(_Affine):
         return np.float32(lo), np.float32(hi - lo if hi > lo else 1.0)
 
 
-class Log1p(Stage):
+class Log1p(ColumnStage):
     """``log(1 + x)``; values below -1 give NaN (caught by the pipeline's NaN check). float32."""
 
-    op = "log1p"
+    name = "log1p"
 
     def __init__(self, column: str):
         super().__init__([column], [column])
@@ -109,10 +109,10 @@ class Log1p(Stage):
         return {self.outputs[0]: dmath.log(node(self.inputs[0]) + 1.0)}
 
 
-class Clip(Stage):
+class Clip(ColumnStage):
     """``min(max(x, lo), hi)``; either bound may be omitted; NaN stays NaN. float32."""
 
-    op = "clip"
+    name = "clip"
 
     def __init__(self, column: str, min: float | None = None, max: float | None = None):
         super().__init__([column], [column])
@@ -133,14 +133,14 @@ class Clip(Stage):
         return {self.outputs[0]: dmath.clamp(node(self.inputs[0]), float(self.lo), float(self.hi))}
 
 
-class Bucketize(Stage):
+class Bucketize(ColumnStage):
     """Bucket index of each value: 0 for NaN, else ``1 + #{boundaries <= x}`` (so
     ``cardinality = len(boundaries) + 2``). ``boundaries`` are given, or with ``quantiles: n``
     the fit pass's ``n``-quantiles (``np.quantile`` of the non-NaN values, linear interpolation,
     duplicates merged).
     int64."""
 
-    op, out_kind = "bucketize", "cat"
+    name, out_kind = "bucketize", "cat"
 
     def __init__(self, column: str, out: str, boundaries=None, quantiles: int | None = None):
         super().__init__([column], [out])
@@ -192,12 +192,12 @@ class Bucketize(Stage):
 _EXPR = re.compile(r"^\s*([A-Za-z_]\w*)\s*(?:(>=|<=|==|!=|>|<)\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?))?\s*$")
 
 
-class Label(Stage):
+class Label(ColumnStage):
     """``expr``: ``column`` or ``column OP number`` (OP one of ``> >= < <= == !=``), as float32
     (default) or int64. A missing (NaN) input raises :class:`TableDataError` unless
     ``if_missing`` gives the label to use. CPU in both engines."""
 
-    op, dali_ok = "label", False
+    name, has_dali = "label", False
 
     def __init__(self, expr: str, out: str = "label", dtype: str = "float32", if_missing="raise"):
         m = _EXPR.match(expr)

@@ -24,12 +24,15 @@ import numpy as np
 
 from ..config import load_yaml, merge
 from ..errors import ConfigError, TableDataError
-from . import ops as O
+from .categorical import OneHot
 from .columns import StrColumn
 from .config import TablePipelineCfg, validate
 from .fit import FitStore, digest
 from .joins import LookupJoin
+from .numeric import Label
+from .ops import STAGES
 from .source import TableSource
+from .stage import ColumnStage
 
 TABLE_FORMAT = "feedgpu.tabular/1"
 
@@ -98,7 +101,7 @@ class TablePipeline:
                 out = d.pop("out") or "_x_".join(d["columns"])
                 specs.append({"op": op, "args": {**d, "out": out}, "inputs": d["columns"], "outputs": [out]})
             elif op == "label":
-                s = O.Label(**d)
+                s = Label(**d)
                 specs.append({"op": op, "args": d, "inputs": s.inputs, "outputs": s.outputs})
             else:
                 out = d.pop("out") or f"{d['column']}_{op}"
@@ -107,12 +110,9 @@ class TablePipeline:
             s["config"] = {"op": s["op"], **s["args"]}
         return specs
 
-    def _build(self, specs) -> list[O.Stage]:
-        classes = {"fill": O.Fill, "standardize": O.Standardize, "minmax": O.MinMax, "log1p": O.Log1p,
-                   "clip": O.Clip, "bucketize": O.Bucketize, "hash": O.Hash, "categorify": O.Categorify,
-                   "one_hot": O.OneHot, "cross": O.Cross, "label": O.Label}
+    def _build(self, specs) -> list[ColumnStage]:
         cards: dict[str, int] = {}
-        stages: list[O.Stage] = []
+        stages: list[ColumnStage] = []
         fit_cols = None
         for i, s in enumerate(specs):
             args = dict(s["args"])
@@ -126,7 +126,7 @@ class TablePipeline:
                     args["cardinality"] = cards[ins[0]]
                 else:
                     args["cards"] = [cards[c] for c in ins]
-            st = classes[s["op"]](**args)
+            st = STAGES[s["op"]](**args)
             key = f"{i}:{s['op']}({','.join(s['inputs'])})"
             if st.needs_fit:
                 state = self.fit_store.get(key)
@@ -152,7 +152,7 @@ class TablePipeline:
                 st.oov = 0
         return stages
 
-    def _fit_rows(self, earlier: list[O.Stage]) -> dict:
+    def _fit_rows(self, earlier: list[ColumnStage]) -> dict:
         n, fc = len(self.source), self.cfg.fit
         idx = np.arange(n) if n <= fc.max_rows else np.sort(
             np.random.default_rng(fc.seed).choice(n, fc.max_rows, replace=False))
@@ -182,7 +182,7 @@ class TablePipeline:
             k.update(j.outputs())
         for st in self.stages:
             for o in st.outputs:
-                k[o] = "int" if st.out_kind == "cat" else ("label" if st.op == "label" else "float")
+                k[o] = "int" if st.out_kind == "cat" else ("label" if st.name == "label" else "float")
         return k
 
     @classmethod
@@ -221,7 +221,7 @@ class TablePipeline:
         names = []
         for c in self.cfg.outputs.dense:
             st = next((s for s in reversed(self.stages) if c in s.outputs), None)
-            names += [f"{c}={k}" for k in range(st.width)] if isinstance(st, O.OneHot) else [c]
+            names += [f"{c}={k}" for k in range(st.width)] if isinstance(st, OneHot) else [c]
         return names
 
     def cardinalities(self) -> dict[str, int]:
@@ -318,7 +318,7 @@ class TablePipeline:
         for j in self.joins:
             lines.append(f"  join {j.name}: on {j.on} -> {list(j.outputs())} [cpu]")
         for st in self.stages:
-            where = "dali" if self.engine == "dali" and st.dali_ok else "cpu"
+            where = "dali" if self.engine == "dali" and st.has_dali else "cpu"
             lines.append(f"  {st.label} -> {st.outputs} [{where}]")
         lines.append(f"  dense: {len(self.dense_names())} float32 columns; categorical: {self.cardinalities()}")
         return "\n".join(lines)

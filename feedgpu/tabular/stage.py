@@ -1,4 +1,4 @@
-"""The contract of a feature stage (:class:`Stage`) and the column helpers and hashes the
+"""The contract of a feature stage (:class:`ColumnStage`) and the column helpers and hashes the
 stages share. The stages themselves: :mod:`feedgpu.tabular.numeric` and
 :mod:`feedgpu.tabular.categorical`; :mod:`feedgpu.tabular.ops` lists them all.
 """
@@ -12,7 +12,7 @@ from ..errors import ConfigError, TableDataError
 from .columns import StrColumn
 from .source import SchemaError
 
-__all__ = ["KNUTH", "Stage", "TWO32", "f32", "fit_values", "int_col", "mult_hash", "string_hash"]
+__all__ = ["ColumnStage", "KNUTH", "TWO32", "f32", "fit_values", "int_col", "mult_hash", "string_hash"]
 
 #: Knuth's multiplicative hashing constant (TAOCP vol. 3, 6.4), 2^32 / golden ratio.
 KNUTH = 2654435761
@@ -59,16 +59,21 @@ def string_hash(s: str, buckets: int) -> int:
     return int.from_bytes(hashlib.blake2b(s.encode(), digest_size=8).digest(), "little") % buckets + 1
 
 
-class Stage:
+class ColumnStage:
     """A feature stage: reads the columns ``inputs`` of a batch's column dict, writes ``outputs``.
+
+    Named as the image stages' contract (:class:`feedgpu.stages.base.Stage`) names the same
+    things: ``name`` is the stage's ``op`` in a pipeline file, ``has_dali`` whether it runs in
+    the DALI graph (``False``: on the CPU before it, in both engines). Unlike an image stage it
+    works on a whole batch of columns, in place.
 
     ``fit(cols)`` returns its statistics as a JSON-able dict (``None`` without statistics),
     ``load(state)`` sets them, ``apply(cols)`` runs it on the CPU (numpy, in place on the dict),
-    ``dali(node)`` builds it from DALI operators (``dali_ok = False``: CPU only). ``out_kind`` is
-    ``"float"`` (float32 outputs) or ``"cat"`` (int64 indices, ``cardinality`` the table size)."""
+    ``dali(node)`` builds it from DALI operators. ``out_kind`` is ``"float"`` (float32 outputs)
+    or ``"cat"`` (int64 indices, ``cardinality`` the table size)."""
 
-    op = ""
-    dali_ok = True
+    name = ""
+    has_dali = True
     needs_fit = False
     out_kind = "float"  # or "cat"
     cardinality: int | None = None
@@ -78,7 +83,7 @@ class Stage:
         self.state: dict | None = None
 
     def config(self) -> dict:
-        return {"op": self.op, "inputs": self.inputs, "outputs": self.outputs}
+        return {"op": self.name, "inputs": self.inputs, "outputs": self.outputs}
 
     def fit(self, cols: dict):
         return None
@@ -94,4 +99,4 @@ class Stage:
 
     @property
     def label(self) -> str:
-        return f"{self.op}({', '.join(self.inputs)})"
+        return f"{self.name}({', '.join(self.inputs)})"

@@ -39,7 +39,7 @@ pytest.importorskip("nvidia.dali")
 from conftest import CASES, REPO, batches_equal, clone_all, open_format  # noqa: E402
 from feedgpu import Batch, ConfigError, DataLoader, Pipeline, SkippedSampleWarning  # noqa: E402
 from feedgpu.errors import DecodeError  # noqa: E402
-from feedgpu.exec.autoscale import cpu_cores  # noqa: E402
+from feedgpu.balancer.autoscale import cpu_cores  # noqa: E402
 from feedgpu.stages import (Decode, HorizontalFlip, Normalize, PythonStage, RandomResizedCrop,  # noqa: E402
                             Resize, ResizeCenterCrop)
 from feedgpu.stages.draws import sample_uniforms, stage_draw_ids  # noqa: E402
@@ -282,7 +282,7 @@ def test_auto_rebuilds_dali_with_the_balancers_thread_counts_and_the_batches_do_
     thread count's, bit for bit, also those the loop holds across a rebuild (DALI's own output
     buffers, no copy, on a machine without CUDA)."""
     import feedgpu.exec.dali_engine as engine
-    from feedgpu.exec.balancer import Decision
+    from feedgpu.balancer import Decision
 
     built = []
     real = engine.build_graph
@@ -937,7 +937,7 @@ def test_bench_compares_engines_side_by_side(folder_ds, tmp_path):
 def test_dali_gpu_auto_threads_change_nothing_in_the_batches(indexed):
     """On the GPU engine the balancer's thread changes rebuild DALI's pipelines between batches;
     the batches equal a fixed thread count's, bit for bit, and the engine reports dali-gpu."""
-    from feedgpu.exec.balancer import Decision
+    from feedgpu.balancer import Decision
 
     gpu = {"name": "dali", "device": "gpu"}
     ref = DataLoader(Pipeline(indexed, train_stages(True), batch_size=8, seed=6, device="cuda",

@@ -76,7 +76,7 @@ def test_each_stage_kind_on_dali(tmp_path):
     ], dense=["air_time", "dq_one_hot"], categorical=["dq", "hour_idx", "flight_idx", "sdt_idx", "dh", "x"],
         on_nan="keep"))
     eng = DaliTableEngine(p)
-    assert all(s.dali_ok for s in p.stages)
+    assert all(s.has_dali for s in p.stages)
     idx = np.random.default_rng(2).permutation(len(p))[:30_000]
     a, b = p.transform(idx), eng.transform(idx)
     assert np.isnan(a["dense"][:, 0]).any()

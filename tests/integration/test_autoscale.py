@@ -10,8 +10,8 @@ import torch
 import torch.utils.data as tud
 
 from feedgpu import DataLoader, Pipeline
-from feedgpu.exec.autoscale import Autoscaler, default_config
-from feedgpu.exec.balancer import Decision, Policy, PolicyConfig
+from feedgpu.balancer.autoscale import Autoscaler, default_config
+from feedgpu.balancer import Decision, Policy, PolicyConfig
 from feedgpu.stages import Decode, PythonStage, ResizeCenterCrop
 
 pytestmark = pytest.mark.timeout(120)
@@ -338,7 +338,7 @@ def test_windows_span_short_epochs_of_non_persistent_workers(no_leaked_workers):
 
 
 def test_more_workers_than_cores_warns():
-    from feedgpu.exec.autoscale import cpu_cores
+    from feedgpu.balancer.autoscale import cpu_cores
 
     n = cpu_cores() + 1
     with pytest.warns(UserWarning) as caught:   # torch's words, which log filters and tests look for

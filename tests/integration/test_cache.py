@@ -33,7 +33,8 @@ from conftest import CASES, N_IMAGES, REPO
 from feedgpu import ConfigError, DataLoader, FolderSource, Pipeline, SkippedSampleWarning
 from feedgpu.cache import CacheEntry, CacheSettings, entries, fingerprint, open_entry, parse_compression, parse_size, verify
 from feedgpu.cache.fingerprint import NotFingerprintable, stage_key
-from feedgpu.cache.parts import CorruptPart, CorruptRow, Part, PartWriter, RowBuffer, RowEncoder
+from feedgpu.cache.checks import CorruptPart, CorruptRow
+from feedgpu.cache.parts import Part, PartWriter, RowBuffer, RowEncoder
 from feedgpu.stages import Decode, HorizontalFlip, Normalize, PythonStage, RandomResizedCrop, Resize
 
 pytestmark = pytest.mark.timeout(120)

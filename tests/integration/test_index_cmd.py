@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from feedgpu.sources import prebuild, tar_local
+from feedgpu.sources import prebuild
+from feedgpu.sources.tar import local as tar_local
 from feedgpu.sources.folder import FolderSource, saved_index_file
 from feedgpu.sources.prebuild import index_folder, index_shards
 from feedgpu.sources.tar import TarShardSource
-from feedgpu.sources.tar_table import SUFFIX, table_path
+from feedgpu.sources.tar.table import SUFFIX, table_path
 
 pytestmark = pytest.mark.timeout(180)
 

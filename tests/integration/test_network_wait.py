@@ -6,7 +6,7 @@ import pytest
 
 from test_autoscale import FakeClock, FakeProbe, scaler
 from feedgpu.errors import ConfigError
-from feedgpu.exec.balancer import Measurement, diagnose
+from feedgpu.balancer import Measurement, diagnose
 from feedgpu.bench.idle import recommend
 from feedgpu.bench.report import idle_lines
 

@@ -405,7 +405,7 @@ def square_or_exit(task, marker: str):
 
 def test_a_retiring_remote_worker_that_dies_has_its_batches_finished_and_goes(tmp_path):
     from feedgpu.exec.executors import ExecutorSettings
-    from feedgpu.exec.ray_workers import RemoteWorkers
+    from feedgpu.exec.remote.ray_workers import RemoteWorkers
 
     rw = RemoteWorkers(functools.partial(square_or_exit, marker=str(tmp_path / "died")), 1, ExecutorSettings("ray"))
     try:

@@ -358,7 +358,7 @@ def test_listed_tar_shards_are_indexed_once_then_from_the_cache(data, served, tm
 
 
 def test_a_dataset_larger_than_the_budget_is_read_with_evictions(data, served, tmp_path, monkeypatch):
-    import feedgpu.sources.tar as tar
+    import feedgpu.sources.tar.source as tar
 
     monkeypatch.setattr(tar, "MAX_OPEN_REMOTE", 1)   # each process keeps one shard open
     sizes = [(served.root / "tar" / p.name).stat().st_size for p in sorted((served.root / "tar").glob("*.tar"))]

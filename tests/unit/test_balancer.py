@@ -2,7 +2,7 @@
 producers and consumers.
 
 No processes, no GPU, no clock: every scenario runs a few hundred simulated windows through
-:class:`feedgpu.exec.balancer.Policy` in milliseconds, and the same seed gives the same run.
+:class:`feedgpu.balancer.Policy` in milliseconds, and the same seed gives the same run.
 """
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import math
 import pytest
 
 from feedgpu.errors import ConfigError
-from feedgpu.exec.balancer import (
+from feedgpu.balancer import (
     Decision, EngineRate, Measurement, Policy, PolicyConfig, choose_placement, diagnose, start_workers,
 )
-from feedgpu.exec.simulate import MIB, Curve, Producer, Simulation, at, run
+from feedgpu.balancer.simulate import MIB, Curve, Producer, Simulation, at, run
 
 GIB = 2**30
 

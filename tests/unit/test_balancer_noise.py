@@ -16,8 +16,8 @@ import statistics
 
 import pytest
 
-from feedgpu.exec.balancer import Policy, PolicyConfig
-from feedgpu.exec.simulate import Curve, run
+from feedgpu.balancer import Policy, PolicyConfig
+from feedgpu.balancer.simulate import Curve, run
 
 CNN_ALL = {1: 357.0, 2: 414.0, 3: 391.0}
 CNN_ALL_WAIT = {1: 0.22, 2: 0.06, 3: 0.02}
@@ -90,8 +90,8 @@ def test_a_real_drift_is_seen_at_once_when_windows_are_quiet(noise):
 
 
 def test_a_record_without_its_last_windows_is_the_record_before_them():
-    from feedgpu.exec.balancer.measurement import Measurement
-    from feedgpu.exec.balancer.window import Record, without
+    from feedgpu.balancer.measurement import Measurement
+    from feedgpu.balancer.window import Record, without
 
     def m(rate, demand):
         return Measurement(t=0.0, workers=2, delivered_rate=rate, demand_rate=demand, wait_fraction=0.1,
@@ -116,8 +116,8 @@ def test_the_demand_drifts_against_its_own_noise():
     cnn-all). Two windows whose demand is 20 % up, rate unchanged, are that noise, not a drift;
     judged against the rate's noise they were a drift, and the records were forgotten. A 60 %
     move of the demand is still one."""
-    from feedgpu.exec.balancer.measurement import Measurement
-    from feedgpu.exec.balancer.window import Record, drift_of
+    from feedgpu.balancer.measurement import Measurement
+    from feedgpu.balancer.window import Record, drift_of
 
     def m(rate, demand):
         return Measurement(t=0.0, workers=2, delivered_rate=rate, demand_rate=demand, wait_fraction=1 - rate / demand,

@@ -1,6 +1,6 @@
 """The balancer's verdict on a cheaper step when the windows cannot settle it, and the second
-look at a kept step as its windows add up (:mod:`feedgpu.exec.balancer.verdict`,
-rule 4 of :mod:`feedgpu.exec.balancer.policy`).
+look at a kept step as its windows add up (:mod:`feedgpu.balancer.verdict`,
+rule 4 of :mod:`feedgpu.balancer.policy`).
 
 The numbers are those of ``cnn-all`` in ``bench/results/archive/balancer_aba.md``: a model trained on
 the CPU with both threads next to the workers, one worker training 585/s with the loop waiting
@@ -13,8 +13,8 @@ import math
 
 import pytest
 
-from feedgpu.exec.balancer import Measurement, Policy, PolicyConfig, Record
-from feedgpu.exec.balancer.verdict import is_close, stalls_below, verdict
+from feedgpu.balancer import Measurement, Policy, PolicyConfig, Record
+from feedgpu.balancer.verdict import is_close, stalls_below, verdict
 
 
 def m(t, workers, rate, wait, prefetch=2, cores=0.0) -> Measurement:
@@ -255,7 +255,7 @@ def test_the_second_look_at_a_kept_worker_more_is_made_once():
 
 
 def test_rejudge_decides_on_the_records_as_they_are():
-    from feedgpu.exec.balancer.second_look import AGAIN, DONE, UNDO, WATCH, rejudge
+    from feedgpu.balancer.second_look import AGAIN, DONE, UNDO, WATCH, rejudge
     c = PolicyConfig()
     two = record([414] * 6, own_work(414), 2)
     for rates, noise, want in [
@@ -311,7 +311,7 @@ def test_a_gain_the_waiting_shares_cannot_explain_is_refused():
 
 
 def test_waiting_gain():
-    from feedgpu.exec.balancer.verdict import waiting_gain
+    from feedgpu.balancer.verdict import waiting_gain
     a, b = record([400] * 4, 0.30, 1), record([540] * 4, 0.05, 2)
     gain, se = waiting_gain(a, b)
     assert gain == pytest.approx(0.95 / 0.70 - 1) and 0 < se < 0.02

@@ -36,7 +36,7 @@ def _lag_one(xs: list[float]) -> float:
 
 
 def test_curve_windows_correlate_as_asked_and_expected_is_the_settings_rate():
-    from feedgpu.exec.simulate import Curve
+    from feedgpu.balancer.simulate import Curve
     rate = {1: 300.0, 2: 400.0}
     c = Curve(lambda w, p: rate[w], wait=lambda w, p: 0.05, noise=0.1, phi=0.5, seed=3)
     xs = [c.measure(2, 2).delivered_rate for _ in range(4000)]
@@ -51,7 +51,7 @@ def test_curve_windows_correlate_as_asked_and_expected_is_the_settings_rate():
 
 
 def test_curve_start_settle_and_warmup_windows():
-    from feedgpu.exec.simulate import Curve
+    from feedgpu.balancer.simulate import Curve
     rate = {1: 300.0, 2: 400.0}
     c = Curve(lambda w, p: rate[w], wait=lambda w, p: 0.05, start_windows=1, settle_mix=True, warmup_windows=2, warmup_dip=0.5)
     got = [(c.measure(w, 2).delivered_rate, c.expected) for w in (1, 1, 1, 2, 2, 1, 1)]

@@ -14,7 +14,8 @@ from click.testing import CliRunner
 from conftest import REPO
 from feedgpu import FolderSource, ParquetSource, SourceError, TarShardSource
 from feedgpu.convert import folder_to_tar, remove_stale_partials
-from feedgpu.sources import extensions, tar_local, tar_members
+from feedgpu.sources import extensions
+from feedgpu.sources.tar import local as tar_local, members as tar_members
 from test_source_endings import encoded
 
 FORMATS = {".jpg": "JPEG", ".jpeg": "JPEG", ".png": "PNG", ".webp": "WEBP", ".bmp": "BMP", ".ppm": "PPM",

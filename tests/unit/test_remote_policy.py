@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from feedgpu.errors import ConfigError
-from feedgpu.exec.balancer import Measurement, Policy, PolicyConfig
-from feedgpu.exec.remote_policy import RemoteConfig, RemotePolicy
+from feedgpu.balancer import Measurement, Policy, PolicyConfig
+from feedgpu.balancer.policy_config import WindowRules
+from feedgpu.balancer.remote_policy import RemoteConfig, RemotePolicy
 
 
 class Sim:
@@ -101,6 +102,28 @@ def test_remote_steps_are_released_before_local_workers():
     ds, _ = run(sim, 12, local, remote, start=state, t0=160)
     first_change = next(d for d in ds if d.changes)
     assert first_change.kind == "remote-remove" and first_change.workers == 2
+
+
+def test_the_window_knobs_are_one_declaration_with_each_policys_defaults():
+    """Both policies take the window knobs from :class:`WindowRules`: the same names, the same
+    bounds checked once, each with its own defaults (the values these classes always had)."""
+    knobs = ("wait_threshold", "drift_threshold", "settle_windows", "start_windows", "measure_windows",
+             "base_windows", "recheck_windows")
+    local, remote = PolicyConfig(), RemoteConfig()
+    assert isinstance(local, WindowRules) and isinstance(remote, WindowRules)
+    assert {k: getattr(local, k) for k in knobs} == {
+        "wait_threshold": 0.03, "drift_threshold": 0.15, "settle_windows": 1, "start_windows": 1,
+        "measure_windows": 2, "base_windows": 2, "recheck_windows": 120}
+    assert {k: getattr(remote, k) for k in knobs} == {
+        "wait_threshold": 0.03, "drift_threshold": 0.15, "settle_windows": 1, "start_windows": 20,
+        "measure_windows": 2, "base_windows": 3, "recheck_windows": 60}
+    for cls in (PolicyConfig, RemoteConfig):
+        for bad in ({"settle_windows": -1}, {"measure_windows": 0}, {"base_windows": 0}):
+            with pytest.raises(ConfigError, match=cls.__name__):
+                cls(**bad)
+    with pytest.raises(ConfigError, match="start_windows"):
+        RemoteConfig(start_windows=0)   # the remote policy needs a window to wait for Ray
+    assert PolicyConfig(start_windows=0).start_windows == 0   # the local one may judge at once
 
 
 def test_the_limit_applies_at_once_and_bad_config_is_refused():

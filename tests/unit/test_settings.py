@@ -223,3 +223,39 @@ def test_from_value_fronts():
         EngineSettings.make({"exec": "async"})
     assert CacheSettings.make({"enabled": False, "dir": "/tmp"}) is None    # as in YAML
     assert CacheSettings.make(CacheSection(enabled=True, compression="zstd")) == CacheSettings(compression="zstd")
+
+
+def test_the_cache_codecs_are_one_list_for_settings_and_parts():
+    """What ``cache.compression`` accepts is what a stored part may name: one tuple."""
+    from feedgpu.cache import parts, settings
+
+    assert parts.CODECS is settings.CODECS == ("none", "zstd")
+    assert [parse_compression(c)[0] for c in settings.CODECS] == list(settings.CODECS)
+
+
+def test_the_plan_is_made_once_per_device_and_again_when_what_it_was_made_from_changes(folder_ds, monkeypatch):
+    """The construction's check, the loader's builders and its iterator ask the pipeline for
+    the plan: one plan per device, planned again only for another stage list or section."""
+    import feedgpu.pipeline as pipeline_module
+
+    made, real = [], pipeline_module.make_plan
+    monkeypatch.setattr(pipeline_module, "make_plan", lambda stages, device, **kw: made.append(device)
+                        or real(stages, device, **kw))
+    p = Pipeline({"format": "folder", "path": str(folder_ds)}, [Decode(), ResizeCenterCrop(40, 32), Normalize()],
+                 batch_size=4, num_workers=0)
+    assert made == ["cpu"]   # the stage list is checked at construction
+    plan = p.plan("cpu")
+    dl = DataLoader(p, num_workers=2)
+    before = len(made)
+    for _ in zip(range(2), dl):   # the builders and the iterator ask for the plan again
+        pass
+    assert len(made) == before and dl.pipeline.plan("cpu") is dl.pipeline.plan("cpu") and p.plan("cpu") is plan
+    assert pickle.loads(pickle.dumps(p)).plan("cpu").out_spec == plan.out_spec   # the copy plans for itself
+    p.stages = [Decode(), ResizeCenterCrop(20, 16)]                 # new stages: planned again
+    assert p.plan("cpu") is not plan and p.plan("cpu").out_spec.height == 16
+    n = len(made)
+    p.engine = EngineSettings()                                     # an equal section: the plan is kept
+    assert p.plan("cpu") is p.plan("cpu") and len(made) == n
+    p.engine = EngineSettings(threads=2)                            # another engine section: planned again
+    p.plan("cpu")
+    assert len(made) == n + 1

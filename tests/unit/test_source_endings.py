@@ -18,7 +18,8 @@ from PIL import Image
 
 from conftest import PHOTOS
 from feedgpu import FolderSource, ParquetSource, SourceError, TarShardSource
-from feedgpu.sources import extensions, tar_members
+from feedgpu.sources import extensions
+from feedgpu.sources.tar import members as tar_members
 
 
 def photo(i: int) -> bytes:

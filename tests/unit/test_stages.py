@@ -9,7 +9,7 @@ from PIL import Image
 
 from conftest import PHOTOS
 from feedgpu import ConfigError, DataLoader, Pipeline
-from feedgpu.bench.torch_baseline import torchvision_rrc_params
+from feedgpu.torch_ref import torchvision_rrc_params
 from feedgpu.stages import (IMAGENET_MEAN, IMAGENET_STD, Decode, HorizontalFlip, Normalize, PythonStage,
                             RandomResizedCrop, ResizeCenterCrop, random_resized_crop_params, sample_rng)
 from feedgpu.stages.draws import stage_draw_ids

@@ -1,6 +1,7 @@
 """The floor plan of ``feedgpu/`` (STYLE.md): no import cycles, no module over 500 lines, sorted
 ``__all__`` lists naming what exists (``bench/``'s too), one version source, no measured figures or
-tracker references in comments.
+tracker references in comments, no private name used outside its package and no re-export shims
+(the rooms' rules, with their list of known offenders, at the end of this file).
 
 The import graph is read from the source (``ast``), not by importing: every ``import`` and
 ``from ... import`` counts, at module level and inside functions (a function-level import that
@@ -261,3 +262,286 @@ def test_no_two_test_files_share_a_name():
         assert f.name not in seen, f"{f.relative_to(REPO)} and {seen[f.name].relative_to(REPO)} share a name"
         seen[f.name] = f
     assert len(seen) > 20
+
+
+# -- rooms: privates stay in their package, no re-export shims --------------------------------
+#
+# A package (a folder of feedgpu/) is a room whose modules are written together: they may share
+# their private names (a single leading underscore). Outside the package only public names are
+# used, whether imported (``from x import _name``) or reached as an attribute (``obj._name``);
+# a parent or child package is outside too. Modules of bench/ and tests/ are not checked (they
+# may look inside to measure and to test), but their imports count as a shim's importers.
+
+
+def is_private(name: str) -> bool:
+    """``_name`` (and ``__name``), not ``_`` nor a dunder."""
+    return name.startswith("_") and name != "_" and not (name.startswith("__") and name.endswith("__"))
+
+
+class Module:
+    def __init__(self, path: Path, root: Path):
+        self.path, self.name = path, module_name(path, root)
+        self.is_init = path.name == "__init__.py"
+        self.package = self.name if self.is_init else self.name.rpartition(".")[0]
+        self.tree = ast.parse(path.read_text(), str(path))
+
+    def resolve(self, node: ast.ImportFrom) -> str:
+        """The absolute module name ``node`` imports from."""
+        if not node.level:
+            return node.module or ""
+        here = self.package.split(".")
+        return ".".join(here[:len(here) - (node.level - 1)] + ([node.module] if node.module else []))
+
+
+def load_modules(root: Path = PACKAGE, *importers: Path) -> dict[str, Module]:
+    """The modules under ``root`` and under each of ``importers``, by module name."""
+    mods = {}
+    for r in (root, *importers):
+        for p in sorted(r.rglob("*.py")):
+            if not any(part.startswith(".") or part == "out" for part in p.relative_to(r).parts):
+                m = Module(p, r)
+                mods[m.name] = m
+    return mods
+
+
+def _checked(mods: dict[str, Module], root: Path):
+    return [m for m in mods.values() if m.path.is_relative_to(root)]
+
+
+def _where(m: Module, root: Path) -> str:
+    return str(m.path.relative_to(root.parent))
+
+
+def private_imports(mods: dict[str, Module], root: Path = PACKAGE) -> set[str]:
+    """``from x import _name`` where ``x`` (or the module ``x._name``) is of another package."""
+    found = set()
+    for m in _checked(mods, root):
+        for node in ast.walk(m.tree):
+            if isinstance(node, ast.ImportFrom):
+                target = m.resolve(node)
+                for a in node.names:
+                    if not is_private(a.name):
+                        continue
+                    if f"{target}.{a.name}" in mods:
+                        home = target                      # a private module of package ``target``
+                    elif target in mods:
+                        home = mods[target].package
+                    else:
+                        continue                           # not ours
+                    if home != m.package:
+                        found.add(f"{_where(m, root)}: from {target} import {a.name}")
+    return found
+
+
+def privates_defined(mods: dict[str, Module]) -> dict[str, set[str]]:
+    """``{package: private names its modules define}``: functions, methods and classes,
+    ``self._x``/``cls._x`` assignments, names bound at module or class level (an import binds
+    only its ``as`` name: a private imported from elsewhere stays that package's)."""
+    out: dict[str, set[str]] = {}
+    for m in mods.values():
+        names = out.setdefault(m.package, set())
+        scopes = [m.tree.body]
+        for node in ast.walk(m.tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+                if isinstance(node, ast.ClassDef):
+                    scopes.append(node.body)
+            elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                  and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                names.add(node.attr)
+        for body in scopes:
+            for st in body:
+                if isinstance(st, (ast.Assign, ast.AnnAssign)):
+                    for t in st.targets if isinstance(st, ast.Assign) else [st.target]:
+                        names |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
+                elif isinstance(st, (ast.Import, ast.ImportFrom)):   # ``import x as _x``: its own name
+                    names |= {a.asname for a in st.names if a.asname}
+    return {pkg: {n for n in names if is_private(n)} for pkg, names in out.items()}
+
+
+#: Private attributes of the standard library that are documented for use, with why each is
+#: used: ``(object as written, attribute)``, ``None`` for any object.
+ALLOWED_PRIVATE_ATTRIBUTES = {
+    ("os", "_exit"): "documented: ends a forked worker at once, without the parent's atexit handlers "
+                     "and unflushed buffers",
+    ("sys", "_getframe"): "documented: the caller's frame",
+    (None, "_replace"): "namedtuple's documented API (the underscore keeps it apart from field names)",
+    (None, "_asdict"): "namedtuple's documented API",
+    (None, "_fields"): "namedtuple's documented API",
+    (None, "_make"): "namedtuple's documented API",
+}
+
+
+def private_attributes(mods: dict[str, Module], root: Path = PACKAGE,
+                       allowed: dict = ALLOWED_PRIVATE_ATTRIBUTES) -> set[str]:
+    """``obj._name`` (and ``getattr``/``setattr``/``hasattr``/``delattr(obj, "_name")``) with
+    ``obj`` not ``self``, ``cls`` or ``super()``, where ``_name`` is nothing the accessing
+    module's package defines (a static approximation of "an object of another package")."""
+    defined = privates_defined(mods)
+    found = set()
+    for m in _checked(mods, root):
+        mine = defined.get(m.package, set())
+        for node in ast.walk(m.tree):
+            if isinstance(node, ast.Attribute):
+                obj, attr = node.value, node.attr
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                  and node.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(node.args) >= 2
+                  and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
+                obj, attr = node.args[0], node.args[1].value
+            else:
+                continue
+            if not is_private(attr) or attr in mine:
+                continue
+            if isinstance(obj, ast.Name) and obj.id in ("self", "cls"):
+                continue
+            if isinstance(obj, ast.Call) and isinstance(obj.func, ast.Name) and obj.func.id == "super":
+                continue
+            text = ast.unparse(obj)
+            if (text, attr) not in allowed and (None, attr) not in allowed:
+                found.add(f"{_where(m, root)}: {text}.{attr}")
+    return found
+
+
+def _all_names(tree: ast.Module) -> list[str]:
+    for st in tree.body:
+        if isinstance(st, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in st.targets):
+            return [c.value for c in ast.walk(st.value) if isinstance(c, ast.Constant) and isinstance(c.value, str)]
+    return []
+
+
+def reexport_shims(mods: dict[str, Module], root: Path = PACKAGE) -> set[str]:
+    """Modules other than a package's ``__init__`` that pass on what they import: a name
+    imported and listed in ``__all__``, or imported, unused in the module, and imported from it
+    by another module (of ``mods``: the package, bench/ and tests/)."""
+    importers: dict[tuple[str, str], set[str]] = {}
+    for m in mods.values():
+        for node in ast.walk(m.tree):
+            if isinstance(node, ast.ImportFrom):
+                for a in node.names:
+                    importers.setdefault((m.resolve(node), a.name), set()).add(m.name)
+    found = set()
+    for m in _checked(mods, root):
+        if m.is_init:
+            continue
+        imported = {(a.asname or a.name) for node in ast.walk(m.tree)
+                    if isinstance(node, ast.ImportFrom) and node.module != "__future__" for a in node.names}
+        used = {n.id for n in ast.walk(m.tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        listed = set(_all_names(m.tree))
+        for name in sorted(imported):
+            if name in listed or (name not in used and importers.get((m.name, name), set()) - {m.name}):
+                found.add(f"{_where(m, root)}: re-exports {name}")
+    return found
+
+
+#: Violations in modules other developers are changing now, each ``"file: what"``. It must
+#: become empty: each entry goes when its module is fixed (the test fails on an entry that is
+#: no longer found, so a fix removes it here in the same commit).
+KNOWN_OFFENDERS = {
+    # the loader's privates reached from outside its package (the loader's rooms and explicit
+    # state are being built; i43-loader)
+    "feedgpu/epoch.py: loader._memory_watch",
+    "feedgpu/epoch.py: self.loader._read_ahead_stats",
+    "feedgpu/loader_stats.py: loader._read_ahead_stats",
+    "feedgpu/shard_ahead.py: loader._read_ahead",
+    "feedgpu/exec/build.py: loader._autoscaler",
+    "feedgpu/exec/build.py: loader._batch_size",
+    "feedgpu/exec/build.py: loader._cache_settings",
+    "feedgpu/exec/build.py: loader._collate",
+    "feedgpu/exec/build.py: loader._device",
+    "feedgpu/exec/build.py: loader._engine",
+    "feedgpu/exec/build.py: loader._executor",
+    "feedgpu/exec/build.py: loader._memory_watch",
+    "feedgpu/exec/build.py: loader._on_error",
+    "feedgpu/exec/build.py: loader._prefetch",
+    "feedgpu/exec/build.py: loader._remote_start",
+    "feedgpu/exec/build.py: loader._torchvision",
+    "feedgpu/exec/memory_budget.py: loader._autoscaler",
+    "feedgpu/exec/memory_budget.py: loader._batch_size",
+    "feedgpu/exec/memory_budget.py: loader._memory_budget",
+    "feedgpu/exec/memory_budget.py: loader._prefetch",
+    "feedgpu/exec/memory_budget.py: loader._set_live",
+    "feedgpu/exec/memory_budget.py: loader._warned_prefetch_cap",
+    "feedgpu/remote/ahead_loader.py: loader._cache_settings",
+    "feedgpu/remote/ahead_loader.py: loader._live",
+    "feedgpu/remote/ahead_loader.py: loader._network",
+    "feedgpu/remote/ahead_loader.py: loader._user",
+    "feedgpu/remote/ahead_loader.py: loader._work",
+    "feedgpu/settings.py: re-exports CacheSection",
+    "feedgpu/settings.py: re-exports CacheSettings",
+    "feedgpu/settings.py: re-exports EngineSettings",
+    "feedgpu/settings.py: re-exports ExecutorSettings",
+    "feedgpu/settings.py: re-exports defaults",
+    # the bench's subjects read the loader's privates: they need the loader's public state
+    # (the same work as above)
+    "feedgpu/bench/subjects.py: loader._iterator",
+    "feedgpu/bench/subjects.py: loader._memory_budget",
+    # the pools' rooms (i43-pool): the worker's error packing is private to exec/ but Ray's
+    # workers in exec/remote/ need it; scan's folder walk uses the folder source's privates;
+    # torch's private worker state and storage sharing
+    "feedgpu/exec/remote/ray_workers.py: from feedgpu.exec.process_pool import _pack_exception",
+    "feedgpu/exec/process_pool.py: re-exports _pack_exception",
+    "feedgpu/exec/dali_engine.py: re-exports DEFAULT_HW_DECODER_LOAD",
+    "feedgpu/exec/dali_engine.py: re-exports check_dali_plan",
+    "feedgpu/exec/dali_engine.py: re-exports dali_available",
+    "feedgpu/scan.py: from feedgpu.sources.folder import _is_dir",
+    "feedgpu/scan.py: from feedgpu.sources.folder import _list",
+    "feedgpu/exec/pool_worker.py: torch_worker._worker_info",
+    "feedgpu/exec/iterable_worker.py: torch_worker._worker_info",
+    "feedgpu/exec/fd_channel.py: storage._share_fd_cpu_",
+    # the torchvision compiler (i42-speed)
+    "feedgpu/torchvision/backend.py: loader._collate",
+    "feedgpu/torchvision/backend.py: loader._device",
+    "feedgpu/torchvision/backend.py: loader._fingerprint",
+    "feedgpu/torchvision/backend.py: loader._plain_why",
+    "feedgpu/torchvision/backend.py: loader._pool",
+    "feedgpu/torchvision/backend.py: loader._release_pool",
+    "feedgpu/torchvision/backend.py: loader._torchvision",
+    "feedgpu/torchvision/backend.py: loader._user",
+    "feedgpu/torchvision/ops.py: t._fill",
+    # Pillow's private raw encoder packs an image's pixels into one bytes object without the
+    # chunked join of Image.tobytes; replacing it needs a bench/ run of the batch write
+    "feedgpu/exec/pixels.py: Image._getencoder",
+}
+
+
+def test_the_room_rules_find_what_they_are_for(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from .a import _shared, public\n")   # an __init__ passes on its room's names
+    (pkg / "a.py").write_text(
+        "import os\nfrom collections import namedtuple\nP = namedtuple('P', 'x')\n_shared = 1\n\n"
+        "class Thing:\n    def __init__(self):\n        self._state = 0\n\n    def _step(self):\n"
+        "        return self._state\n\n\n"
+        "def public(t):\n    os._exit\n    return t._step(), P(1)._replace(x=2), _shared, super()._x\n")
+    (pkg / "b.py").write_text("from .a import Thing, _shared\n\n\ndef f(t: Thing):\n"
+                              "    return t._state, _shared   # one package: its privates are shared\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "c.py").write_text(
+        "from ..a import _shared\nfrom .. import a\n\n\ndef g(t):\n"
+        "    return t._state, a._shared, getattr(t, '_step'), t.public, t.__dict__, _shared\n")
+    (pkg / "sub" / "d.py").write_text("from .e import _hidden, helper\n\n__all__ = ['helper']\n_hidden\n")
+    (pkg / "sub" / "e.py").write_text("from ..a import public\n\n\ndef helper():\n    pass\n\n\n"
+                                      "def _hidden():\n    pass\n")
+    (pkg / "f.py").write_text("from .sub.e import public\n\npublic\n")
+    mods = load_modules(pkg)
+    assert private_imports(mods, pkg) == {"pkg/sub/c.py: from pkg.a import _shared"}
+    assert private_attributes(mods, pkg) == {"pkg/sub/c.py: t._state", "pkg/sub/c.py: a._shared",
+                                             "pkg/sub/c.py: t._step"}
+    assert reexport_shims(mods, pkg) == {"pkg/sub/d.py: re-exports helper", "pkg/sub/e.py: re-exports public"}
+
+
+@pytest.fixture(scope="module")
+def room_findings() -> set[str]:
+    mods = load_modules(PACKAGE, REPO / "bench", REPO / "tests")
+    return private_imports(mods) | private_attributes(mods) | reexport_shims(mods)
+
+
+def test_no_private_crosses_a_package_and_no_module_re_exports(room_findings):
+    new = sorted(room_findings - KNOWN_OFFENDERS)
+    assert not new, ("private names used outside their package, or re-export shims (use a public name of "
+                     "the module that defines it; import a name from where it is defined):\n" + "\n".join(new))
+
+
+def test_the_known_offenders_are_still_there(room_findings):
+    fixed = sorted(KNOWN_OFFENDERS - room_findings)
+    assert not fixed, "fixed: remove these from KNOWN_OFFENDERS in tests/unit/test_structure.py:\n" + "\n".join(fixed)

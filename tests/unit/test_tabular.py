@@ -18,7 +18,7 @@ import torch
 from feedgpu import DataLoader
 from feedgpu.errors import ConfigError, SourceError, StateError, TableDataError
 from feedgpu.tabular import SchemaError, TablePipeline, TableSource
-from feedgpu.tabular.ops import mult_hash, string_hash
+from feedgpu.tabular.stage import mult_hash, string_hash
 
 from conftest import REPO, SHARED
 
@@ -419,3 +419,21 @@ def test_with_engine_replaces_validated_engine_settings():
         p.engine_settings.name = "dali"
     with pytest.raises(ConfigError, match=r"engine\.gpu: unknown key 'gpu'"):
         TablePipeline.from_config(cfg(TABLES / "planes.parquet", [], categorical=["engines"], engine={"gpu": 1}))
+
+
+def test_the_feature_stages_are_column_stages_named_by_their_yaml_op():
+    """One registry: each ``op`` a pipeline file may write builds the stage whose ``name`` it is,
+    and the stages name their parts as the image stages do (``name``, ``has_dali``)."""
+    import typing
+
+    from feedgpu.tabular import ColumnStage
+    from feedgpu.tabular.config import FeatureCfg
+    from feedgpu.tabular.ops import STAGES
+
+    union = typing.get_args(FeatureCfg)[0]
+    yaml_ops = {typing.get_args(m.model_fields["op"].annotation)[0] for m in typing.get_args(union)}
+    assert set(STAGES) == yaml_ops
+    for op, cls in STAGES.items():
+        assert issubclass(cls, ColumnStage) and cls.name == op
+        assert not hasattr(cls, "op") and not hasattr(cls, "dali_ok")
+    assert sorted(n for n, c in STAGES.items() if c.has_dali is False) == ["fill", "label"]

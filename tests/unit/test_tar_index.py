@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import feedgpu
-from feedgpu.sources import tar_index, tar_local
+from feedgpu.sources.tar import index as tar_index, local as tar_local
 from feedgpu.sources.tar import TarShardSource
-from feedgpu.sources.tar_members import IMAGE_SUFFIXES, LABEL_SUFFIXES
-from feedgpu.sources.tar_scan import _octal_fields, scan_plain
+from feedgpu.sources.tar.members import IMAGE_SUFFIXES, LABEL_SUFFIXES
+from feedgpu.sources.tar.scan import _octal_fields, scan_plain
 
 CASES = Path(__file__).resolve().parents[2].parent / "shared" / "cases" / "images"
 OLD = 1_600_000_000   # an mtime far in the past: a saved index is written for the shard

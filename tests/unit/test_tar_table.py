@@ -11,10 +11,10 @@ import pytest
 
 import feedgpu
 from feedgpu.errors import SourceError
-from feedgpu.sources import tar_local, tar_table
+from feedgpu.sources.tar import local as tar_local, table as tar_table
 from feedgpu.sources.base import file_hash
 from feedgpu.sources.tar import TarShardSource
-from feedgpu.sources.tar_local import ordered_map, write_tables
+from feedgpu.sources.tar.local import ordered_map, write_tables
 
 from test_tar_index import OLD, index_of, odd_shards, pairs, write_tar
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from typing import Callable, NamedTuple
 
-from .measurement import _fmt_rate, _pct
 from .policy_config import PolicyConfig
+from .text import fmt_rate, pct
 from .window import Record
 
 Key = tuple  # (workers, prefetch)
@@ -65,16 +65,16 @@ def verdict(c: PolicyConfig, records: dict[Key, Record], src: Key, dst: Key, kin
     if kind in COSTLIER:
         gain = b.rate / a.rate - 1 if a.rate > 0 else (math.inf if b.rate > 0 else 0.0)
         se = noise * math.sqrt(1 / a.n + 1 / b.n)
-        why = f"{_fmt_rate(b.rate)} vs {_fmt_rate(a.rate)}, {gain:+.1%}"
+        why = f"{fmt_rate(b.rate)} vs {fmt_rate(a.rate)}, {gain:+.1%}"
         cap, cap_se = waiting_gain(a, b)
         unexplained = gain > tol >= cap and cap_se < se   # the rates say more; the waiting shares cannot
         if unexplained:
-            why += (f", but waiting {_pct(b.wait)} vs {_pct(a.wait)} of the step time explains at most {cap:+.1%} "
+            why += (f", but waiting {pct(b.wait)} vs {pct(a.wait)} of the step time explains at most {cap:+.1%} "
                     "(more loader does not make the loop's own work faster: the rest is the machine or noise)")
             gain, se = cap, cap_se
         margin = gain - tol
         ok = margin > 0
-        return Verdict(ok, margin, se, f"{why}: " + ("more" if ok else "not more") + f" than {_pct(tol)} faster",
+        return Verdict(ok, margin, se, f"{why}: " + ("more" if ok else "not more") + f" than {pct(tol)} faster",
                        unexplained)
     best_key, top_rec, top = best(records, src, noise, c.measure_windows)
     if top <= 0:
@@ -83,14 +83,14 @@ def verdict(c: PolicyConfig, records: dict[Key, Record], src: Key, dst: Key, kin
     se = noise * math.sqrt(1 / b.n + 1 / top_rec.n)
     ok = margin >= 0
     loss = 1 - b.rate / top
-    v = Verdict(ok, margin, se, f"{_fmt_rate(b.rate)} vs the best {_fmt_rate(top)} ({name(best_key)}), "
-                                f"{-loss:+.1%}: " + ("within" if ok else "not within") + f" {_pct(tol)}")
+    v = Verdict(ok, margin, se, f"{fmt_rate(b.rate)} vs the best {fmt_rate(top)} ({name(best_key)}), "
+                                f"{-loss:+.1%}: " + ("within" if ok else "not within") + f" {pct(tol)}")
     if ok and is_close(v, c.confidence) and stalls_below(c, a, b):
         # refused, and still a close call (margin unchanged): the caller measures on before it decides
         v = v._replace(ok=False, why=v.why + (
-            f", a close call while the loop waits {_pct(b.wait)} of its step time there vs {_pct(a.wait)} at "
-            f"{name(src)}, and {b.rate / a.rate - 1:+.1%} vs {name(src)} ({_fmt_rate(a.rate)}): "
-            f"not within {_pct(tol)} of it"))
+            f", a close call while the loop waits {pct(b.wait)} of its step time there vs {pct(a.wait)} at "
+            f"{name(src)}, and {b.rate / a.rate - 1:+.1%} vs {name(src)} ({fmt_rate(a.rate)}): "
+            f"not within {pct(tol)} of it"))
     return v
 
 
@@ -134,7 +134,7 @@ def confirmation(c: PolicyConfig, v: Verdict, step: str, starts_with: str = "") 
         return f"{looks}, against {starts_with}"
     gain, bar = v.margin + c.tolerance, max(c.drift_threshold, c.drift_confidence * v.se)
     if gain < bar:
-        return (f"{looks}, by less than the {_pct(bar)} a drift must move"
+        return (f"{looks}, by less than the {pct(bar)} a drift must move"
                 + ("" if bar == c.drift_threshold else f" at this noise ({c.drift_confidence:g} standard errors)"))
     return None
 
@@ -169,8 +169,8 @@ def experiment(t: float, kind: str, src: Key, dst: Key, a: Record, b: Record, ke
     ``a``, ``b``: the records of ``src`` and ``dst``."""
     change = b.rate / a.rate - 1 if a.rate > 0 else math.inf
     text = (f"tried {name(dst)} ({kind}) against {name(src)}: the loop trained "
-            f"{_fmt_rate(b.rate)} vs {_fmt_rate(a.rate)} ({change:+.1%}) over {b.n} and {a.n} windows, "
-            f"waiting {_pct(b.wait)} vs {_pct(a.wait)} of its step time; "
+            f"{fmt_rate(b.rate)} vs {fmt_rate(a.rate)} ({change:+.1%}) over {b.n} and {a.n} windows, "
+            f"waiting {pct(b.wait)} vs {pct(a.wait)} of its step time; "
             + ("kept" if kept else "undone") + f": {why}")
     return {"t": t, "kind": kind, "from": f"{src[0]}w/p{src[1]}", "to": f"{dst[0]}w/p{dst[1]}",
             "rate_from": round(a.rate, 1), "rate_to": round(b.rate, 1), "change": round(change, 4),

@@ -2,7 +2,7 @@
 
 ``executor: ray`` gives the loader a :class:`MixedPool`: an optional local
 :class:`~feedgpu.exec.process_pool.ProcessPool` (none with ``num_workers=0``) and
-:class:`~feedgpu.exec.ray_workers.RemoteWorkers`. Each task goes to whichever worker, local or
+:class:`~feedgpu.exec.remote.ray_workers.RemoteWorkers`. Each task goes to whichever worker, local or
 remote, holds the fewest tasks (local first on a tie: no network, no copy; a remote worker only
 once Ray has started it, so a cluster with no free CPU never holds a batch back); results come back as
 ``(tag, seq, worker_id, ok, payload)`` in the order they finish, and the loader puts them in
@@ -15,9 +15,9 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from ..errors import LoaderTimeout
-from .executors import ExecutorSettings
-from .process_pool import ProcessPool, seconds_text
+from ...errors import LoaderTimeout
+from ..executors import ExecutorSettings
+from ..process_pool import ProcessPool, seconds_text
 
 
 class MixedPool:

@@ -81,10 +81,11 @@ from dataclasses import replace
 
 from .diagnosis import Diagnosis, diagnose
 from .limits import memory_tight, pool_limit
-from .measurement import Decision, Measurement, _fmt_rate, _pct, setting
+from .measurement import Decision, Measurement, setting
 from .neighbours import candidates, worker_step_refused
 from .policy_config import PolicyConfig
 from .second_look import AGAIN, DONE, WATCH, again_why, rejudge, settle_miss
+from .text import fmt_rate, pct
 from .verdict import COSTLIER as _COSTLIER
 from .trial import DRIFT_WINDOWS, FIRST_WINDOWS, Refusal, Trial, decision_kind
 from .verdict import Verdict, cheaper_confirmation, confirmation, experiment, verdict
@@ -223,7 +224,7 @@ class Policy:
         if self._key is None:
             return "no window measured yet"
         r = self._records.get(self._key)
-        s = (f"{self._setting(self._key)}: the loop trains {_fmt_rate(r.rate)} and waits {_pct(r.wait)} of its step "
+        s = (f"{self._setting(self._key)}: the loop trains {fmt_rate(r.rate)} and waits {pct(r.wait)} of its step "
              f"time ({r.n} windows)" if r is not None else f"{self._setting(self._key)}: no window measured there yet")
         kept = sum(e["kept"] for e in self._experiments)
         s += f"; {len(self._experiments)} experiments, {kept} kept"
@@ -367,8 +368,8 @@ class Policy:
             verdict += f", clear after {rec.n} window{'s' if rec.n > 1 else ''}"
         if close and rec.n < c.max_measure_windows:
             return self._decision(m, key, "measure", f"close call on the {step}, measuring again ({verdict}; "
-                                                     f"{_pct(abs(margin))} from the threshold, noise needs "
-                                                     f"{_pct(c.confidence * se)})")
+                                                     f"{pct(abs(margin))} from the threshold, noise needs "
+                                                     f"{pct(c.confidence * se)})")
         costlier = t.kind in _COSTLIER
         why = None
         if t.phase == "dst":
@@ -383,7 +384,7 @@ class Policy:
         self._trial = None
         if t.before is not None:
             verdict += (f" ({self._setting(t.src)} measured again after the step; before it "
-                        f"{_fmt_rate(t.before.rate)} over {t.before.n} windows)")
+                        f"{fmt_rate(t.before.rate)} over {t.before.n} windows)")
         exp = self._experiment(m, t, ok, verdict)
         if ok:
             self._refuse((t.dst, t.src), f"the opposite step was kept ({verdict})", margin)
@@ -436,7 +437,7 @@ class Policy:
         key = self._key
         rec = self._records[key]
         waiting = rec.wait > c.wait_threshold
-        state = f"{self._setting(key)} trains {_fmt_rate(rec.rate)}, waiting {_pct(rec.wait)} of the step time"
+        state = f"{self._setting(key)} trains {fmt_rate(rec.rate)}, waiting {pct(rec.wait)} of the step time"
         label = None
         if self._settled:
             self._held += 1

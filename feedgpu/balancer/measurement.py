@@ -1,5 +1,5 @@
 """What the balancer exchanges with the loader: one window's :class:`Measurement` in, a
-:class:`Decision` out, and the helpers that write their numbers in words.
+:class:`Decision` out (their numbers in words: :mod:`.text`).
 
 Units: rates in samples per second, times in seconds, CPU in cores (1.0 = one core busy for
 the whole window), memory in bytes, fractions in [0, 1].
@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from ...errors import ConfigError
+from ..errors import ConfigError
 
 ENGINES = ("python", "dali-cpu", "dali-gpu")
 KINDS = ("add", "remove", "revert", "prefetch", "probe", "hold", "settle", "measure", "remote-add", "remote-remove")
@@ -44,7 +44,7 @@ class Measurement:
         engine: ``"python"``, ``"dali-cpu"`` or ``"dali-gpu"``.
         hw_decoder_load: DALI GPU's share of JPEGs sent to the hardware decoder, if any.
         remote_workers: remote workers (Ray actors, ``executor: ray``) running during the
-            window, besides the ``workers`` local ones (see :mod:`feedgpu.exec.remote_policy`).
+            window, besides the ``workers`` local ones (see :mod:`feedgpu.balancer.remote_policy`).
         remote_started: how many of them Ray has started by the window's end (an actor waits
             for a free CPU on the cluster, and its process starts in seconds); ``None``: all.
         network_wait_fraction: share of the window's wall time the loader waited for shard
@@ -108,7 +108,7 @@ class Decision:
         reason: why, in plain words, with the numbers.
         t: the measurement's ``t``.
         engine: where the stages run (unchanged by :class:`Policy`; see
-            :func:`~feedgpu.exec.balancer.placement.choose_placement`).
+            :func:`~feedgpu.balancer.placement.choose_placement`).
         dali_threads: DALI's thread count for the DALI engines (equal to ``workers``), else None.
         hw_decoder_load: for ``dali-gpu``, as measured.
         remote_workers: remote workers for the next window (``executor: ray``; 0 otherwise).
@@ -139,25 +139,6 @@ class Decision:
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-def _round(x: float) -> int:
-    """Half up (Python's ``round`` sends 4.5 to 4)."""
-    return math.floor(x + 0.5)
-
-
-def _fmt_rate(x: float | None) -> str:
-    if x is None:
-        return "unknown"
-    return "unlimited" if math.isinf(x) else f"{x:,.0f}/s"
-
-
-def _pct(x: float) -> str:
-    return f"{100 * x:.1f} %"
-
-
-def _gib(x: float) -> str:
-    return f"{x / 2**30:.2f} GiB"
 
 
 def count_unit(engine: str) -> str:

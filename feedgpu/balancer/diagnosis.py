@@ -6,8 +6,9 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Iterable
 
-from ...errors import ConfigError
-from .measurement import Measurement, _fmt_rate, _pct, count_unit
+from ..errors import ConfigError
+from .measurement import Measurement, count_unit
+from .text import fmt_rate, pct
 
 #: The consumer "waits" when it spends more than this share of its step time waiting for data.
 WAIT_THRESHOLD = 0.03
@@ -81,19 +82,19 @@ def diagnose(measurements: Measurement | Iterable[Measurement], *, wait_threshol
     if per_core and demand is not None:
         needed = math.inf if math.isinf(demand) else demand / per_core
         extra = max(0.0, needed - budget)
-    got = (f"the loader delivers {_fmt_rate(delivered)} with {last.workers} {count_unit(last.engine)} on "
+    got = (f"the loader delivers {fmt_rate(delivered)} with {last.workers} {count_unit(last.engine)} on "
            f"{cores:.1f} of {budget:.1f} cores")
     if wait <= wait_threshold:
         verdict = "meets demand"
-        msg = f"meets demand: the consumer takes {_fmt_rate(demand)} and waits {_pct(wait)}; {got}"
+        msg = f"meets demand: the consumer takes {fmt_rate(demand)} and waits {pct(wait)}; {got}"
     elif network > wait_threshold and network >= 0.5 * wait:
         verdict = "network-bound"
-        msg = (f"network-bound: the consumer would take {_fmt_rate(demand)} but waits {_pct(wait)}, and the "
-               f"loader waited for the network {_pct(network)} of the time (shard downloads); {got}: more "
+        msg = (f"network-bound: the consumer would take {fmt_rate(demand)} but waits {pct(wait)}, and the "
+               f"loader waited for the network {pct(network)} of the time (shard downloads); {got}: more "
                "workers do not help; fetch further ahead, keep the shards in the cache, or use a faster link")
     elif cores >= saturation * budget:
         verdict = "CPU-bound"
-        msg = f"CPU-bound: the consumer would take {_fmt_rate(demand)} but waits {_pct(wait)}; {got}"
+        msg = f"CPU-bound: the consumer would take {fmt_rate(demand)} but waits {pct(wait)}; {got}"
         if per_core:
             msg += f" ({per_core:,.0f} samples/s per core)"
         if needed is not None and math.isinf(needed):
@@ -104,10 +105,10 @@ def diagnose(measurements: Measurement | Iterable[Measurement], *, wait_threshol
             msg += "; or decode on the GPU (engine dali-gpu: hardware JPEG decoder)"
     else:
         verdict = "input-bound"
-        msg = (f"input-bound: the consumer would take {_fmt_rate(demand)} but waits {_pct(wait)}; {got}, so "
+        msg = (f"input-bound: the consumer would take {fmt_rate(demand)} but waits {pct(wait)}; {got}, so "
                "the limit is not the CPU (I/O, the main process's hand-off, or too few workers)")
     if network > 0 and verdict != "network-bound":
-        msg += f"; waiting for the network {_pct(network)} of the time (shard downloads)"
+        msg += f"; waiting for the network {pct(network)} of the time (shard downloads)"
     return Diagnosis(verdict, demand, delivered, wait, cores, budget, per_core, needed, extra, last.workers,
                      last.engine, msg, network)
 

@@ -1,8 +1,8 @@
 """Member tables written with tar shards: ``<shard>.feedgpu-index`` beside each shard.
 
-:func:`~feedgpu.sources.tar_local.write_tables` (``feedgpu convert --to tar`` calls it) writes, beside each shard, the shard's
+:func:`~feedgpu.sources.tar.local.write_tables` (``feedgpu convert --to tar`` calls it) writes, beside each shard, the shard's
 part of the index as :class:`~feedgpu.sources.tar.TarShardSource` builds it: the arrays and
-rejected records of a saved index (:mod:`feedgpu.sources.tar_index`, same file layout, rejected
+rejected records of a saved index (:mod:`feedgpu.sources.tar.index`, same file layout, rejected
 keys written relative to the shard so a copied dataset names its own path), and what the table is
 checked against: the shard's size, its mtime (ns), its change stamp (device, inode and
 ``st_ctime_ns``: :func:`~feedgpu.sources.file_stats.change_stamp`), when the table was made, and
@@ -29,9 +29,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from . import tar_index
-from .base import file_hash
-from .file_stats import change_stamp
+from . import index as tar_index
+from ..base import file_hash
+from ..file_stats import change_stamp
 
 SUFFIX = ".feedgpu-index"
 #: The racy window of an mtime with a sub-second part: above the timestamp tick of file systems
@@ -46,7 +46,7 @@ def table_path(shard: str) -> Path:
 
 def racy_ns(mtime_ns: int) -> int:
     """How close a write after the table may come to ``mtime_ns`` and still keep it: 2 s
-    (:data:`~feedgpu.sources.tar_index.RACY_NS`) for an mtime in whole seconds (a file system
+    (:data:`~feedgpu.sources.tar.index.RACY_NS`) for an mtime in whole seconds (a file system
     that keeps seconds, or FAT's 2 s), :data:`FINE_RACY_NS` for one with a sub-second part."""
     return tar_index.RACY_NS if mtime_ns % 1_000_000_000 == 0 else FINE_RACY_NS
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from typing import Callable, NamedTuple
 
-from .measurement import _fmt_rate, _pct
 from .policy_config import PolicyConfig
+from .text import fmt_rate, pct
 from .verdict import COSTLIER, Verdict, best, is_close
 from .window import Record
 
@@ -37,8 +37,8 @@ def settle_miss(c: PolicyConfig, records: dict[Key, Record], src: Key, rate: flo
     if top <= 0 or rate >= bar * (1 - c.confidence * noise * math.sqrt(1 + 1 / top_rec.n)):
         return None
     loss = 1 - rate / top
-    return SettleMiss(f"{_fmt_rate(rate)} while settling vs the best {_fmt_rate(top)} ({name(best_key)}), "
-                      f"{-loss:+.1%}: not within {_pct(c.tolerance)}, already while settling", loss - c.tolerance)
+    return SettleMiss(f"{fmt_rate(rate)} while settling vs the best {fmt_rate(top)} ({name(best_key)}), "
+                      f"{-loss:+.1%}: not within {pct(c.tolerance)}, already while settling", loss - c.tolerance)
 
 
 def rejudge(c: PolicyConfig, kind: str, src: Record, dst: Record, v: Verdict) -> str:

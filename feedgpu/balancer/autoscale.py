@@ -2,7 +2,7 @@
 
 The loader calls :meth:`Autoscaler.on_batch` each time it hands a batch to the training loop.
 When a window is complete (``window_s`` seconds and at least ``min_batches`` batches), the
-autoscaler builds a :class:`~feedgpu.exec.balancer.Measurement` from what it saw:
+autoscaler builds a :class:`~feedgpu.balancer.Measurement` from what it saw:
 
 * the consumer's wait (time spent inside ``next()``) and busy time (the rest of the window's
   wall time), hence the delivered rate, the demand rate (samples / busy time) and the wait
@@ -15,7 +15,7 @@ autoscaler builds a :class:`~feedgpu.exec.balancer.Measurement` from what it saw
   (:attr:`Autoscaler.memory_budget`, see :mod:`feedgpu.exec.memory_budget`; a hard limit);
 * free GPU memory when the loader delivers to a CUDA device,
 
-asks the pure :class:`~feedgpu.exec.balancer.Policy` for a decision and returns it; the loader
+asks the pure :class:`~feedgpu.balancer.Policy` for a decision and returns it; the loader
 resizes its pool and its prefetch depth accordingly, between two batches, without restarting
 the epoch (the batch order and per-batch seeds do not depend on the worker count).
 """
@@ -27,7 +27,10 @@ import time
 from collections import deque
 from typing import Callable
 
-from .balancer import Decision, Measurement, Policy, PolicyConfig, diagnose, start_workers
+from .diagnosis import diagnose
+from .measurement import Decision, Measurement
+from .policy import Policy
+from .policy_config import PolicyConfig, start_workers
 from .remote_policy import RemoteConfig, RemotePolicy
 
 log = logging.getLogger("feedgpu.balancer")
@@ -139,7 +142,7 @@ class Autoscaler:
 
     Args:
         workers: the pool size to start with (default: one per core, see
-            :func:`~feedgpu.exec.balancer.start_workers`).
+            :func:`~feedgpu.balancer.start_workers`).
         prefetch: batches in flight per worker to start with.
         config: the policy's bounds and constants (default :func:`default_config`).
         window_s, min_batches: a window lasts at least this long and holds at least this many
@@ -153,7 +156,7 @@ class Autoscaler:
         probe: an object with ``sample(pids, memory) -> (worker_cpu_s, main_cpu_s, uss_bytes,
             others_cpu_s)`` (default: psutil).
         max_remote: remote workers (``executor: ray``) the balancer may add, 0 for none (default);
-            with more, a :class:`~feedgpu.exec.remote_policy.RemotePolicy` decides them.
+            with more, a :class:`~feedgpu.balancer.remote_policy.RemotePolicy` decides them.
         remote: remote workers running at the start (0).
         cores: cores this process may run on (default :func:`cpu_cores`); sets the starting
             pool and the reported CPU budget.

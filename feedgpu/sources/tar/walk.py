@@ -1,7 +1,7 @@
 """A tar shard's part of the index through :mod:`tarfile`: any shard, damaged ones included.
 
 :func:`index_with_tarfile` walks the shard's headers with :mod:`tarfile`, groups members by the key
-rule and leaves out what cannot be delivered, with the reasons :mod:`feedgpu.sources.tar`
+rule and leaves out what cannot be delivered, with the reasons :mod:`feedgpu.sources.tar.source`
 describes. It touches nothing but the shard (no source object), so shards can be indexed in
 threads; the caller records the part's ``rejected`` entries.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 import tarfile
 
-from ..errors import SourceError
-from .tar_members import COMPRESSED_MAGIC, IMAGE_SUFFIXES, OTHER_LABEL_FIELDS, Member, field_kind, read_label, \
+from ...errors import SourceError
+from .members import COMPRESSED_MAGIC, IMAGE_SUFFIXES, OTHER_LABEL_FIELDS, Member, field_kind, read_label, \
     split_member
 
 

@@ -1,7 +1,7 @@
 """The balancer's remote decision (``executor: ray``): when to borrow workers from the cluster.
 
-Pure policy, like :mod:`feedgpu.exec.balancer`: measurements in, decisions out, no clock, no
-Ray. It sits in front of the local :class:`~feedgpu.exec.balancer.Policy` and moves the count of
+Pure policy, like :mod:`feedgpu.balancer`: measurements in, decisions out, no clock, no
+Ray. It sits in front of the local :class:`~feedgpu.balancer.Policy` and moves the count of
 remote workers one step at a time:
 
 1. **Add** a remote worker when the training loop waits (``wait_fraction > wait_threshold``) and
@@ -42,16 +42,22 @@ import math
 from dataclasses import dataclass, replace
 
 from ..errors import ConfigError
-from .balancer import DRIFT_THRESHOLD, WAIT_THRESHOLD, Decision, Measurement, Policy, Record, _fmt_rate, _pct
-from .balancer.verdict import Verdict, confirmation, waiting_gain
-from .balancer.window import pooled_noise
+from .measurement import Decision, Measurement
+from .policy import Policy
+from .policy_config import WindowRules
+from .text import fmt_rate, pct
+from .verdict import Verdict, confirmation, waiting_gain
+from .window import Record, pooled_noise
 
 log = logging.getLogger("feedgpu.balancer")
 
 
 @dataclass(frozen=True)
-class RemoteConfig:
-    """Args:
+class RemoteConfig(WindowRules):
+    """The remote policy's bounds; the window knobs come from :class:`~.policy_config.WindowRules`,
+    with the defaults below.
+
+    Args:
         max_remote: remote workers at most (``executor.max_remote_workers``; default 4).
         min_remote: remote workers at least (0).
         wait_threshold: the loop waits above this share of its time (0.03, as the local policy).
@@ -69,23 +75,18 @@ class RemoteConfig:
 
     max_remote: int = 4
     min_remote: int = 0
-    wait_threshold: float = WAIT_THRESHOLD
-    settle_windows: int = 1
-    measure_windows: int = 2
     release_windows: int = 2
     base_windows: int = 3
     start_windows: int = 20
     recheck_windows: int = 60
-    drift_threshold: float = DRIFT_THRESHOLD
 
     def __post_init__(self):
+        super().__post_init__()
         if not 0 <= self.min_remote <= self.max_remote:
             raise ConfigError(f"RemoteConfig: need 0 <= min_remote <= max_remote, got {self.min_remote}, "
                               f"{self.max_remote}")
-        if self.settle_windows < 0 or min(self.measure_windows, self.release_windows, self.base_windows,
-                                          self.start_windows, self.recheck_windows) < 1:
-            raise ConfigError("RemoteConfig: need settle_windows >= 0 and measure_windows, release_windows, "
-                              "base_windows, start_windows, recheck_windows >= 1")
+        if min(self.release_windows, self.start_windows, self.recheck_windows) < 1:
+            raise ConfigError("RemoteConfig: need release_windows, start_windows, recheck_windows >= 1")
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,7 @@ class RemotePolicy:
         if not waiting and r > c.min_remote and r not in self._no_remove and self._calm >= c.release_windows:
             return self._change(m, local, r, r - 1, "remote-remove",
                                 f"the training loop has not waited for {self._calm} windows "
-                                f"({_pct(m.wait_fraction)}); releasing a remote worker")
+                                f"({pct(m.wait_fraction)}); releasing a remote worker")
         d = local.decide(m)
         if d.changes:   # the windows before a local change are not the base of a remote step
             self._recent = []
@@ -162,7 +163,7 @@ class RemotePolicy:
                 return replace(d, reason=f"{d.reason}; a remote worker more is not worth it ({self._no_add[r]})",
                                remote_workers=r)
             return self._change(m, local, r, r + 1, "remote-add",
-                                f"the training loop waits {_pct(m.wait_fraction)} and the local pool cannot "
+                                f"the training loop waits {pct(m.wait_fraction)} and the local pool cannot "
                                 f"grow ({d.reason}); adding a remote worker")
         return replace(d, remote_workers=r)
 
@@ -214,8 +215,8 @@ class RemotePolicy:
         local.forget()   # its records were measured with another remote count
         rate, wait = judged.rate, judged.wait
         gain = rate / s.base.rate - 1 if s.base.rate > 0 else float("inf")
-        got = (f"{s.src} -> {s.dst} remote workers: {_fmt_rate(s.base.rate)} -> {_fmt_rate(rate)} "
-               f"({gain:+.1%}), wait {_pct(s.base.wait)} -> {_pct(wait)}")
+        got = (f"{s.src} -> {s.dst} remote workers: {fmt_rate(s.base.rate)} -> {fmt_rate(rate)} "
+               f"({gain:+.1%}), wait {pct(s.base.wait)} -> {pct(wait)}")
         if wait <= c.wait_threshold:
             return self._same(m, "hold", f"kept: {got}; the loop still does not wait")
         self._no_remove[s.src] = (got, s.base_demand)
@@ -228,8 +229,8 @@ class RemotePolicy:
         src, dst = (s.base, judged) if s.phase == "dst" else (judged, s.at_dst)
         local.forget()   # its records were measured with another remote count
         gain = dst.rate / src.rate - 1 if src.rate > 0 else math.inf
-        got = (f"{s.src} -> {s.dst} remote workers: {_fmt_rate(src.rate)} -> {_fmt_rate(dst.rate)} "
-               f"({gain:+.1%}), wait {_pct(src.wait)} -> {_pct(dst.wait)}")
+        got = (f"{s.src} -> {s.dst} remote workers: {fmt_rate(src.rate)} -> {fmt_rate(dst.rate)} "
+               f"({gain:+.1%}), wait {pct(src.wait)} -> {pct(dst.wait)}")
         se = pooled_noise([src, judged], lc.noise_prior, lc.noise_floor) * math.sqrt(1 / src.n + 1 / dst.n)
         cap, cap_se = waiting_gain(src, dst)
         if cap < gain and cap_se < se:   # a worker more only shortens the wait (verdict.waiting_gain)
@@ -238,7 +239,7 @@ class RemotePolicy:
         need = lc.add_threshold(m.workers + s.src)
         ok = gain > need or (gain > lc.loss_threshold and dst.wait <= c.wait_threshold)
         if s.phase == "src":
-            got += f" ({s.src} measured afresh after the add; before it {_fmt_rate(s.base.rate)})"
+            got += f" ({s.src} measured afresh after the add; before it {fmt_rate(s.base.rate)})"
         if ok and s.phase == "dst":
             # a gain a drift could explain is confirmed as the local policy's is: the old count
             # measured afresh (A-B-A)
@@ -258,11 +259,11 @@ class RemotePolicy:
             log.info("t=%.1f remote-add -> %d remote workers: kept: %s", m.t, s.dst, got)
             return Decision(m.workers, m.prefetch, "remote-add", f"kept: {got}", t=m.t, engine=m.engine,
                             remote_workers=s.dst)
-        self._no_add[s.src] = f"{got}, needed more than {_pct(need)}"
+        self._no_add[s.src] = f"{got}, needed more than {pct(need)}"
         self._since_no_add = 0
         if s.phase == "src":   # already back at the old count
-            return self._same(m, "hold", f"undone: {got}, needed more than {_pct(need)}")
-        return self._revert(m, s, f"undone: {got}, needed more than {_pct(need)}")
+            return self._same(m, "hold", f"undone: {got}, needed more than {pct(need)}")
+        return self._revert(m, s, f"undone: {got}, needed more than {pct(need)}")
 
     def _revert(self, m: Measurement, s: _Step, reason: str) -> Decision:
         self._settle = self.config.settle_windows
@@ -283,7 +284,7 @@ class RemotePolicy:
 
 
 def _record(ms: list[Measurement]) -> Record:
-    """The windows ``ms`` as a :class:`~feedgpu.exec.balancer.Record` (means and spread)."""
+    """The windows ``ms`` as a :class:`~feedgpu.balancer.Record` (means and spread)."""
     r = Record()
     for x in ms:
         r.add(x)

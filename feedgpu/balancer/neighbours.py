@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from .measurement import _fmt_rate, _pct
 from .policy_config import PolicyConfig
+from .text import fmt_rate, pct
 from .window import Record
 
 Key = tuple  # (workers, prefetch)
@@ -40,14 +40,14 @@ def candidates(config: PolicyConfig, key: Key, rec: Record, waiting: bool, limit
         idle = rec.cores > 0 and rec.cores < c.busy_threshold * w
         out += deeper + up if idle else up + deeper
     else:
-        blocked.append(f"the loop waits only {_pct(rec.wait)}: a worker more cannot train faster")
+        blocked.append(f"the loop waits only {pct(rec.wait)}: a worker more cannot train faster")
     if w > c.min_workers:
         # w workers on `cores` cores (one each at most) deliver rec.rate: w - 1 deliver at most this
         cores = min(rec.cores, w)
         cap = (w - 1) * rec.rate / cores if 0 < rec.cores <= w * (1 + CORES_SLACK) else math.inf
         if cap < (1 - c.tolerance) * rec.rate:
-            blocked.append(f"no worker less: {w} workers deliver {_fmt_rate(rec.rate)} on {cores:.1f} "
-                           f"cores; {w - 1} at one core each deliver at most {_fmt_rate(cap)}")
+            blocked.append(f"no worker less: {w} workers deliver {fmt_rate(rec.rate)} on {cores:.1f} "
+                           f"cores; {w - 1} at one core each deliver at most {fmt_rate(cap)}")
         else:
             out.append(((w - 1, p), "remove"))
     if memory_tight and p > c.min_prefetch:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import math
 
-from .measurement import Measurement, _gib
+from .measurement import Measurement
 from .policy_config import MEMORY_TIGHT, PolicyConfig
+from .text import gib
 from .window import Record
 
 Key = tuple  # (workers, prefetch)
@@ -21,7 +22,7 @@ def pool_limit(c: PolicyConfig, records: dict[Key, Record], m: Measurement) -> t
         fit = m.workers + math.floor((m.ram_budget_bytes - m.rss_bytes) / per)
         if fit < limit:
             limit = max(c.min_workers, fit)
-            why = f"the RAM budget ({_gib(m.ram_budget_bytes)}, ~{_gib(per)} per worker)"
+            why = f"the RAM budget ({gib(m.ram_budget_bytes)}, ~{gib(per)} per worker)"
     return limit, why
 
 

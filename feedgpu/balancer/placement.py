@@ -6,8 +6,9 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from ...errors import ConfigError
-from .measurement import ENGINES, _fmt_rate, _gib, _round
+from ..errors import ConfigError
+from .measurement import ENGINES
+from .text import fmt_rate, gib, round_half_up
 
 
 @dataclass(frozen=True)
@@ -88,14 +89,14 @@ def choose_placement(options: Sequence[EngineRate], cpu_budget: float, gpu_mem_f
     Raises :class:`ConfigError` when no option fits.
     """
     fit, dropped = [], []
-    cores_limit = max(1, _round(cpu_budget)) * (1 + tolerance)
+    cores_limit = max(1, round_half_up(cpu_budget)) * (1 + tolerance)
     gpu_free = None if gpu_mem_free_bytes is None else gpu_mem_free_bytes - gpu_mem_reserve_bytes
     for o in options:
         if o.cpu_cores > cores_limit:
             dropped.append(f"{o.engine}: {o.cpu_cores:.1f} cores > budget {cpu_budget:.1f}")
         elif o.uses_gpu and (gpu_free is None or o.gpu_mem_bytes > gpu_free):
-            dropped.append(f"{o.engine}: needs {_gib(o.gpu_mem_bytes)} of GPU memory, "
-                           + ("no GPU" if gpu_free is None else f"{_gib(gpu_free)} free"))
+            dropped.append(f"{o.engine}: needs {gib(o.gpu_mem_bytes)} of GPU memory, "
+                           + ("no GPU" if gpu_free is None else f"{gib(gpu_free)} free"))
         else:
             fit.append(o)
     if not fit:
@@ -110,9 +111,9 @@ def choose_placement(options: Sequence[EngineRate], cpu_budget: float, gpu_mem_f
     fewest = min(o.cpu_cores for o in near)
     lean = [o for o in near if o.cpu_cores <= fewest * (1 + tolerance) + 1e-9]
     pick = min(lean, key=lambda o: (o.uses_gpu, _SIMPLER[o.engine], o.cpu_cores, -o.rate))
-    others = ", ".join(f"{o.engine} {_fmt_rate(o.rate)} on {o.cpu_cores:.1f} cores" for o in fit if o is not pick)
-    reason = (f"{pick.engine}: {_fmt_rate(pick.rate)} on {pick.cpu_cores:.1f} cores"
-              + (f" (demand {_fmt_rate(demand_rate)})" if demand_rate is not None else "")
+    others = ", ".join(f"{o.engine} {fmt_rate(o.rate)} on {o.cpu_cores:.1f} cores" for o in fit if o is not pick)
+    reason = (f"{pick.engine}: {fmt_rate(pick.rate)} on {pick.cpu_cores:.1f} cores"
+              + (f" (demand {fmt_rate(demand_rate)})" if demand_rate is not None else "")
               + (f"; others: {others}" if others else "")
               + (f"; not fitting: {'; '.join(dropped)}" if dropped else ""))
     dali = pick.engine.startswith("dali")

@@ -13,7 +13,7 @@ plain when:
   header-like block inside a member's data is taken for a header), the data of each within the
   shard, and only zero bytes (at least one block) after the last member;
 * every member is ``<key>.<ext>`` with an unqualified image extension or label field (``jpg``,
-  ``cls``, ...: :data:`~feedgpu.sources.tar_members.IMAGE_SUFFIXES`, ``LABEL_SUFFIXES``, any case) and
+  ``cls``, ...: :data:`~feedgpu.sources.tar.members.IMAGE_SUFFIXES`, ``LABEL_SUFFIXES``, any case) and
   each key has exactly one image and one label, the image non-empty and the label 1 to 18 ASCII
   digits (no blanks).
 

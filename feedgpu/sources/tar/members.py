@@ -1,5 +1,5 @@
 """The members of a tar shard as :class:`~feedgpu.sources.tar.TarShardSource` sees them: the
-WebDataset key rule (:func:`split_member`, the field kinds; described in :mod:`feedgpu.sources.tar`),
+WebDataset key rule (:func:`split_member`, the field kinds; described in :mod:`feedgpu.sources.tar.source`),
 a member's header facts, its label, and a shard's part of the index as arrays."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .extensions import IMAGE_FIELDS
+from ..extensions import IMAGE_FIELDS
 
 IMAGE_SUFFIXES = IMAGE_FIELDS   # the folder source's image endings, without the dot
 LABEL_SUFFIXES = ("cls.txt", "cls", "label")
@@ -50,12 +50,12 @@ class Member(NamedTuple):
 
 def part_arrays(part: dict) -> dict:
     """A shard's part with its members as arrays (``blob`` of the names, ``lens``, ``offsets``,
-    ``sizes``, ``labels``), as :func:`feedgpu.sources.tar_scan.scan_plain` and a saved index give it."""
+    ``sizes``, ``labels``), as :func:`feedgpu.sources.tar.scan.scan_plain` and a saved index give it."""
     if "blob" in part:
         return part
     encoded = [m.encode("utf-8", "surrogateescape") for m in part["members"]]
     out = {k: v for k, v in part.items() if k not in ("members", "offsets", "sizes", "labels")}
-    from .tar_scan import narrow
+    from .scan import narrow
 
     out.update(blob=np.frombuffer(b"".join(encoded), dtype=np.uint8),
                lens=narrow(np.array([len(b) for b in encoded], dtype=np.int64)),

@@ -1,8 +1,8 @@
 """A local tar shard's part of the index, and many shards' parts at once in threads.
 
-:func:`local_part` takes, in this order, the shard's saved index (:mod:`.tar_index`), the member
-table beside it (:mod:`.tar_table`), else indexes it (:mod:`.tar_scan` for a plain shard,
-:mod:`.tar_walk` for any other) and saves the result. It only reads the shard and writes its
+:func:`local_part` takes, in this order, the shard's saved index (:mod:`.index`), the member
+table beside it (:mod:`.table`), else indexes it (:mod:`.scan` for a plain shard,
+:mod:`.walk` for any other) and saves the result. It only reads the shard and writes its
 saved index, so :class:`~feedgpu.sources.tar.TarShardSource` runs it for several shards at once
 (:func:`ordered_map`: reading a shard and numpy's work on it release the GIL) and records
 rejected records and warnings in shard order itself. :func:`write_tables` writes the member
@@ -17,11 +17,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
-from . import tar_index as _saved
-from .tar_members import IMAGE_SUFFIXES, LABEL_SUFFIXES, part_arrays
-from .tar_scan import scan_plain
-from .tar_table import content_hash, load_table, write_table
-from .tar_walk import index_with_tarfile
+from . import index as _saved
+from .members import IMAGE_SUFFIXES, LABEL_SUFFIXES, part_arrays
+from .scan import scan_plain
+from .table import content_hash, load_table, write_table
+from .walk import index_with_tarfile
 
 #: Threads that index local shards at once (one: in the calling thread).
 INDEX_THREADS = min(2, os.cpu_count() or 1)
@@ -102,7 +102,7 @@ _END = object()
 
 def index_for_table(shard: str) -> tuple[dict, os.stat_result, str, int]:
     """``(part, stat, content, made_ns)`` of a local shard, the arguments after the shard of
-    :func:`~feedgpu.sources.tar_table.write_table`: its part of the index (:func:`index_local`),
+    :func:`~feedgpu.sources.tar.table.write_table`: its part of the index (:func:`index_local`),
     its stat and xxh3-128 before it was read, and when (ns) that began. Raises what indexing
     raises (:class:`~feedgpu.errors.SourceError`, :class:`OSError`)."""
     made = _saved.now_ns()   # before the stat: a write while it is read gets a later mtime

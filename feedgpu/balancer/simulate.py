@@ -4,7 +4,7 @@ A deterministic model, not a measurement: a pool of workers whose rate is
 ``per_worker_rate * min(workers, free cores) ** scaling`` (capped), a consumer with a demand rate
 that may change over time, optional CPU contention from another process, and seeded noise. Each
 :meth:`Simulation.measure` call is one window and returns the :class:`Measurement` the loader
-would build. :func:`run` drives a :class:`~feedgpu.exec.balancer.Policy` over windows.
+would build. :func:`run` drives a :class:`~feedgpu.balancer.Policy` over windows.
 
 Nothing here sleeps or reads a clock: a thousand windows take milliseconds.
 """
@@ -15,7 +15,8 @@ import random
 from dataclasses import dataclass
 from typing import Callable, Sequence, Union
 
-from .balancer import Decision, Measurement, Policy
+from .measurement import Decision, Measurement
+from .policy import Policy
 
 #: A value constant over time, or steps ``((t0, v0), (t1, v1), ...)``: ``v_i`` from ``t_i`` on
 #: (before ``t0``, ``v0``).

@@ -1,11 +1,12 @@
 """The balancer policy's constants and bounds: :class:`PolicyConfig` and the module defaults,
-and :func:`start_workers`, the starting pool size (see :mod:`.policy` for the rules they tune)."""
+:class:`WindowRules`, the window knobs the local and the remote policy share, and
+:func:`start_workers`, the starting pool size (see :mod:`.policy` for the rules they tune)."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from ...errors import ConfigError
+from ..errors import ConfigError
 from .diagnosis import WAIT_THRESHOLD
 
 #: Settings whose throughputs are within this share are equal; the cheaper one is chosen.
@@ -32,8 +33,46 @@ MEMORY_TIGHT = 0.9
 
 
 @dataclass(frozen=True)
-class PolicyConfig:
-    """The constants of :class:`Policy` (defaults: the module constants).
+class WindowRules:
+    """The window knobs both policies take: how a step is measured and when it is judged, in
+    windows. :class:`PolicyConfig` (the local pool) and
+    :class:`~feedgpu.balancer.remote_policy.RemoteConfig` (remote workers) extend it; each states
+    its own defaults.
+
+    Args:
+        wait_threshold: the loop waits when more than this share of its step time goes to
+            waiting for a batch (default :data:`~.diagnosis.WAIT_THRESHOLD`).
+        drift_threshold: a move of the rate or demand by more than this share counts as a
+            drift (default :data:`DRIFT_THRESHOLD`).
+        settle_windows: windows not judged after each change (>= 0).
+        start_windows: windows allowed for a new worker to start after the pool grows.
+        measure_windows: windows measured at least at a new setting before a verdict (>= 1).
+        base_windows: windows at the current setting a step is compared with (>= 1).
+        recheck_windows: windows after which a step found not worth it is tried again.
+
+    Raises:
+        ConfigError: on ``settle_windows < 0``, ``measure_windows < 1`` or ``base_windows < 1``.
+    """
+
+    wait_threshold: float = WAIT_THRESHOLD
+    drift_threshold: float = DRIFT_THRESHOLD
+    settle_windows: int = 1
+    start_windows: int = 1
+    measure_windows: int = 2
+    base_windows: int = 2
+    recheck_windows: int = 120
+
+    def __post_init__(self):
+        if self.settle_windows < 0 or self.measure_windows < 1 or self.base_windows < 1:
+            raise ConfigError(f"{type(self).__name__}: need settle_windows >= 0, measure_windows >= 1 and "
+                              f"base_windows >= 1, got {self.settle_windows}, {self.measure_windows}, "
+                              f"{self.base_windows}")
+
+
+@dataclass(frozen=True)
+class PolicyConfig(WindowRules):
+    """The constants of :class:`Policy` (defaults: the module constants); the window knobs come
+    from :class:`WindowRules`, with the defaults below.
 
     Args:
         tolerance: throughputs within this share are equal (0.03): a costlier setting is kept
@@ -78,17 +117,11 @@ class PolicyConfig:
     """
 
     tolerance: float = TOLERANCE
-    wait_threshold: float = WAIT_THRESHOLD
-    drift_threshold: float = DRIFT_THRESHOLD
     busy_threshold: float = BUSY_THRESHOLD
     min_workers: int = 1
     max_workers: int = 64
     min_prefetch: int = 1
     max_prefetch: int = 8
-    settle_windows: int = 1
-    start_windows: int = 1
-    measure_windows: int = 2
-    base_windows: int = 2
     max_measure_windows: int = 6
     second_look_windows: int = 24
     confirm_first: bool = True
@@ -103,6 +136,7 @@ class PolicyConfig:
     unit: str = "workers"
 
     def __post_init__(self):
+        super().__post_init__()
         if not 0 < self.tolerance < 0.5:
             raise ConfigError(f"PolicyConfig: need 0 < tolerance < 0.5, got {self.tolerance}")
         if not 1 <= self.min_workers <= self.max_workers:
@@ -110,12 +144,9 @@ class PolicyConfig:
                               f"{self.max_workers}")
         if not 1 <= self.min_prefetch <= self.max_prefetch:
             raise ConfigError("PolicyConfig: need 1 <= min_prefetch <= max_prefetch")
-        if (self.settle_windows < 0 or self.start_windows < 0
-                or not 1 <= self.measure_windows <= self.max_measure_windows
-                or self.base_windows < 1 or self.drift_windows < 1):
-            raise ConfigError("PolicyConfig: need settle_windows >= 0, start_windows >= 0, "
-                              "1 <= measure_windows <= max_measure_windows, "
-                              "base_windows >= 1, drift_windows >= 1")
+        if self.start_windows < 0 or self.measure_windows > self.max_measure_windows or self.drift_windows < 1:
+            raise ConfigError("PolicyConfig: need start_windows >= 0, measure_windows <= max_measure_windows, "
+                              "drift_windows >= 1")
 
     @property
     def loss_threshold(self) -> float:

@@ -31,9 +31,9 @@ import uuid
 from collections import Counter, deque
 from typing import Any, Callable
 
-from ..errors import ConfigError, WorkerError
-from .executors import ExecutorSettings
-from .process_pool import _pack_exception
+from ...errors import ConfigError, WorkerError
+from ..executors import ExecutorSettings
+from ..process_pool import _pack_exception
 
 log = logging.getLogger("feedgpu.ray")
 #: Seconds one ``ray.wait`` blocks before the collector thread picks up new calls.
@@ -143,7 +143,7 @@ class _Remote:
 
 
 class RemoteWorkers:
-    """Ray actors running ``handler`` on tasks, for :class:`~feedgpu.exec.mixed_pool.MixedPool`.
+    """Ray actors running ``handler`` on tasks, for :class:`~feedgpu.exec.remote.mixed_pool.MixedPool`.
 
     Args:
         handler: ``handler(task) -> payload``, picklable (cloudpickle), run in the actors.

@@ -1,10 +1,10 @@
 """WebDataset-style tar shards: ``<key>.jpg`` (or png/webp/...) + ``<key>.cls`` per sample.
 
-Shards are indexed once (member headers only: numpy for plain shards, :mod:`.tar_scan`, else
-:mod:`tarfile`, :mod:`.tar_walk`, the same index; several local shards at once in threads,
-:mod:`.tar_local`) into arrays of shard id, byte offset and size, saved per local shard
-(:mod:`.tar_index`); a local shard with a member table beside it (``<shard>.feedgpu-index``,
-which ``feedgpu convert`` writes: :mod:`.tar_table`) is not indexed while the table matches it.
+Shards are indexed once (member headers only: numpy for plain shards, :mod:`.scan`, else
+:mod:`tarfile`, :mod:`.walk`, the same index; several local shards at once in threads,
+:mod:`.local`) into arrays of shard id, byte offset and size, saved per local shard
+(:mod:`.index`); a local shard with a member table beside it (``<shard>.feedgpu-index``,
+which ``feedgpu convert`` writes: :mod:`.table`) is not indexed while the table matches it.
 Samples are read with ``os.pread`` from the shard, never extracted: member names with absolute
 paths or ``..`` are only keys, never file-system paths. Symbolic and
 hard link members are left out while indexing (reason ``"link member, not followed"``), so a
@@ -52,14 +52,14 @@ from functools import partial
 
 import numpy as np
 
-from ..errors import DownloadError, SampleError, SourceError
-from . import tar_index as _saved
-from .base import CLASS_NAMES_FILE, Record, Source, StringTable, class_names, class_names_from_text, expand_paths, \
+from ...errors import DownloadError, SampleError, SourceError
+from . import index as _saved
+from ..base import CLASS_NAMES_FILE, Record, Source, StringTable, class_names, class_names_from_text, expand_paths, \
     file_hash, index_array, missing_files, release_freed_memory
-from .file_stats import change_stamp
-from .tar_local import local_part, ordered_map
-from .tar_members import LABEL_SUFFIXES, OTHER_LABEL_FIELDS, part_arrays
-from .tar_walk import index_with_tarfile
+from ..file_stats import change_stamp
+from .local import local_part, ordered_map
+from .members import LABEL_SUFFIXES, OTHER_LABEL_FIELDS, part_arrays
+from .walk import index_with_tarfile
 
 #: Remote shards a process keeps open (pinned in the shard cache) at once; the least recently
 #: read is closed first, so a dataset larger than the cache's budget can be read.
@@ -80,7 +80,7 @@ class TarShardSource(Source):
             (:class:`~feedgpu.remote.cache.ShardCache`: its folder, default
             ``<user cache dir>/feedgpu/shards``; its disk budget, bytes or ``"200GiB"``, default
             none; fsspec options of the store) or a cache to share.
-        index_dir: where local shards' saved indexes live (:mod:`feedgpu.sources.tar_index`);
+        index_dir: where local shards' saved indexes live (:mod:`feedgpu.sources.tar.index`);
             None: the ``tar-index`` folder of feedgpu's cache dir; False: neither read nor write one.
         max_bad_files: URLs only: shards that may be unreadable at open (int >= 0, default 0;
             None: any); each is then left out as ``"bad shard"`` (one entry per file), named.
@@ -90,7 +90,7 @@ class TarShardSource(Source):
     Attributes:
         saved_shards: how many shards were read from a saved index (int);
             ``from_saved_index``: True when every shard was; ``table_shards``: how many from the
-            member table beside them (:mod:`feedgpu.sources.tar_table`; a table that is corrupt,
+            member table beside them (:mod:`feedgpu.sources.tar.table`; a table that is corrupt,
             of another feedgpu version or older than its shard is not used, one warning names them).
 
     URLs: shards are read from local copies in the shard cache, downloaded whole when first
@@ -117,11 +117,11 @@ class TarShardSource(Source):
                  index_dir=None, max_bad_files: int | None = 0, verify: str = "identity"):
         super().__init__()
         self._remote = None
-        from ..remote.index import is_index
-        from ..remote.urls import has_url
+        from ...remote.index import is_index
+        from ...remote.urls import has_url
 
         if has_url(shards) or is_index(shards):
-            from ..remote.files import RemoteFiles, make_cache
+            from ...remote.files import RemoteFiles, make_cache
 
             self._remote = RemoteFiles(shards, ".tar", "tar",
                                        make_cache(cache, cache_dir, cache_budget, storage_options, verify),
@@ -212,7 +212,7 @@ class TarShardSource(Source):
 
     def _parts(self):
         """``(shard id, name, part | None)`` per shard, in order: a local shard's part from its saved
-        index, the member table beside it, or indexed (:func:`~feedgpu.sources.tar_local.local_part`,
+        index, the member table beside it, or indexed (:func:`~feedgpu.sources.tar.local.local_part`,
         several shards at once); a remote one's from the index file, the shard cache's saved index
         or the downloaded shard (None: it could not be downloaded)."""
         if self._remote is None:
@@ -244,7 +244,7 @@ class TarShardSource(Source):
         """``(shard id, URL, local path | member table | None)`` per remote shard: downloaded (up
         to the cache's ``max_downloads`` ahead, pinned until indexed) unless the index file holds
         its member table; one that cannot be downloaded is left out as ``"bad shard"`` (None)."""
-        from ..remote.files import cause_of
+        from ...remote.files import cause_of
 
         files, cache = self._remote.files, self._remote.cache
         ahead: dict = {}

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .folder_index import write_index_file
+from ..folder_index import write_index_file
 
 INDEX_FORMAT = "feedgpu.tar-index/1"
 _MAGIC = b"FEEDGPU-TAR-INDEX\n\0\0\0\0\0\0"  # 24 bytes: the arrays start 8-aligned
@@ -45,7 +45,7 @@ RACY_NS = 2_000_000_000
 
 
 def default_index_dir() -> Path:
-    from ..sample_data import default_cache_dir
+    from ...sample_data import default_cache_dir
 
     return default_cache_dir() / "tar-index"
 
@@ -80,7 +80,7 @@ def save(path: Path, sig: list, meta: dict, arrays: dict, indexed_ns: int) -> bo
 def write(path: Path, head: dict, arrays: dict) -> None:
     """Write an index file atomically: ``head`` (JSON-able; the format and feedgpu's version are
     added) and the :data:`_ARRAYS` of ``arrays``."""
-    from .._version import __version__
+    from ..._version import __version__
 
     arrs = [np.ascontiguousarray(arrays[name]) for name in _ARRAYS]
     arrs = [a.astype(a.dtype.newbyteorder("<")) if a.dtype.str not in _DTYPES else a for a in arrs]
@@ -121,7 +121,7 @@ def read(path: Path) -> tuple[dict, dict]:
     """``(header, arrays)`` of an index file. Raises :class:`FileNotFoundError` when there is
     none, :class:`Unusable` when it cannot be read, is corrupt or truncated (its checksum), or
     is of another format or feedgpu version."""
-    from .._version import __version__
+    from ..._version import __version__
 
     try:
         with open(path, "rb") as f:

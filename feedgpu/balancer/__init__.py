@@ -1,9 +1,11 @@
-"""The throughput balancer: pure policy, measurements in, decisions out.
+"""The throughput balancer: how many workers (or DALI threads) and how deep a prefetch keep the
+training loop fed, decided by experiment from measured windows.
 
-Nothing here starts a process, reads a clock or touches a GPU. The loader measures a window
-(a second or more of training, :mod:`feedgpu.exec.autoscale`), builds a :class:`Measurement`,
-asks :meth:`Policy.decide` and applies the :class:`Decision` before the next window. Given the
-same measurements, the policy makes the same decisions.
+The core is pure policy, measurements in, decisions out: nothing in it starts a process, reads a
+clock or touches a GPU, and given the same measurements it makes the same decisions. The loader
+measures a window (a second or more of training, :mod:`.autoscale`), builds a
+:class:`Measurement`, asks :meth:`Policy.decide` and applies the :class:`Decision` before the
+next window.
 
 Modules, each tested apart:
 
@@ -22,12 +24,25 @@ Modules, each tested apart:
 * :mod:`.diagnosis`: :func:`diagnose`, whether the loader keeps the loop fed and if not why.
 * :mod:`.placement`: :func:`choose_placement`, which engine the stages run on, from measured
   rates.
+* :mod:`.text`: the numbers of reasons and log lines in words (rates, percentages, GiB).
+* :mod:`.remote_policy`: :class:`~.remote_policy.RemotePolicy`, pure too, in front of
+  :class:`Policy` when Ray workers may join: the count of remote workers, once the local pool
+  cannot grow.
+
+Around the core:
+
+* :mod:`.autoscale`: :class:`~.autoscale.Autoscaler`, the impure half: it reads the clock and
+  the process's CPU and memory, builds each window's :class:`Measurement` and hands the
+  policy's decision to the loader; also the core count (:func:`~.autoscale.cpu_cores`) and
+  the starting worker count.
+* :mod:`.simulate`: a simulated producer and consumer (throughput curves, noise) that drives a
+  :class:`Policy` over windows, for the balancer's tests and ``bench/policy_sim.py``.
 
 Units: rates in samples per second, times in seconds, CPU in cores, memory in bytes,
 fractions in [0, 1].
 """
 from .diagnosis import WAIT_THRESHOLD, Diagnosis, diagnose
-from .measurement import ENGINES, KINDS, Decision, Measurement, _fmt_rate, _pct
+from .measurement import ENGINES, KINDS, Decision, Measurement
 from .placement import PLACEMENT_TOLERANCE, EngineRate, Placement, choose_placement
 from .policy import Policy
 from .policy_config import DRIFT_THRESHOLD, TOLERANCE, PolicyConfig, start_workers
