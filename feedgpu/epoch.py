@@ -21,8 +21,8 @@ import numpy as np
 from . import shard_ahead
 from .remote import ahead_loader
 from .errors import IteratorSuperseded, ShardFetchError, SkipBudgetExceeded
-from .exec.host_buffers import pin
-from .exec.process_pool import unpack_exception
+from .exec.buffers.host import pin
+from .exec.pool.process_pool import unpack_exception
 from .sampling import ShardedOrder
 from .skips import SkipBudget, epoch_samples
 

@@ -181,7 +181,7 @@ class Pipeline:
         check_executor(self.executor, self.engine, self.cache)
         plan = make_plan(self.stages, "cpu")  # validate the stage list now, not at the first batch
         if self.engine.name == "dali":
-            from .exec.dali_graph import check_dali_plan
+            from .exec.dali.graph import check_dali_plan
 
             check_dali_plan(plan)  # e.g. a python stage: refused here, not at the first batch
 
@@ -316,7 +316,7 @@ class Pipeline:
                 return make_plan(self.stages, dev, pool_where=f"{where} ({pil_label()})",
                                  batch_where=f"{where} (numpy)")
             return make_plan(self.stages, dev)
-        from .exec.dali_graph import check_dali_plan
+        from .exec.dali.graph import check_dali_plan
 
         dd = self.engine.dali_device(dev)
         threads = self.engine.threads or max(1, fixed_workers(self.num_workers))

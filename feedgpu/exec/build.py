@@ -10,8 +10,8 @@ from .assemble import Assembler
 from .cache_step import CacheStep
 from .memory_budget import apply_budget
 from .memory_watch import CopyOnReadWatch
-from .pool_start import draw_base_seed, resolve_context
-from .process_pool import ProcessPool
+from .pool.start import draw_base_seed, resolve_context
+from .pool.process_pool import ProcessPool
 from .work import DatasetWork, PipelineWork
 
 
@@ -35,7 +35,7 @@ def make_work(loader):
     elif loader._executor.remote:
         inflight = most = (loader.num_workers + loader._remote_start) * prefetch
     if p is not None and engine.name == "dali":
-        from .dali_engine import DaliWork
+        from .dali.engine import DaliWork
 
         plan = p.plan(device)
         dev_id = int(device.split(":")[1]) if device.startswith("cuda:") else 0

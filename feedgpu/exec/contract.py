@@ -4,11 +4,11 @@ and of the pool that runs it.
 A *work* object holds what one batch needs and turns task results into batches:
 :class:`~feedgpu.exec.work.PipelineWork` (the Python engine: stages into shared-memory slots),
 :class:`~feedgpu.exec.work.DatasetWork` (a torch Dataset and its ``collate_fn``),
-:class:`~feedgpu.exec.dali_engine.DaliWork` (DALI, in the main process) and
+:class:`~feedgpu.exec.dali.engine.DaliWork` (DALI, in the main process) and
 :class:`~feedgpu.tabular.work.TableWork` (table features). They derive from :class:`WorkBase`,
 whose defaults say what a work object does not do, so the runner never probes with ``hasattr``.
 
-A *pool* runs tasks in workers: :class:`~feedgpu.exec.process_pool.ProcessPool` (local
+A *pool* runs tasks in workers: :class:`~feedgpu.exec.pool.process_pool.ProcessPool` (local
 processes) and :class:`~feedgpu.exec.mixed_pool.MixedPool` (local and Ray workers).
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Where each worker is: the stage and the sample it runs, in shared memory.
 
 The pool makes a :class:`Board` (one shared-memory file, mapped before the workers start: forked
-workers inherit it, spawned ones get its descriptor, see :mod:`feedgpu.exec.shm`) and
+workers inherit it, spawned ones get its descriptor, see :mod:`feedgpu.exec.buffers.shm`) and
 each worker writes, before every stage, the stage's name, the sample's index and the time into
 its own slot (:func:`at`, a few array writes), and before each task how many tasks it has taken
 from its queue (:func:`took`: a worker that dies is blamed for that task without a message
@@ -16,7 +16,7 @@ import struct
 import time
 import weakref
 
-from .shm import _close_fd, attach_fd, share_fd, shared_file
+from .buffers.shm import _close_fd, attach_fd, share_fd, shared_file
 
 SLOT = 128
 _HEAD = struct.Struct("<dq")          # monotonic time the stage started, sample index

@@ -4,16 +4,16 @@
   hands the slot to the training loop as tensors without a copy.
 * :class:`DatasetWork`: a plain map-style torch Dataset with a ``collate_fn``. Workers return the
   collated batch; its tensors stay in the shared memory torch's collate puts them in, and their
-  file descriptors travel with the batch (:mod:`feedgpu.exec.fd_channel`).
+  file descriptors travel with the batch (:mod:`feedgpu.exec.pool.fd_channel`).
 
 Randomness: a pipeline's random stages draw per sample from ``(seed, epoch, index)``
 (:mod:`feedgpu.stages.draws`), so its batches do not depend on the worker count or on torch's RNG.
 A torch Dataset's randomness is torch's: its workers are seeded once, when they start, as torch's
-DataLoader seeds them (see :class:`~feedgpu.exec.process_pool.ProcessPool`'s ``base_seed``), and
+DataLoader seeds them (see :class:`~feedgpu.exec.pool.process_pool.ProcessPool`'s ``base_seed``), and
 with ``num_workers=0`` it draws from the training loop's RNG, as in torch.
 
 Both pickle for workers started with ``spawn`` or ``forkserver`` (a pipeline's batch buffers as a
-file descriptor, :class:`~feedgpu.exec.shm.BatchSlots`); the main process's bookkeeping stays.
+file descriptor, :class:`~feedgpu.exec.buffers.shm.BatchSlots`); the main process's bookkeeping stays.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import numpy as np
 from . import progress
 from .assemble import Assembler, BatchReport
 from .contract import WorkBase
-from .shm import BatchSlots
+from .buffers.shm import BatchSlots
 
 
 class Batch(NamedTuple):

@@ -1,5 +1,5 @@
 """IterableDataset the way torch runs it: every behaviour run with ``torch.utils.data.DataLoader``
-and with feedgpu (:class:`feedgpu.exec.iterable.IterableRunner` and ``feedgpu.DataLoader``),
+and with feedgpu (:class:`feedgpu.exec.iterable.runner.IterableRunner` and ``feedgpu.DataLoader``),
 comparing batches or errors. Datasets are module-level so that spawned workers can unpickle them.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 import feedgpu
 from feedgpu.errors import ConfigError, LoaderTimeout, StateError, WorkerError
-from feedgpu.exec.iterable import IterableRunner
+from feedgpu.exec.iterable.runner import IterableRunner
 
 REPO = Path(__file__).resolve().parents[2]
 PHOTOS = REPO.parent / "shared" / "data" / "photos"

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.utils.data as tud
 
-import feedgpu.exec.iterable_pool as iterable_pool
-import feedgpu.exec.process_pool as process_pool
+import feedgpu.exec.iterable.pool as iterable_pool
+import feedgpu.exec.pool.process_pool as process_pool
 from feedgpu import DataLoader, WorkerError
 
 from conftest import child_pids, sticks_once, wait_gone

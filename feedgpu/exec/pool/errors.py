@@ -5,7 +5,7 @@ from __future__ import annotations
 import pickle
 import signal
 
-from ..errors import WorkerError
+from ...errors import WorkerError
 
 
 def seconds_text(t) -> str:

@@ -1,5 +1,5 @@
-"""The worker processes behind :class:`feedgpu.exec.iterable.IterableRunner`, seen from the main
-process: starting them, their messages (protocol in :mod:`feedgpu.exec.iterable_worker`),
+"""The worker processes behind :class:`feedgpu.exec.iterable.runner.IterableRunner`, seen from the main
+process: starting them, their messages (protocol in :mod:`feedgpu.exec.iterable.worker`),
 flow control, death and timeout detection, and a shutdown that never hangs.
 
 Each worker has one duplex pipe; the main process reads every worker's pipe while it waits for
@@ -11,7 +11,7 @@ at interpreter exit: asked to stop, then terminated, then killed.
 
 A worker's first message says it started. A forked worker that has not said so
 ``fork_start_s`` seconds after its fork is deadlocked in the interpreter (see
-:func:`~feedgpu.exec.pool_start.stuck_fork`): it is killed and forked again, and what the main
+:func:`~feedgpu.exec.pool.start.stuck_fork`): it is killed and forked again, and what the main
 process had sent it is sent again (it ran nothing, so its stream is where it began). A worker
 stuck ``MAX_STUCK`` times raises :class:`WorkerError`.
 """
@@ -25,10 +25,10 @@ import signal
 import time
 import weakref
 
-from ..errors import LoaderTimeout, WorkerError
-from . import fd_limit
-from .iterable_worker import worker_loop
-from .pool_start import FORK_START_S, frozen_gc, stuck_fork
+from ...errors import LoaderTimeout, WorkerError
+from ..pool import fd_limit
+from ..pool.start import FORK_START_S, frozen_gc, stuck_fork
+from .worker import worker_loop
 
 POLL_S = 0.1
 GRACE_S = 1.0   # seconds the workers get to stop by themselves before they are terminated

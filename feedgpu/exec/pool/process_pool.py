@@ -6,7 +6,7 @@ reorders results itself. Workers are forked by default (the handler, the source 
 shared-memory batch buffers are inherited, never pickled); with ``context="spawn"`` or
 ``"forkserver"`` (or a multiprocessing context object) the handler, ``worker_init_fn`` and the
 dataset are pickled once per worker start, the batch buffers travel as file descriptors (see
-:mod:`feedgpu.exec.shm`), and an object that cannot be unpickled in the new process raises
+:mod:`feedgpu.exec.buffers.shm`), and an object that cannot be unpickled in the new process raises
 :class:`WorkerError` saying so.
 
 Each worker starts as torch's DataLoader workers do: ``torch.set_num_threads(1)``, seeds
@@ -26,7 +26,7 @@ each worker holds. That is what makes the rest possible:
   the replacement, in order (``respawn=True``, the default). So is a forked worker that has not
   run its first line ``fork_start_s`` seconds after its fork (it is killed first): on CPython
   3.11 releases without the fix of gh-112275 such a child is deadlocked (see
-  :func:`~feedgpu.exec.pool_start.stuck_fork`) and would hold its tasks for ever. A task whose worker died
+  :func:`~feedgpu.exec.pool.start.stuck_fork`) and would hold its tasks for ever. A task whose worker died
   ``max_task_deaths`` times, or more than ``max_respawns`` deaths in all, raises
   :class:`WorkerError` naming the exit code or signal, never a hang. A result that a dead worker
   sent completely is kept; its task is not run again.
@@ -50,7 +50,7 @@ each worker holds. That is what makes the rest possible:
 torch's DataLoader also gives each worker its own index queue; unlike it, results come back on
 one channel per worker (``multiprocessing.connection.wait`` watches them all), so a worker killed
 while writing can corrupt only its own channel, which is dropped with it. A channel
-(:mod:`feedgpu.exec.fd_channel`) is a Unix socket that carries a result's shared-memory tensor
+(:mod:`feedgpu.exec.pool.fd_channel`) is a Unix socket that carries a result's shared-memory tensor
 descriptors with the result itself, where torch's reductions fetch each one from the worker over
 a new connection.
 """
@@ -64,13 +64,13 @@ import pickle
 import time
 from typing import Any, Callable
 
-from ..errors import LoaderTimeout, WorkerError
+from ...errors import LoaderTimeout, WorkerError
 from . import fd_limit
 from .fd_channel import Channel
-from .pool_errors import _death, seconds_text, torch_death, unpack_exception  # noqa: F401  (importers' names)
-from .pool_start import FORK_START_S, frozen_gc, resolve_context, stuck_fork
-from .pool_worker import FLUSH, _Load, _pack_exception, _worker_main  # noqa: F401  (_pack_exception: ray)
-from .progress import MAX_WORKERS, Board
+from .errors import _death, seconds_text, torch_death, unpack_exception  # noqa: F401  (importers' names)
+from .start import FORK_START_S, frozen_gc, resolve_context, stuck_fork
+from .worker import FLUSH, _Load, _pack_exception, _worker_main  # noqa: F401  (_pack_exception: ray)
+from ..progress import MAX_WORKERS, Board
 
 log = logging.getLogger("feedgpu.pool")
 POLL_S = 0.1

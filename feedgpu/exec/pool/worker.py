@@ -1,10 +1,10 @@
-"""What runs in a pool worker process (see :class:`~feedgpu.exec.process_pool.ProcessPool`).
+"""What runs in a pool worker process (see :class:`~feedgpu.exec.pool.process_pool.ProcessPool`).
 
 A worker starts as torch's DataLoader workers do (``torch.set_num_threads(1)``; seeds
 ``base_seed + worker_id`` for torch and ``random`` and numpy's global RNG as torch derives it;
 torch's ``WorkerInfo`` for ``get_worker_info()``), then runs ``on_start`` and
 ``worker_init_fn(worker_id)``, then takes tasks from its queue and sends each result (or its
-exception, packed with the traceback) on its own :class:`~feedgpu.exec.fd_channel.Channel`,
+exception, packed with the traceback) on its own :class:`~feedgpu.exec.pool.fd_channel.Channel`,
 until it gets ``None``, its parent dies, or the main process terminates it. Before each task it
 writes how many tasks it has taken into its progress slot (:func:`feedgpu.exec.progress.took`),
 so that a death is blamed on the task it was running without a message per task.
@@ -20,8 +20,8 @@ import threading
 import time
 import traceback
 
-from ..errors import WorkerError
-from . import progress
+from ...errors import WorkerError
+from .. import progress
 
 log = logging.getLogger("feedgpu.pool")
 IDLE_S = 0.5   # a worker with no task for this long flushes its buffers (on_exit hook)
@@ -48,7 +48,7 @@ def _unsendable(e: Exception) -> Exception:
     if fd_limit.out_of_descriptors(e):
         return fd_limit.error(e)
     if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.ENOMEM) or "No space left" in str(e):
-        from ..errors import SharedMemoryError
+        from ...errors import SharedMemoryError
 
         return SharedMemoryError(
             f"a worker could not put its batch in shared memory ({type(e).__name__}: {e}). torch shares tensors "

@@ -231,7 +231,7 @@ class BatchSlots:
                              daemon=True).start()
 
     def _no_memory(self, e: OSError):
-        from ..errors import SharedMemoryError
+        from ...errors import SharedMemoryError
 
         return SharedMemoryError(
             f"could not map {self.count} batch buffers of {self.nbytes / 2**20:,.0f} MiB "

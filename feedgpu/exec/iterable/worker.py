@@ -1,4 +1,4 @@
-"""The worker side of :mod:`feedgpu.exec.iterable`: batching an ``IterableDataset``'s stream
+"""The worker side of :mod:`feedgpu.exec.iterable.runner`: batching an ``IterableDataset``'s stream
 (:class:`Fetcher`, also used in the main process with ``num_workers=0``) and the loop of one
 worker process (:func:`worker_loop`).
 
@@ -101,8 +101,8 @@ def pack_error(e: BaseException, wid: int) -> tuple:
 def unpack_error(packed: tuple) -> BaseException:
     """The worker's exception, same type where it pickled (else :class:`WorkerError`), with
     torch's wording and the worker's traceback as a note."""
-    from ..errors import WorkerError
-    from .pool_errors import with_note
+    from ...errors import WorkerError
+    from ..pool.errors import with_note
 
     blob, name, msg, tb, wid, pid = packed
     exc = None
@@ -158,9 +158,9 @@ def _send(conn, msg: tuple, wid: int, epoch) -> None:
     except (BrokenPipeError, EOFError, ConnectionResetError):
         raise
     except Exception as e:  # noqa: BLE001 - the batch cannot travel: say why instead of dying
-        from ..errors import SharedMemoryError, WorkerError
+        from ...errors import SharedMemoryError, WorkerError
 
-        from . import fd_limit
+        from ..pool import fd_limit
 
         if fd_limit.out_of_descriptors(e):
             err: Exception = fd_limit.error(e)

@@ -8,7 +8,7 @@ written once (``bench/results/dali_cpu.md``, variants ``prep_thread`` and ``prep
 A buffer comes back in one of two ways:
 
 * handed to the training loop without a copy (:meth:`HostBuffers.hand_out`), it returns when the
-  last tensor viewing it is garbage-collected (the scheme of :class:`~feedgpu.exec.shm.BatchSlots`:
+  last tensor viewing it is garbage-collected (the scheme of :class:`~feedgpu.exec.buffers.shm.BatchSlots`:
   ``torch.from_numpy`` keeps the numpy array it wraps alive for as long as any tensor shares its
   storage, and a ``weakref.finalize`` on that array returns the buffer). A batch the consumer
   keeps is therefore never overwritten; when all buffers are held a fresh one is allocated;
