@@ -22,7 +22,7 @@ from . import shard_ahead
 from .remote import ahead_loader
 from .errors import IteratorSuperseded, ShardFetchError, SkipBudgetExceeded
 from .exec.buffers.host import pin
-from .exec.pool.process_pool import unpack_exception
+from .exec.pool.errors import unpack_exception
 from .sampling import ShardedOrder
 from .skips import SkipBudget, epoch_samples
 

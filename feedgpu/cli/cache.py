@@ -66,7 +66,8 @@ def build_cmd(pipeline_file, data, cache_dir, compression, workers, fingerprint,
     from ..cache.settings import CacheSettings
     from ..cache.store import entry_bytes
     from ..exec.cache_step import CacheStep
-    from ..exec.pool.process_pool import ProcessPool, unpack_exception
+    from ..exec.pool.errors import unpack_exception
+    from ..exec.pool.process_pool import ProcessPool
     from ..exec.autoscale import fixed_workers
     from ..pipeline import Pipeline
     from .options import parse_sets

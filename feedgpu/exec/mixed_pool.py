@@ -17,7 +17,8 @@ from typing import Callable
 
 from ..errors import LoaderTimeout
 from .executors import ExecutorSettings
-from .pool.process_pool import ProcessPool, seconds_text
+from .pool.errors import seconds_text
+from .pool.process_pool import ProcessPool
 
 
 class MixedPool:

@@ -24,7 +24,8 @@ import torch.utils.data as tud
 
 from conftest import REPO, batches_equal, child_pids, clone_all, wait_gone
 from feedgpu import ConfigError, DataLoader, LoaderTimeout, Pipeline, WorkerError
-from feedgpu.exec.pool.process_pool import ProcessPool, unpack_exception
+from feedgpu.exec.pool.errors import unpack_exception
+from feedgpu.exec.pool.process_pool import ProcessPool
 from feedgpu.stages import Decode, HorizontalFlip, RandomResizedCrop
 
 pytestmark = pytest.mark.timeout(240)

@@ -52,7 +52,7 @@ def shared_file(nbytes: int, name: str, allocate: int = 0) -> tuple[int, mmap.mm
     return fd, mm
 
 
-def _close_fd(fd: int) -> None:
+def close_fd(fd: int) -> None:
     if fd >= 0:
         try:
             os.close(fd)
@@ -218,7 +218,7 @@ class BatchSlots:
                                              min(populate, 1) * self.stride)
         except OSError as e:
             raise self._no_memory(e) from None
-        self._closer = weakref.finalize(self, _close_fd, self._fd)
+        self._closer = weakref.finalize(self, close_fd, self._fd)
         self._free = list(range(count))[::-1]   # pop() takes the pre-allocated ones first
         self._lock = threading.Lock()
         self.held = 0       # slots the consumer still holds
@@ -266,7 +266,7 @@ class BatchSlots:
         shared = state.pop("_shared")
         self.__dict__.update(state)
         self._fd, self._mm = attach_fd(shared, max(1, self.count * self.stride))
-        self._closer = weakref.finalize(self, _close_fd, self._fd)
+        self._closer = weakref.finalize(self, close_fd, self._fd)
         self._free, self._lock, self.held = [], threading.Lock(), 0   # a worker hands out nothing
         self._alloc_error, self._alloc_cond = None, threading.Condition(threading.Lock())
 

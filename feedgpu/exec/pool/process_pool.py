@@ -65,12 +65,12 @@ import time
 from typing import Any, Callable
 
 from ...errors import LoaderTimeout, WorkerError
+from ..progress import MAX_WORKERS, Board
 from . import fd_limit
 from .fd_channel import Channel
-from .errors import _death, seconds_text, torch_death, unpack_exception  # noqa: F401  (importers' names)
+from .errors import exit_text, seconds_text, torch_death, unpack_exception
 from .start import FORK_START_S, frozen_gc, resolve_context, stuck_fork
-from .worker import FLUSH, _Load, _pack_exception, _worker_main  # noqa: F401  (_pack_exception: ray)
-from ..progress import MAX_WORKERS, Board
+from .worker import FLUSH, WorkerLoad, worker_main
 
 log = logging.getLogger("feedgpu.pool")
 POLL_S = 0.1
@@ -214,7 +214,7 @@ class ProcessPool:
         self._ctx = resolve_context(context)
         self.method = self._ctx.get_start_method()
         objs = (handler, worker_init_fn, on_exit, on_start, dataset)
-        self._load = _Load(objs, pickled=self.method != "fork")
+        self._load = WorkerLoad(objs, pickled=self.method != "fork")
         self.base_seed = None if base_seed is None else min(int(base_seed), MAX_SEED - MAX_WORKERS)
         self._target = num_workers     # the size asked for: a WorkerInfo's num_workers
         self._name = name
@@ -274,7 +274,7 @@ class ProcessPool:
         tasks.cancel_join_thread()
         reader, writer = Channel.pair()
         seeding = None if self.base_seed is None else (self.base_seed, self._target)
-        p = self._ctx.Process(target=_worker_main, name=f"{self._name}-{wid}", daemon=True,
+        p = self._ctx.Process(target=worker_main, name=f"{self._name}-{wid}", daemon=True,
                               args=(wid, self._load, tasks, writer, self._parent, self.board, seeding, self.method))
         self.board.expect(wid)
         try:
@@ -430,7 +430,7 @@ class ProcessPool:
         w.drop()
         if w.retiring and not w.held and w.proc.exitcode == 0:
             return
-        how = _death(w.proc)
+        how = exit_text(w.proc)
         if w.stuck:
             how = stuck_fork(self.fork_start_s)
         elif how == "signal SIGKILL":

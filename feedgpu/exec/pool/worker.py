@@ -29,7 +29,7 @@ ORPHAN_POLL_S = 1.0   # how often a worker busy with a task checks that its main
 FLUSH = "__feedgpu_flush__"
 
 
-def _pack_exception(e: BaseException, wid: int) -> tuple:
+def pack_exception(e: BaseException, wid: int) -> tuple:
     tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
     try:
         blob = pickle.dumps(e)
@@ -67,26 +67,26 @@ def _run_hook(hook, wid: int, what: str) -> None:
         log.exception("feedgpu worker %d: %s failed", wid, what)
 
 
-class _Load:
+class WorkerLoad:
     """What a worker needs from the main process: ``(handler, worker_init_fn, on_exit, on_start,
     dataset)``. Forked workers get the objects themselves. For spawn and forkserver, they are
     pickled together (one pickle: the dataset a ``WorkerInfo`` names is the handler's own copy)
     while the pool starts the worker, so file descriptors in them are passed to it; the worker
-    unpickles them in :func:`_worker_main`, where a failure can be reported to the main process."""
+    unpickles them in :func:`worker_main`, where a failure can be reported to the main process."""
 
     def __init__(self, objs: tuple, pickled: bool):
         self.objs, self.pickled, self.blob = objs, pickled, None
 
     def __reduce__(self):
         if not self.pickled:  # pragma: no cover - fork never pickles
-            return (_Load, (self.objs, False))
+            return (WorkerLoad, (self.objs, False))
         from multiprocessing.reduction import ForkingPickler
 
-        return (_Load._from_blob, (bytes(ForkingPickler.dumps(self.objs)),))
+        return (WorkerLoad._from_blob, (bytes(ForkingPickler.dumps(self.objs)),))
 
     @staticmethod
-    def _from_blob(blob: bytes) -> "_Load":
-        load = _Load((), True)
+    def _from_blob(blob: bytes) -> "WorkerLoad":
+        load = WorkerLoad((), True)
         load.blob = blob
         return load
 
@@ -115,7 +115,7 @@ def _seed_worker(wid: int, base_seed: int, num_workers: int, dataset) -> None:
     torch_worker._worker_info = torch_worker.WorkerInfo(id=wid, num_workers=num_workers, seed=seed, dataset=dataset)
 
 
-def _worker_main(wid: int, load: _Load, tasks, conn, parent: int, board, seeding: tuple | None,
+def worker_main(wid: int, load: WorkerLoad, tasks, conn, parent: int, board, seeding: tuple | None,
                  method: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # the main process, or the forkserver (which exits when the main process does); spawn and
@@ -141,7 +141,7 @@ def _worker_main(wid: int, load: _Load, tasks, conn, parent: int, board, seeding
                           f"dataset or pipeline, worker_init_fn, collate_fn): {type(e).__name__}: {e}. With "
                           "spawn and forkserver these must be importable by the new process: defined at the top "
                           "level of a module (not in a function, a lambda, or an interactive __main__)")
-        conn.send((None, -1, wid, False, _pack_exception(err, wid)))
+        conn.send((None, -1, wid, False, pack_exception(err, wid)))
         return
     try:
         if seeding is not None:
@@ -151,7 +151,7 @@ def _worker_main(wid: int, load: _Load, tasks, conn, parent: int, board, seeding
         if init_fn is not None:
             init_fn(wid)
     except BaseException as e:
-        conn.send((None, -1, wid, False, _pack_exception(e, wid)))
+        conn.send((None, -1, wid, False, pack_exception(e, wid)))
         return
 
     taken = 0   # items taken from the queue, written to the board: a death is blamed on the last one
@@ -175,16 +175,16 @@ def _worker_main(wid: int, load: _Load, tasks, conn, parent: int, board, seeding
                     on_exit()
                 conn.send((FLUSH, seq, wid, True, None))
             except BaseException as e:  # noqa: BLE001
-                conn.send((FLUSH, seq, wid, False, _pack_exception(e, wid)))
+                conn.send((FLUSH, seq, wid, False, pack_exception(e, wid)))
             continue
         try:
             result = (tag, seq, wid, True, handler(task))
         except BaseException as e:  # noqa: BLE001 - everything goes back to the main process
-            result = (tag, seq, wid, False, _pack_exception(e, wid))
+            result = (tag, seq, wid, False, pack_exception(e, wid))
         try:
             conn.send(result)
         except Exception as e:  # noqa: BLE001 - the result cannot travel: say why instead of dying
-            conn.send((tag, seq, wid, False, _pack_exception(_unsendable(e), wid)))
+            conn.send((tag, seq, wid, False, pack_exception(_unsendable(e), wid)))
 
 
 def _watch_parent(orphaned) -> None:
