@@ -75,6 +75,7 @@ def make_pool(loader, work):
     if loader.num_workers > 0:
         # with a cache, workers get time to write their last rows when they stop
         local = ProcessPool(work.handle, loader.num_workers, loader.worker_init_fn, on_exit=work.on_exit,
+                            on_idle=work.on_idle,
                             grace_s=10.0 if loader._cache_settings is not None else 1.0,
                             describe=work.describe, on_start=work.on_start,
                             context=loader.multiprocessing_context, dataset=loader.dataset,

@@ -128,7 +128,10 @@ class DaliWork(WorkBase):
         self._queue: deque[_InFlight] = deque()   # started batches not yet collected, in order
 
     # -- the pool-work interface the loader's iterator uses ------------------------------------
-    runs_ahead = True   # prefetch(): batches scheduled on DALI's executor ahead of the loop
+    def lookahead(self, depth: int) -> int:
+        """``depth``: the batches after the one the loop asks for are started on DALI's executor
+        (:meth:`prefetch`), so they are computed while the training loop works."""
+        return depth
 
     def can_submit(self) -> bool:
         return False

@@ -65,12 +65,13 @@ import time
 from typing import Any, Callable
 
 from ...errors import LoaderTimeout, WorkerError
+from ..contract import Control, Result, Task
 from ..progress import MAX_WORKERS, Board
 from . import fd_limit
 from .fd_channel import Channel
 from .errors import exit_text, seconds_text, torch_death, unpack_exception
 from .start import FORK_START_S, frozen_gc, resolve_context, stuck_fork
-from .worker import FLUSH, WorkerLoad, worker_main
+from .worker import WorkerLoad, worker_main
 
 log = logging.getLogger("feedgpu.pool")
 POLL_S = 0.1
@@ -160,15 +161,17 @@ class ProcessPool:
     """Worker processes running ``handler`` on tasks; resizable while tasks are in flight.
 
     Args:
-        handler: ``handler(task) -> payload``; a task is a tuple whose first two items are a tag
-            and a sequence number, echoed back with the result. ``(tag, seq)`` must be unique
-            among the tasks in flight.
+        handler: ``handler(task) -> payload``; a task is a :class:`~feedgpu.exec.contract.Task`
+            (or any tuple whose first two items are a tag and a sequence number), its tag and seq
+            echoed back in the :class:`~feedgpu.exec.contract.Result`. ``(tag, seq)`` must be
+            unique among the tasks in flight.
         num_workers: processes to start (>= 1).
         worker_init_fn: called as ``worker_init_fn(worker_id)`` in each worker before any task;
             worker ids are the smallest free ids in ``0..``, a replacement takes the dead
             worker's id.
-        on_exit: called in each worker when it is asked to stop or flush, and when it has been
-            idle for ``IDLE_S`` seconds (e.g. to write buffered cache rows).
+        on_exit: called in each worker when it is asked to stop or flush.
+        on_idle: called in each worker when it has had no task for ``IDLE_S`` seconds (e.g. to
+            write buffered cache rows).
         on_start: called in each worker first, before ``worker_init_fn`` (e.g. to map buffers in).
         grace_s: seconds workers get to stop (and flush) before they are terminated, also at
             garbage collection and interpreter exit (default 1).
@@ -182,7 +185,7 @@ class ProcessPool:
             sample each busy worker is in (see :mod:`feedgpu.exec.progress`).
         context: start method or multiprocessing context (see :func:`resolve_context`; default
             ``fork``). With ``spawn`` and ``forkserver``, ``handler``, ``worker_init_fn``,
-            ``on_exit``, ``on_start`` and ``dataset`` must pickle; they are pickled together for
+            ``on_exit``, ``on_idle``, ``on_start`` and ``dataset`` must pickle; they are pickled together for
             each worker started (replacements and added workers too).
         base_seed: when given (an int, e.g. :func:`draw_base_seed`), worker ``i`` seeds torch and
             ``random`` with ``base_seed + i`` and numpy's global RNG as torch does, before
@@ -204,7 +207,8 @@ class ProcessPool:
                  name: str = "feedgpu-worker", grace_s: float = 1.0, respawn: bool = True,
                  max_task_deaths: int = 2, max_respawns: int = 8,
                  describe: Callable[[int], str] | None = None, on_start: Callable[[], None] | None = None,
-                 context=None, base_seed: int | None = None, dataset=None, fork_start_s: float | None = None):
+                 context=None, base_seed: int | None = None, dataset=None, fork_start_s: float | None = None,
+                 on_idle: Callable[[], None] | None = None):
         if num_workers < 1:
             raise WorkerError(f"a process pool needs at least one worker, got {num_workers}")
         if num_workers > MAX_WORKERS:
@@ -213,7 +217,7 @@ class ProcessPool:
 
         self._ctx = resolve_context(context)
         self.method = self._ctx.get_start_method()
-        objs = (handler, worker_init_fn, on_exit, on_start, dataset)
+        objs = (handler, worker_init_fn, on_exit, on_idle, on_start, dataset)
         self._load = WorkerLoad(objs, pickled=self.method != "fork")
         self.base_seed = None if base_seed is None else min(int(base_seed), MAX_SEED - MAX_WORKERS)
         self._target = num_workers     # the size asked for: a WorkerInfo's num_workers
@@ -225,7 +229,7 @@ class ProcessPool:
         self.retired = 0               # workers retired by resize
         self._task_deaths: dict[tuple, int] = {}
         self._flushes = 0
-        self._salvaged: list[tuple] = []   # complete results read from a worker found dead
+        self._salvaged: list[Result] = []   # complete results read from a worker found dead
         self._state = _State()
         self.grace_s = grace_s
         self.fork_start_s = FORK_START_S if fork_start_s is None else fork_start_s
@@ -329,7 +333,7 @@ class ProcessPool:
         return len(due)
 
     # -- tasks ----------------------------------------------------------------------------------
-    def submit(self, task: tuple) -> None:
+    def submit(self, task: Task) -> None:
         """Give ``task`` to the active worker holding the fewest tasks."""
         self.retire_parked(due_only=True)
         w = min((w for w in self._workers.values() if w.taking), key=lambda w: (len(w.held), w.wid))
@@ -339,8 +343,8 @@ class ProcessPool:
         """Tasks held by the least loaded worker taking tasks (what :meth:`submit` picks)."""
         return min((len(w.held) for w in self._workers.values() if w.taking), default=0)
 
-    def get(self, timeout: float | None = None, wake=None) -> tuple | None:
-        """Next ``(tag, seq, worker_id, ok, payload)``; ``None`` when ``wake`` (an object with
+    def get(self, timeout: float | None = None, wake=None) -> Result | None:
+        """Next :class:`~feedgpu.exec.contract.Result`; ``None`` when ``wake`` (an object with
         ``fileno()``, e.g. the read end of a pipe another thread writes to) became readable first.
 
         Raises :class:`WorkerError` when a worker died and could not be replaced (see the class
@@ -400,9 +404,9 @@ class ProcessPool:
             parts.append(what)
         return "; ".join(parts) or "no worker holds a task"
 
-    def _accept(self, w: _Worker, result: tuple) -> bool:
-        key = (result[0], result[1])
-        if result[0] is None or result[0] == FLUSH:
+    def _accept(self, w: _Worker, result: Result) -> bool:
+        key = (result.tag, result.seq)
+        if isinstance(result.tag, Control):   # a failed start, a flush's answer: held by no worker
             return True
         if w.held.pop(key, None) is None:  # already redone elsewhere after this worker was given up
             return False
@@ -464,23 +468,23 @@ class ProcessPool:
         if new.retiring:
             new.put(None)
 
-    def flush(self, timeout: float = 60.0) -> list[tuple]:
+    def flush(self, timeout: float = 60.0) -> list[Result]:
         """Run ``on_exit`` in every worker (each once) and wait for all of them; returns the task
         results that arrived meanwhile, for the caller to handle."""
         self._flushes += 1
         waiting: dict[int, _Worker] = {}
         for w in self._workers.values():
             if not w.retiring:
-                w.put((FLUSH, self._flushes))
+                w.put(Task(Control.FLUSH, self._flushes))
                 waiting[w.wid] = w
         other = []
         # a worker that dies meanwhile is not waited for: its replacement starts with nothing buffered
         while any(self._workers.get(wid) is w for wid, w in waiting.items()):
             r = self.get(timeout)
-            if r[0] == FLUSH and r[1] == self._flushes:
-                if not r[3]:
-                    raise unpack_exception(r[4], "while flushing")
-                waiting.pop(r[2], None)
+            if r.tag is Control.FLUSH and r.seq == self._flushes:
+                if not r.ok:
+                    raise unpack_exception(r.payload, "while flushing")
+                waiting.pop(r.wid, None)
             else:
                 other.append(r)
         return other

@@ -22,11 +22,11 @@ import traceback
 
 from ...errors import WorkerError
 from .. import progress
+from ..contract import Control, Result
 
 log = logging.getLogger("feedgpu.pool")
-IDLE_S = 0.5   # a worker with no task for this long flushes its buffers (on_exit hook)
+IDLE_S = 0.5   # a worker with no task for this long runs its on_idle hook (e.g. writes buffered cache rows)
 ORPHAN_POLL_S = 1.0   # how often a worker busy with a task checks that its main process lives
-FLUSH = "__feedgpu_flush__"
 
 
 def pack_exception(e: BaseException, wid: int) -> tuple:
@@ -68,8 +68,8 @@ def _run_hook(hook, wid: int, what: str) -> None:
 
 
 class WorkerLoad:
-    """What a worker needs from the main process: ``(handler, worker_init_fn, on_exit, on_start,
-    dataset)``. Forked workers get the objects themselves. For spawn and forkserver, they are
+    """What a worker needs from the main process: ``(handler, worker_init_fn, on_exit, on_idle,
+    on_start, dataset)``. Forked workers get the objects themselves. For spawn and forkserver, they are
     pickled together (one pickle: the dataset a ``WorkerInfo`` names is the handler's own copy)
     while the pool starts the worker, so file descriptors in them are passed to it; the worker
     unpickles them in :func:`worker_main`, where a failure can be reported to the main process."""
@@ -135,13 +135,13 @@ def worker_main(wid: int, load: WorkerLoad, tasks, conn, parent: int, board, see
     except ImportError:  # pragma: no cover
         pass
     try:
-        handler, init_fn, on_exit, on_start, dataset = load.load()
+        handler, init_fn, on_exit, on_idle, on_start, dataset = load.load()
     except BaseException as e:  # noqa: BLE001 - say why instead of dying with a bare exit code
         err = WorkerError(f"a feedgpu worker started with {method!r} could not unpickle what it runs (the "
                           f"dataset or pipeline, worker_init_fn, collate_fn): {type(e).__name__}: {e}. With "
                           "spawn and forkserver these must be importable by the new process: defined at the top "
                           "level of a module (not in a function, a lambda, or an interactive __main__)")
-        conn.send((None, -1, wid, False, pack_exception(err, wid)))
+        conn.send(Result(Control.START_FAILED, -1, wid, False, pack_exception(err, wid)))
         return
     try:
         if seeding is not None:
@@ -151,7 +151,7 @@ def worker_main(wid: int, load: WorkerLoad, tasks, conn, parent: int, board, see
         if init_fn is not None:
             init_fn(wid)
     except BaseException as e:
-        conn.send((None, -1, wid, False, pack_exception(e, wid)))
+        conn.send(Result(Control.START_FAILED, -1, wid, False, pack_exception(e, wid)))
         return
 
     taken = 0   # items taken from the queue, written to the board: a death is blamed on the last one
@@ -161,7 +161,7 @@ def worker_main(wid: int, load: WorkerLoad, tasks, conn, parent: int, board, see
         except queue.Empty:
             if orphaned():
                 return
-            _run_hook(on_exit, wid, "flush while idle")  # write what is buffered (e.g. cache rows) now
+            _run_hook(on_idle, wid, "on_idle")  # write what is buffered (e.g. cache rows) now
             continue
         taken += 1
         progress.took(taken)
@@ -169,22 +169,22 @@ def worker_main(wid: int, load: WorkerLoad, tasks, conn, parent: int, board, see
             _run_hook(on_exit, wid, "on_exit")
             return
         tag, seq = task[0], task[1]
-        if tag == FLUSH:
+        if tag is Control.FLUSH:
             try:
                 if on_exit is not None:
                     on_exit()
-                conn.send((FLUSH, seq, wid, True, None))
+                conn.send(Result(Control.FLUSH, seq, wid, True, None))
             except BaseException as e:  # noqa: BLE001
-                conn.send((FLUSH, seq, wid, False, pack_exception(e, wid)))
+                conn.send(Result(Control.FLUSH, seq, wid, False, pack_exception(e, wid)))
             continue
         try:
-            result = (tag, seq, wid, True, handler(task))
+            result = Result(tag, seq, wid, True, handler(task))
         except BaseException as e:  # noqa: BLE001 - everything goes back to the main process
-            result = (tag, seq, wid, False, pack_exception(e, wid))
+            result = Result(tag, seq, wid, False, pack_exception(e, wid))
         try:
             conn.send(result)
         except Exception as e:  # noqa: BLE001 - the result cannot travel: say why instead of dying
-            conn.send((tag, seq, wid, False, pack_exception(_unsendable(e), wid)))
+            conn.send(Result(tag, seq, wid, False, pack_exception(_unsendable(e), wid)))
 
 
 def _watch_parent(orphaned) -> None:
