@@ -69,6 +69,7 @@ from ..contract import Control, Result, Task
 from ..progress import MAX_WORKERS, Board
 from . import fd_limit
 from .fd_channel import Channel
+from .lifetime import end_processes
 from .errors import exit_text, seconds_text, torch_death, unpack_exception
 from .start import FORK_START_S, frozen_gc, resolve_context, stuck_fork
 from .worker import WorkerLoad, worker_main
@@ -146,13 +147,8 @@ class _State:
                 except (EOFError, OSError, ValueError):
                     w.proc.join(0.05)
                 w.proc.join(0.01)
+        end_processes([w.proc for w in workers])
         for w in workers:
-            if w.proc.is_alive():
-                w.proc.terminate()
-                w.proc.join(1.0)
-            if w.proc.is_alive():
-                w.proc.kill()
-                w.proc.join(1.0)
             w.drop()
         self.workers.clear()
 

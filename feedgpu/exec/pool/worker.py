@@ -12,21 +12,19 @@ so that a death is blamed on the task it was running without a message per task.
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import queue
 import signal
-import threading
-import time
 import traceback
 
 from ...errors import WorkerError
 from .. import progress
 from ..contract import Control, Result
+from .lifetime import orphan_check, watch_parent
+from .start import seed_worker
 
 log = logging.getLogger("feedgpu.pool")
 IDLE_S = 0.5   # a worker with no task for this long runs its on_idle hook (e.g. writes buffered cache rows)
-ORPHAN_POLL_S = 1.0   # how often a worker busy with a task checks that its main process lives
 
 
 def pack_exception(e: BaseException, wid: int) -> tuple:
@@ -96,36 +94,12 @@ class WorkerLoad:
         return self.objs
 
 
-def _seed_worker(wid: int, base_seed: int, num_workers: int, dataset) -> None:
-    """Seed this worker and publish its ``WorkerInfo`` as torch's DataLoader workers do."""
-    import random
-
-    import numpy as np
-    import torch
-    import torch.utils.data._utils.worker as torch_worker
-
-    seed = base_seed + wid
-    random.seed(seed)
-    torch.manual_seed(seed)
-    # numpy's global RNG gets the 4 words numpy's SeedSequence makes of (worker id, base seed's
-    # low and high halves): the same state torch's workers give it.
-    np.random.seed(np.random.SeedSequence([wid, base_seed & 0xFFFFFFFF, base_seed >> 32]).generate_state(4))
-    # torch.utils.data.get_worker_info() returns this module variable, and torch has no public way
-    # to set it: assigning it is the only way for get_worker_info() to work in a feedgpu worker.
-    torch_worker._worker_info = torch_worker.WorkerInfo(id=wid, num_workers=num_workers, seed=seed, dataset=dataset)
-
-
 def worker_main(wid: int, load: WorkerLoad, tasks, conn, parent: int, board, seeding: tuple | None,
                  method: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # the main process, or the forkserver (which exits when the main process does); spawn and
-    # forkserver children do not have the parent's exit-time finalizers, forked ones skip them
-    first_parent = os.getppid()
-
-    def orphaned() -> bool:
-        return os.getppid() != first_parent or (first_parent != parent and not _pid_alive(parent))
-
-    _watch_parent(orphaned)
+    # spawn and forkserver children do not have the parent's exit-time finalizers, forked ones skip them
+    orphaned = orphan_check(parent)
+    watch_parent(orphaned)
     board.attach(wid)
     try:
         import torch
@@ -145,7 +119,7 @@ def worker_main(wid: int, load: WorkerLoad, tasks, conn, parent: int, board, see
         return
     try:
         if seeding is not None:
-            _seed_worker(wid, seeding[0], seeding[1], dataset)
+            seed_worker(wid, seeding[0], seeding[1], dataset)
         if on_start is not None:
             on_start()
         if init_fn is not None:
@@ -185,26 +159,3 @@ def worker_main(wid: int, load: WorkerLoad, tasks, conn, parent: int, board, see
             conn.send(result)
         except Exception as e:  # noqa: BLE001 - the result cannot travel: say why instead of dying
             conn.send(Result(tag, seq, wid, False, pack_exception(_unsendable(e), wid)))
-
-
-def _watch_parent(orphaned) -> None:
-    """Exit this worker when its main process is gone, even in the middle of a task (a sample
-    that waits on a network retry chain, a stage that hangs): a daemon thread polls every
-    ``ORPHAN_POLL_S`` seconds. Results have nowhere to go, so nothing is lost by not finishing."""
-    def watch():
-        while True:
-            time.sleep(ORPHAN_POLL_S)
-            if orphaned():
-                os._exit(0)
-
-    threading.Thread(target=watch, name="feedgpu-orphan-watch", daemon=True).start()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # pragma: no cover - a recycled pid of another user
-        return True
-    return True
