@@ -9,7 +9,7 @@ which ``torch.multiprocessing`` registers tensor reductions: tensors travel in s
                      None (``pipe_seed``: reseed an IterDataPipe first)
                      ("credit", epoch, k)               produce k more batches of that pass
                      ("stop",)                          exit
-    worker -> main   ("started", None)                  first, before anything else (see iterable_pool)
+    worker -> main   ("started", None)                  first, before anything else (see iterable.pool)
                      ("ready", epoch, snapshot, None)   the pass started (snapshot: its state)
                      ("batch", epoch, data, snapshot)   a batch and the state right after it
                      ("error", epoch, packed, snapshot) the batch raised (see :func:`pack_error`)

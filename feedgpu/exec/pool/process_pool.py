@@ -191,7 +191,7 @@ class ProcessPool:
             None: workers are not seeded and get no ``WorkerInfo``.
         dataset: the ``WorkerInfo``'s dataset (the worker's own copy with spawn and forkserver).
         fork_start_s: seconds a forked worker may take to run its first line before it is
-            killed and replaced as stuck (None: ``pool_start.FORK_START_S``); spawn and forkserver
+            killed and replaced as stuck (None: ``start.FORK_START_S``); spawn and forkserver
             workers are not watched (their start runs no code of the parent's threads).
 
     The handler runs in each worker until the pool closes; a handler's exception is a result
