@@ -134,12 +134,13 @@ def _open_folder(data):
     """A folder with class sub-folders and no image files of its own as ImageFolder, else (a
     flat folder, or images beside sub-folders) every image under it, unlabeled: image files in
     the root of an ImageFolder are not samples, but a scan reads every file."""
+    from .sources.dir_entries import is_dir, list_dir
     from .sources.extensions import IMAGE_EXTENSIONS
-    from .sources.folder import FolderSource, _is_dir, _list
+    from .sources.folder import FolderSource
 
-    entries = [e for e in _list(str(data)) if not e.name.startswith(".")]
-    loose = any(not _is_dir(e) and e.name.lower().endswith(IMAGE_EXTENSIONS) for e in entries)
-    if any(_is_dir(e) for e in entries) and not loose:
+    entries = [e for e in list_dir(str(data)) if not e.name.startswith(".")]
+    loose = any(not is_dir(e) and e.name.lower().endswith(IMAGE_EXTENSIONS) for e in entries)
+    if any(is_dir(e) for e in entries) and not loose:
         return FolderSource(data)
     return FolderSource(data, flat=True)
 
