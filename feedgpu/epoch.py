@@ -21,8 +21,9 @@ import numpy as np
 from . import shard_ahead
 from .remote import ahead_loader
 from .errors import IteratorSuperseded, ShardFetchError, SkipBudgetExceeded
-from .exec.host_buffers import pin
-from .exec.process_pool import unpack_exception
+from .exec.buffers.host import pin
+from .exec.contract import Control, Elastic
+from .exec.pool.errors import unpack_exception
 from .sampling import ShardedOrder
 from .skips import SkipBudget, epoch_samples
 
@@ -97,13 +98,14 @@ class EpochIterator:
         self._bad: set[str] = set()   # keys skipped in this epoch
         self._peeked: dict[int, np.ndarray] = {}   # inline mode: batch -> indices, read ahead
         self._peeked_to = first
+        self._ahead_to = first   # inline: batches below this were started ahead (Work.lookahead)
         self.submitted_all = False   # an open-ended epoch's sampler is exhausted
         self.inline = (loader.num_workers == 0 and not loader._executor.remote) or loader._engine.name == "dali"
         self.work = loader._make_work()
         self.work.refresh()  # workers forked below inherit an up-to-date cache index
         self.pool = None if self.inline else loader._acquire_pool()
         # the balancer sizes the pool, or the DALI engine's threads (set_threads)
-        self.balanced = loader._autoscaler is not None and (self.pool is not None or hasattr(self.work, "set_threads"))
+        self.balanced = loader._autoscaler is not None and (self.pool is not None or isinstance(self.work, Elastic))
         if self.balanced:
             loader._autoscaler.start(self._pids())
         watch = getattr(loader, "_memory_watch", None)   # a torch Dataset's copy-on-read growth
@@ -258,13 +260,15 @@ class EpochIterator:
             if self.inline:
                 indices = self._indices(b)
                 self._fetch(b)
-                if self.work.runs_ahead:  # DALI: start this and the next batches, in order
-                    for k in range(b, min(self.nb, b + 1 + self.loader._prefetch)):
+                window = self.work.lookahead(self.loader._prefetch)
+                if window:  # DALI: start the batches of its window not started yet, in order
+                    for k in range(max(b, self._ahead_to), min(self.nb, b + 1 + window)):
                         ks = self._indices(k)
                         if ks is None:
                             break
                         self._fetch(k)
                         self.work.prefetch(k, self.epoch, ks, self._spares(k, len(ks)))
+                        self._ahead_to = k + 1
                     batch, report = self.work.run_inline(b, self.epoch, indices, self._spares(b, len(indices)))
                 else:
                     try:
@@ -387,7 +391,7 @@ class EpochIterator:
                 if self._fatal is not None and b >= self._fatal[0]:
                     raise self._fatal[1]   # a shard lost for good: __next__ closes and raises it
             tag, seq, wid, ok, payload = self.pool.get(self.loader.timeout or None)
-            if tag is None:  # worker_init_fn failed
+            if tag is Control.START_FAILED:  # worker_init_fn failed
                 raise unpack_exception(payload, "in worker_init_fn")
             if self.ahead is not None and tag == self.ahead.tag:  # the next epoch's, kept for it
                 self.ahead.ready[seq] = (self.ahead.pending.pop(seq), ok, payload)

@@ -81,7 +81,7 @@ class WorkerError(FeedgpuError, RuntimeError):
 class TooManyOpenFiles(WorkerError):
     """The process ran out of file descriptors while batches travelled from the workers; the
     message names ``ulimit -n`` and ``torch.multiprocessing.set_sharing_strategy``, as torch's
-    ``RuntimeError`` does (:mod:`feedgpu.exec.fd_limit`)."""
+    ``RuntimeError`` does (:mod:`feedgpu.exec.pool.fd_limit`)."""
 
 
 class SkipBudgetExceeded(FeedgpuError):

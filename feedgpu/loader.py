@@ -21,7 +21,7 @@ from .balancer.measurement import count_unit
 from .exec.memory_budget import parse_worker_memory
 from .exec.build import make_pool, make_work
 from .exec.engines import EngineSettings
-from .exec.process_pool import ProcessPool
+from .exec.pool.process_pool import ProcessPool
 from .metrics import ExecutorTotals, LoaderStats
 from .orders import (OrderRandomSampler, OrderSampler, OrderSequentialSampler, UserOrder, order_len,
                      reads_as_sharding, shard_settings, sharded)
@@ -142,7 +142,7 @@ class DataLoader(tud.DataLoader[T_co]):
                  compile: bool = True):
         self._iterable, self.loader, self.output = None, loader, output
         dataset = dali_pipeline(with_sections(dataset, loader, output), engine, compile, collate_fn)
-        if isinstance(dataset, tud.IterableDataset):  # run as torch runs it (feedgpu.exec.iterable)
+        if isinstance(dataset, tud.IterableDataset):  # run as torch runs it (feedgpu.exec.iterable.runner)
             init_iterable(self, dataset, locals())
             return
         p = dataset if isinstance(dataset, Pipeline) else None
@@ -392,7 +392,7 @@ class DataLoader(tud.DataLoader[T_co]):
         """Where the training loop is, counted in batches it received (prefetched ones are not
         counted); the schema is in :mod:`feedgpu.loader_state`. Any rank may load it, on any
         world size and worker count. For an ``IterableDataset``: see
-        :meth:`feedgpu.exec.iterable.IterableRunner.state_dict`."""
+        :meth:`feedgpu.exec.iterable.runner.IterableRunner.state_dict`."""
         if self._iterable is not None:
             return self._iterable.state_dict()
         order = self._sharded_order(collective=False)

@@ -1,5 +1,5 @@
 """Setting a :class:`feedgpu.DataLoader` up: feedgpu's own settings from its arguments and the
-pipeline's, and the hand-over of an ``IterableDataset`` to :mod:`feedgpu.exec.iterable`."""
+pipeline's, and the hand-over of an ``IterableDataset`` to :mod:`feedgpu.exec.iterable.runner`."""
 from __future__ import annotations
 
 import dataclasses
@@ -103,8 +103,8 @@ def with_sections(dataset, loader, output):
 
 def init_iterable(self, dataset, given: dict) -> None:
     """Set ``self`` (a DataLoader) up to run an ``IterableDataset`` as torch does
-    (:mod:`feedgpu.exec.iterable`); ``given`` holds the constructor's arguments."""
-    from .exec.iterable import runner_for_loader
+    (:mod:`feedgpu.exec.iterable.runner`); ``given`` holds the constructor's arguments."""
+    from .exec.iterable.runner import runner_for_loader
 
     def arg(name, default):
         return default if given[name] is _UNSET else given[name]

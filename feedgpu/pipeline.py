@@ -330,7 +330,7 @@ class Pipeline:
                 return make_plan(self.stages, dev, pool_where=f"{where} ({pil_label()})",
                                  batch_where=f"{where} (numpy)")
             return make_plan(self.stages, dev)
-        from .exec.dali_graph import check_dali_plan
+        from .exec.dali.graph import check_dali_plan
 
         dd = self.engine.dali_device(dev)
         threads = self.engine.threads or max(1, fixed_workers(self.num_workers))

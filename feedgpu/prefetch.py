@@ -1,18 +1,18 @@
 """Device prefetch: copy batches to the GPU ahead of the training loop.
 
 Each batch is copied into a pinned host buffer (reused, one per batch in flight:
-:class:`~feedgpu.exec.host_buffers.HostBuffers`, back once the copy out of it has completed),
+:class:`~feedgpu.exec.buffers.host.HostBuffers`, back once the copy out of it has completed),
 sent to the device with ``non_blocking=True`` on a side CUDA stream ``depth`` batches ahead, and
 the pipeline's batch stage (normalize) runs there, so uint8 NHWC crosses PCIe instead of float32.
 The training loop's stream waits on an event recorded after the copy
-(:mod:`feedgpu.exec.handoff`, shared with the DALI engine). Only built when CUDA is available.
+(:mod:`feedgpu.exec.buffers.handoff`, shared with the DALI engine). Only built when CUDA is available.
 """
 from __future__ import annotations
 
 from collections import deque
 
-from .exec.handoff import SideStream, hand_over
-from .exec.host_buffers import HostBuffers
+from .exec.buffers.handoff import SideStream, hand_over
+from .exec.buffers.host import HostBuffers
 from .exec.work import Batch
 
 

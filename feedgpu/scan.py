@@ -14,7 +14,6 @@ samples without reading them (reason as found here, counted in ``loader.stats()[
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import time
 import warnings
@@ -29,7 +28,7 @@ from .sources import Source, open_source
 from .stages.decode import Decode
 
 QUARANTINE_FORMAT = "feedgpu.quarantine/1"
-_JOB: tuple | None = None  # (source, decode), inherited by forked scan workers
+TASKS_PER_WORKER = 2   # chunks queued per scan worker: one running, one ready
 
 
 @dataclass(frozen=True)
@@ -135,12 +134,13 @@ def _open_folder(data):
     """A folder with class sub-folders and no image files of its own as ImageFolder, else (a
     flat folder, or images beside sub-folders) every image under it, unlabeled: image files in
     the root of an ImageFolder are not samples, but a scan reads every file."""
+    from .sources.dir_entries import is_dir, list_dir
     from .sources.extensions import IMAGE_EXTENSIONS
-    from .sources.folder import FolderSource, _is_dir, _list
+    from .sources.folder import FolderSource
 
-    entries = [e for e in _list(str(data)) if not e.name.startswith(".")]
-    loose = any(not _is_dir(e) and e.name.lower().endswith(IMAGE_EXTENSIONS) for e in entries)
-    if any(_is_dir(e) for e in entries) and not loose:
+    entries = [e for e in list_dir(str(data)) if not e.name.startswith(".")]
+    loose = any(not is_dir(e) and e.name.lower().endswith(IMAGE_EXTENSIONS) for e in entries)
+    if any(is_dir(e) for e in entries) and not loose:
         return FolderSource(data)
     return FolderSource(data, flat=True)
 
@@ -160,10 +160,52 @@ def check_one(source: Source, decode: Decode, index: int) -> BadSample | None:
     return None
 
 
-def _check_chunk(bounds: tuple[int, int]) -> tuple[int, list[BadSample]]:
-    source, decode = _JOB
-    lo, hi = bounds
-    return hi - lo, [b for b in (check_one(source, decode, i) for i in range(lo, hi)) if b is not None]
+def check_chunk(source: Source, decode: Decode, indices) -> tuple[int, list[BadSample]]:
+    """``(samples checked, the bad ones)`` of the samples ``indices`` (ints)."""
+    return len(indices), [b for b in (check_one(source, decode, int(i)) for i in indices) if b is not None]
+
+
+class ChunkCheck:
+    """What a scan worker runs for a task: :func:`check_chunk` of the task's indices (the source
+    and the decode stage are inherited by the forked workers)."""
+
+    def __init__(self, source: Source, decode: Decode):
+        self.source, self.decode = source, decode
+
+    def __call__(self, task) -> tuple[int, list[BadSample]]:
+        return check_chunk(self.source, self.decode, task.indices)
+
+
+def _pooled(source: Source, decode: Decode, spans: list, workers: int):
+    """``(done, found)`` per span, in the order they finish, from forked worker processes
+    (:class:`~feedgpu.exec.pool.process_pool.ProcessPool`: a worker that dies is replaced and its
+    chunk checked again); a worker's exception is raised here."""
+    from .exec.contract import Task
+    from .exec.pool.errors import unpack_exception
+    from .exec.pool.process_pool import ProcessPool
+
+    pool = ProcessPool(ChunkCheck(source, decode), workers, name="feedgpu-scan", context="fork")
+    try:
+        todo = iter(enumerate(spans))
+        inflight = 0
+        for seq, (lo, hi) in todo:
+            pool.submit(Task(0, seq, indices=np.arange(lo, hi)))
+            inflight += 1
+            if inflight == TASKS_PER_WORKER * workers:
+                break
+        while inflight:
+            tag, seq, _, ok, payload = pool.get()
+            if not ok:
+                where = "while starting" if seq < 0 else f"while scanning samples {spans[seq][0]}..{spans[seq][1] - 1}"
+                raise unpack_exception(payload, where)
+            inflight -= 1
+            for nxt, (lo, hi) in todo:
+                pool.submit(Task(0, nxt, indices=np.arange(lo, hi)))
+                inflight += 1
+                break
+            yield payload
+    finally:
+        pool.close()
 
 
 def scan_source(source: Source, decode: Decode | None = None, workers: int | None = None,
@@ -181,7 +223,6 @@ def scan_source(source: Source, decode: Decode | None = None, workers: int | Non
     Returns a :class:`ScanReport`. Memory per worker is bounded by one decoded image (the pixel
     limit is checked from the header before decoding).
     """
-    global _JOB
     decode = decode or Decode()
     workers = (os.cpu_count() or 1) if workers is None else int(workers)
     n = len(source)
@@ -196,33 +237,22 @@ def scan_source(source: Source, decode: Decode | None = None, workers: int | Non
         bar = tqdm(total=n, unit="img", desc="scan", dynamic_ncols=True, leave=False)
     try:
         if workers == 0 or len(spans) <= 1:
-            results = (_run_inline(source, decode, s) for s in spans)
-            pool = None
+            results = (check_chunk(source, decode, range(lo, hi)) for lo, hi in spans)
         else:
-            _JOB = (source, decode)
-            pool = multiprocessing.get_context("fork").Pool(min(workers, len(spans)))
-            results = pool.imap_unordered(_check_chunk, spans)
+            results = _pooled(source, decode, spans, min(workers, len(spans)))
         try:
             for done, found in results:
                 bad.extend(found)
                 if bar is not None:
                     bar.update(done)
         finally:
-            if pool is not None:
-                pool.terminate()
-                pool.join()
-            _JOB = None
+            results.close()
     finally:
         if bar is not None:
             bar.close()
     bad.sort(key=lambda b: (b.index, b.key))
     return ScanReport(source=source.describe(), format=source.format, fingerprint=source.identity(),
                       samples=n, bad=bad, seconds=time.perf_counter() - t0, max_pixels=decode.max_pixels)
-
-
-def _run_inline(source, decode, bounds):
-    lo, hi = bounds
-    return hi - lo, [b for b in (check_one(source, decode, i) for i in range(lo, hi)) if b is not None]
 
 
 class NothingLeft(Source):

@@ -70,7 +70,7 @@ def load_pipeline(pipeline_file: str | None, data: str | None, overrides: dict, 
 def pick_engines(engines: tuple[str, ...], pipeline, no_baseline: bool, device: str) -> tuple[list[str], list[str]]:
     """``--engine`` choices -> loader kinds to run, and notes on those left out. Default: the
     pipeline's own engine (python for the packaged pipelines) and the torch baseline."""
-    from ..exec.dali_graph import dali_available
+    from ..exec.dali.graph import dali_available
 
     if not engines:
         eng = pipeline.engine

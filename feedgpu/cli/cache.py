@@ -66,7 +66,9 @@ def build_cmd(pipeline_file, data, cache_dir, compression, workers, fingerprint,
     from ..cache.settings import CacheSettings
     from ..cache.store import entry_bytes
     from ..exec.cache_step import CacheStep
-    from ..exec.process_pool import ProcessPool, unpack_exception
+    from ..exec.contract import Task
+    from ..exec.pool.errors import unpack_exception
+    from ..exec.pool.process_pool import ProcessPool
     from ..balancer.autoscale import fixed_workers
     from ..pipeline import Pipeline
     from .options import parse_sets
@@ -93,7 +95,7 @@ def build_cmd(pipeline_file, data, cache_dir, compression, workers, fingerprint,
         from ..errors import DecodeError
 
         done = bad = 0
-        for idx in task[2].tolist():
+        for idx in task.indices.tolist():
             rec = p.source.read(idx)
             x = rec.payload
             try:
@@ -109,10 +111,10 @@ def build_cmd(pipeline_file, data, cache_dir, compression, workers, fingerprint,
 
     t0 = time.perf_counter()
     nw = max(1, workers if workers is not None else fixed_workers(p.num_workers))
-    pool = ProcessPool(handler, nw, on_exit=step.pause, name="feedgpu-cache")
+    pool = ProcessPool(handler, nw, on_exit=step.pause, on_idle=step.pause, name="feedgpu-cache")
     try:
         for i, c in enumerate(chunks):
-            pool.submit((0, i, c))
+            pool.submit(Task(0, i, indices=c))
         built = quarantined = 0
         with tqdm(total=len(todo), desc="caching", unit="img") as bar:
             for _ in chunks:

@@ -10,8 +10,8 @@ from .assemble import Assembler
 from .cache_step import CacheStep
 from .memory_budget import apply_budget
 from .memory_watch import CopyOnReadWatch
-from .pool_start import draw_base_seed, resolve_context
-from .process_pool import ProcessPool
+from .pool.start import draw_base_seed, resolve_context
+from .pool.process_pool import ProcessPool
 from .work import DatasetWork, PipelineWork
 
 
@@ -35,7 +35,7 @@ def make_work(loader):
     elif loader._executor.remote:
         inflight = most = (loader.num_workers + loader._remote_start) * prefetch
     if p is not None and engine.name == "dali":
-        from .dali_engine import DaliWork
+        from .dali.engine import DaliWork
 
         plan = p.plan(device)
         dev_id = int(device.split(":")[1]) if device.startswith("cuda:") else 0
@@ -70,11 +70,12 @@ def make_work(loader):
 
 def make_pool(loader, work):
     """A :class:`ProcessPool` for ``work``, or with ``executor: ray`` a
-    :class:`~feedgpu.exec.mixed_pool.MixedPool` (local workers, if any, and remote ones)."""
+    :class:`~feedgpu.exec.remote.mixed_pool.MixedPool` (local workers, if any, and remote ones)."""
     local = None
     if loader.num_workers > 0:
         # with a cache, workers get time to write their last rows when they stop
         local = ProcessPool(work.handle, loader.num_workers, loader.worker_init_fn, on_exit=work.on_exit,
+                            on_idle=work.on_idle,
                             grace_s=10.0 if loader._cache_settings is not None else 1.0,
                             describe=work.describe, on_start=work.on_start,
                             context=loader.multiprocessing_context, dataset=loader.dataset,

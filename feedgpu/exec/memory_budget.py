@@ -15,7 +15,7 @@ the YAML), bounds both:
   :data:`SLOT_SHARE` of it (at least one batch per worker is always allowed);
 * under ``num_workers="auto"`` the balancer's RAM limit is the budget times the largest pool it
   may run (it adds no worker whose memory, as measured, would take the loader over that; see
-  :class:`~feedgpu.exec.autoscale.Autoscaler`).
+  :class:`~feedgpu.balancer.autoscale.Autoscaler`).
 
 Default (``worker_memory=None`` or ``"auto"``): :data:`DEFAULT_SHARE` of the memory available
 when the loader builds its workers (psutil's ``virtual_memory().available``) divided by the

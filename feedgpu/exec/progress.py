@@ -1,7 +1,7 @@
 """Where each worker is: the stage and the sample it runs, in shared memory.
 
 The pool makes a :class:`Board` (one shared-memory file, mapped before the workers start: forked
-workers inherit it, spawned ones get its descriptor, see :mod:`feedgpu.exec.shm`) and
+workers inherit it, spawned ones get its descriptor, see :mod:`feedgpu.exec.buffers.shm`) and
 each worker writes, before every stage, the stage's name, the sample's index and the time into
 its own slot (:func:`at`, a few array writes), and before each task how many tasks it has taken
 from its queue (:func:`took`: a worker that dies is blamed for that task without a message
@@ -16,7 +16,7 @@ import struct
 import time
 import weakref
 
-from .shm import _close_fd, attach_fd, share_fd, shared_file
+from .buffers.shm import close_fd, attach_fd, share_fd, shared_file
 
 SLOT = 128
 _HEAD = struct.Struct("<dq")          # monotonic time the stage started, sample index
@@ -35,7 +35,7 @@ class Board:
     def __init__(self, slots: int = MAX_WORKERS):
         self.slots = slots
         self._fd, self.mm = shared_file(slots * SLOT, "feedgpu-progress")
-        weakref.finalize(self, _close_fd, self._fd)
+        weakref.finalize(self, close_fd, self._fd)
 
     def __getstate__(self) -> dict:
         return {"slots": self.slots, "shared": share_fd(self._fd)}
@@ -43,7 +43,7 @@ class Board:
     def __setstate__(self, state: dict) -> None:
         self.slots = state["slots"]
         self._fd, self.mm = attach_fd(state["shared"], self.slots * SLOT)
-        weakref.finalize(self, _close_fd, self._fd)
+        weakref.finalize(self, close_fd, self._fd)
 
     def attach(self, wid: int) -> None:
         """In a worker: :func:`at` writes to slot ``wid`` from now on (cleared first)."""

@@ -4,16 +4,16 @@
   hands the slot to the training loop as tensors without a copy.
 * :class:`DatasetWork`: a plain map-style torch Dataset with a ``collate_fn``. Workers return the
   collated batch; its tensors stay in the shared memory torch's collate puts them in, and their
-  file descriptors travel with the batch (:mod:`feedgpu.exec.fd_channel`).
+  file descriptors travel with the batch (:mod:`feedgpu.exec.pool.fd_channel`).
 
 Randomness: a pipeline's random stages draw per sample from ``(seed, epoch, index)``
 (:mod:`feedgpu.stages.draws`), so its batches do not depend on the worker count or on torch's RNG.
 A torch Dataset's randomness is torch's: its workers are seeded once, when they start, as torch's
-DataLoader seeds them (see :class:`~feedgpu.exec.process_pool.ProcessPool`'s ``base_seed``), and
+DataLoader seeds them (see :class:`~feedgpu.exec.pool.process_pool.ProcessPool`'s ``base_seed``), and
 with ``num_workers=0`` it draws from the training loop's RNG, as in torch.
 
 Both pickle for workers started with ``spawn`` or ``forkserver`` (a pipeline's batch buffers as a
-file descriptor, :class:`~feedgpu.exec.shm.BatchSlots`); the main process's bookkeeping stays.
+file descriptor, :class:`~feedgpu.exec.buffers.shm.BatchSlots`); the main process's bookkeeping stays.
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ import numpy as np
 
 from . import progress
 from .assemble import Assembler, BatchReport
-from .contract import WorkBase
-from .shm import BatchSlots
+from .buffers.shm import BatchSlots
+from .contract import Task, WorkBase
 
 
 class Batch(NamedTuple):
@@ -36,7 +36,8 @@ class Batch(NamedTuple):
 
 
 class PipelineWork(WorkBase):
-    """Tasks ``(tag, seq, slot, epoch, indices, spares)``; payload: a :class:`BatchReport`."""
+    """Tasks: a :class:`~feedgpu.exec.contract.Task` with its batch ``slot`` and ``spares``;
+    payload: a :class:`BatchReport`."""
 
     def __init__(self, assembler: Assembler, batch_size: int, inflight: int, keep_views: int = 2,
                  populate: int | None = None):
@@ -77,37 +78,41 @@ class PipelineWork(WorkBase):
         return cache.entry if cache is not None else None
 
     def on_exit(self) -> None:
-        """In each worker as it stops, idles or is asked to flush (and after inline epochs):
-        the cache's ``pause`` event (its flush policy publishes what the worker cached)."""
+        """In each worker as it stops or is asked to flush (and after inline epochs): the cache's
+        ``pause`` event (its flush policy publishes what the worker cached)."""
         if self.assembler.cache is not None:
             self.assembler.cache.pause()
 
-    def task(self, tag: int, seq: int, epoch: int, indices: np.ndarray, spares: np.ndarray) -> tuple:
-        return (tag, seq, self.slots.acquire(), epoch, indices, spares)
+    def on_idle(self) -> None:
+        """In each worker that has had no task for a while: as :meth:`on_exit`, the cache's
+        ``pause`` event."""
+        self.on_exit()
 
-    def handle(self, task: tuple) -> BatchReport:
-        _, _, slot, epoch, indices, spares = task
-        images, labels = self.slots.arrays(slot)
-        return self.assembler.fill(images, labels, indices, spares, epoch)
+    def task(self, tag: int, seq: int, epoch: int, indices: np.ndarray, spares: np.ndarray) -> Task:
+        return Task(tag, seq, epoch, indices, spares, slot=self.slots.acquire())
 
-    def finish(self, task: tuple, report: BatchReport) -> Batch:
-        slot, rows = task[2], report.rows
+    def handle(self, task: Task) -> BatchReport:
+        images, labels = self.slots.arrays(task.slot)
+        return self.assembler.fill(images, labels, task.indices, task.spares, task.epoch)
+
+    def finish(self, task: Task, report: BatchReport) -> Batch:
+        slot, rows = task.slot, report.rows
         if self.slots.held < self.keep_views:
             return Batch(*self.slots.hand_out(slot, rows))
         return Batch(*self.slots.copy_out(slot, rows))  # the consumer holds many: do not starve the pool
 
-    def discard(self, task: tuple) -> None:
-        self.slots.release(task[2])
+    def discard(self, task: Task) -> None:
+        self.slots.release(task.slot)
 
     def remote_handler(self) -> "RemoteFill":
         """What a remote worker runs for a task: fills new arrays instead of a shared slot."""
         return RemoteFill(self.assembler, self._bs, self._shape, self._dtype)
 
-    def land(self, task: tuple, payload: tuple) -> BatchReport:
+    def land(self, task: Task, payload: tuple) -> BatchReport:
         """Copy a remote worker's ``(images, labels, report)`` into the task's slot (one copy,
         in the main process), so :meth:`finish` hands it out as a local batch."""
         images, labels, report = payload
-        dst_images, dst_labels = self.slots.arrays(task[2])
+        dst_images, dst_labels = self.slots.arrays(task.slot)
         dst_images[:report.rows] = images
         dst_labels[:report.rows] = labels
         return report
@@ -131,26 +136,26 @@ class RemoteFill:
     """A pipeline task run away from the loader's shared memory (on a Ray worker): the same
     :meth:`Assembler.fill` as a local worker, into new arrays.
 
-    Called with a :class:`PipelineWork` task ``(tag, seq, slot, epoch, indices, spares)``; returns
+    Called with a :class:`PipelineWork` task (its slot is not used here); returns
     ``(images, labels, report)``: ``images`` ``(rows, *shape)`` of the plan's dtype, ``labels``
     int64 ``(rows,)``, ``report`` a :class:`BatchReport`. Pickled once per remote worker."""
 
     def __init__(self, assembler: Assembler, batch_size: int, shape: tuple, dtype):
         self.assembler, self.batch_size, self.shape, self.dtype = assembler, batch_size, tuple(shape), dtype
 
-    def __call__(self, task: tuple) -> tuple:
-        _, _, _, epoch, indices, spares = task
+    def __call__(self, task: Task) -> tuple:
+        indices = task.indices
         images = np.empty((len(indices), *self.shape), self.dtype)
         labels = np.empty(len(indices), np.int64)
-        rep = self.assembler.fill(images, labels, indices, spares, epoch)
+        rep = self.assembler.fill(images, labels, indices, task.spares, task.epoch)
         return images[:rep.rows], labels[:rep.rows], rep
 
 
 class PayloadWork(WorkBase):
     """The work contract for results that travel back whole (pickled through the worker's
-    channel, tensors as shared memory whose descriptors travel with them): tasks
-    ``(tag, seq, epoch, indices)``, no buffers to hold, nothing to flush. Subclasses give
-    ``handle`` and ``finish``."""
+    channel, tensors as shared memory whose descriptors travel with them): a
+    :class:`~feedgpu.exec.contract.Task` without spares or slot, no buffers to hold, nothing to
+    flush. Subclasses give ``handle`` and ``finish``."""
 
     def __init__(self):
         self.orphans: dict = {}
@@ -167,17 +172,17 @@ class PayloadWork(WorkBase):
     def on_exit(self) -> None:
         pass
 
-    def task(self, tag: int, seq: int, epoch: int, indices: np.ndarray, spares: np.ndarray) -> tuple:
-        return (tag, seq, epoch, indices)
+    def task(self, tag: int, seq: int, epoch: int, indices: np.ndarray, spares: np.ndarray) -> Task:
+        return Task(tag, seq, epoch, indices)
 
-    def discard(self, task: tuple) -> None:
+    def discard(self, task: Task) -> None:
         pass
 
     def remote_handler(self):
         """What a remote worker runs for a task: this work's own ``handle`` (pickled with it)."""
         return self.handle
 
-    def land(self, task: tuple, payload):
+    def land(self, task: Task, payload):
         """A remote worker's payload is already the batch."""
         return payload
 
@@ -201,9 +206,8 @@ class DatasetWork(PayloadWork):
         self.dataset, self.collate_fn, self.seed = dataset, collate_fn, seed
         self.batched = batched
 
-    def handle(self, task: tuple):
-        indices = task[3]
-        keys = indices.tolist()   # ints, or a user sampler's other keys as it gave them
+    def handle(self, task: Task):
+        keys = task.indices.tolist()   # ints, or a user sampler's other keys as it gave them
         first = keys[0] if keys and isinstance(keys[0], int) else -1
         getitems = getattr(self.dataset, "__getitems__", None) if self.batched else None
         if getitems:
@@ -221,10 +225,10 @@ class DatasetWork(PayloadWork):
         """``<Dataset class>[index]`` for messages."""
         return f"{type(self.dataset).__name__}[{index}]"
 
-    def finish(self, task: tuple, payload):
+    def finish(self, task: Task, payload):
         return payload
 
     def run_inline(self, seq: int, epoch: int, indices: np.ndarray, spares: np.ndarray):
         """In the main process, as torch's ``num_workers=0``: the dataset draws from (and advances)
         the training loop's RNGs."""
-        return self.handle((0, seq, epoch, indices)), None
+        return self.handle(Task(0, seq, epoch, indices)), None

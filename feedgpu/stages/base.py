@@ -108,7 +108,7 @@ class SampleStage(Stage):
             return None
         return self.dali_folds.get(batch_stage.name)
 
-    # -- DALI implementation (see feedgpu.exec.dali_engine) ---------------------------------------
+    # -- DALI implementation (see feedgpu.exec.dali.engine) ---------------------------------------
     # Random parameters are computed in Python for a whole batch from the same draws ``apply``
     # gets, then fed to DALI per sample, so both engines crop, flip ... identically.
     def dali_params(self, sizes: np.ndarray, u: np.ndarray | None) -> tuple[dict[str, np.ndarray], np.ndarray]:

@@ -78,7 +78,7 @@ class DaliTableEngine:
     copied back to host arrays)."""
 
     def __init__(self, pipeline, threads: int = 1, device: str = "cpu", device_id: int = 0):
-        from ..exec.dali_graph import dali_available
+        from ..exec.dali.graph import dali_available
 
         if not dali_available():
             raise ConfigError("engine 'dali' needs NVIDIA DALI (pip install feedgpu[dali]); use engine: python")

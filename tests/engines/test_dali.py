@@ -225,7 +225,7 @@ def test_batches_the_training_loop_keeps_are_never_overwritten(indexed, monkeypa
     """Batches are DALI's own output buffers (no CUDA: zero copy), which DALI does not reuse while
     referenced, or copies in the engine's host buffers (with CUDA: pinned), which it reuses only
     once the training loop drops a batch."""
-    import feedgpu.exec.dali_engine as engine
+    import feedgpu.exec.dali.engine as engine
 
     monkeypatch.setattr(engine, "_zero_copy_output", lambda device: zero_copy)
     ref, _ = run(pipe(indexed, train_stages(True), DALI_CPU, seed=9, batch_size=4))
@@ -281,7 +281,7 @@ def test_auto_rebuilds_dali_with_the_balancers_thread_counts_and_the_batches_do_
     batches ahead between two batches (the pipelines are rebuilt); the batches equal a fixed
     thread count's, bit for bit, also those the loop holds across a rebuild (DALI's own output
     buffers, no copy, on a machine without CUDA)."""
-    import feedgpu.exec.dali_engine as engine
+    import feedgpu.exec.dali.engine as engine
     from feedgpu.balancer import Decision
 
     built = []
@@ -691,8 +691,8 @@ def test_a_dali_failure_while_scheduling_ahead_keeps_every_batch_in_its_place(in
 
     import time
 
-    from feedgpu.exec import dali_engine
-    from feedgpu.exec.dali_engine import DaliWork
+    from feedgpu.exec.dali import engine as dali_engine
+    from feedgpu.exec.dali.engine import DaliWork
 
     ref_py, _ = run(pipe(indexed, train_stages(True), seed=1))
     ref_dali, _ = run(pipe(indexed, train_stages(True), DALI_CPU, seed=1))

@@ -15,7 +15,7 @@ import torch
 import torch.multiprocessing  # noqa: F401  registers torch's reductions
 
 from feedgpu import WorkerError
-from feedgpu.exec.fd_channel import MAX_FDS, Channel
+from feedgpu.exec.pool.fd_channel import MAX_FDS, Channel
 
 pytestmark = pytest.mark.timeout(60)
 ctx = mp.get_context("fork")

@@ -1,5 +1,5 @@
 """IterableDataset the way torch runs it: every behaviour run with ``torch.utils.data.DataLoader``
-and with feedgpu (:class:`feedgpu.exec.iterable.IterableRunner` and ``feedgpu.DataLoader``),
+and with feedgpu (:class:`feedgpu.exec.iterable.runner.IterableRunner` and ``feedgpu.DataLoader``),
 comparing batches or errors. Datasets are module-level so that spawned workers can unpickle them.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 import feedgpu
 from feedgpu.errors import ConfigError, LoaderTimeout, StateError, WorkerError
-from feedgpu.exec.iterable import IterableRunner
+from feedgpu.exec.iterable.runner import IterableRunner
 
 REPO = Path(__file__).resolve().parents[2]
 PHOTOS = REPO.parent / "shared" / "data" / "photos"
@@ -680,3 +680,30 @@ def test_pin_memory_without_cuda_warns_as_torch_and_delivers_plain_tensors():
 def test_pin_memory_pins_batches_from_workers():
     batches = list(IterableRunner(Uneven([3, 2]), batch_size=2, num_workers=2, pin_memory=True))
     assert batches and all(b["j"].is_pinned() for b in batches)
+
+
+def test_workers_busy_in_a_batch_exit_when_the_main_process_dies():
+    """The main process is SIGKILLed while every worker is in the middle of a batch that never
+    ends (a stream stuck on a read): the workers exit by themselves, as the map-style pool's do."""
+    script = textwrap.dedent(f"""
+        import os, signal, sys, time
+        sys.path.insert(0, {str(REPO)!r})
+        import torch.utils.data as tud
+        from feedgpu import DataLoader
+
+        class StuckAfterOne(tud.IterableDataset):
+            def __iter__(self):
+                yield 1
+                time.sleep(3600)   # the next batch never comes
+
+        loader = DataLoader(StuckAfterOne(), batch_size=2, num_workers=2)
+        it = iter(loader)
+        print(" ".join(map(str, loader.worker_pids())), flush=True)
+        time.sleep(2)   # both workers are now in their first batch's sleep
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    pids = [int(p) for p in proc.stdout.split()]
+    assert len(pids) == 2
+    assert wait_gone(pids, budget_s=15) == [], "orphaned workers keep running"

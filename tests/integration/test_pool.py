@@ -10,7 +10,7 @@ import pytest
 
 from conftest import sticks_once, wait_gone
 from feedgpu import LoaderTimeout, WorkerError
-from feedgpu.exec.process_pool import ProcessPool
+from feedgpu.exec.pool.process_pool import ProcessPool
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -122,9 +122,9 @@ def test_respawn_off_raises_at_first_death():
 
 
 def test_a_forked_worker_that_never_starts_is_killed_and_replaced(tmp_path, monkeypatch, caplog):
-    import feedgpu.exec.process_pool as pp
+    import feedgpu.exec.pool.process_pool as pp
 
-    monkeypatch.setattr(pp, "_worker_main", sticks_once(str(tmp_path / "stuck"), pp._worker_main))
+    monkeypatch.setattr(pp, "worker_main", sticks_once(str(tmp_path / "stuck"), pp.worker_main))
     pool = ProcessPool(square, 2, fork_start_s=2.0)
     try:
         stuck = pool.pids()[0]
@@ -146,9 +146,9 @@ def test_a_forked_worker_that_never_starts_is_killed_and_replaced(tmp_path, monk
 
 
 def test_a_stuck_fork_without_respawn_raises_instead_of_hanging(tmp_path, monkeypatch):
-    import feedgpu.exec.process_pool as pp
+    import feedgpu.exec.pool.process_pool as pp
 
-    monkeypatch.setattr(pp, "_worker_main", sticks_once(str(tmp_path / "stuck"), pp._worker_main))
+    monkeypatch.setattr(pp, "worker_main", sticks_once(str(tmp_path / "stuck"), pp.worker_main))
     pool = ProcessPool(square, 1, respawn=False, fork_start_s=1.0)
     try:
         pool.submit(("t", 0, 0.0))

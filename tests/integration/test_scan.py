@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import warnings
 from pathlib import Path
 
@@ -130,3 +132,35 @@ def test_scan_to_cache_quarantines_so_the_loader_never_reads_them(cases_datasets
     names = {Path(m.split(": ")[0].split()[-1]).name for m in quarantined}
     assert {"truncated_half.jpg", "truncated.png", "html_named.jpg", "bomb_20000x20000.png"} <= names
     assert loader.stats()["cache"]["quarantined"] >= 4
+
+
+class KillsOnce:
+    """Wraps a source: the first read of sample 5 (marked by a file, across processes) kills the
+    worker reading it, as the kernel's out-of-memory killer would."""
+
+    def __init__(self, src, marker: str):
+        self.src, self.marker = src, marker
+
+    def __getattr__(self, name):
+        return getattr(self.src, name)
+
+    def __len__(self):
+        return len(self.src)
+
+    def read(self, index):
+        if index == 5:
+            try:
+                os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                pass
+            else:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return self.src.read(index)
+
+
+def test_a_scan_worker_killed_mid_chunk_is_replaced_and_its_chunk_checked_again(cases_datasets, tmp_path):
+    src = open_format("folder", cases_datasets["folder"])
+    whole = scan_source(src, workers=0, chunk=4, progress=False)
+    report = scan_source(KillsOnce(src, str(tmp_path / "killed")), workers=2, chunk=4, progress=False)
+    assert (tmp_path / "killed").exists(), "no worker was killed: the test tests nothing"
+    assert report.samples == whole.samples and report.bad == whole.bad

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.utils.data as tud
 
-import feedgpu.exec.iterable_pool as iterable_pool
-import feedgpu.exec.process_pool as process_pool
+import feedgpu.exec.iterable.pool as iterable_pool
+import feedgpu.exec.pool.process_pool as process_pool
 from feedgpu import DataLoader, WorkerError
 
 from conftest import child_pids, sticks_once, wait_gone
@@ -45,7 +45,7 @@ def test_an_epoch_with_a_stuck_fork_delivers_what_torch_delivers(kind, tmp_path,
     ds = Squares() if kind == "map" else Stream()
     expected = _batches(tud.DataLoader(ds, batch_size=4, num_workers=2))
     if kind == "map":
-        monkeypatch.setattr(process_pool, "_worker_main", sticks_once(str(tmp_path / "stuck"), process_pool._worker_main))
+        monkeypatch.setattr(process_pool, "worker_main", sticks_once(str(tmp_path / "stuck"), process_pool.worker_main))
         monkeypatch.setattr(process_pool, "FORK_START_S", 2.0)
     else:
         monkeypatch.setattr(iterable_pool, "worker_loop", sticks_once(str(tmp_path / "stuck"), iterable_pool.worker_loop))

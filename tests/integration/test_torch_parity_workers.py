@@ -24,7 +24,9 @@ import torch.utils.data as tud
 
 from conftest import REPO, batches_equal, child_pids, clone_all, wait_gone
 from feedgpu import ConfigError, DataLoader, LoaderTimeout, Pipeline, WorkerError
-from feedgpu.exec.process_pool import ProcessPool, unpack_exception
+from feedgpu.exec.contract import Control
+from feedgpu.exec.pool.errors import unpack_exception
+from feedgpu.exec.pool.process_pool import ProcessPool
 from feedgpu.stages import Decode, HorizontalFlip, RandomResizedCrop
 
 pytestmark = pytest.mark.timeout(240)
@@ -468,7 +470,7 @@ def test_what_a_spawned_worker_cannot_unpickle_is_named(no_leaked_workers):
     pool = ProcessPool(_BreaksInTheChild(), 1, context="spawn")
     try:
         tag, _, _, ok, payload = pool.get(120)
-        assert tag is None and not ok
+        assert tag is Control.START_FAILED and not ok
         e = unpack_exception(payload, "while starting")
         assert isinstance(e, WorkerError)
         assert re.search(r"started with 'spawn' could not unpickle .*ImportError: cannot import the dataset", str(e))

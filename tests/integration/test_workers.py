@@ -409,7 +409,7 @@ def test_full_dev_shm_gives_a_clear_error_not_a_dead_worker(no_leaked_workers):
 
 
 def test_batch_buffers_that_do_not_fit_give_a_clear_error(src, monkeypatch, no_leaked_workers):
-    import feedgpu.exec.shm as shm
+    import feedgpu.exec.buffers.shm as shm
 
     def no_memory(*a, **kw):
         raise OSError(12, "Cannot allocate memory")

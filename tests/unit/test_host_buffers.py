@@ -7,7 +7,7 @@ import gc
 
 import numpy as np
 
-from feedgpu.exec.host_buffers import HostBuffers
+from feedgpu.exec.buffers.host import HostBuffers
 
 
 class FakeEvent:

@@ -7,7 +7,7 @@ import numpy as np
 import psutil
 import pytest
 
-from feedgpu.exec.shm import MADV_POPULATE_WRITE, BatchSlots, populate_soon, shared_file
+from feedgpu.exec.buffers.shm import MADV_POPULATE_WRITE, BatchSlots, populate_soon, shared_file
 
 MIB = 1 << 20
 
@@ -75,7 +75,7 @@ def test_slots_after_the_first_are_allocated_by_a_thread_and_handed_out_once_all
     SharedMemoryError (the slot stays free) instead of a worker dying on it later."""
     import threading
 
-    import feedgpu.exec.shm as shm
+    import feedgpu.exec.buffers.shm as shm
     from feedgpu.errors import SharedMemoryError
 
     gate = threading.Event()
@@ -117,7 +117,7 @@ def test_slots_after_the_first_are_allocated_by_a_thread_and_handed_out_once_all
 
 
 def test_batch_buffers_larger_than_the_available_memory_are_refused_up_front(monkeypatch):
-    import feedgpu.exec.shm as shm
+    import feedgpu.exec.buffers.shm as shm
     from feedgpu.errors import SharedMemoryError
 
     with pytest.raises(OSError, match="EiB|GiB asked"):
@@ -133,7 +133,7 @@ def test_batch_buffers_larger_than_the_available_memory_are_refused_up_front(mon
 
 
 def test_an_allocating_thread_that_stops_early_never_leaves_acquire_waiting(monkeypatch):
-    import feedgpu.exec.shm as shm
+    import feedgpu.exec.buffers.shm as shm
     from feedgpu.errors import SharedMemoryError
 
     real_dup = os.dup

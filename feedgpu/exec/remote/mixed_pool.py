@@ -1,7 +1,7 @@
 """Local worker processes and remote Ray workers behind the interface of one pool.
 
 ``executor: ray`` gives the loader a :class:`MixedPool`: an optional local
-:class:`~feedgpu.exec.process_pool.ProcessPool` (none with ``num_workers=0``) and
+:class:`~feedgpu.exec.pool.process_pool.ProcessPool` (none with ``num_workers=0``) and
 :class:`~feedgpu.exec.remote.ray_workers.RemoteWorkers`. Each task goes to whichever worker, local or
 remote, holds the fewest tasks (local first on a tie: no network, no copy; a remote worker only
 once Ray has started it, so a cluster with no free CPU never holds a batch back); results come back as
@@ -17,7 +17,8 @@ from typing import Callable
 
 from ...errors import LoaderTimeout
 from ..executors import ExecutorSettings
-from ..process_pool import ProcessPool, seconds_text
+from ..pool.errors import seconds_text
+from ..pool.process_pool import ProcessPool
 
 
 class MixedPool:

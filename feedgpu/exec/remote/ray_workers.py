@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 from ...errors import ConfigError, WorkerError
 from ..executors import ExecutorSettings
-from ..process_pool import _pack_exception
+from ..pool.worker import pack_exception
 
 log = logging.getLogger("feedgpu.ray")
 #: Seconds one ``ray.wait`` blocks before the collector thread picks up new calls.
@@ -325,7 +325,7 @@ class RemoteWorkers:
                 self._task_deaths.pop((task[0], task[1]), None)
                 return (task[0], task[1], wid, True, value if self._land is None else self._land(task, value))
             cause = getattr(value, "cause", None)  # RayTaskError: the stage's own exception
-            return (task[0], task[1], wid, False, _pack_exception(cause if cause is not None else value, wid))
+            return (task[0], task[1], wid, False, pack_exception(cause if cause is not None else value, wid))
 
     def _succeeded(self, ref) -> bool:
         """True when the call ``ref`` has finished with a result (before its actor died)."""

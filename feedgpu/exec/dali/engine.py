@@ -33,13 +33,13 @@ feedgpu keeps the order, the randomness and the error handling; DALI does the pi
   ``hw_decoder_load``) and runs the rest on the GPU. CPU batches on a machine without CUDA are
   DALI's output buffers themselves (DLPack, no copy, as DALI's own PyTorch iterator does with
   the dynamic executor); with CUDA they are copied with DALI's ``feed_ndarray`` into reused,
-  pinned host buffers (:class:`~feedgpu.exec.host_buffers.HostBuffers`) that return when the
+  pinned host buffers (:class:`~feedgpu.exec.buffers.host.HostBuffers`) that return when the
   training loop drops the batch. GPU batches are copied on a side stream, and the training
-  loop's stream waits on it before it uses the batch (:mod:`feedgpu.exec.handoff`, shared with
+  loop's stream waits on it before it uses the batch (:mod:`feedgpu.exec.buffers.handoff`, shared with
   the Python engine's device prefetch).
 
-The module holds the running engine; the graphs are built by :mod:`feedgpu.exec.dali_graph`,
-the Python side of each batch is :mod:`feedgpu.exec.dali_prepare`.
+The module holds the running engine; the graphs are built by :mod:`feedgpu.exec.dali.graph`,
+the Python side of each batch is :mod:`feedgpu.exec.dali.prepare`.
 """
 from __future__ import annotations
 
@@ -51,16 +51,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from ..errors import ConfigError
-from ..stages.decode import Decode
-from .assemble import Assembler, BatchReport
-from .contract import WorkBase
-from .dali_graph import DEFAULT_HW_DECODER_LOAD, build_graph, check_dali_plan, dali_available
-from .dali_prepare import BatchPreparer
-from .handoff import SideStream, hand_over
-from .host_buffers import HostBuffers
-from .plan import Plan
-from .work import Batch
+from ...errors import ConfigError
+from ...stages.decode import Decode
+from ..assemble import Assembler, BatchReport
+from ..buffers.handoff import SideStream, hand_over
+from ..buffers.host import HostBuffers
+from ..contract import WorkBase
+from ..plan import Plan
+from ..work import Batch
+from .graph import DEFAULT_HW_DECODER_LOAD, build_graph, check_dali_plan, dali_available
+from .prepare import BatchPreparer
 
 __all__ = ["DEFAULT_HW_DECODER_LOAD", "DaliWork", "check_dali_plan", "dali_available"]
 
@@ -128,7 +128,10 @@ class DaliWork(WorkBase):
         self._queue: deque[_InFlight] = deque()   # started batches not yet collected, in order
 
     # -- the pool-work interface the loader's iterator uses ------------------------------------
-    runs_ahead = True   # prefetch(): batches scheduled on DALI's executor ahead of the loop
+    def lookahead(self, depth: int) -> int:
+        """``depth``: the batches after the one the loop asks for are started on DALI's executor
+        (:meth:`prefetch`), so they are computed while the training loop works."""
+        return depth
 
     def can_submit(self) -> bool:
         return False

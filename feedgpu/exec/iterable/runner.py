@@ -46,12 +46,12 @@ import multiprocessing as mp
 import warnings
 import weakref
 
-from ..epoch import close_live
-from ..errors import ConfigError, IteratorSuperseded, LoaderTimeout, StateError
+from ...epoch import close_live
+from ...errors import ConfigError, IteratorSuperseded, LoaderTimeout, StateError
+from ..buffers.host import pin
 from . import datapipes
-from .host_buffers import pin
-from .iterable_pool import WorkerSet
-from .iterable_worker import Fetcher, is_stateful, unpack_error
+from .pool import WorkerSet
+from .worker import Fetcher, is_stateful, unpack_error
 
 STATE_FORMAT = "feedgpu.iterable/1"
 

@@ -1,10 +1,10 @@
-"""What runs in a pool worker process (see :class:`~feedgpu.exec.process_pool.ProcessPool`).
+"""What runs in a pool worker process (see :class:`~feedgpu.exec.pool.process_pool.ProcessPool`).
 
 A worker starts as torch's DataLoader workers do (``torch.set_num_threads(1)``; seeds
 ``base_seed + worker_id`` for torch and ``random`` and numpy's global RNG as torch derives it;
 torch's ``WorkerInfo`` for ``get_worker_info()``), then runs ``on_start`` and
 ``worker_init_fn(worker_id)``, then takes tasks from its queue and sends each result (or its
-exception, packed with the traceback) on its own :class:`~feedgpu.exec.fd_channel.Channel`,
+exception, packed with the traceback) on its own :class:`~feedgpu.exec.pool.fd_channel.Channel`,
 until it gets ``None``, its parent dies, or the main process terminates it. Before each task it
 writes how many tasks it has taken into its progress slot (:func:`feedgpu.exec.progress.took`),
 so that a death is blamed on the task it was running without a message per task.
@@ -12,24 +12,22 @@ so that a death is blamed on the task it was running without a message per task.
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import queue
 import signal
-import threading
-import time
 import traceback
 
-from ..errors import WorkerError
-from . import progress
+from ...errors import WorkerError
+from .. import progress
+from ..contract import Control, Result
+from .lifetime import orphan_check, watch_parent
+from .start import seed_worker
 
 log = logging.getLogger("feedgpu.pool")
-IDLE_S = 0.5   # a worker with no task for this long flushes its buffers (on_exit hook)
-ORPHAN_POLL_S = 1.0   # how often a worker busy with a task checks that its main process lives
-FLUSH = "__feedgpu_flush__"
+IDLE_S = 0.5   # a worker with no task for this long runs its on_idle hook (e.g. writes buffered cache rows)
 
 
-def _pack_exception(e: BaseException, wid: int) -> tuple:
+def pack_exception(e: BaseException, wid: int) -> tuple:
     tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
     try:
         blob = pickle.dumps(e)
@@ -48,7 +46,7 @@ def _unsendable(e: Exception) -> Exception:
     if fd_limit.out_of_descriptors(e):
         return fd_limit.error(e)
     if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.ENOMEM) or "No space left" in str(e):
-        from ..errors import SharedMemoryError
+        from ...errors import SharedMemoryError
 
         return SharedMemoryError(
             f"a worker could not put its batch in shared memory ({type(e).__name__}: {e}). torch shares tensors "
@@ -67,26 +65,26 @@ def _run_hook(hook, wid: int, what: str) -> None:
         log.exception("feedgpu worker %d: %s failed", wid, what)
 
 
-class _Load:
-    """What a worker needs from the main process: ``(handler, worker_init_fn, on_exit, on_start,
-    dataset)``. Forked workers get the objects themselves. For spawn and forkserver, they are
+class WorkerLoad:
+    """What a worker needs from the main process: ``(handler, worker_init_fn, on_exit, on_idle,
+    on_start, dataset)``. Forked workers get the objects themselves. For spawn and forkserver, they are
     pickled together (one pickle: the dataset a ``WorkerInfo`` names is the handler's own copy)
     while the pool starts the worker, so file descriptors in them are passed to it; the worker
-    unpickles them in :func:`_worker_main`, where a failure can be reported to the main process."""
+    unpickles them in :func:`worker_main`, where a failure can be reported to the main process."""
 
     def __init__(self, objs: tuple, pickled: bool):
         self.objs, self.pickled, self.blob = objs, pickled, None
 
     def __reduce__(self):
         if not self.pickled:  # pragma: no cover - fork never pickles
-            return (_Load, (self.objs, False))
+            return (WorkerLoad, (self.objs, False))
         from multiprocessing.reduction import ForkingPickler
 
-        return (_Load._from_blob, (bytes(ForkingPickler.dumps(self.objs)),))
+        return (WorkerLoad._from_blob, (bytes(ForkingPickler.dumps(self.objs)),))
 
     @staticmethod
-    def _from_blob(blob: bytes) -> "_Load":
-        load = _Load((), True)
+    def _from_blob(blob: bytes) -> "WorkerLoad":
+        load = WorkerLoad((), True)
         load.blob = blob
         return load
 
@@ -96,36 +94,12 @@ class _Load:
         return self.objs
 
 
-def _seed_worker(wid: int, base_seed: int, num_workers: int, dataset) -> None:
-    """Seed this worker and publish its ``WorkerInfo`` as torch's DataLoader workers do."""
-    import random
-
-    import numpy as np
-    import torch
-    import torch.utils.data._utils.worker as torch_worker
-
-    seed = base_seed + wid
-    random.seed(seed)
-    torch.manual_seed(seed)
-    # numpy's global RNG gets the 4 words numpy's SeedSequence makes of (worker id, base seed's
-    # low and high halves): the same state torch's workers give it.
-    np.random.seed(np.random.SeedSequence([wid, base_seed & 0xFFFFFFFF, base_seed >> 32]).generate_state(4))
-    # torch.utils.data.get_worker_info() returns this module variable, and torch has no public way
-    # to set it: assigning it is the only way for get_worker_info() to work in a feedgpu worker.
-    torch_worker._worker_info = torch_worker.WorkerInfo(id=wid, num_workers=num_workers, seed=seed, dataset=dataset)
-
-
-def _worker_main(wid: int, load: _Load, tasks, conn, parent: int, board, seeding: tuple | None,
+def worker_main(wid: int, load: WorkerLoad, tasks, conn, parent: int, board, seeding: tuple | None,
                  method: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # the main process, or the forkserver (which exits when the main process does); spawn and
-    # forkserver children do not have the parent's exit-time finalizers, forked ones skip them
-    first_parent = os.getppid()
-
-    def orphaned() -> bool:
-        return os.getppid() != first_parent or (first_parent != parent and not _pid_alive(parent))
-
-    _watch_parent(orphaned)
+    # spawn and forkserver children do not have the parent's exit-time finalizers, forked ones skip them
+    orphaned = orphan_check(parent)
+    watch_parent(orphaned)
     board.attach(wid)
     try:
         import torch
@@ -135,23 +109,23 @@ def _worker_main(wid: int, load: _Load, tasks, conn, parent: int, board, seeding
     except ImportError:  # pragma: no cover
         pass
     try:
-        handler, init_fn, on_exit, on_start, dataset = load.load()
+        handler, init_fn, on_exit, on_idle, on_start, dataset = load.load()
     except BaseException as e:  # noqa: BLE001 - say why instead of dying with a bare exit code
         err = WorkerError(f"a feedgpu worker started with {method!r} could not unpickle what it runs (the "
                           f"dataset or pipeline, worker_init_fn, collate_fn): {type(e).__name__}: {e}. With "
                           "spawn and forkserver these must be importable by the new process: defined at the top "
                           "level of a module (not in a function, a lambda, or an interactive __main__)")
-        conn.send((None, -1, wid, False, _pack_exception(err, wid)))
+        conn.send(Result(Control.START_FAILED, -1, wid, False, pack_exception(err, wid)))
         return
     try:
         if seeding is not None:
-            _seed_worker(wid, seeding[0], seeding[1], dataset)
+            seed_worker(wid, seeding[0], seeding[1], dataset)
         if on_start is not None:
             on_start()
         if init_fn is not None:
             init_fn(wid)
     except BaseException as e:
-        conn.send((None, -1, wid, False, _pack_exception(e, wid)))
+        conn.send(Result(Control.START_FAILED, -1, wid, False, pack_exception(e, wid)))
         return
 
     taken = 0   # items taken from the queue, written to the board: a death is blamed on the last one
@@ -161,7 +135,7 @@ def _worker_main(wid: int, load: _Load, tasks, conn, parent: int, board, seeding
         except queue.Empty:
             if orphaned():
                 return
-            _run_hook(on_exit, wid, "flush while idle")  # write what is buffered (e.g. cache rows) now
+            _run_hook(on_idle, wid, "on_idle")  # write what is buffered (e.g. cache rows) now
             continue
         taken += 1
         progress.took(taken)
@@ -169,42 +143,19 @@ def _worker_main(wid: int, load: _Load, tasks, conn, parent: int, board, seeding
             _run_hook(on_exit, wid, "on_exit")
             return
         tag, seq = task[0], task[1]
-        if tag == FLUSH:
+        if tag is Control.FLUSH:
             try:
                 if on_exit is not None:
                     on_exit()
-                conn.send((FLUSH, seq, wid, True, None))
+                conn.send(Result(Control.FLUSH, seq, wid, True, None))
             except BaseException as e:  # noqa: BLE001
-                conn.send((FLUSH, seq, wid, False, _pack_exception(e, wid)))
+                conn.send(Result(Control.FLUSH, seq, wid, False, pack_exception(e, wid)))
             continue
         try:
-            result = (tag, seq, wid, True, handler(task))
+            result = Result(tag, seq, wid, True, handler(task))
         except BaseException as e:  # noqa: BLE001 - everything goes back to the main process
-            result = (tag, seq, wid, False, _pack_exception(e, wid))
+            result = Result(tag, seq, wid, False, pack_exception(e, wid))
         try:
             conn.send(result)
         except Exception as e:  # noqa: BLE001 - the result cannot travel: say why instead of dying
-            conn.send((tag, seq, wid, False, _pack_exception(_unsendable(e), wid)))
-
-
-def _watch_parent(orphaned) -> None:
-    """Exit this worker when its main process is gone, even in the middle of a task (a sample
-    that waits on a network retry chain, a stage that hangs): a daemon thread polls every
-    ``ORPHAN_POLL_S`` seconds. Results have nowhere to go, so nothing is lost by not finishing."""
-    def watch():
-        while True:
-            time.sleep(ORPHAN_POLL_S)
-            if orphaned():
-                os._exit(0)
-
-    threading.Thread(target=watch, name="feedgpu-orphan-watch", daemon=True).start()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # pragma: no cover - a recycled pid of another user
-        return True
-    return True
+            conn.send(Result(tag, seq, wid, False, pack_exception(_unsendable(e), wid)))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import errno
 import os
 
-from ..errors import TooManyOpenFiles
+from ...errors import TooManyOpenFiles
 
 #: descriptors that must still be free for the process not to count as out of them
 MARGIN = 10

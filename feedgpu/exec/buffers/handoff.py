@@ -1,12 +1,12 @@
 """Handing batches to the training loop on a CUDA device, shared by the Python engine's device
 prefetch (:class:`~feedgpu.prefetch.CudaPrefetcher`) and the DALI engine
-(:class:`~feedgpu.exec.dali_engine.DaliWork`).
+(:class:`~feedgpu.exec.dali.engine.DaliWork`).
 
 Copies to the device run on a side stream (:class:`SideStream`), so they overlap the training
 step; an event recorded after them is what the training loop's stream waits on before it uses
 the batch (:func:`hand_over`), and ``record_stream`` keeps the caching allocator from giving the
 memory to another tensor while that stream may still read it. The host memory copied from is
-recycled by :class:`~feedgpu.exec.host_buffers.HostBuffers`. Only used where CUDA is available.
+recycled by :class:`~feedgpu.exec.buffers.host.HostBuffers`. Only used where CUDA is available.
 """
 from __future__ import annotations
 

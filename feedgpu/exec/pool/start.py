@@ -1,6 +1,7 @@
 """How pool workers start: the multiprocessing context a ``DataLoader`` argument names, the
-workers' base seed (drawn as torch draws it), the garbage collector frozen around a fork, and
-how long a forked worker may take to run its first line."""
+workers' base seed (drawn as torch draws it) and each worker's seeding from it, the garbage
+collector frozen around a fork, and how long a forked worker may take to run its first line.
+Shared by the map-style pool and an ``IterableDataset``'s workers."""
 from __future__ import annotations
 
 import contextlib
@@ -54,6 +55,28 @@ def draw_base_seed(generator=None) -> int:
     import torch
 
     return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+
+
+def seed_worker(wid: int, base_seed: int, num_workers: int, dataset) -> int:
+    """In worker ``wid``: seed it and publish its ``WorkerInfo`` as torch's DataLoader workers do;
+    returns the worker's seed, ``base_seed + wid``.
+
+    torch and ``random`` get that seed; numpy's global RNG the 4 words numpy's ``SeedSequence``
+    makes of (worker id, base seed's low and high 32 bits): the same state torch's workers give it."""
+    import random
+
+    import numpy as np
+    import torch
+    import torch.utils.data._utils.worker as torch_worker
+
+    seed = base_seed + wid
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np.random.seed(np.random.SeedSequence([wid, base_seed & 0xFFFFFFFF, base_seed >> 32]).generate_state(4))
+    # torch.utils.data.get_worker_info() returns this module variable, and torch has no public way
+    # to set it: assigning it is the only way for get_worker_info() to work in a feedgpu worker.
+    torch_worker._worker_info = torch_worker.WorkerInfo(id=wid, num_workers=num_workers, seed=seed, dataset=dataset)
+    return seed
 
 
 @contextlib.contextmanager

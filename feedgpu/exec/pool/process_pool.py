@@ -6,7 +6,7 @@ reorders results itself. Workers are forked by default (the handler, the source 
 shared-memory batch buffers are inherited, never pickled); with ``context="spawn"`` or
 ``"forkserver"`` (or a multiprocessing context object) the handler, ``worker_init_fn`` and the
 dataset are pickled once per worker start, the batch buffers travel as file descriptors (see
-:mod:`feedgpu.exec.shm`), and an object that cannot be unpickled in the new process raises
+:mod:`feedgpu.exec.buffers.shm`), and an object that cannot be unpickled in the new process raises
 :class:`WorkerError` saying so.
 
 Each worker starts as torch's DataLoader workers do: ``torch.set_num_threads(1)``, seeds
@@ -26,7 +26,7 @@ each worker holds. That is what makes the rest possible:
   the replacement, in order (``respawn=True``, the default). So is a forked worker that has not
   run its first line ``fork_start_s`` seconds after its fork (it is killed first): on CPython
   3.11 releases without the fix of gh-112275 such a child is deadlocked (see
-  :func:`~feedgpu.exec.pool_start.stuck_fork`) and would hold its tasks for ever. A task whose worker died
+  :func:`~feedgpu.exec.pool.start.stuck_fork`) and would hold its tasks for ever. A task whose worker died
   ``max_task_deaths`` times, or more than ``max_respawns`` deaths in all, raises
   :class:`WorkerError` naming the exit code or signal, never a hang. A result that a dead worker
   sent completely is kept; its task is not run again.
@@ -50,7 +50,7 @@ each worker holds. That is what makes the rest possible:
 torch's DataLoader also gives each worker its own index queue; unlike it, results come back on
 one channel per worker (``multiprocessing.connection.wait`` watches them all), so a worker killed
 while writing can corrupt only its own channel, which is dropped with it. A channel
-(:mod:`feedgpu.exec.fd_channel`) is a Unix socket that carries a result's shared-memory tensor
+(:mod:`feedgpu.exec.pool.fd_channel`) is a Unix socket that carries a result's shared-memory tensor
 descriptors with the result itself, where torch's reductions fetch each one from the worker over
 a new connection.
 """
@@ -64,13 +64,15 @@ import pickle
 import time
 from typing import Any, Callable
 
-from ..errors import LoaderTimeout, WorkerError
+from ...errors import LoaderTimeout, WorkerError
+from ..contract import Control, Result, Task
+from ..progress import MAX_WORKERS, Board
 from . import fd_limit
 from .fd_channel import Channel
-from .pool_errors import _death, seconds_text, torch_death, unpack_exception  # noqa: F401  (importers' names)
-from .pool_start import FORK_START_S, frozen_gc, resolve_context, stuck_fork
-from .pool_worker import FLUSH, _Load, _pack_exception, _worker_main  # noqa: F401  (_pack_exception: ray)
-from .progress import MAX_WORKERS, Board
+from .lifetime import end_processes
+from .errors import exit_text, seconds_text, torch_death, unpack_exception
+from .start import FORK_START_S, frozen_gc, resolve_context, stuck_fork
+from .worker import WorkerLoad, worker_main
 
 log = logging.getLogger("feedgpu.pool")
 POLL_S = 0.1
@@ -145,13 +147,8 @@ class _State:
                 except (EOFError, OSError, ValueError):
                     w.proc.join(0.05)
                 w.proc.join(0.01)
+        end_processes([w.proc for w in workers])
         for w in workers:
-            if w.proc.is_alive():
-                w.proc.terminate()
-                w.proc.join(1.0)
-            if w.proc.is_alive():
-                w.proc.kill()
-                w.proc.join(1.0)
             w.drop()
         self.workers.clear()
 
@@ -160,15 +157,17 @@ class ProcessPool:
     """Worker processes running ``handler`` on tasks; resizable while tasks are in flight.
 
     Args:
-        handler: ``handler(task) -> payload``; a task is a tuple whose first two items are a tag
-            and a sequence number, echoed back with the result. ``(tag, seq)`` must be unique
-            among the tasks in flight.
+        handler: ``handler(task) -> payload``; a task is a :class:`~feedgpu.exec.contract.Task`
+            (or any tuple whose first two items are a tag and a sequence number), its tag and seq
+            echoed back in the :class:`~feedgpu.exec.contract.Result`. ``(tag, seq)`` must be
+            unique among the tasks in flight.
         num_workers: processes to start (>= 1).
         worker_init_fn: called as ``worker_init_fn(worker_id)`` in each worker before any task;
             worker ids are the smallest free ids in ``0..``, a replacement takes the dead
             worker's id.
-        on_exit: called in each worker when it is asked to stop or flush, and when it has been
-            idle for ``IDLE_S`` seconds (e.g. to write buffered cache rows).
+        on_exit: called in each worker when it is asked to stop or flush.
+        on_idle: called in each worker when it has had no task for ``IDLE_S`` seconds (e.g. to
+            write buffered cache rows).
         on_start: called in each worker first, before ``worker_init_fn`` (e.g. to map buffers in).
         grace_s: seconds workers get to stop (and flush) before they are terminated, also at
             garbage collection and interpreter exit (default 1).
@@ -182,7 +181,7 @@ class ProcessPool:
             sample each busy worker is in (see :mod:`feedgpu.exec.progress`).
         context: start method or multiprocessing context (see :func:`resolve_context`; default
             ``fork``). With ``spawn`` and ``forkserver``, ``handler``, ``worker_init_fn``,
-            ``on_exit``, ``on_start`` and ``dataset`` must pickle; they are pickled together for
+            ``on_exit``, ``on_idle``, ``on_start`` and ``dataset`` must pickle; they are pickled together for
             each worker started (replacements and added workers too).
         base_seed: when given (an int, e.g. :func:`draw_base_seed`), worker ``i`` seeds torch and
             ``random`` with ``base_seed + i`` and numpy's global RNG as torch does, before
@@ -192,7 +191,7 @@ class ProcessPool:
             None: workers are not seeded and get no ``WorkerInfo``.
         dataset: the ``WorkerInfo``'s dataset (the worker's own copy with spawn and forkserver).
         fork_start_s: seconds a forked worker may take to run its first line before it is
-            killed and replaced as stuck (None: ``pool_start.FORK_START_S``); spawn and forkserver
+            killed and replaced as stuck (None: ``start.FORK_START_S``); spawn and forkserver
             workers are not watched (their start runs no code of the parent's threads).
 
     The handler runs in each worker until the pool closes; a handler's exception is a result
@@ -204,7 +203,8 @@ class ProcessPool:
                  name: str = "feedgpu-worker", grace_s: float = 1.0, respawn: bool = True,
                  max_task_deaths: int = 2, max_respawns: int = 8,
                  describe: Callable[[int], str] | None = None, on_start: Callable[[], None] | None = None,
-                 context=None, base_seed: int | None = None, dataset=None, fork_start_s: float | None = None):
+                 context=None, base_seed: int | None = None, dataset=None, fork_start_s: float | None = None,
+                 on_idle: Callable[[], None] | None = None):
         if num_workers < 1:
             raise WorkerError(f"a process pool needs at least one worker, got {num_workers}")
         if num_workers > MAX_WORKERS:
@@ -213,8 +213,8 @@ class ProcessPool:
 
         self._ctx = resolve_context(context)
         self.method = self._ctx.get_start_method()
-        objs = (handler, worker_init_fn, on_exit, on_start, dataset)
-        self._load = _Load(objs, pickled=self.method != "fork")
+        objs = (handler, worker_init_fn, on_exit, on_idle, on_start, dataset)
+        self._load = WorkerLoad(objs, pickled=self.method != "fork")
         self.base_seed = None if base_seed is None else min(int(base_seed), MAX_SEED - MAX_WORKERS)
         self._target = num_workers     # the size asked for: a WorkerInfo's num_workers
         self._name = name
@@ -225,7 +225,7 @@ class ProcessPool:
         self.retired = 0               # workers retired by resize
         self._task_deaths: dict[tuple, int] = {}
         self._flushes = 0
-        self._salvaged: list[tuple] = []   # complete results read from a worker found dead
+        self._salvaged: list[Result] = []   # complete results read from a worker found dead
         self._state = _State()
         self.grace_s = grace_s
         self.fork_start_s = FORK_START_S if fork_start_s is None else fork_start_s
@@ -274,7 +274,7 @@ class ProcessPool:
         tasks.cancel_join_thread()
         reader, writer = Channel.pair()
         seeding = None if self.base_seed is None else (self.base_seed, self._target)
-        p = self._ctx.Process(target=_worker_main, name=f"{self._name}-{wid}", daemon=True,
+        p = self._ctx.Process(target=worker_main, name=f"{self._name}-{wid}", daemon=True,
                               args=(wid, self._load, tasks, writer, self._parent, self.board, seeding, self.method))
         self.board.expect(wid)
         try:
@@ -329,7 +329,7 @@ class ProcessPool:
         return len(due)
 
     # -- tasks ----------------------------------------------------------------------------------
-    def submit(self, task: tuple) -> None:
+    def submit(self, task: Task) -> None:
         """Give ``task`` to the active worker holding the fewest tasks."""
         self.retire_parked(due_only=True)
         w = min((w for w in self._workers.values() if w.taking), key=lambda w: (len(w.held), w.wid))
@@ -339,8 +339,8 @@ class ProcessPool:
         """Tasks held by the least loaded worker taking tasks (what :meth:`submit` picks)."""
         return min((len(w.held) for w in self._workers.values() if w.taking), default=0)
 
-    def get(self, timeout: float | None = None, wake=None) -> tuple | None:
-        """Next ``(tag, seq, worker_id, ok, payload)``; ``None`` when ``wake`` (an object with
+    def get(self, timeout: float | None = None, wake=None) -> Result | None:
+        """Next :class:`~feedgpu.exec.contract.Result`; ``None`` when ``wake`` (an object with
         ``fileno()``, e.g. the read end of a pipe another thread writes to) became readable first.
 
         Raises :class:`WorkerError` when a worker died and could not be replaced (see the class
@@ -400,9 +400,9 @@ class ProcessPool:
             parts.append(what)
         return "; ".join(parts) or "no worker holds a task"
 
-    def _accept(self, w: _Worker, result: tuple) -> bool:
-        key = (result[0], result[1])
-        if result[0] is None or result[0] == FLUSH:
+    def _accept(self, w: _Worker, result: Result) -> bool:
+        key = (result.tag, result.seq)
+        if isinstance(result.tag, Control):   # a failed start, a flush's answer: held by no worker
             return True
         if w.held.pop(key, None) is None:  # already redone elsewhere after this worker was given up
             return False
@@ -430,7 +430,7 @@ class ProcessPool:
         w.drop()
         if w.retiring and not w.held and w.proc.exitcode == 0:
             return
-        how = _death(w.proc)
+        how = exit_text(w.proc)
         if w.stuck:
             how = stuck_fork(self.fork_start_s)
         elif how == "signal SIGKILL":
@@ -464,23 +464,23 @@ class ProcessPool:
         if new.retiring:
             new.put(None)
 
-    def flush(self, timeout: float = 60.0) -> list[tuple]:
+    def flush(self, timeout: float = 60.0) -> list[Result]:
         """Run ``on_exit`` in every worker (each once) and wait for all of them; returns the task
         results that arrived meanwhile, for the caller to handle."""
         self._flushes += 1
         waiting: dict[int, _Worker] = {}
         for w in self._workers.values():
             if not w.retiring:
-                w.put((FLUSH, self._flushes))
+                w.put(Task(Control.FLUSH, self._flushes))
                 waiting[w.wid] = w
         other = []
         # a worker that dies meanwhile is not waited for: its replacement starts with nothing buffered
         while any(self._workers.get(wid) is w for wid, w in waiting.items()):
             r = self.get(timeout)
-            if r[0] == FLUSH and r[1] == self._flushes:
-                if not r[3]:
-                    raise unpack_exception(r[4], "while flushing")
-                waiting.pop(r[2], None)
+            if r.tag is Control.FLUSH and r.seq == self._flushes:
+                if not r.ok:
+                    raise unpack_exception(r.payload, "while flushing")
+                waiting.pop(r.wid, None)
             else:
                 other.append(r)
         return other

@@ -4,15 +4,15 @@ the graph of one group of a batch's samples.
 A batch's samples are split into groups, each run by its own DALI graph: JPEGs decoded over a
 window only (crop-on-decode), JPEGs decoded whole (EXIF-rotated ones, or no window stage), and
 pixels Pillow decoded. The graphs take each stage's per-sample arguments through
-``fn.external_source`` (computed by :mod:`feedgpu.exec.dali_prepare`).
+``fn.external_source`` (computed by :mod:`feedgpu.exec.dali.prepare`).
 """
 from __future__ import annotations
 
 import importlib.util
 
-from ..errors import ConfigError
-from ..stages.decode import Decode
-from .plan import Plan
+from ...errors import ConfigError
+from ...stages.decode import Decode
+from ..plan import Plan
 
 __all__ = ["DEFAULT_HW_DECODER_LOAD", "GROUPS", "PIXELS", "WHOLE", "WINDOW", "build_graph", "check_dali_plan",
            "dali_available"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pickle
 import signal
 
-from ..errors import WorkerError
+from ...errors import WorkerError
 
 
 def seconds_text(t) -> str:
@@ -32,7 +32,9 @@ def with_note(exc: BaseException, note: str) -> BaseException:
     return exc
 
 
-def _death(proc) -> str:
+def exit_text(proc) -> str:
+    """How a finished process ended: ``"signal SIGKILL"`` (by name where Python knows it) or
+    ``"exit code N"``."""
     code = proc.exitcode
     if code is not None and code < 0:
         try:

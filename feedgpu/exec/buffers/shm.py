@@ -23,6 +23,8 @@ import weakref
 
 import numpy as np
 
+from .recycled import RecycledBuffers
+
 
 #: ``madvise`` advice (Linux 5.14, include/uapi/asm-generic/mman-common.h); Python's mmap module
 #: lacks the constant before 3.13.
@@ -52,7 +54,7 @@ def shared_file(nbytes: int, name: str, allocate: int = 0) -> tuple[int, mmap.mm
     return fd, mm
 
 
-def _close_fd(fd: int) -> None:
+def close_fd(fd: int) -> None:
     if fd >= 0:
         try:
             os.close(fd)
@@ -185,7 +187,7 @@ def _allocate(ref) -> None:
     _populate_range(mm, stride, total * stride, alive)
 
 
-class BatchSlots:
+class BatchSlots(RecycledBuffers):
     """``count`` buffers, each holding ``images`` (``batch_size`` x ``sample_shape``, ``dtype``)
     followed by ``labels`` (int64, ``batch_size``). The first ``populate`` (default: all) are
     allocated now and handed out first; the others take memory only when first written (the
@@ -193,6 +195,8 @@ class BatchSlots:
 
     Picklable for a worker started with ``spawn`` or ``forkserver`` while the pool starts it (the
     shared file's descriptor is passed, see :func:`share_fd`); the copy maps the same memory.
+    A slot handed out returns when its tensors are gone (:class:`RecycledBuffers`; keys are slot
+    numbers, ``held`` counts the slots the consumer holds).
 
     Raises :class:`~feedgpu.errors.SharedMemoryError` when the buffers cannot be had."""
 
@@ -211,6 +215,7 @@ class BatchSlots:
         # is allocated); that they fit in memory is checked here, so a shortage is a clear
         # error, not a worker killed later. Persistent workers take their faults once per run.
         populate = count if populate is None else min(count, populate)
+        super().__init__()
         self.populated = populate
         try:
             _check_fits(populate * self.stride)
@@ -218,10 +223,8 @@ class BatchSlots:
                                              min(populate, 1) * self.stride)
         except OSError as e:
             raise self._no_memory(e) from None
-        self._closer = weakref.finalize(self, _close_fd, self._fd)
+        self._closer = weakref.finalize(self, close_fd, self._fd)
         self._free = list(range(count))[::-1]   # pop() takes the pre-allocated ones first
-        self._lock = threading.Lock()
-        self.held = 0       # slots the consumer still holds
         self._ready = populate if self._fd < 0 else min(populate, 1)   # slots allocated so far
         self._alloc_error: OSError | None = None
         self._alloc_cond = threading.Condition(threading.Lock())
@@ -231,7 +234,7 @@ class BatchSlots:
                              daemon=True).start()
 
     def _no_memory(self, e: OSError):
-        from ..errors import SharedMemoryError
+        from ...errors import SharedMemoryError
 
         return SharedMemoryError(
             f"could not map {self.count} batch buffers of {self.nbytes / 2**20:,.0f} MiB "
@@ -266,7 +269,7 @@ class BatchSlots:
         shared = state.pop("_shared")
         self.__dict__.update(state)
         self._fd, self._mm = attach_fd(shared, max(1, self.count * self.stride))
-        self._closer = weakref.finalize(self, _close_fd, self._fd)
+        self._closer = weakref.finalize(self, close_fd, self._fd)
         self._free, self._lock, self.held = [], threading.Lock(), 0   # a worker hands out nothing
         self._alloc_error, self._alloc_cond = None, threading.Condition(threading.Lock())
 
@@ -292,8 +295,7 @@ class BatchSlots:
     def acquire(self) -> int | None:
         """A free slot (pre-allocated ones first, each once allocated), None when none is free.
         Raises :class:`SharedMemoryError` when a slot's memory could not be allocated."""
-        with self._lock:
-            slot = self._free.pop() if self._free else None
+        slot = self._pop_free()
         if slot is not None and self._ready <= slot < self.populated:
             try:
                 self._wait_allocated(slot)
@@ -302,14 +304,6 @@ class BatchSlots:
                 raise
         return slot
 
-    def release(self, slot: int) -> None:
-        with self._lock:
-            self._free.append(slot)
-
-    @property
-    def free(self) -> int:
-        return len(self._free)
-
     def hand_out(self, slot: int, rows: int):
         """Tensors ``(images[:rows], labels[:rows])`` over the slot; the slot is released when
         both (and every view of them) are gone."""
@@ -317,23 +311,7 @@ class BatchSlots:
 
         images, labels = self.arrays(slot)
         images, labels = images[:rows], labels[:rows]
-        remaining = [2]
-        lock = self._lock
-
-        def done(_slots=weakref.ref(self)):
-            with lock:
-                remaining[0] -= 1
-                last = remaining[0] == 0
-            s = _slots()
-            if last and s is not None:
-                with lock:
-                    s.held -= 1
-                s.release(slot)
-
-        with lock:
-            self.held += 1
-        weakref.finalize(images, done)
-        weakref.finalize(labels, done)
+        self.return_when_gone(slot, (images, labels))
         return torch.from_numpy(images), torch.from_numpy(labels)
 
     def copy_out(self, slot: int, rows: int):

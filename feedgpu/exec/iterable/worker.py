@@ -1,4 +1,4 @@
-"""The worker side of :mod:`feedgpu.exec.iterable`: batching an ``IterableDataset``'s stream
+"""The worker side of :mod:`feedgpu.exec.iterable.runner`: batching an ``IterableDataset``'s stream
 (:class:`Fetcher`, also used in the main process with ``num_workers=0``) and the loop of one
 worker process (:func:`worker_loop`).
 
@@ -9,7 +9,7 @@ which ``torch.multiprocessing`` registers tensor reductions: tensors travel in s
                      None (``pipe_seed``: reseed an IterDataPipe first)
                      ("credit", epoch, k)               produce k more batches of that pass
                      ("stop",)                          exit
-    worker -> main   ("started", None)                  first, before anything else (see iterable_pool)
+    worker -> main   ("started", None)                  first, before anything else (see iterable.pool)
                      ("ready", epoch, snapshot, None)   the pass started (snapshot: its state)
                      ("batch", epoch, data, snapshot)   a batch and the state right after it
                      ("error", epoch, packed, snapshot) the batch raised (see :func:`pack_error`)
@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import os
 import pickle
-import random
 import signal
 import traceback
+
+from ..pool.lifetime import orphan_check, watch_parent
+from ..pool.start import seed_worker
 
 POLL_S = 0.2   # how often an idle worker checks that its parent is alive
 
@@ -101,8 +103,8 @@ def pack_error(e: BaseException, wid: int) -> tuple:
 def unpack_error(packed: tuple) -> BaseException:
     """The worker's exception, same type where it pickled (else :class:`WorkerError`), with
     torch's wording and the worker's traceback as a note."""
-    from ..errors import WorkerError
-    from .pool_errors import with_note
+    from ...errors import WorkerError
+    from ..pool.errors import with_note
 
     blob, name, msg, tb, wid, pid = packed
     exc = None
@@ -116,51 +118,15 @@ def unpack_error(packed: tuple) -> BaseException:
     return with_note(exc, f"Caught {name} in DataLoader worker process {wid} (pid {pid}).\nOriginal {tb}")
 
 
-def _numpy_seed(base_seed: int, wid: int):
-    """numpy's seed in worker ``wid``: the one torch's workers use (computed by torch's own
-    function when it has it), else a SeedSequence of the same entropy."""
-    try:
-        from torch.utils.data._utils.worker import _generate_state
-
-        return _generate_state(base_seed, wid)
-    except ImportError:  # pragma: no cover - other torch versions
-        import numpy as np
-
-        return np.random.SeedSequence([wid, base_seed & 0xFFFFFFFF, base_seed >> 32]).generate_state(4)
-
-
-def seed_worker(base_seed: int, wid: int, num_workers: int, dataset) -> int:
-    """Seed this process as torch seeds its worker ``wid`` and make ``get_worker_info()``
-    answer; returns the worker's seed (``base_seed + wid``)."""
-    import torch
-    import torch.utils.data._utils.worker as torch_worker
-
-    seed = base_seed + wid
-    random.seed(seed)
-    torch.manual_seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(_numpy_seed(base_seed, wid))
-    except ImportError:  # pragma: no cover
-        pass
-    # torch.utils.data.get_worker_info() returns this module variable of torch's worker module
-    # (set the same way by torch's own worker loop): assigning it is the only way to make the
-    # public function answer in a feedgpu worker.
-    torch_worker._worker_info = torch_worker.WorkerInfo(id=wid, num_workers=num_workers, seed=seed,
-                                                        dataset=dataset)
-    return seed
-
-
 def _send(conn, msg: tuple, wid: int, epoch) -> None:
     try:
         conn.send(msg)
     except (BrokenPipeError, EOFError, ConnectionResetError):
         raise
     except Exception as e:  # noqa: BLE001 - the batch cannot travel: say why instead of dying
-        from ..errors import SharedMemoryError, WorkerError
+        from ...errors import SharedMemoryError, WorkerError
 
-        from . import fd_limit
+        from ..pool import fd_limit
 
         if fd_limit.out_of_descriptors(e):
             err: Exception = fd_limit.error(e)
@@ -186,9 +152,9 @@ def worker_loop(wid: int, num_workers: int, dataset, conn, base_seed: int, init_
     import torch.multiprocessing  # noqa: F401  registers the tensor reductions used by conn.send
 
     torch.set_num_threads(1)
-    # our parent: the main process (fork, spawn) or the fork server, which exits with the main process
-    parent = os.getppid()
-    seed_worker(base_seed, wid, num_workers, dataset)
+    orphaned = orphan_check(parent_pid)
+    watch_parent(orphaned)   # exits even in the middle of a batch once the main process is gone
+    seed_worker(wid, base_seed, num_workers, dataset)
     init_error = None
     if init_fn is not None:
         try:
@@ -230,7 +196,7 @@ def worker_loop(wid: int, num_workers: int, dataset, conn, base_seed: int, init_
                 conn.send(("ready", epoch, fetcher.start, None))
                 continue
             if not busy:
-                if os.getppid() != parent or not _alive(parent_pid):
+                if orphaned():
                     return
                 continue
             try:
@@ -249,16 +215,6 @@ def worker_loop(wid: int, num_workers: int, dataset, conn, base_seed: int, init_
             del msg
     except (BrokenPipeError, EOFError, ConnectionResetError, KeyboardInterrupt):
         return   # the main process is gone or stopped us
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # pragma: no cover - exists, another user's (a reused pid)
-        return True
-    return True
 
 
 def _safe_snapshot(fetcher):

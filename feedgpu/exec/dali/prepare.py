@@ -2,7 +2,7 @@
 sample (or, for a local file whose header is known, only stat it: DALI reads the file), check its
 header (:meth:`Decode.header`: what DALI may decode, the size after EXIF orientation), decode in
 Python what follows Pillow's rules (PNG, CMYK JPEG...), sort the samples into the groups of
-:mod:`feedgpu.exec.dali_graph`, and compute every stage's per-sample DALI arguments from the
+:mod:`feedgpu.exec.dali.graph`, and compute every stage's per-sample DALI arguments from the
 same uniform draws as the Python engine (:func:`~feedgpu.stages.draws.sample_uniforms`).
 """
 from __future__ import annotations
@@ -13,11 +13,11 @@ from collections import Counter
 
 import numpy as np
 
-from ..errors import SampleError
-from ..stages.decode import UNKNOWN_KEY, Decode
-from ..stages.draws import sample_uniforms
-from .assemble import BatchReport, Spares
-from .dali_graph import GROUPS, PIXELS, WHOLE, WINDOW
+from ...errors import SampleError
+from ...stages.decode import UNKNOWN_KEY, Decode
+from ...stages.draws import sample_uniforms
+from ..assemble import BatchReport, Spares
+from .graph import GROUPS, PIXELS, WHOLE, WINDOW
 
 __all__ = ["BatchPreparer", "Headers", "decode_windows", "encoded_path", "file_version"]
 
@@ -113,7 +113,7 @@ class BatchPreparer:
 
     def batch(self, epoch: int, indices: np.ndarray, spares: np.ndarray):
         """The Python side of one batch: ``(groups, labels, report)``, ``groups`` mapping each of
-        :data:`~feedgpu.exec.dali_graph.GROUPS` to ``(positions in the batch, items, {DALI argument:
+        :data:`~feedgpu.exec.dali.graph.GROUPS` to ``(positions in the batch, items, {DALI argument:
         array with a row per position})``; a sample error beyond the spares is raised."""
         rep = BatchReport(stage_seconds=Counter())
         supply = Spares(spares, self.on_error, rep.skipped, len(indices))

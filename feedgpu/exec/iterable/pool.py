@@ -1,5 +1,5 @@
-"""The worker processes behind :class:`feedgpu.exec.iterable.IterableRunner`, seen from the main
-process: starting them, their messages (protocol in :mod:`feedgpu.exec.iterable_worker`),
+"""The worker processes behind :class:`feedgpu.exec.iterable.runner.IterableRunner`, seen from the main
+process: starting them, their messages (protocol in :mod:`feedgpu.exec.iterable.worker`),
 flow control, death and timeout detection, and a shutdown that never hangs.
 
 Each worker has one duplex pipe; the main process reads every worker's pipe while it waits for
@@ -11,7 +11,7 @@ at interpreter exit: asked to stop, then terminated, then killed.
 
 A worker's first message says it started. A forked worker that has not said so
 ``fork_start_s`` seconds after its fork is deadlocked in the interpreter (see
-:func:`~feedgpu.exec.pool_start.stuck_fork`): it is killed and forked again, and what the main
+:func:`~feedgpu.exec.pool.start.stuck_fork`): it is killed and forked again, and what the main
 process had sent it is sent again (it ran nothing, so its stream is where it began). A worker
 stuck ``MAX_STUCK`` times raises :class:`WorkerError`.
 """
@@ -25,10 +25,12 @@ import signal
 import time
 import weakref
 
-from ..errors import LoaderTimeout, WorkerError
-from . import fd_limit
-from .iterable_worker import worker_loop
-from .pool_start import FORK_START_S, frozen_gc, stuck_fork
+from ...errors import LoaderTimeout, WorkerError
+from ..pool import fd_limit
+from ..pool.errors import torch_death
+from ..pool.lifetime import end_processes
+from ..pool.start import FORK_START_S, frozen_gc, stuck_fork
+from .worker import worker_loop
 
 POLL_S = 0.1
 GRACE_S = 1.0   # seconds the workers get to stop by themselves before they are terminated
@@ -47,13 +49,7 @@ def _close(owner: int, procs: list, conns: list, grace_s: float = GRACE_S) -> No
     deadline = time.monotonic() + grace_s
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-            p.join(1.0)
-        if p.is_alive():
-            p.kill()
-            p.join(1.0)
+    end_processes(procs)
     for c in conns:
         try:
             c.close()
@@ -62,20 +58,17 @@ def _close(owner: int, procs: list, conns: list, grace_s: float = GRACE_S) -> No
 
 
 def death_message(pid: int, exitcode: int, wid: int) -> str:
-    """torch's wording for a dead worker, then feedgpu's detail."""
+    """torch's wording for a dead worker (:func:`~feedgpu.exec.pool.errors.torch_death`, with the
+    advice torch gives after an exit code), then feedgpu's detail."""
+    msg = torch_death(pid, exitcode)
     if exitcode is not None and exitcode < 0:
-        try:
-            name = signal.strsignal(-exitcode) or f"signal {-exitcode}"
-        except ValueError:
-            name = f"signal {-exitcode}"
-        msg = f"DataLoader worker (pid {pid}) is killed by signal: {name}. "
         if -exitcode == signal.SIGKILL:
             msg += "(feedgpu: SIGKILL often comes from the kernel's out-of-memory killer, see dmesg; "
         else:
             msg += "(feedgpu: "
     else:
-        msg = (f"DataLoader worker (pid {pid}) exited unexpectedly with exit code {exitcode}. Details are lost "
-               "due to multiprocessing. Rerunning with num_workers=0 may give better error trace. (feedgpu: ")
+        msg += ("Details are lost due to multiprocessing. Rerunning with num_workers=0 may give better error "
+                "trace. (feedgpu: ")
     return msg + f"it was IterableDataset worker {wid})"
 
 

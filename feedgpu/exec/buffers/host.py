@@ -8,22 +8,20 @@ written once (``bench/results/dali_cpu.md``, variants ``prep_thread`` and ``prep
 A buffer comes back in one of two ways:
 
 * handed to the training loop without a copy (:meth:`HostBuffers.hand_out`), it returns when the
-  last tensor viewing it is garbage-collected (the scheme of :class:`~feedgpu.exec.shm.BatchSlots`:
-  ``torch.from_numpy`` keeps the numpy array it wraps alive for as long as any tensor shares its
-  storage, and a ``weakref.finalize`` on that array returns the buffer). A batch the consumer
-  keeps is therefore never overwritten; when all buffers are held a fresh one is allocated;
+  last tensor viewing it is garbage-collected (:class:`~feedgpu.exec.buffers.recycled.RecycledBuffers`,
+  as for :class:`~feedgpu.exec.buffers.shm.BatchSlots`). A batch the consumer keeps is therefore
+  never overwritten; when all buffers are held a fresh one is allocated;
 * copied from on a CUDA stream (:meth:`HostBuffers.give_back_after`), it returns once the event
   recorded after the copy has completed.
 """
 from __future__ import annotations
 
-import threading
-import weakref
-
 import numpy as np
 
+from .recycled import RecycledBuffers
 
-class HostBuffers:
+
+class HostBuffers(RecycledBuffers):
     """Up to ``count`` batch buffers of ``(batch_size, *sample_shape)`` in ``dtype``.
 
     Args:
@@ -37,12 +35,11 @@ class HostBuffers:
     """
 
     def __init__(self, batch_size: int, sample_shape: tuple, dtype: str, pinned: bool = False, count: int = 4):
+        super().__init__()   # the free list's keys are the kept buffers themselves
         self.shape = (int(batch_size), *map(int, sample_shape))
         self.dtype, self.pinned, self.count = np.dtype(dtype), bool(pinned), int(count)
-        self._free: list[np.ndarray] = []
         self._made = 0
         self._kept: list[np.ndarray] = []   # the buffers kept for reuse (at most ``count``)
-        self._lock = threading.Lock()
         self._pending: list[tuple[np.ndarray, object]] = []   # (buffer, CUDA event of its last copy)
         self.fresh = 0      # batches that found every kept buffer held
 
@@ -89,8 +86,7 @@ class HostBuffers:
     def give_back(self, arr: np.ndarray) -> None:
         """Return a buffer that was never handed out (a failed batch)."""
         if self._is_kept(arr):
-            with self._lock:
-                self._free.append(arr)
+            self.release(arr)
 
     def give_back_after(self, arr: np.ndarray, event) -> None:
         """Return a buffer once ``event`` (a ``torch.cuda.Event`` recorded after the last copy
@@ -106,15 +102,8 @@ class HostBuffers:
 
         view = arr[:rows]
         if self._is_kept(arr):
-            weakref.finalize(view, _release, weakref.ref(self), arr)
+            self.return_when_gone(arr, (view,))
         return torch.from_numpy(view)
-
-
-def _release(owner_ref, arr: np.ndarray) -> None:
-    owner = owner_ref()
-    if owner is not None:
-        with owner._lock:
-            owner._free.append(arr)
 
 
 def pin(batch):
