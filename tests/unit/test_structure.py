@@ -369,6 +369,13 @@ ALLOWED_PRIVATE_ATTRIBUTES = {
     (None, "_asdict"): "namedtuple's documented API",
     (None, "_fields"): "namedtuple's documented API",
     (None, "_make"): "namedtuple's documented API",
+    # torch's, not the standard library's: no public route exists for either
+    ("torch_worker", "_worker_info"): "torch.utils.data.get_worker_info() returns this module variable and "
+                                      "torch has no public setter: a feedgpu worker sets it so user code "
+                                      "and frameworks see torch's WorkerInfo",
+    ("storage", "_share_fd_cpu_"): "the file descriptor torch's own reductions send for a CPU storage; "
+                                   "fd_channel passes it by SCM_RIGHTS instead of torch's resource-sharer "
+                                   "thread (torch.multiprocessing.reductions calls the same method)",
 }
 
 
@@ -475,19 +482,6 @@ KNOWN_OFFENDERS = {
     # (the same work as above)
     "feedgpu/bench/subjects.py: loader._iterator",
     "feedgpu/bench/subjects.py: loader._memory_budget",
-    # the pools' rooms (i43-pool): the worker's error packing is private to exec/ but Ray's
-    # workers in exec/remote/ need it; scan's folder walk uses the folder source's privates;
-    # torch's private worker state and storage sharing
-    "feedgpu/exec/remote/ray_workers.py: from feedgpu.exec.process_pool import _pack_exception",
-    "feedgpu/exec/process_pool.py: re-exports _pack_exception",
-    "feedgpu/exec/dali_engine.py: re-exports DEFAULT_HW_DECODER_LOAD",
-    "feedgpu/exec/dali_engine.py: re-exports check_dali_plan",
-    "feedgpu/exec/dali_engine.py: re-exports dali_available",
-    "feedgpu/scan.py: from feedgpu.sources.folder import _is_dir",
-    "feedgpu/scan.py: from feedgpu.sources.folder import _list",
-    "feedgpu/exec/pool_worker.py: torch_worker._worker_info",
-    "feedgpu/exec/iterable_worker.py: torch_worker._worker_info",
-    "feedgpu/exec/fd_channel.py: storage._share_fd_cpu_",
     # the torchvision compiler (i42-speed)
     "feedgpu/torchvision/backend.py: loader._collate",
     "feedgpu/torchvision/backend.py: loader._device",

@@ -62,7 +62,7 @@ from ..work import Batch
 from .graph import DEFAULT_HW_DECODER_LOAD, build_graph, check_dali_plan, dali_available
 from .prepare import BatchPreparer
 
-__all__ = ["DEFAULT_HW_DECODER_LOAD", "DaliWork", "check_dali_plan", "dali_available"]
+__all__ = ["DaliWork"]
 
 
 class DaliWork(WorkBase):
