@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 import time
@@ -377,11 +378,11 @@ def main(argv=None) -> int:
         for recipe in a.recipes:
             part = measure_part(a, dataset, recipe)
             part.update(machine=machine, note=a.note, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                        command="python -m bench.cpu_loader " + " ".join(sys.argv[1:] if argv is None else argv))
+                        command="python -m bench.cpu_loader " + shlex.join(sys.argv[1:] if argv is None else argv))
             parts[part["key"]] = part
     order = [f"{d}/{r}" for d in DATASETS for r in PIPELINES]
     doc = {"format": FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-           "command": "python -m bench.cpu_loader " + " ".join(sys.argv[1:] if argv is None else argv),
+           "command": "python -m bench.cpu_loader " + shlex.join(sys.argv[1:] if argv is None else argv),
            "note": a.note, "machine": machine,
            "goals": [{"part": k, "over": y, "ratio": v} for (k, y), v in GOALS.items()],
            "parts": {k: parts[k] for k in sorted(parts, key=lambda k: order.index(k) if k in order else 99)},
