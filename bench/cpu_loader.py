@@ -347,6 +347,16 @@ def _cpu_per_sample(run: dict) -> float:
     return run["cpu_percent"] / 100 / run["samples_per_s"]
 
 
+def previous_parts(out: Path) -> dict:
+    """The parts of ``out/cpu_loader.json`` (this format's; none otherwise): a run replaces the
+    parts it measures and keeps the others."""
+    old = out / "cpu_loader.json"
+    if not old.exists():
+        return {}
+    prev = json.loads(old.read_text())
+    return dict(prev.get("parts", {})) if prev.get("format") == FORMAT else {}
+
+
 def main(argv=None) -> int:
     a = _args(argv)
     if a.serve:
@@ -369,11 +379,7 @@ def main(argv=None) -> int:
 
         machine["dali"] = nvidia.dali.__version__
     out = Path(a.out)
-    old = out / "cpu_loader.json"
-    parts = {}
-    if old.exists() and not a.fresh:
-        prev = json.loads(old.read_text())
-        parts = prev.get("parts", {}) if prev.get("format") == FORMAT else {}
+    parts = {} if a.fresh else previous_parts(out)
     for dataset in a.datasets:
         for recipe in a.recipes:
             part = measure_part(a, dataset, recipe)
