@@ -1,43 +1,53 @@
 #!/usr/bin/env python
-"""The recorded CPU benchmark: feedgpu's CPU path against torch's DataLoader + Pillow.
+"""The recorded CPU benchmark: feedgpu's CPU engines against torch's DataLoader + Pillow, SPDL
+and a hand-written DALI CPU pipeline, side by side in one run.
 
-Loaders on the same data, same transforms (``--recipe train``: ``pipelines/imagenet_train.yaml``,
-decode, random resized crop 224, horizontal flip, normalize to float32 NCHW; ``--recipe val``:
-``pipelines/imagenet_val.yaml``, decode, resize 256 + center crop 224, normalize), same worker
-count and batch size (``--loaders`` picks among them; default all five):
+Loaders on the same data, same transforms (``--recipes train``: ``pipelines/imagenet_train.yaml``,
+decode, random resized crop 224, horizontal flip, normalize to float32 NCHW; ``val``:
+``pipelines/imagenet_val.yaml``, decode, resize 256 + center crop 224, normalize), same batch size
+and equal cores (``--workers`` worker processes, or as many threads for the thread-based loaders);
+``--loaders`` picks among them (default all):
 
-* ``feedgpu``: ``feedgpu.DataLoader`` on the pipeline (Python engine, ``decode: {reduce: rows}``,
-  the default: JPEG rows below the window are not decoded, the full decode's pixels), with the
-  PIL build of this environment (Pillow-SIMD);
-* ``feedgpu_full``: the same with ``reduce: off`` (every image decoded whole);
-* ``feedgpu_reduce``: the same with ``reduce: auto`` (also at the DCT scale the window allows);
-* ``torch_pillow_simd``: ``torch.utils.data.DataLoader`` + torchvision-equivalent transforms
-  (``feedgpu.bench.torch_baseline``), same PIL build;
-* ``torch_pillow``: the same torch loader with stock Pillow, what users have: Pillow from PyPI
-  installed once into ``bench/.pillow-stock`` and put first on ``PYTHONPATH``.
+* ``torch_pillow``: ``torch.utils.data.DataLoader`` + torchvision-equivalent transforms
+  (``feedgpu.bench.torch_baseline``) with stock Pillow, what users have: Pillow from PyPI
+  installed once into ``bench/.pillow-stock`` and put first on ``PYTHONPATH``;
+* ``torch_pillow_simd``: the same torch loader with this environment's Pillow-SIMD;
+* ``spdl``: SPDL's thread-pool pipeline with FFmpeg decode and filter graph (``bench/spdl_loader.py``;
+  installed once into ``bench/.spdl``);
+* ``dali_hand``: a hand-written DALI CPU pipeline (``bench/dali_cpu.py``'s ``HandDali``): train
+  ``fn.decoders.image_random_crop`` + ``fn.resize`` (the usual DALI training pipeline, which decodes
+  only the crop window), val ``fn.decoders.image`` + ``fn.resize(resize_shorter)`` + centre crop;
+* ``feedgpu_full``, ``feedgpu``, ``feedgpu_reduce``: ``feedgpu.DataLoader`` on the pipeline,
+  Python engine (Pillow-SIMD), with ``decode: {reduce: off}`` (every image decoded whole),
+  ``rows`` (the default: JPEG rows below the window not decoded, the full decode's pixels) and
+  ``auto`` (also at the DCT scale the window allows);
+* ``feedgpu_dali_cpu``, ``feedgpu_dali_cpu_whole``: ``feedgpu.DataLoader`` with
+  ``engine={"name": "dali", "device": "cpu"}``, decoding only the window (the default) or whole
+  images (``window_decode: false``).
 
 Each loader lives in its own process (a fresh interpreter, so none inherits another's memory or
-PIL build); the parent asks them in turn for one measured run each, round after round, so drift
-in the machine's speed hits all loaders alike. One unrecorded round comes first (each process's
-first run pays one-time costs, such as first touch of fresh memory, that training pays once).
-The measurement itself is ``feedgpu.bench.measure.measure`` (what ``feedgpu bench`` reports). Before
-the rounds, each PIL build's per-core rate without any loader is measured for reference.
+PIL build); the parent asks them in turn for one measured run each, round after round (the order
+rotated by one each round), so drift in the machine's speed hits all loaders alike. One
+unrecorded round comes first (each process's first run pays one-time costs, such as first touch
+of fresh memory, that training pays once). The measurement is ``feedgpu.bench.measure.measure``
+(what ``feedgpu bench`` reports); the ratios are taken within each round, then their median,
+minimum and maximum are reported.
 
-Data (``--dataset``): ``imagenet-like``, ``--images`` JPEGs built from the photographs, or
-``photos``, the full-size photographs themselves, repeated to ``--images`` files in an
-ImageFolder layout of links (``bench/out/photos-<N>``).
+Data (``--datasets``): ``imagenet-like``, ``--images`` JPEGs built from the photographs, and
+``photos``, the full-size photographs themselves, repeated to ``--photo-images`` files in an
+ImageFolder layout of links (``bench/out/photos-<N>``). Every dataset x recipe is one part of the
+results: ``bench/results/cpu_loader.json`` and ``.md`` hold every part measured so far (a run of
+some parts replaces those parts and keeps the others).
 
-Writes ``bench/results/cpu_loader.json`` and ``bench/results/cpu_loader.md`` (ImageNet-like, train),
-else ``cpu_loader_<dataset>_<recipe>.{json,md}``.
-
-    .venv/bin/python -m bench.cpu_loader                 # 2,000 images, 2 workers, 7 rounds
-    .venv/bin/python -m bench.cpu_loader --images 5000 --rounds 3
-    .venv/bin/python -m bench.cpu_loader --dataset photos --recipe val --images 1000 --rounds 5
+    .venv/bin/python -m bench.cpu_loader                 # all loaders, both datasets and recipes
+    .venv/bin/python -m bench.cpu_loader --datasets photos --recipes val --rounds 3
+    .venv/bin/python -m bench.cpu_loader --loaders torch_pillow,feedgpu,feedgpu_reduce
 """
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 import time
@@ -48,15 +58,28 @@ from bench.harness import serve as harness_serve
 
 PIPELINES = {"train": REPO / "pipelines" / "imagenet_train.yaml", "val": REPO / "pipelines" / "imagenet_val.yaml"}
 PIPELINE = PIPELINES["train"]
+DATASETS = ("imagenet-like", "photos")
 
-# name -> (feedgpu.bench.subjects loader kind, stock Pillow?, decode's reduce setting)
+# name -> (kind, stock Pillow?, decode's reduce setting); kinds: feedgpu.bench.subjects.MAKERS keys,
+# "spdl", "dali_hand", or a DALI engine variant of DALI_ENGINES
 LOADERS = {
-    "feedgpu": ("feedgpu", False, "rows"),
-    "feedgpu_full": ("feedgpu", False, "off"),
-    "feedgpu_reduce": ("feedgpu", False, "auto"),
-    "torch_pillow_simd": ("torch", False, "off"),
     "torch_pillow": ("torch", True, "off"),
+    "torch_pillow_simd": ("torch", False, "off"),
+    "spdl": ("spdl", False, "off"),
+    "dali_hand": ("dali_hand", False, "off"),
+    "feedgpu_full": ("feedgpu", False, "off"),
+    "feedgpu": ("feedgpu", False, "rows"),
+    "feedgpu_reduce": ("feedgpu", False, "auto"),
+    "feedgpu_dali_cpu": ("feedgpu_dali_cpu", False, "off"),
+    "feedgpu_dali_cpu_whole": ("feedgpu_dali_cpu_whole", False, "off"),
 }
+DALI_ENGINES = {"feedgpu_dali_cpu": {"name": "dali", "device": "cpu"},
+                "feedgpu_dali_cpu_whole": {"name": "dali", "device": "cpu", "window_decode": False}}
+#: the references feedgpu's loaders are compared with, and the goals: (part, reference) -> ratio
+REFERENCES = ("torch_pillow", "torch_pillow_simd", "spdl", "dali_hand")
+GOALS = {("imagenet-like/train", "torch_pillow"): 2.5, ("imagenet-like/train", "dali_hand"): 1.6,
+         ("imagenet-like/val", "dali_hand"): 1.6,
+         ("photos/train", "torch_pillow"): 4.0, ("photos/val", "torch_pillow"): 4.0}
 
 
 # -- the child: one measured run (or the per-core reference) in a fresh interpreter ---------------
@@ -72,6 +95,8 @@ def _pipeline(data: str, recipe: str = "train", reduce: str = "off"):
 def build_photo_set(out: Path, photos: str, n: int) -> Path:
     """``n`` links to the photographs in ``photos`` (in turn), as ``out/<photo's stem>/<i>.jpg``
     (ImageFolder layout, one class per photograph); reused when complete."""
+    import shutil
+
     files = sorted(p for p in Path(photos).iterdir() if p.suffix.lower() in (".jpg", ".jpeg"))
     if not files:
         raise FileNotFoundError(f"no JPEG photographs in {photos}")
@@ -79,8 +104,6 @@ def build_photo_set(out: Path, photos: str, n: int) -> Path:
         return out
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():
-        import shutil
-
         shutil.rmtree(tmp)
     for i in range(n):
         f = files[i % len(files)]
@@ -88,11 +111,30 @@ def build_photo_set(out: Path, photos: str, n: int) -> Path:
         d.mkdir(parents=True, exist_ok=True)
         (d / f"{i:06d}.jpg").symlink_to(f.resolve())
     if out.exists():
-        import shutil
-
         shutil.rmtree(out)
     tmp.rename(out)
     return out
+
+
+def one_run(base: dict, p, on_batch) -> dict:
+    """One measured run of the child's loader on pipeline ``p``."""
+    from feedgpu.bench.measure import measure, run_one
+    from feedgpu.bench.subjects import feedgpu_subject
+
+    kind, workers, bs = base["kind"], base["workers"], base["batch_size"]
+    if kind == "spdl":
+        from bench.spdl_loader import spdl_subject
+
+        return measure(spdl_subject(p, workers, bs, base["recipe"]), base["batches"], base["warmup"], on_batch)
+    if kind == "dali_hand":
+        from bench.dali_cpu import hand_subject
+
+        subject = hand_subject(p, base["data"], workers, bs, base["recipe"] == "train", base["recipe"])
+        return measure(subject, base["batches"], base["warmup"], on_batch)
+    if kind in DALI_ENGINES:
+        subject = feedgpu_subject(p, workers, bs, "cpu", engine=DALI_ENGINES[kind], name=kind)
+        return measure(subject, base["batches"], base["warmup"], on_batch)
+    return run_one(kind, p, workers, bs, base["batches"], base["warmup"], "cpu", on_batch=on_batch)
 
 
 def serve(base: dict) -> None:
@@ -100,7 +142,7 @@ def serve(base: dict) -> None:
     result line on stdout: ``{"mode": "run", "desc": ...}`` measures one run of this child's
     loader, ``{"mode": "single", "images": n}`` the per-core reference, ``{"mode": "exit"}``."""
     check_pil(base["stock"])
-    from feedgpu.bench.measure import progress_bar, run_one
+    from feedgpu.bench.measure import progress_bar
     from feedgpu.imaging import pil_label
 
     p = _pipeline(base["data"], base["recipe"], base["reduce"])
@@ -110,15 +152,14 @@ def serve(base: dict) -> None:
         if cmd["mode"] == "single":
             return {"pil": pil_label(), **per_core(p, cmd["images"])}
         with progress_bar(base["warmup"] + base["batches"], cmd["desc"]) as bar:
-            res = run_one(base["kind"], p, base["workers"], base["batch_size"], base["batches"],
-                          base["warmup"], "cpu", on_batch=lambda: bar.update(1))
+            res = one_run(base, p, lambda: bar.update(1))
         return {**res, "pil": pil_label()}
 
     harness_serve({"ready": True, "pil": pil_label()}, answer)
 
 
 def per_core(p, n: int) -> dict:
-    """One process, no loader: images/s of decode + random resized crop + flip (the anchors'
+    """One process, no loader: images/s of decode + the geometric transforms (the anchors'
     measure) and of the whole torchvision-style transform (+ ToTensor + Normalize)."""
     import torch
 
@@ -144,89 +185,101 @@ def per_core(p, n: int) -> dict:
 
 
 # -- the parent ------------------------------------------------------------------------------------
-def main(argv=None) -> int:
+def _args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--images", type=int, default=2000, help="images in the dataset (default 2000)")
+    ap.add_argument("--datasets", default=",".join(DATASETS), help="comma-separated, of imagenet-like, photos "
+                    "(default both): imagenet-like: JPEGs of 400-640 px made from --photos; photos: the "
+                    "photographs themselves at full size, repeated")
+    ap.add_argument("--recipes", default="train,val", help="comma-separated, of train (random resized crop 224 "
+                    "+ flip) and val (resize 256 + center crop 224) (default both)")
+    ap.add_argument("--images", type=int, default=2000, help="ImageNet-like images (default 2000)")
+    ap.add_argument("--photo-images", type=int, default=1536,
+                    help="files of the photos dataset, links to the photographs in turn (default 1536)")
     ap.add_argument("--photos", default=str((REPO / ".." / "shared" / "data" / "photos").resolve()),
-                    help="photographs the dataset is made from (default ../shared/data/photos)")
-    ap.add_argument("--data", help="dataset folder (default bench/out/<dataset>-<images>, built if missing)")
-    ap.add_argument("--dataset", choices=("imagenet-like", "photos"), default="imagenet-like",
-                    help="imagenet-like: JPEGs of 400-640 px made from --photos; photos: the photographs "
-                    "themselves at full size, repeated (default imagenet-like)")
-    ap.add_argument("--recipe", choices=sorted(PIPELINES), default="train",
-                    help="train: random resized crop 224 + flip; val: resize 256 + center crop 224 (default train)")
-    ap.add_argument("--loaders", default=",".join(LOADERS),
-                    help=f"comma-separated, of {', '.join(LOADERS)} (default all)")
-    ap.add_argument("--workers", type=int, default=2)
+                    help="photographs the datasets are made from (default ../shared/data/photos)")
+    ap.add_argument("--loaders", default=",".join(LOADERS), help=f"comma-separated, of {', '.join(LOADERS)} "
+                    "(default all)")
+    ap.add_argument("--workers", type=int, default=2, help="worker processes, or threads of the thread-based "
+                    "loaders (default 2)")
     ap.add_argument("--batch-size", type=int, default=256)
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--batches", type=int, help="timed batches per run (default: the rest of one epoch, "
                     "rounded down to a multiple of --workers)")
+    ap.add_argument("--single-images", type=int, default=200,
+                    help="images of the per-core reference without a loader (0: skip it; default 200)")
     ap.add_argument("--quiet-wait", type=float, default=120.0,
                     help="before each run, wait up to this many seconds for other processes to go idle")
     ap.add_argument("--max-others", type=float, default=25.0,
                     help="rerun a run during which other processes used more than this %% of a core")
     ap.add_argument("--retries", type=int, default=3, help="reruns of a disturbed run (default 3)")
+    ap.add_argument("--note", default="", help="a line saying how the run was made (a busy machine, say); "
+                    "shown at the top of the report")
+    ap.add_argument("--fresh", action="store_true", help="drop the parts of an existing cpu_loader.json "
+                    "not measured in this run")
     ap.add_argument("--out", default=str(REPO / "bench" / "results"), help="where cpu_loader.json/.md go")
     ap.add_argument("--serve", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    if a.serve:
-        serve(json.loads(a.serve))
-        return 0
-    names = [n.strip() for n in a.loaders.split(",") if n.strip()]
-    unknown = sorted(set(names) - set(LOADERS))
-    if unknown or not names:
-        ap.error(f"--loaders: unknown {unknown}; choose among {', '.join(LOADERS)}")
-    loaders = {n: LOADERS[n] for n in names}
+    for opt, choices in (("loaders", LOADERS), ("datasets", DATASETS), ("recipes", PIPELINES)):
+        names = [n.strip() for n in getattr(a, opt).split(",") if n.strip()]
+        unknown = sorted(set(names) - set(choices))
+        if unknown or not names:
+            ap.error(f"--{opt}: unknown {unknown}; choose among {', '.join(choices)}")
+        setattr(a, opt, names)
+    return a
 
-    from feedgpu.bench.machine import data_info, machine_info
-    from feedgpu.bench.measure import default_batches, epoch_batches, ratio, run_rounds, summarize
+
+def measure_part(a, dataset: str, recipe: str) -> dict:
+    """Every loader of ``a.loaders`` on one dataset and recipe: the part's figures."""
+    from feedgpu.bench.machine import data_info
+    from feedgpu.bench.measure import default_batches, epoch_batches
     from feedgpu.sample_data import build_imagenet_like
 
     t0 = time.perf_counter()
-    stock_version = ensure_stock_pillow() if any(v[1] for v in loaders.values()) else None
-    data = Path(a.data) if a.data else REPO / "bench" / "out" / f"{a.dataset}-{a.images}"
-    if not a.data and a.dataset == "photos":
-        build_photo_set(data, a.photos, a.images)
-    elif not a.data:
+    key = f"{dataset}/{recipe}"
+    if dataset == "photos":
+        data = build_photo_set(REPO / "bench" / "out" / f"photos-{a.photo_images}", a.photos, a.photo_images)
+    else:
+        data = REPO / "bench" / "out" / f"imagenet-like-{a.images}"
         build_imagenet_like(data, a.images, photos_dir=a.photos, progress=True)
-    p = _pipeline(str(data), a.recipe)
+    p = _pipeline(str(data), recipe)
     nb = epoch_batches(p, a.batch_size)
     batches = a.batches or default_batches(nb, a.warmup, a.workers)
-    print("measuring the data set", file=sys.stderr)
+    print(f"{key}: measuring the data set", file=sys.stderr)
     data_meta = data_info(p, str(data), sample=None)
-    machine = machine_info()
-    machine["pil_stock"] = f"Pillow {stock_version}" if stock_version else None
-    settings = {"pipeline": str(PIPELINES[a.recipe].relative_to(REPO)), "recipe": a.recipe, "dataset": a.dataset,
-                "loaders": names, "workers": a.workers, "batch_size": a.batch_size,
-                "batches_per_epoch": nb, "timed_batches": batches, "warmup": a.warmup, "rounds": a.rounds,
+    settings = {"pipeline": str(PIPELINES[recipe].relative_to(REPO)), "recipe": recipe, "dataset": dataset,
+                "loaders": a.loaders, "workers": a.workers, "batch_size": a.batch_size, "batches_per_epoch": nb,
+                "timed_batches": batches, "warmup": a.warmup, "rounds": a.rounds,
                 "prefetch_factor": p.prefetch_factor, "device": "cpu", "shuffle": p.shuffle,
                 "drop_last": p.drop_last, "photos": a.photos, "quiet_wait_s": a.quiet_wait,
                 "max_others_percent": a.max_others, "retries": a.retries}
     base = {"data": str(data), "workers": a.workers, "batch_size": a.batch_size, "batches": batches,
-            "warmup": a.warmup, "recipe": a.recipe}
-
-    children = {}
+            "warmup": a.warmup, "recipe": recipe}
+    children: dict[str, Child] = {}
     disturbed: list[dict] = []
     try:
-        for name, (kind, stock, reduce) in loaders.items():
-            children[name] = Child(name, {**base, "kind": kind, "stock": stock, "reduce": reduce}, "bench.cpu_loader")
-        print("per-core reference (one process, no loader)", file=sys.stderr)
-        n_single = min(500, len(p.source))
+        for name in a.loaders:
+            kind, stock, reduce = LOADERS[name]
+            path = [REPO / "bench" / ".spdl"] if kind == "spdl" else []
+            children[name] = Child(name, {**base, "kind": kind, "stock": stock, "reduce": reduce},
+                                   "bench.cpu_loader", path)
         single = {}
-        for key, name in (("pillow_simd", "torch_pillow_simd"), ("pillow", "torch_pillow")):
-            if name not in children:
-                continue
-            wait_quiet(a.quiet_wait)
-            single[key] = children[name].ask({"mode": "single", "images": n_single})
+        if a.single_images > 0:
+            print(f"{key}: per-core reference (one process, no loader)", file=sys.stderr)
+            for pil, name in (("pillow_simd", "torch_pillow_simd"), ("pillow", "torch_pillow")):
+                if name in children:
+                    wait_quiet(a.quiet_wait)
+                    single[pil] = children[name].ask({"mode": "single", "images": min(a.single_images, len(p.source))})
 
         def run(name: str, r: int, on_batch) -> dict:
-            desc = f"{name} warm-up round" if r < 0 else f"{name} round {r + 1}/{a.rounds}"
+            desc = f"{key} {name} warm-up round" if r < 0 else f"{key} {name} round {r + 1}/{a.rounds}"
             for attempt in range(1, a.retries + 2):
                 waited = wait_quiet(a.quiet_wait) if a.quiet_wait > 0 else 0.0
                 res = children[name].ask({"mode": "run", "desc": desc})
                 res.update(loader=name, waited_for_quiet_s=waited, attempt=attempt)
+                print(f"{desc}: {res['samples_per_s']:.0f} samples/s, CPU {res['cpu_percent']:.0f} %, others "
+                      f"{res['others_cpu_percent'] or 0:.0f} % ({time.perf_counter() - t0:.0f} s into the part)",
+                      file=sys.stderr)
                 if (res["others_cpu_percent"] or 0) <= a.max_others or attempt > a.retries:
                     return res
                 print(f"{name}: other processes used {res['others_cpu_percent']:.0f} % CPU during the run; "
@@ -237,11 +290,25 @@ def main(argv=None) -> int:
 
         # one unrecorded round first: each process's first run pays one-time costs (first touch
         # of fresh memory, imports, file cache) that a training run pays once, not per epoch
-        warm = [run(name, -1, None) for name in loaders]
-        runs = run_rounds(list(loaders), a.rounds, run)
+        warm = [run(name, -1, None) for name in a.loaders]
+        runs = []   # round r runs the loaders in their order rotated by r
+        for r in range(a.rounds):
+            k = r % len(a.loaders)
+            for name in a.loaders[k:] + a.loaders[:k]:
+                runs.append({**run(name, r, None), "round": r + 1})
     finally:
         for c in children.values():
             c.close()
+    return {"key": key, "settings": settings, "data": data_meta, **figures(runs, a.rounds),
+            "per_core_no_loader": single, "runs": runs, "warmup_runs_not_counted": warm,
+            "disturbed_runs_repeated": disturbed, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def figures(runs: list[dict], rounds: int) -> dict:
+    """Medians per loader (``summary``) and each feedgpu loader's ratio to each reference taken
+    within each round (``ratios``: median, min, max and the values)."""
+    from feedgpu.bench.measure import summarize
+
     summary = summarize(runs)
     for name, s in summary.items():
         rs = [r for r in runs if r["loader"] == name]
@@ -249,171 +316,90 @@ def main(argv=None) -> int:
         s["samples_per_s_min"] = min(r["samples_per_s"] for r in rs)
         s["samples_per_s_max"] = max(r["samples_per_s"] for r in rs)
         s["steal_percent_median"] = statistics.median(r["steal_percent"] or 0 for r in rs)
-        # CPU seconds (main process + workers) spent per 1,000 samples delivered
+        # CPU seconds (main process + workers, or the process's threads) per 1,000 samples delivered
         s["cpu_s_per_1000"] = round(statistics.median(r["cpu_percent"] / 100 * 1000 / r["samples_per_s"]
                                                       for r in rs), 2)
-        if name.startswith("feedgpu"):
-            stages = rs[0]["stage_ms_per_sample"].keys()
+        stages = rs[0].get("stage_ms_per_sample")
+        if stages:
             s["stage_ms_per_sample"] = {k: round(statistics.median(r["stage_ms_per_sample"][k] for r in rs), 3)
                                         for k in stages}
-    pairs = {f"{x}_over_{y}": (x, y) for x in summary for y in ("torch_pillow", "torch_pillow_simd", "feedgpu")
-             if x != y and y in summary and (x.startswith("feedgpu") or x == "torch_pillow_simd")
-             and not (x == "torch_pillow_simd" and y == "feedgpu")}
-    ratios = {key: ratio(summary, x, y) for key, (x, y) in pairs.items()}
-    # the same ratio taken within each round (the loaders ran back to back), then the median
-    per_round = {}
-    for key, (x, y) in pairs.items():
-        vals = []
-        for r in range(1, a.rounds + 1):
-            rx = [q["samples_per_s"] for q in runs if q["round"] == r and q["loader"] == x]
-            ry = [q["samples_per_s"] for q in runs if q["round"] == r and q["loader"] == y]
-            vals.append(rx[0] / ry[0])
-        per_round[key] = spread(vals)
-    total = time.perf_counter() - t0
-    doc = {"format": "feedgpu.bench.cpu_loader/1", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-           "command": "python -m bench.cpu_loader " + " ".join(sys.argv[1:] if argv is None else argv),
-           "target": "feedgpu >= 2.0x torch DataLoader + stock Pillow, 2 workers, >= 2,000 images",
-           "machine": machine, "data": data_meta, "settings": settings, "summary": summary, "ratios": ratios,
-           "ratios_per_round": per_round, "per_core_no_loader": single, "runs": runs,
-           "warmup_runs_not_counted": warm, "disturbed_runs_repeated": disturbed,
-           "total_seconds": round(total, 1)}
-    name = "cpu_loader" if (a.dataset, a.recipe) == ("imagenet-like", "train") else \
-        f"cpu_loader_{a.dataset.replace('-', '_')}_{a.recipe}"
-    doc["results_name"] = name
-    write_results(a.out, name, doc, markdown)
+    ratios = {}
+    refs = [y for y in REFERENCES if y in summary]
+    for x in summary:
+        for y in refs:
+            if x == y or (x in REFERENCES and REFERENCES.index(x) <= REFERENCES.index(y)):
+                continue
+            vals, cpu = [], []
+            for r in range(1, rounds + 1):
+                rx = [q for q in runs if q["round"] == r and q["loader"] == x]
+                ry = [q for q in runs if q["round"] == r and q["loader"] == y]
+                if rx and ry and ry[0]["samples_per_s"]:
+                    vals.append(rx[0]["samples_per_s"] / ry[0]["samples_per_s"])
+                    cpu.append(_cpu_per_sample(ry[0]) / _cpu_per_sample(rx[0]))
+            if vals:
+                ratios[f"{x}_over_{y}"] = {**spread(vals, 3), "values": [round(v, 3) for v in vals], "x": x, "y": y,
+                                           "cpu": {**spread(cpu, 3), "values": [round(v, 3) for v in cpu]}}
+    return {"summary": summary, "ratios": ratios}
+
+
+def _cpu_per_sample(run: dict) -> float:
+    """CPU seconds the loader spent per sample in a run's timed window."""
+    return run["cpu_percent"] / 100 / run["samples_per_s"]
+
+
+def previous_parts(out: Path) -> dict:
+    """The parts of ``out/cpu_loader.json`` (this format's; none otherwise): a run replaces the
+    parts it measures and keeps the others."""
+    old = out / "cpu_loader.json"
+    if not old.exists():
+        return {}
+    prev = json.loads(old.read_text())
+    return dict(prev.get("parts", {})) if prev.get("format") == FORMAT else {}
+
+
+def main(argv=None) -> int:
+    a = _args(argv)
+    if a.serve:
+        serve(json.loads(a.serve))
+        return 0
+    from feedgpu.bench.machine import machine_info
+
+    t0 = time.perf_counter()
+    stock_version = ensure_stock_pillow() if any(LOADERS[n][1] for n in a.loaders) else None
+    spdl_version = None
+    if "spdl" in a.loaders:
+        from bench.spdl_loader import ensure_spdl
+
+        spdl_version = ensure_spdl()
+    machine = machine_info()
+    machine["pil_stock"] = f"Pillow {stock_version}" if stock_version else None
+    machine["spdl"] = spdl_version
+    if any(LOADERS[n][0] in ("dali_hand", *DALI_ENGINES) for n in a.loaders):
+        import nvidia.dali
+
+        machine["dali"] = nvidia.dali.__version__
+    out = Path(a.out)
+    parts = {} if a.fresh else previous_parts(out)
+    for dataset in a.datasets:
+        for recipe in a.recipes:
+            part = measure_part(a, dataset, recipe)
+            part.update(machine=machine, note=a.note, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                        command="python -m bench.cpu_loader " + shlex.join(sys.argv[1:] if argv is None else argv))
+            parts[part["key"]] = part
+    order = [f"{d}/{r}" for d in DATASETS for r in PIPELINES]
+    doc = {"format": FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+           "command": "python -m bench.cpu_loader " + shlex.join(sys.argv[1:] if argv is None else argv),
+           "note": a.note, "machine": machine,
+           "goals": [{"part": k, "over": y, "ratio": v} for (k, y), v in GOALS.items()],
+           "parts": {k: parts[k] for k in sorted(parts, key=lambda k: order.index(k) if k in order else 99)},
+           "total_seconds": round(time.perf_counter() - t0, 1)}
+    from bench.cpu_loader_report import markdown
+
+    write_results(out, "cpu_loader", doc, markdown)
     return 0
 
 
-# -- the report --------------------------------------------------------------------------------------
-NAMES = {"feedgpu": "feedgpu.DataLoader", "feedgpu_full": "feedgpu.DataLoader, decode reduce: off",
-         "feedgpu_reduce": "feedgpu.DataLoader, decode reduce: auto",
-         "torch_pillow_simd": "torch DataLoader + Pillow-SIMD", "torch_pillow": "torch DataLoader + stock Pillow"}
-RECIPES = {"train": "decode → RandomResizedCrop(224, bilinear) → horizontal flip → normalize to float32 NCHW",
-           "val": "decode → Resize(256) + CenterCrop(224) (bilinear) → normalize to float32 NCHW"}
-
-
-def _f(v, spec: str) -> str:
-    return "–" if v is None else format(v, spec)
-
-
-def _pair_label(key: str, doc: dict) -> str:
-    """``"x_over_y"`` -> ``"x / y"`` with the loaders' names."""
-    names = list(doc["summary"])
-    for x in names:
-        for y in names:
-            if key == f"{x}_over_{y}":
-                return f"{NAMES.get(x, x)} / {NAMES.get(y, y)}"
-    return key
-
-
-def markdown(doc: dict) -> str:
-    m, d, s, su, ra = doc["machine"], doc["data"], doc["settings"], doc["summary"], doc["ratios"]
-    L = [
-        "# CPU loader benchmark: feedgpu vs torch DataLoader + Pillow",
-        "",
-        f"Recorded {doc['created']} with `{doc['command'].strip()}` ({doc['total_seconds']:.0f} s). "
-        f"Raw numbers, every run: `{doc.get('results_name', 'cpu_loader')}.json`.",
-        "",
-        ("; ".join(f"**{_pair_label(k, doc)}: {v:.2f}×**" for k, v in ra.items()
-                   if v is not None and k.endswith("_over_torch_pillow")) + " (the target: feedgpu ≥ 2.0×)."
-         if "torch_pillow" in su else "No torch + stock Pillow loader in this run."),
-        "",
-        "## Setup",
-        "",
-        f"- Machine: {m['cpus_usable']} CPUs ({m['cpu_model']}), {m['ram_gb']} GB RAM, {m['platform']}; "
-        f"Python {m['python']}, torch {m['torch']}.",
-        f"- PIL builds: {m['pil_label']} (feedgpu and torch + Pillow-SIMD)" +
-        (f"; {m['pil_stock']} from PyPI in `bench/.pillow-stock` (torch + stock Pillow)." if m.get("pil_stock") else "."),
-        (f"- Data: {d['images']} ImageNet-like JPEGs built by `feedgpu.sample_data.build_imagenet_like` from "
-         f"`{s['photos']}` photographs" if s.get("dataset", "imagenet-like") == "imagenet-like" else
-         f"- Data: the full-size photographs of `{s['photos']}`, repeated to {d['images']} files") +
-        f" (ImageFolder layout; mean {d['mean_bytes'] / 1024:.1f} KB, {d['mean_width']}×{d['mean_height']} px, "
-        f"{d['mean_megapixels']:.3f} megapixels).",
-        f"- Pipeline: `{s['pipeline']}` — {RECIPES[s.get('recipe', 'train')]}, output on the CPU; "
-        "feedgpu runs `decode: {reduce: rows}` (the default), `feedgpu_full` `reduce: off`, `feedgpu_reduce` "
-        "`reduce: auto`. The torch loaders run the torchvision-equivalent "
-        "transforms of `feedgpu.bench.torch_baseline` (`Image.open().convert(\"RGB\")`, the same geometric "
-        "transforms, `ToTensor`, `Normalize`, `default_collate`, `pin_memory=False`).",
-        f"- Settings: {s['workers']} workers each, batch {s['batch_size']}, prefetch {s['prefetch_factor']}, "
-        f"shuffle, drop_last ({s['batches_per_epoch']} batches per epoch); per run {s['warmup']} warm-up "
-        f"batches, then {s['timed_batches']} timed batches; one unrecorded warm-up round, then "
-        f"{s['rounds']} rounds with the loaders in turn, each loader in its own process; medians over rounds.",
-        "",
-        "## Results (medians over rounds)",
-        "",
-        "| loader | PIL | samples/s (min–max) | ms/batch | first batch s | CPU % | CPU s / 1,000 samples "
-        "| RSS peak / worker MB | PSS / worker MB | USS / worker MB | main RSS peak MB |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for name, x in su.items():
-        L.append(f"| {NAMES.get(name, name)} | {x['pil']} | **{x['samples_per_s']:.0f}** "
-                 f"({x['samples_per_s_min']:.0f}–{x['samples_per_s_max']:.0f}) | {x['ms_per_batch']:.0f} | "
-                 f"{x['first_batch_s']:.2f} | {x['cpu_percent']:.0f} | {_f(x.get('cpu_s_per_1000'), '.2f')} | "
-                 f"{_f(x['rss_peak_mb_per_worker'], '.0f')} | "
-                 f"{_f(x['pss_mb_per_worker'], '.0f')} | {_f(x['uss_mb_per_worker'], '.0f')} | "
-                 f"{x['rss_peak_mb_main']:.0f} |")
-    pr = doc["ratios_per_round"]
-    L += [
-        "",
-        "| ratio | of medians | per round: median (min–max) |",
-        "| --- | ---: | ---: |",
-    ]
-    for key, v in ra.items():
-        r = pr.get(key)
-        L.append(f"| {_pair_label(key, doc)} | **{_f(v, '.2f')}×** | " +
-                 (f"{r['median']:.2f}× ({r['min']:.2f}–{r['max']:.2f}) |" if r else "|"))
-    single = doc["per_core_no_loader"]
-    if single:
-        L += ["", f"Per-core reference, one process without a loader (first {next(iter(single.values()))['images']} "
-              "images):", "", "| PIL | decode + geometric transforms, img/s | + ToTensor + Normalize, img/s |",
-              "| --- | ---: | ---: |"]
-    for x in single.values():
-        L.append(f"| {x['pil']} | {x['decode_crop_flip']['images_per_s']:.0f} "
-                 f"({x['decode_crop_flip']['ms_per_image']:.2f} ms) | {x['full_transform']['images_per_s']:.0f} "
-                 f"({x['full_transform']['ms_per_image']:.2f} ms) |")
-    for name in su:
-        st = su[name].get("stage_ms_per_sample")
-        if st:
-            L += ["", f"{name}'s time per sample in its workers (median over runs, ms): " +
-                  ", ".join(f"{k} {v:.2f}" for k, v in st.items()) + f" (sum {sum(st.values()):.2f})."]
-    L += [
-        "",
-        "## How it is measured",
-        "",
-        "- samples/s: samples in the timed batches ÷ time from the last warm-up batch to the last timed batch "
-        "(worker start-up and the pipeline fill are excluded). The timed batches are a multiple of the worker "
-        "count because each worker fills whole batches: an epoch's odd last batch would leave a worker idle, a "
-        "tail that weighs on a 7-batch epoch far more than on a real dataset.",
-        "- ms/batch: the same timed window ÷ the timed batches (samples/s × ms/batch = the batch size); the "
-        "consumer reads a slice of each batch and does nothing else, so this is the loader's own pace.",
-        "- first batch: from `iter(loader)` to the first batch (includes starting the workers).",
-        "- CPU %: CPU seconds of the main process and all its children (the workers) over the timed window ÷ "
-        "its wall time; 200 % = both cores busy. CPU s / 1,000 samples: those CPU seconds per 1,000 samples "
-        "delivered (median over runs).",
-        "- Memory per worker: RSS peak (VmHWM) counts pages shared with the main process and the shared batch "
-        "buffers; PSS splits shared pages among their users; USS is what the worker alone holds. Sampled "
-        "half-way through the timed window (PSS, USS) and at every batch (RSS peak).",
-        "- Before each run the script waits (up to "
-        f"{s['quiet_wait_s']:.0f} s) until the rest of the machine is idle (< 15 % of a core), and a run "
-        f"during which other processes used more than {s['max_others_percent']:.0f} % of a core is run again "
-        f"(up to {s['retries']} times; repeated here: {len(doc['disturbed_runs_repeated'])}, the disturbed "
-        "runs are in the JSON).",
-        f"- Quiet machine check: other processes used a median "
-        f"{statistics.median(r['others_cpu_percent'] or 0 for r in doc['runs']):.0f} % CPU (of one core) during "
-        f"the timed windows (max {max(r['others_cpu_percent'] or 0 for r in doc['runs']):.0f} %); the VM's CPU "
-        f"steal: median {statistics.median(x['steal_percent_median'] for x in su.values()):.1f} %.",
-        "",
-        "## Every run",
-        "",
-        "| round | loader | samples/s | ms/batch | first batch s | CPU % | others' CPU % | steal % |",
-        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for r in doc["runs"]:
-        L.append(f"| {r['round']} | {r['loader']} | {r['samples_per_s']:.0f} | {r['ms_per_batch']:.0f} | "
-                 f"{r['first_batch_s']:.2f} | {r['cpu_percent']:.0f} | {_f(r['others_cpu_percent'], '.0f')} | "
-                 f"{_f(r['steal_percent'], '.1f')} |")
-    return "\n".join(L) + "\n"
-
+FORMAT = "feedgpu.bench.cpu_loader/2"
 
 if __name__ == "__main__":
     sys.exit(main())

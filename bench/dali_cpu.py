@@ -79,11 +79,16 @@ class HandDali:
     with ``DALIGenericIterator`` (what DALI's PyTorch examples do). Built on the first ``iter()``,
     so that the first batch's time includes the build, as for the other loaders."""
 
-    def __init__(self, pipeline, data: str, batch_size: int, threads: int, roi_decode: bool, seed: int = 0):
-        from feedgpu.stages import HorizontalFlip, Normalize, RandomResizedCrop
+    def __init__(self, pipeline, data: str, batch_size: int, threads: int, roi_decode: bool, seed: int = 0,
+                 recipe: str = "train"):
+        from feedgpu.stages import HorizontalFlip, Normalize, RandomResizedCrop, ResizeCenterCrop
 
         st = {type(s): s for s in pipeline.stages}
-        self.rrc, self.flip, self.norm = st[RandomResizedCrop], st[HorizontalFlip], st[Normalize]
+        self.recipe = recipe
+        self.rrc, self.flip, self.norm = st.get(RandomResizedCrop), st.get(HorizontalFlip), st[Normalize]
+        self.rcc = st.get(ResizeCenterCrop)
+        if (self.rrc if recipe == "train" else self.rcc) is None:
+            raise ValueError(f"the pipeline has no stage of the {recipe} recipe")
         self.data, self.batch_size, self.threads = data, batch_size, threads
         self.roi_decode, self.seed = roi_decode, seed
         self.n = len(pipeline.source)
@@ -97,6 +102,8 @@ class HandDali:
         from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
         rrc, norm = self.rrc, self.norm
+        if self.recipe == "val":
+            return self._build_val(fn, pipeline_def, types, DALIGenericIterator, LastBatchPolicy)
         h, w = rrc.size
         area, ratio = list(rrc.scale), list(rrc.ratio)
 
@@ -121,6 +128,27 @@ class HandDali:
         self.it = DALIGenericIterator([self.pipe], ["images", "labels"], reader_name="Reader",
                                       last_batch_policy=LastBatchPolicy.DROP, auto_reset=True)
 
+    def _build_val(self, fn, pipeline_def, types, DALIGenericIterator, LastBatchPolicy) -> None:
+        """The val recipe as DALI's examples write it: whole-image decode, resize of the short side
+        (``fn.resize(resize_shorter=...)``, linear, antialias), centre crop and normalize in
+        ``crop_mirror_normalize``; the files in order."""
+        rcc, norm = self.rcc, self.norm
+
+        @pipeline_def(batch_size=self.batch_size, num_threads=self.threads, device_id=None, seed=self.seed)
+        def graph():
+            jpegs, labels = fn.readers.file(file_root=self.data, random_shuffle=False, name="Reader")
+            images = fn.decoders.image(jpegs, device="cpu", output_type=types.RGB)
+            images = fn.resize(images, resize_shorter=rcc.resize, interp_type=types.INTERP_LINEAR, antialias=True)
+            images = fn.crop_mirror_normalize(
+                images, dtype=types.FLOAT, output_layout="CHW", crop=list(rcc.crop),
+                mean=[m * 255 for m in norm.mean], std=[s * 255 for s in norm.std])
+            return images, labels
+
+        self.pipe = graph()
+        self.pipe.build()
+        self.it = DALIGenericIterator([self.pipe], ["images", "labels"], reader_name="Reader",
+                                      last_batch_policy=LastBatchPolicy.DROP, auto_reset=True)
+
     def __iter__(self):
         if self.it is None:
             self._build()
@@ -132,10 +160,10 @@ class HandDali:
         gc.collect()
 
 
-def hand_subject(pipeline, data: str, workers: int, batch_size: int, roi_decode: bool):
+def hand_subject(pipeline, data: str, workers: int, batch_size: int, roi_decode: bool, recipe: str = "train"):
     from feedgpu.bench.subjects import Subject
 
-    loader = HandDali(pipeline, data, batch_size, workers, roi_decode)
+    loader = HandDali(pipeline, data, batch_size, workers, roi_decode, recipe=recipe)
     name = "dali_hand_roi_decode" if roi_decode else "dali_hand"
     extra = lambda: {"threads": workers}  # noqa: E731
     return Subject(name, NAMES[name], loader, lambda: [], "cpu", loader.close, extra)

@@ -195,13 +195,16 @@ def serve(ready: dict, answer: Callable[[dict], dict]) -> None:
 
 class Child:
     """A long-lived benchmark process for one loader: ``python -m MODULE --serve BASE`` (stock
-    Pillow first on its path when ``base["stock"]``), which answers one JSON command per stdin
+    Pillow first on its path when ``base["stock"]``, then the folders of ``path``), which answers one JSON command per stdin
     line with one :func:`reply` line; its first reply says it is ready (:attr:`info`)."""
 
-    def __init__(self, name: str, base: dict, module: str):
+    def __init__(self, name: str, base: dict, module: str, path: Sequence[str | Path] = ()):
         self.name = name
+        env = pil_env(base["stock"])
+        if path:   # folders put first on the child's PYTHONPATH (a benchmark-only install)
+            env["PYTHONPATH"] = os.pathsep.join([*map(str, path), *filter(None, [env["PYTHONPATH"]])])
         self.proc = subprocess.Popen([sys.executable, "-m", module, "--serve", json.dumps(base)],
-                                     env=pil_env(base["stock"]), cwd=REPO, stdin=subprocess.PIPE,
+                                     env=env, cwd=REPO, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, bufsize=1)
         self.info = self._read()
 

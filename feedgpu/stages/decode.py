@@ -143,17 +143,21 @@ class Decode(SampleStage):
             box, out = target(img.width, img.height)
             return img, box, out
         key = UNKNOWN_KEY
-        img = self._open(x, key)
-        w, h = img.size
-        self._check_pixels(w, h, key)
-        orientation = None
-        if img.format == "JPEG":
-            _check_scan_end(x, key)
-            orientation = self._jpeg_orientation(img)
-        if orientation is None:   # not a JPEG, or an EXIF block _finish() decides about
-            img = self._finish(img, key)
-            box, out = target(img.width, img.height)
-            return img, box, out
+        fast = self._window_header(x, key)
+        if fast is not None:   # a common JPEG: opened once below, on the bytes it is decoded from
+            img, (w, h, orientation) = None, fast
+        else:
+            img = self._open(x, key)
+            w, h = img.size
+            self._check_pixels(w, h, key)
+            orientation = None
+            if img.format == "JPEG":
+                _check_scan_end(x, key)
+                orientation = self._jpeg_orientation(img)
+            if orientation is None:   # not a JPEG, or an EXIF block _finish() decides about
+                img = self._finish(img, key)
+                box, out = target(img.width, img.height)
+                return img, box, out
         uw, uh = (h, w) if orientation in (5, 6, 7, 8) else (w, h)
         box, out = target(uw, uh)
         scale = choose_scale(box, *out) if self.reduce == "auto" else 1
@@ -167,6 +171,8 @@ class Decode(SampleStage):
             if need < h:   # the rows below the window are never decoded
                 rows = need
                 img = self._open(with_rows(x, frame[0], rows), key)
+        if img is None:
+            img = self._open(x, key)
         if scale > 1 and img.draft(None, (w // scale, rows // scale)) is None:
             scale = 1
         if scale > 1 or rows < h:
@@ -174,6 +180,23 @@ class Decode(SampleStage):
                 raise AssertionError(f"decoding {w}x{h} at 1/{scale}, {rows} rows, gave {img.size}")
             box = reduced_box(box, uw, uh, orientation, scale, rows)
         return self._finish(img, key), box, out
+
+    def _window_header(self, x, key: str) -> tuple[int, int, int] | None:
+        """``(stored width, stored height, EXIF orientation)`` of a JPEG that ends with its end
+        marker, read from its markers alone (:func:`read_jpeg_header`, whose answers are
+        Pillow's), after the checks :meth:`apply_window` makes on an opened image, in the same
+        order (the pixel limit, then the scan's end); None where the reader does not answer, to
+        open the image with Pillow."""
+        head = read_jpeg_header(x) if _has_eoi(x) else None
+        if head is None:
+            return None
+        w, h = head.width, head.height
+        limit = Image.MAX_IMAGE_PIXELS
+        if limit and w * h > 2 * limit:
+            return None   # Pillow's open raises DecompressionBombError: its reason, its message
+        self._check_pixels(w, h, key)
+        _check_scan_end(x, key)
+        return w, h, head.orientation if self.exif_orientation else 1
 
     def _jpeg_orientation(self, img: Image.Image) -> int | None:
         """The EXIF orientation :meth:`_finish` applies to an opened JPEG (1 when it applies

@@ -136,6 +136,32 @@ def test_rows_decode_is_bit_identical_to_full_decode(kind):
         assert not partial
 
 
+@pytest.mark.parametrize("kind", ["baseline_420", "progressive", "gray", "exif_6", "exif_8", "cmyk"])
+def test_a_common_jpeg_is_opened_once(kind, monkeypatch):
+    """On the reduced path a JPEG whose markers the header reader reads (not CMYK) is opened by
+    Pillow once, on the bytes it is decoded from; its size and orientation come from the markers.
+    Others are opened as before (twice when rows are left out). The pixels are those of the test
+    above."""
+    import feedgpu.stages.decode as decode_module
+
+    data, opened = kinds()[kind], []
+    real_open = decode_module.Image.open
+
+    def counting_open(fp, *args, **kwargs):
+        opened.append(1)
+        return real_open(fp, *args, **kwargs)
+
+    stage = RandomResizedCrop(224, scale=(0.05, 0.1))
+    for k in range(6):
+        rng = Draws(7, 0, k, 1)
+        opened.clear()
+        with monkeypatch.context() as m:
+            m.setattr(decode_module.Image, "open", counting_open)
+            got, _ = run(ROWS, data, stage, rng)
+        assert len(opened) == 1 if kind != "cmyk" else 1 <= len(opened) <= 2, (kind, k, len(opened))
+        assert np.array_equal(np.asarray(got), np.asarray(stage.apply(OFF.apply(data), rng))), (kind, k)
+
+
 @pytest.mark.parametrize("kind", sorted(kinds()))
 @pytest.mark.parametrize("stage", STAGES[:2], ids=lambda s: s.name)
 def test_reduced_pixels_are_close_to_full_decode(kind, stage):
