@@ -4,7 +4,7 @@
     .venv/bin/python -m bench.lookahead_cost --rounds 3
 
 With ``persistent_workers``, once every batch of the epoch is submitted, feedgpu submits the
-next epoch's first batches (``feedgpu.epoch.Ahead``) so the next epoch starts without waiting
+next epoch's first batches (``feedgpu.loader.epoch.Ahead``) so the next epoch starts without waiting
 for the pool to refill. In a run of one epoch those batches are never delivered, and on a CPU
 with no spare core they compete with the epoch's last batches. This runs the JPEG Dataset of
 ``bench/torch_dataset.py`` with torch's loader, feedgpu's, and feedgpu's with the lookahead
@@ -25,7 +25,7 @@ import warnings
 import torch.utils.data as tud
 
 import feedgpu
-import feedgpu.epoch as fe
+import feedgpu.loader.epoch as fe
 from feedgpu.sample_data import default_sample
 from bench.torch_dataset import RESULTS, JpegFolder, cpu_s as _cpu_s
 

@@ -29,7 +29,7 @@ from .exec.engines import EngineSettings
 from .exec.executors import ExecutorSettings
 from .exec.memory_budget import parse_worker_memory
 from .settings_base import defaults, settings_class
-from .skips import max_skipped_problem
+from .loader.skips import max_skipped_problem
 
 __all__ = ["CacheSection", "CacheSettings", "EngineSettings", "ExecutorSettings", "LoaderSettings", "OutputSettings",
            "SECTIONS", "SourceSettings", "defaults"]
@@ -42,12 +42,12 @@ class LoaderSettings:
     Args:
         batch_size (int): samples per batch, >= 1 (default 256).
         shuffle (bool | "shards"): reshuffle every epoch (default True); ``"shards"``: reshuffle
-            with about ``shard_window`` shards open at a time (:mod:`feedgpu.shard_order`; for
+            with about ``shard_window`` shards open at a time (:mod:`feedgpu.order.shard_shuffle`; for
             shards fetched from the network).
         shard_window (int): shards open at a time with ``shuffle="shards"``, >= 1 (default 8;
             not used otherwise).
         drop_last (bool): drop each epoch's incomplete tail (default False; see
-            :mod:`feedgpu.sampling`).
+            :mod:`feedgpu.order.sharded`).
         num_workers (int | "auto"): worker processes, >= 0 (0: in the main process), or
             ``"auto"`` (default): the throughput balancer sizes the pool while it runs.
         prefetch_factor (int): batches in flight per worker, >= 1 (default 2).
@@ -58,7 +58,7 @@ class LoaderSettings:
             or ``"raise"`` them.
         max_skipped (float | int | None): skip budget per epoch and rank: a share in [0, 1] of
             the epoch's samples (default 0.01), an int count >= 0, or None (no limit); booleans
-            are refused. See :mod:`feedgpu.skips`.
+            are refused. See :mod:`feedgpu.loader.skips`.
         timeout (float): seconds to wait for a batch before :class:`~feedgpu.errors.LoaderTimeout`,
             >= 0 (default 0: forever).
         worker_memory (int | str): bytes each worker may hold (its own memory and its batches in

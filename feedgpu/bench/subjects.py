@@ -49,7 +49,7 @@ def feedgpu_subject(pipeline, workers: int, batch_size: int, device: str = "cpu"
     """feedgpu's loader; ``engine`` overrides the pipeline's (``"python"``, or a DALI mapping:
     its thread count is ``workers``, as the loader does when ``engine.threads`` is unset)."""
     from ..imaging import pil_label
-    from ..loader import DataLoader
+    from ..loader.front import DataLoader
 
     loader = DataLoader(pipeline, batch_size=batch_size, num_workers=workers, device=device,
                         persistent_workers=persistent and workers > 0, engine=engine)

@@ -14,7 +14,7 @@ import pytest
 
 from feedgpu.errors import ConfigError, ShardFetchError
 from feedgpu.shard_ahead import ShardAhead
-from feedgpu.shard_order import shard_order
+from feedgpu.order.shard_shuffle import shard_order
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -165,7 +165,7 @@ def test_the_default_context_follows_set_start_method_as_torchs(tmp_path):
     script.write_text(GLOBAL_METHOD_SCRIPT.format(repo=str(REPO), tests=str(REPO / "tests" / "integration"), conftest=str(REPO / "tests")))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split("\n")[:2] == ["torch.utils.data.dataloader [False]", "feedgpu.loader [False]"]
+    assert proc.stdout.split("\n")[:2] == ["torch.utils.data.dataloader [False]", "feedgpu.loader.front [False]"]
 
 
 def test_multiprocessing_context_is_checked_as_torch_checks_it():

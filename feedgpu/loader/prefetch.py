@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections import deque
 
-from .exec.handoff import SideStream, hand_over
-from .exec.host_buffers import HostBuffers
-from .exec.work import Batch
+from ..exec.handoff import SideStream, hand_over
+from ..exec.host_buffers import HostBuffers
+from ..exec.work import Batch
 
 
 class CudaPrefetcher:

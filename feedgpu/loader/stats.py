@@ -3,7 +3,7 @@ balancer, the live epoch's skip budget and shard read-ahead, the engine, the exe
 cache), and the fingerprint a loader state names its records by."""
 from __future__ import annotations
 
-from .remote.ahead_loader import network_stats
+from ..remote.ahead_loader import network_stats
 
 __all__ = ["loader_stats", "source_fingerprint"]
 

@@ -5,7 +5,7 @@ Rules (same as ``torch.utils.data.DistributedSampler`` where it has one):
 * ``shuffle=True``: a permutation of all ``n`` indices drawn from
   ``numpy.random.default_rng([seed, epoch])`` (PCG64 seeded through SeedSequence), so it changes
   every epoch; ``shuffle=False`` keeps index order. With a ``shard_window`` (``shuffle: shards``),
-  the epoch order is :func:`feedgpu.shard_order.shard_order` instead: about ``shard_window``
+  the epoch order is :func:`feedgpu.order.shard_shuffle.shard_order` instead: about ``shard_window``
   shards open at a time; everything below applies to it unchanged.
 * Sharding: rank ``r`` of ``w`` takes every ``w``-th index of the epoch order starting at ``r``.
 * ``drop_last=False`` (remainder rule): the order is padded by repeating its head up to a
@@ -32,8 +32,8 @@ import math
 
 import numpy as np
 
-from .errors import ConfigError
-from .shard_order import shard_order
+from ..errors import ConfigError
+from .shard_shuffle import shard_order
 
 _SEED_MASK = 0xFFFFFFFFFFFFFFFF  # SeedSequence takes non-negative ints: a negative seed wraps, as in sample_rng
 
@@ -49,7 +49,7 @@ class ShardedOrder:
         rank, world_size: this process's shard (default 0 of 1).
         drop_last: drop the incomplete tail (rule in the module docstring).
         shard_window: with ``shuffle``, draw the order shard-aware with this many shards open
-            (int >= 1, :mod:`feedgpu.shard_order`); None (default): the plain permutation.
+            (int >= 1, :mod:`feedgpu.order.shard_shuffle`); None (default): the plain permutation.
         shard_of: the shard of each sample (int array of length ``n``, or a callable giving it,
             called once when first needed); needed with ``shard_window``.
 

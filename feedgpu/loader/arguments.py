@@ -8,12 +8,12 @@ from typing import Any, Callable
 
 import torch.utils.data as tud
 
-from .cache.settings import CacheSettings
-from .errors import ConfigError
-from .exec.autoscale import cpu_cores
-from .exec.engines import EngineSettings
-from .exec.executors import ExecutorSettings, check_executor
-from .pipeline import resolve_device
+from ..cache.settings import CacheSettings
+from ..errors import ConfigError
+from ..exec.autoscale import cpu_cores
+from ..exec.engines import EngineSettings
+from ..exec.executors import ExecutorSettings, check_executor
+from ..pipeline import resolve_device
 
 #: an argument not given (``None`` means something for several of them)
 _UNSET: Any = object()
@@ -93,7 +93,7 @@ def with_sections(dataset, loader, output):
     neither is given. Raises :class:`ConfigError` for a torch Dataset (it takes torch's keywords)."""
     if loader is None and output is None:
         return dataset
-    from .pipeline import Pipeline
+    from ..pipeline import Pipeline
 
     if not isinstance(dataset, Pipeline):
         raise ConfigError("loader=/output= settings objects go with a feedgpu Pipeline; a torch Dataset takes "
@@ -104,7 +104,7 @@ def with_sections(dataset, loader, output):
 def init_iterable(self, dataset, given: dict) -> None:
     """Set ``self`` (a DataLoader) up to run an ``IterableDataset`` as torch does
     (:mod:`feedgpu.exec.iterable`); ``given`` holds the constructor's arguments."""
-    from .exec.iterable import runner_for_loader
+    from ..exec.iterable import runner_for_loader
 
     def arg(name, default):
         return default if given[name] is _UNSET else given[name]

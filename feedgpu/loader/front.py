@@ -2,7 +2,7 @@
 
 This module is the torch-facing front: arguments, torch's attributes, the order (which rank and
 world size, read at each iteration), ``state_dict``. One pass over an epoch is
-:class:`~feedgpu.epoch.EpochIterator`; the work and its pool come from :mod:`feedgpu.exec.build`.
+:class:`~feedgpu.loader.epoch.EpochIterator`; the work and its pool come from :mod:`feedgpu.exec.build`.
 """
 from __future__ import annotations
 
@@ -12,27 +12,28 @@ from typing import Callable, TypeVar
 
 import torch.utils.data as tud
 
-from . import distributed, loader_state
-from .cache.settings import CacheSettings
+from ..order import distributed
+from . import state as loader_state
+from ..cache.settings import CacheSettings
 from .epoch import Ahead, EpochIterator, close_live
-from .errors import ConfigError
-from .exec.autoscale import Autoscaler, cpu_cores, default_config
-from .exec.balancer.measurement import count_unit
-from .exec.memory_budget import parse_worker_memory
-from .exec.build import make_pool, make_work
-from .exec.engines import EngineSettings
-from .exec.process_pool import ProcessPool
-from .metrics import ExecutorTotals, LoaderStats
-from .orders import (OrderRandomSampler, OrderSampler, OrderSequentialSampler, UserOrder, order_len,
+from ..errors import ConfigError
+from ..exec.autoscale import Autoscaler, cpu_cores, default_config
+from ..exec.balancer.measurement import count_unit
+from ..exec.memory_budget import parse_worker_memory
+from ..exec.build import make_pool, make_work
+from ..exec.engines import EngineSettings
+from ..exec.process_pool import ProcessPool
+from ..metrics import ExecutorTotals, LoaderStats
+from .samplers import (OrderRandomSampler, OrderSampler, OrderSequentialSampler, UserOrder, order_len,
                      reads_as_sharding, shard_settings, sharded)
-from .loader_setup import (_UNSET, ArgumentTypeError, init_iterable, refuse_combinations, refuse_unagreed_seed,
+from .arguments import (_UNSET, ArgumentTypeError, init_iterable, refuse_combinations, refuse_unagreed_seed,
                            resolve_settings, with_sections, worker_count)
-from .loader_stats import loader_stats, source_fingerprint
-from .pipeline import Pipeline
-from .remote.ahead_loader import auto_attach
-from .sampler_split import follow_sampler_epoch, split_order
-from .sampling import ShardedOrder
-from .torchvision import backend_for, dali_pipeline, explain_loader, follow_dataset
+from .stats import loader_stats, source_fingerprint
+from ..pipeline import Pipeline
+from ..remote.ahead_loader import auto_attach
+from ..order.sampler_split import follow_sampler_epoch, split_order
+from ..order.sharded import ShardedOrder
+from ..torchvision import backend_for, dali_pipeline, explain_loader, follow_dataset
 
 T_co = TypeVar("T_co", covariant=True)
 # torch's DataLoader refuses to change these once it is built (ValueError); so does feedgpu's
@@ -66,7 +67,7 @@ class DataLoader(tud.DataLoader[T_co]):
         max_skipped: skip budget per epoch and rank (pipelines only): a share in ``[0, 1]`` of
             the epoch's samples (default: the pipeline's, ``0.01``), an int count, or ``None``
             for no limit. Past it, iteration raises :class:`SkipBudgetExceeded` with the counts
-            by reason and the first skipped samples (rules in :mod:`feedgpu.skips`).
+            by reason and the first skipped samples (rules in :mod:`feedgpu.loader.skips`).
         engine: for a pipeline, overrides its engine (``"python"``, ``"dali"`` or a mapping; see
             :class:`~feedgpu.exec.engines.EngineSettings`). With DALI, ``num_workers`` gives DALI's
             thread count unless ``engine.threads`` is set, and no worker process is started;
@@ -390,7 +391,7 @@ class DataLoader(tud.DataLoader[T_co]):
 
     def state_dict(self) -> dict:
         """Where the training loop is, counted in batches it received (prefetched ones are not
-        counted); the schema is in :mod:`feedgpu.loader_state`. Any rank may load it, on any
+        counted); the schema is in :mod:`feedgpu.loader.state`. Any rank may load it, on any
         world size and worker count. For an ``IterableDataset``: see
         :meth:`feedgpu.exec.iterable.IterableRunner.state_dict`."""
         if self._iterable is not None:

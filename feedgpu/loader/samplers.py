@@ -1,7 +1,7 @@
 """Which batches a :class:`~feedgpu.DataLoader` reads: its own sharded order, a user's sampler,
 and the torch samplers it shows to frameworks.
 
-* feedgpu's own order is :class:`~feedgpu.sampling.ShardedOrder` (seeded, sharded, resumable on any
+* feedgpu's own order is :class:`~feedgpu.order.sharded.ShardedOrder` (seeded, sharded, resumable on any
   world size). The loader exposes it to frameworks as torch samplers: ``loader.sampler`` is a
   :class:`OrderSampler` (a ``RandomSampler`` when shuffling, else a ``SequentialSampler``, so
   Lightning and accelerate recognise "the default sampler" and inject their distributed one) and
@@ -23,7 +23,7 @@ import weakref
 import numpy as np
 import torch.utils.data as tud
 
-from .sampling import ShardedOrder
+from ..order.sharded import ShardedOrder
 
 
 class OrderSampler:
@@ -198,7 +198,7 @@ def order_len(order) -> int | None:
 
 def shard_settings(pipeline) -> tuple:
     """``(shard_window, shard_of)`` for a pipeline with ``shuffle: shards`` (applied when the
-    loader shuffles; :mod:`feedgpu.shard_order`; ``shard_of`` is called when first needed), else
+    loader shuffles; :mod:`feedgpu.order.shard_shuffle`; ``shard_of`` is called when first needed), else
     ``(None, None)`` (a torch Dataset, or a plain shuffle)."""
     if pipeline is None or getattr(pipeline, "shard_window", None) is None:
         return None, None
@@ -209,7 +209,7 @@ def sharded(n: int, batch_size: int, shuffle: bool, seed: int, rank: int, world_
             drop_last: bool, cached: ShardedOrder | None, shard_window: int | None = None,
             shard_of=None) -> ShardedOrder:
     """``cached`` when it has these settings, else a new :class:`ShardedOrder` (``shard_window``
-    and ``shard_of``: a shard-aware shuffle, see :mod:`feedgpu.shard_order`)."""
+    and ``shard_of``: a shard-aware shuffle, see :mod:`feedgpu.order.shard_shuffle`)."""
     want = {"n": n, "batch_size": batch_size, "shuffle": shuffle, "seed": seed, "rank": rank,
             "world_size": world_size, "drop_last": drop_last}
     if shuffle and shard_window is not None:

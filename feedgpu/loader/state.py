@@ -7,7 +7,7 @@
                               # (Source.order_identity): another dataset is refused
      "epoch": int,            # the epoch the next batch belongs to
      "samples_seen": int,     # feedgpu's own order: indices of the epoch order consumed by ALL
-                              # ranks together (a prefix, feedgpu.sampling); a user sampler: the
+                              # ranks together (a prefix, feedgpu.order.sharded); a user sampler: the
                               # samples this rank received this epoch
      "batches_seen": int,     # batches this rank received this epoch (informational for
                               # feedgpu's own order; the position for a user sampler)
@@ -24,7 +24,7 @@ too when they were saved on the world size the loader runs with.
 """
 from __future__ import annotations
 
-from .errors import StateError
+from ..errors import StateError
 
 FORMAT = "feedgpu.loader/2"
 OLD_FORMAT = _OLD = "feedgpu.loader/1"

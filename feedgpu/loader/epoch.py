@@ -18,12 +18,12 @@ import warnings
 
 import numpy as np
 
-from . import shard_ahead
-from .remote import ahead_loader
-from .errors import IteratorSuperseded, ShardFetchError, SkipBudgetExceeded
-from .exec.host_buffers import pin
-from .exec.process_pool import unpack_exception
-from .sampling import ShardedOrder
+from .. import shard_ahead
+from ..remote import ahead_loader
+from ..errors import IteratorSuperseded, ShardFetchError, SkipBudgetExceeded
+from ..exec.host_buffers import pin
+from ..exec.process_pool import unpack_exception
+from ..order.sharded import ShardedOrder
 from .skips import SkipBudget, epoch_samples
 
 _tags = itertools.count(1)
