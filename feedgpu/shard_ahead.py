@@ -369,27 +369,12 @@ def attach(loader, fetcher: Fetcher | None, **options) -> None:
     ends the epoch with :class:`ShardFetchError` before any of them is read (:func:`fetch_batch`). The next epoch's first batches are not started early while a fetcher is attached
     (they would need that epoch's shards). Raises :class:`ConfigError` for a loader without a
     pipeline or with a user's sampler."""
-    if fetcher is not None and (loader.pipeline is None or loader._user is not None):
-        raise ConfigError("shard read-ahead needs a feedgpu Pipeline read in feedgpu's own order "
-                          "(not a torch Dataset or a user's sampler)")
     unknown = set(options) - {"max_in_flight", "max_held", "timeout"}
     if unknown:
         raise ConfigError(f"shard read-ahead: unknown options {sorted(unknown)}; allowed: max_held, max_in_flight, "
                           "timeout")
     _check_budgets(options.get("max_in_flight", 4), options.get("max_held"))
-    loader._read_ahead = None if fetcher is None else (fetcher, dict(options))
-
-
-def for_epoch(loader, view) -> ShardAhead | None:
-    """The read-ahead of one pass (``view``: its :class:`~feedgpu.order.sharded.EpochShard`) when a
-    fetcher is attached (:func:`attach`), else None."""
-    attached = getattr(loader, "_read_ahead", None)
-    if attached is None or getattr(view, "open_ended", False):
-        return None
-    fetcher, options = attached
-    scaler = loader._autoscaler
-    return ShardAhead.for_view(view, loader.pipeline.source, fetcher,
-                               on_wait=scaler.add_network_wait if scaler is not None else None, **options)
+    loader.read_ahead.attach(fetcher, **options)
 
 
 def batch_positions(view, b: int) -> range:

@@ -64,7 +64,7 @@ def feedgpu_subject(pipeline, workers: int, batch_size: int, device: str = "cpu"
     def extra() -> dict:
         st = loader.stats()
         n = max(1, st["samples"])
-        budget = getattr(loader, "_memory_budget", None)
+        budget = loader.memory_budget
         return {"stage_ms_per_sample": {k: round(v / n * 1e3, 4) for k, v in st["stage_s"].items()},
                 "worker_memory_mb": round(budget.worker_bytes / MB, 1) if budget is not None else None,
                 "skipped": st["skipped_total"], "engine": st["engine"],

@@ -2,13 +2,21 @@
 
 Rooms:
 
-* ``front``: the torch-facing ``DataLoader`` (torch's arguments and attributes, ``state_dict``).
-* ``arguments``: torch's argument refusals, the worker count, the hand-over of an ``IterableDataset``.
-* ``epoch``: one pass over an epoch (the in-order window, the commit of the position).
-* ``prefetch``: the copy of batches to the GPU ahead of the training loop.
+* ``front``: the torch-facing ``DataLoader`` (torch's arguments and attributes); it resolves its
+  options, picks a backend and delegates to it.
+* ``options``: :class:`~feedgpu.loader.options.LoaderOptions`, torch's keywords and the pipeline
+  resolved once (validated in :meth:`feedgpu.settings.LoaderSettings.from_torch`).
+* ``arguments``: torch's refusals of argument combinations, in torch's words.
+* ``backend``: the one protocol of the backends, and the choice of one per kind of dataset.
+* ``mapped``: what the map-style backends share: the order, the position, the work and the pool.
+* ``kinds``: the pipeline, torch Dataset and compiled torchvision backends.
+* ``iterable``: the ``IterableDataset`` backend (:mod:`feedgpu.exec.iterable` runs it).
+* ``epoch``: one pass over an epoch (the in-order window, the orphans, the commit of the position).
+* ``state``: the :class:`~feedgpu.loader.state.Position` and the checkpoint schema of ``state_dict``.
+* ``read_ahead``: the shard read-ahead and network totals of a loader, as one component.
 * ``samplers``: the torch samplers the loader shows for its own order, and a user's sampler.
 * ``skips``: the per-epoch skip budget.
-* ``state``: the checkpoint schema of ``state_dict`` / ``load_state_dict``.
+* ``prefetch``: the copy of batches to the GPU ahead of the training loop.
 * ``stats``: ``DataLoader.stats()``.
 
 The order itself (which batches a rank reads) is :mod:`feedgpu.order`.

@@ -36,11 +36,11 @@ class OrderSampler:
     ``loader.batch_sampler`` and drops the loader. ``set_epoch(e)`` chooses the epoch (and sets
     the loader's, while it lives), as frameworks call it before each epoch."""
 
-    def _bind(self, loader) -> None:
-        self._loader = weakref.ref(loader)
-        self.seed, self.epoch, self.shuffle = loader.seed, 0, loader.shuffle
-        self._batch_size = loader._batch_size
-        self._shards = shard_settings(loader.pipeline)
+    def _bind(self, backend) -> None:
+        self._loader = weakref.ref(backend)
+        self.seed, self.epoch, self.shuffle = backend.seed, 0, backend.shuffle
+        self._batch_size = backend.batch_size
+        self._shards = shard_settings(backend.pipeline)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
@@ -51,8 +51,8 @@ class OrderSampler:
     def __iter__(self):
         loader = self._loader()
         if loader is not None:
-            order = loader._sharded_order(collective=False)
-            self.seed, self.epoch = loader.seed, loader._position[0]
+            order = loader.order(collective=False)
+            self.seed, self.epoch = loader.seed, loader.position.epoch
             return iter(order.epoch_order(self.epoch).tolist())
         window, shard_of = self._shards if self.shuffle else (None, None)
         order = ShardedOrder(len(self.data_source), self._batch_size, shuffle=self.shuffle, seed=self.seed,
@@ -61,7 +61,7 @@ class OrderSampler:
 
     def __len__(self) -> int:
         loader = self._loader()
-        return loader._num_samples() if loader is not None else len(self.data_source)
+        return loader.num_samples() if loader is not None else len(self.data_source)
 
 
 class OrderRandomSampler(OrderSampler, tud.RandomSampler):

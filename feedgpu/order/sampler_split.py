@@ -99,16 +99,3 @@ def split_order(sampler, n: int, batch_size: int, drop_last: bool, cached) -> Sa
     if cached is not None and cached.config() == order.config():
         return cached
     return order
-
-
-def follow_sampler_epoch(loader) -> None:
-    """Choose ``loader``'s next epoch from its ``DistributedSampler`` (``loader.sampler``), as
-    torch's loader does: the sampler's ``epoch``, which only its ``set_epoch`` changes (an epoch
-    without ``set_epoch`` repeats the order of the one before). A state loaded since the last
-    iteration keeps its epoch and position unless ``set_epoch`` chose another epoch."""
-    e = int(loader.sampler.epoch)
-    if e != loader._sharding_epoch:
-        loader._sharding_epoch = e
-        loader.set_epoch(e)
-    elif loader._restored is None and loader._epoch != e:
-        loader._epoch, loader._start = e, 0

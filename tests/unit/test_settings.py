@@ -165,7 +165,7 @@ def test_the_loader_overrides_through_the_same_validators(folder_ds):
         DataLoader(p, engine={"hw_decoder_load": 3})
     dl = DataLoader(p, engine={"name": "python", "threads": 3}, max_skipped=None)
     assert dl.engine_settings.threads == 3 and dl.pipeline.engine.threads == 3 and p.engine.threads is None
-    assert dl._max_skipped is None and p.max_skipped == 0.01
+    assert dl._backend.max_skipped is None and p.max_skipped == 0.01
 
 
 def test_the_loader_takes_loader_and_output_settings_objects(folder_ds):

@@ -208,7 +208,7 @@ def test_loader_reads_in_the_shard_aware_order_and_resumes(tar_ds):
 
 def test_shuffle_false_and_sampler_views(tar_ds):
     pipe = _tar_pipe(tar_ds, shuffle="shards", shard_window=2)
-    assert DataLoader(pipe, shuffle=False)._sharded_order().epoch_order(0).tolist() == list(range(len(pipe.source)))
+    assert DataLoader(pipe, shuffle=False)._backend.order().epoch_order(0).tolist() == list(range(len(pipe.source)))
     loader = DataLoader(pipe)
     loader.set_epoch(1)
     assert list(loader.sampler) == shard_order(pipe.source.shard_of(), 4, 1, 2).tolist()
