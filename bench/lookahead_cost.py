@@ -8,7 +8,7 @@ next epoch's first batches (``feedgpu.loader.epoch.Ahead``) so the next epoch st
 for the pool to refill. In a run of one epoch those batches are never delivered, and on a CPU
 with no spare core they compete with the epoch's last batches. This runs the JPEG Dataset of
 ``bench/torch_dataset.py`` with torch's loader, feedgpu's, and feedgpu's with the lookahead
-switched off (``EpochIterator._lookahead_ok`` patched to False: a diagnostic, not a setting),
+switched off (``EpochRunner._lookahead_ok`` patched to False: a diagnostic, not a setting),
 rotating the order per round. Recorded per run: samples/s, worker CPU ms per delivered batch
 when the loop ends, and 2 s later (the lookahead's batches finished meanwhile).
 Results: ``bench/results/lookahead_cost.{json,md}``.
@@ -33,9 +33,9 @@ KINDS = ("torch", "feedgpu", "feedgpu-no-lookahead")
 
 
 def run(kind: str, ds, args) -> dict:
-    original = fe.EpochIterator._lookahead_ok
+    original = fe.EpochRunner._lookahead_ok
     if kind == "feedgpu-no-lookahead":
-        fe.EpochIterator._lookahead_ok = lambda self: False
+        fe.EpochRunner._lookahead_ok = lambda self: False
     try:
         make = tud.DataLoader if kind == "torch" else feedgpu.DataLoader
         loader = make(ds, batch_size=args.batch_size, shuffle=True, num_workers=args.workers, persistent_workers=True)
@@ -54,7 +54,7 @@ def run(kind: str, ds, args) -> dict:
         settled = sum(map(_cpu_s, pids)) - w0
         del it, loader
     finally:
-        fe.EpochIterator._lookahead_ok = original
+        fe.EpochRunner._lookahead_ok = original
     return {"rate": n / wall, "workers_ms_at_end": 1e3 * at_end / batches, "workers_ms_settled": 1e3 * settled / batches}
 
 

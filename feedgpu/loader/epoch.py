@@ -1,7 +1,7 @@
 """One pass over an epoch's batches, behind :class:`feedgpu.DataLoader`.
 
 The loader (the torch-facing front, :mod:`feedgpu.loader`) chooses the order and the work; an
-:class:`EpochIterator` submits batches of indices to the pool (or runs them inline), hands the
+:class:`EpochRunner` submits batches of indices to the pool (or runs them inline), hands the
 results to the training loop in order, counts skips against the budget and records the position
 the loader's ``state_dict()`` reports.
 
@@ -18,11 +18,10 @@ import warnings
 
 import numpy as np
 
-from .. import shard_ahead
 from ..errors import IteratorSuperseded, ShardFetchError, SkipBudgetExceeded
 from ..exec.host_buffers import pin
 from ..exec.process_pool import unpack_exception
-from ..order.sharded import ShardedOrder
+from .listeners import ReadAheadListener, pass_listeners
 from .skips import SkipBudget, epoch_samples
 
 _tags = itertools.count(1)
@@ -64,16 +63,21 @@ class Ahead:
         self.ready.clear()
 
 
-class EpochIterator:
+class EpochRunner:
     """One pass over an epoch's batches, from position ``start`` (see the order's ``view``);
-    batches come out in order."""
+    batches come out in order.
+
+    It owns the in-order window (``pending``, ``ready``), the orphans of abandoned passes (on the
+    work) and the commit of the backend's :class:`~feedgpu.loader.state.Position`; the counters,
+    the skip budget, the shard read-ahead, the copy-on-read watch and the balancer subscribe to
+    its events (:mod:`feedgpu.loader.listeners`). ``host``: the backend
+    (:class:`~feedgpu.loader.mapped.MapBackend`)."""
 
     def __init__(self, host, order, epoch: int, start: int, deferred_commit: bool = False):
         self.host, self.epoch, self.order = host, epoch, order
         self.position = host.position
         self.view = order.view(epoch, start)
-        self._unfetched: set[str] = set()
-        self._lost: dict[int, int] = {}     # shards whose download failed for good -> samples left
+        self.listeners: list = []   # (pass_listeners, once the work and the pool are up)
         self._fatal: tuple | None = None    # (batch, error): a lost shard the skip budget cannot hold
         first = self.next_b = self.view.first   # batches are numbered as in the whole epoch
         # With device prefetch, a batch counts as seen when the prefetcher hands it to the
@@ -103,17 +107,15 @@ class EpochIterator:
         self.pool = None if self.inline else host.acquire_pool()
         self.shards = host.read_ahead.for_view(self.view)   # shards fetched ahead (None: not attached)
         # the balancer sizes the pool, or the DALI engine's threads (set_threads)
-        self.auto = host.autoscaler
-        self.balanced = self.auto is not None and (self.pool is not None or hasattr(self.work, "set_threads"))
-        if self.balanced:
-            self.auto.start(self._pids())
-        self.watch = host.memory_watch   # a torch Dataset's copy-on-read growth
-        if self.pool is not None and self.watch is not None:
-            self.watch.start(self.pool.pids(), epoch)
+        self.balanced = host.autoscaler is not None and (self.pool is not None or hasattr(self.work, "set_threads"))
+        self.listeners = pass_listeners(host, self)
+        self.fetching = next((x for x in self.listeners if isinstance(x, ReadAheadListener)), None)
+        for listener in self.listeners:
+            listener.on_start()
         self.ahead: Ahead | None = None      # the next epoch's batches this iterator submits
         self._adopt(host.take_ahead(), epoch, start)
         self.position.begin(epoch, start)
-        self._fill()
+        self.fill()
 
     def _adopt(self, ahead: "Ahead | None", epoch: int, start: int) -> None:
         """Take over the batches the previous iteration submitted for this epoch, if they fit."""
@@ -129,7 +131,7 @@ class EpochIterator:
 
     def _lookahead_ok(self) -> bool:
         # not with a cache: its rows become readable at the epoch-end flush, which must come first
-        return (self.host.persistent_workers and isinstance(self.order, ShardedOrder) and self.pool is not None
+        return (self.host.persistent_workers and self.order.seekable and self.pool is not None
                 and not self.host.cached and self.shards is None)
 
     def _take(self) -> np.ndarray | None:
@@ -170,30 +172,27 @@ class EpochIterator:
         view = self.view if epoch is None or epoch == self.epoch else self.order.view(epoch)
         return view.spares(b, max(4, size))
 
-    def _fetch(self, b: int) -> None:
-        if self.shards is not None:
-            shard_ahead.fetch_batch(self.shards, self.view, b, self._unfetched, self.budget, self._lost)
-
-    def _fetched(self, b: int) -> None:
-        if self.shards is not None:
-            shard_ahead.release_batch(self.shards, self.view, b)
+    def _submitting(self, b: int) -> None:
+        for listener in self.listeners:
+            listener.on_submit(b)
 
     def _submit(self, tag: int, seq: int, epoch: int, indices: np.ndarray, pending: dict) -> None:
         task = self.work.task(tag, seq, epoch, indices, self._spares(seq, len(indices), epoch))
         self.pool.submit(task)
         pending[seq] = task
 
-    def _fill(self) -> None:
+    def fill(self) -> None:
+        """Submit batches up to the in-flight limit (and the next epoch's first ones, when this one is all
+        submitted and persistent workers run it)."""
         limit = self.host.inflight_limit()
         while (self.submitted < self.nb and len(self.pending) + len(self.ready) < limit
                and self.work.can_submit()):
-            if (self.shards is not None and self.submitted > self.next_b
-                    and not shard_ahead.batch_ready(self.shards, self.view, self.submitted)):
+            if self.fetching is not None and self.submitted > self.next_b and not self.fetching.ready(self.submitted):
                 break   # a later batch waits for its shards; only the next one blocks on the network
             if self._fatal is not None:
                 break
             try:
-                self._fetch(self.submitted)   # its shards first: a shard lost for good stops here
+                self._submitting(self.submitted)   # its shards first: a shard lost for good stops here
             except ShardFetchError as e:
                 self._fatal = (self.submitted, e)   # raised when the loop asks for this batch
                 break
@@ -253,13 +252,13 @@ class EpochIterator:
         try:
             if self.inline:
                 indices = self._indices(b)
-                self._fetch(b)
+                self._submitting(b)
                 if self.work.runs_ahead:  # DALI: start this and the next batches, in order
                     for k in range(b, min(self.nb, b + 1 + self.host.prefetch)):
                         ks = self._indices(k)
                         if ks is None:
                             break
-                        self._fetch(k)
+                        self._submitting(k)
                         self.work.prefetch(k, self.epoch, ks, self._spares(k, len(ks)))
                     batch, report = self.work.run_inline(b, self.epoch, indices, self._spares(b, len(indices)))
                 else:
@@ -276,7 +275,8 @@ class EpochIterator:
             self.close()
             self.host.release_pool(force=True)  # after an error, even persistent workers restart
             raise
-        self._fetched(b)
+        for listener in self.listeners:
+            listener.on_result(b)
         if cause is not None:
             self._skip_failed(b)
             # raised outside the handler (no context) and without `self` in this frame, which the
@@ -284,33 +284,23 @@ class EpochIterator:
             # freed and stops its workers at once
             del self
             raise cause
-        host = self.host
         if report is not None:
             if report.skipped:  # a bad sample met again as another's spare: one skip per epoch
                 report.skipped = [s for s in report.skipped if s[0] not in self._bad]
                 self._bad.update(key for key, _, _ in report.skipped)
-            host.metrics.add_report(report)
-            host.read_ahead.note_report(report)
-            if report.skipped:
-                try:
-                    self.budget.add(report.skipped)
-                except SkipBudgetExceeded:
-                    self.close()
-                    host.release_pool(force=True)
-                    raise
+            try:
+                for listener in self.listeners:
+                    listener.on_report(b, report)
+            except SkipBudgetExceeded:
+                self.close()
+                self.host.release_pool(force=True)
+                raise
         rows = _rows(batch)
         waited = time.perf_counter() - t0
-        host.metrics.delivered(rows, waited)
-        watch = self.watch
-        if watch is not None and not watch.done and not self.inline:
-            watch.on_batch(self.epoch, b, self.view.first, self.nb, self.pool.pids())
-        if self.balanced:
-            d = self.auto.on_batch(rows, waited, self._pids(),
-                                   remote_started=None if self.pool is None else self.pool.remote_started)
-            if d is not None:
-                self._apply(d)
+        for listener in self.listeners:
+            listener.on_delivered(b, rows, waited)
         self.next_b = b + 1
-        if host.pin_memory:
+        if self.host.pin_memory:
             batch = pin(batch)
         if self.deferred:
             self.uncommitted.append((b, rows))
@@ -320,10 +310,10 @@ class EpochIterator:
             self.close()
         return batch
 
-    def _pids(self) -> list[int]:
+    def pids(self) -> list[int]:
         return [] if self.pool is None else self.pool.pids()
 
-    def _apply(self, d) -> None:
+    def apply(self, d) -> None:
         """Resize the pool (or DALI's threads) and the prefetch depth between two batches (the
         epoch goes on). A worker that an experiment stops using is parked for ``PARK_S``
         seconds, so that undoing the experiment takes it back warm instead of starting one; a
@@ -342,7 +332,7 @@ class EpochIterator:
         if d.remote_workers != self.pool.remote_workers:
             self.pool.resize_remote(d.remote_workers)
         host.set_live(d.workers, d.prefetch)
-        self._fill()
+        self.fill()
 
     def _skip_failed(self, b: int) -> None:
         """Batch ``b`` raised: it counts as consumed (a resume does not meet it again)."""
@@ -354,7 +344,7 @@ class EpochIterator:
         if self.next_b >= self.nb:
             self.close()
         elif not self.inline:
-            self._fill()
+            self.fill()
 
     def commit(self) -> None:
         """The oldest batch handed out by this iterator has reached the training loop."""
@@ -371,8 +361,8 @@ class EpochIterator:
 
     def _wait(self, b: int):
         while b not in self.ready:
-            if self.shards is not None and self.submitted <= b:   # held back for its shards
-                self._fill()
+            if self.fetching is not None and self.submitted <= b:   # held back for its shards
+                self.fill()
                 if self._fatal is not None and b >= self._fatal[0]:
                     raise self._fatal[1]   # a shard lost for good: __next__ closes and raises it
             tag, seq, wid, ok, payload = self.pool.get(self.host.timeout or None)
@@ -396,7 +386,7 @@ class EpochIterator:
                 self.host.metrics.network[net[0]] = net[1]
             raise BatchFailed(exc)
         batch = self.work.finish(task, payload)
-        self._fill()
+        self.fill()
         report = payload if self.host.reports else None
         return batch, report
 
@@ -404,8 +394,8 @@ class EpochIterator:
         if self.closed:
             return
         self.closed = True
-        if self.shards is not None:
-            self.host.read_ahead.closed(self.shards)   # its figures kept; remote sources: download threads
+        for listener in self.listeners:
+            listener.on_close()
         keep_pool = self.host.persistent_workers
         for seq, task in self.pending.items():
             if keep_pool:  # its result still comes and is dropped on arrival

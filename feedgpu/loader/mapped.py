@@ -4,7 +4,7 @@ the work and pool its epochs run on.
 :class:`MapBackend` is what the pipeline, the torch Dataset and the torchvision backends share
 (:mod:`feedgpu.loader.kinds` holds what differs: the work, the spares, what ``explain()`` says).
 It owns the loader's :class:`~feedgpu.loader.state.Position` and hands it to each pass's
-:class:`~feedgpu.loader.epoch.EpochIterator`, which commits batches to it as the training loop
+:class:`~feedgpu.loader.epoch.EpochRunner`, which commits batches to it as the training loop
 receives them.
 """
 from __future__ import annotations
@@ -25,11 +25,12 @@ from ..order.sampler_split import split_order
 from ..order.sharded import ShardedOrder
 from . import state as loader_state
 from .arguments import refuse_unagreed_seed
-from .epoch import Ahead, EpochIterator, close_live
+from .epoch import Ahead, EpochRunner, close_live
 from .options import LoaderOptions
 from .read_ahead import ReadAhead
-from .samplers import (OrderRandomSampler, OrderSampler, OrderSequentialSampler, UserOrder, order_len,
-                       reads_as_sharding, shard_settings, sharded)
+from ..order.user import UserOrder
+from .samplers import (OrderRandomSampler, OrderSampler, OrderSequentialSampler, reads_as_sharding, shard_settings,
+                       sharded)
 from .state import Position
 from .stats import loader_stats
 
@@ -263,10 +264,10 @@ class MapBackend:
         pos = self.position
         if self.user is not None:  # a user's sampler keeps its owner's epoch (UserOrder.epoch_for)
             pos.next_epoch = self.user.epoch_for(pos.next_epoch, self.restored is not None or self.drives_sampler_epoch)
-        if self.start and isinstance(order, ShardedOrder) and self.start >= order.n:
+        if self.start and order.seekable and self.start >= order.end():
             pos.next_epoch, self.start = pos.next_epoch + 1, 0  # the restored epoch was complete
         self.restored = None
-        it = EpochIterator(self, order, pos.next_epoch, self.start, deferred_commit=self.deferred_commit)
+        it = EpochRunner(self, order, pos.next_epoch, self.start, deferred_commit=self.deferred_commit)
         self.start = 0
         self.live = weakref.ref(it)  # dropping the iterator (break, del) stops its workers
         return self.wrap(it)
@@ -279,7 +280,7 @@ class MapBackend:
         self.live = None
 
     def live_iterator(self):
-        """The running pass's :class:`EpochIterator`, None when there is none."""
+        """The running pass's :class:`EpochRunner`, None when there is none."""
         return self.live() if self.live is not None else None
 
     def take_ahead(self) -> Ahead | None:
@@ -305,17 +306,16 @@ class MapBackend:
         order = self.order(collective=False)
         p = self.position
         return loader_state.make_state(self.source_fingerprint(), p.epoch, p.start, p.batches_seen,
-                                       p.rows_seen if p.start else 0, self.seed, order.config(),
-                                       isinstance(order, ShardedOrder), order_len(order))
+                                       p.rows_seen if p.start else 0, self.seed, order.config(), order.seekable,
+                                       order.known_len())
 
     def load_state_dict(self, state: dict) -> None:
         order = self.order(collective=False)
-        sharded_ = isinstance(order, ShardedOrder)
         fingerprint = loader_state.fingerprint_for(state, self.source_fingerprint(), self.pipeline)
-        epoch, start, batches, rows, seed = loader_state.read_state(state, fingerprint, order.config(), sharded_)
+        epoch, start, batches, rows, seed = loader_state.read_state(state, fingerprint, order.config(), order.seekable)
         self.shutdown()  # workers and buffers are rebuilt with the restored seed
         self.set_seed(seed)
-        known = order.n if sharded_ else order_len(order)   # a sampler without len(): replayed to its end
+        known = order.end()   # None: a sampler without len(), replayed to its end
         if known is not None and start >= known:
             epoch, start, batches, rows = epoch + 1, 0, 0, 0
         self.start = start
