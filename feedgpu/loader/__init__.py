@@ -11,10 +11,14 @@ Rooms:
 * ``mapped``: what the map-style backends share: the order, the position, the work and the pool.
 * ``kinds``: the pipeline, torch Dataset and compiled torchvision backends.
 * ``iterable``: the ``IterableDataset`` backend (:mod:`feedgpu.exec.iterable` runs it).
-* ``epoch``: one pass over an epoch (the in-order window, the orphans, the commit of the position).
+* ``epoch``: :class:`~feedgpu.loader.epoch.EpochRunner`, one pass over an epoch (the in-order
+  window, the orphans, the commit of the position).
+* ``listeners``: what subscribes to a pass: counters, skip budget, shard read-ahead, copy-on-read
+  watch, balancer.
 * ``state``: the :class:`~feedgpu.loader.state.Position` and the checkpoint schema of ``state_dict``.
 * ``read_ahead``: the shard read-ahead and network totals of a loader, as one component.
-* ``samplers``: the torch samplers the loader shows for its own order, and a user's sampler.
+* ``samplers``: the torch samplers the loader shows for its own order (a user's sampler is
+  :class:`~feedgpu.order.user.UserOrder`).
 * ``skips``: the per-epoch skip budget.
 * ``prefetch``: the copy of batches to the GPU ahead of the training loop.
 * ``stats``: ``DataLoader.stats()``.

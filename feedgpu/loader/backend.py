@@ -49,6 +49,8 @@ class Backend(Protocol):
 
     def explain(self) -> str: ...
 
+    def torch_attributes(self, given: dict) -> dict: ...
+
 
 def pick_backend(dataset, given: dict) -> Backend:
     """The backend of a loader over ``dataset`` made with the keyword arguments ``given``. Raises

@@ -50,11 +50,11 @@ class DataLoader(tud.DataLoader[T_co]):
             iteration starts from ``torch.distributed`` when it is initialized, else 0 of 1, so a
             loader built before ``init_process_group`` shards too. Every rank gets ``len(loader)``
             batches. A ``DistributedSampler`` as ``sampler`` (what Lightning injects) is split as
-            torch splits it, with its seed and epoch (:mod:`feedgpu.sampler_split`).
+            torch splits it, with its seed and epoch (:mod:`feedgpu.order.sampler_split`).
             Taken from ``torch.distributed``, construction (when it is initialized by then) and
             the first iteration on a world size are collective: they raise :class:`ConfigError`
             on every rank when a rank has no data or ranks hold different sample counts, and
-            every rank takes rank 0's ``seed`` (:mod:`feedgpu.distributed`).
+            every rank takes rank 0's ``seed`` (:mod:`feedgpu.order.distributed`).
         device: for a pipeline, where batches are delivered (``"cpu"``, ``"cuda[:N]"``, ``"auto"``).
             On CUDA, batches are copied from pinned buffers on a side stream ``prefetch_factor``
             batches ahead, and normalize runs on the GPU.
@@ -145,24 +145,9 @@ class DataLoader(tud.DataLoader[T_co]):
         self.max_skipped = None if max_skipped is UNSET else max_skipped
         self.dataset, self.pin_memory, self.num_workers = dataset, b.pin_memory, b.num_workers
         self.prefetch_factor = b.prefetch_factor   # (before multiprocessing_context: torch's setter reads them)
-        options = getattr(b, "options", None)   # None: an IterableDataset, run as torch runs it
-        if options is None:
-            r = b.runner
-            self.pipeline, self.shuffle, self.sampler, self.batch_sampler = None, False, None, None
-            self.batch_size, self.drop_last, self.timeout = r.batch_size, r.drop_last, r.timeout
-            self.collate_fn, self.worker_init_fn = r.collate_fn, r.worker_init_fn
-            self.persistent_workers = r.persistent_workers
-            self.multiprocessing_context = multiprocessing_context if r.num_workers > 0 else None
-        else:
-            self.seed, self.multiprocessing_context = b.seed, multiprocessing_context
-            s = options.settings
-            self.pipeline, self.auto_workers, self.shuffle = options.pipeline, options.auto_workers, options.shuffle
-            self.timeout, self.persistent_workers = s.timeout, s.persistent_workers
-            self.collate_fn = collate_fn if options.pipeline is None else None
-            self.batch_size = None if options.unbatched or batch_sampler is not None else s.batch_size
-            self.drop_last = False if batch_sampler is not None else s.drop_last
-            self.sampler, self.batch_sampler = b.sampler, b.batch_sampler
-            b.mirror = _mirror(self)   # the live worker count, prefetch depth and seed, as attributes
+        for name, value in b.torch_attributes(given).items():   # multiprocessing_context last: torch's setter
+            setattr(self, name, value)                            # reads num_workers
+        b.mirror = _mirror(self)   # the live worker count, prefetch depth and seed, as attributes
         self._frozen = True
 
     # -- torch DataLoader surface --------------------------------------------------------------

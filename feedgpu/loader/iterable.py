@@ -32,6 +32,16 @@ class IterableBackend:
         self.runner: IterableRunner = runner_for_loader(dataset, **defaulted, **{k: given[k] for k in _PASSED},
                                                         feedgpu_options=opts)
         self.dataset = dataset
+        self.mirror = None   # (the loader's attributes never change: the runner's settings are fixed)
+
+    def torch_attributes(self, given: dict) -> dict:
+        """torch's attributes of the loader, as the runner resolved them."""
+        r = self.runner
+        return {"pipeline": None, "shuffle": False, "sampler": None, "batch_sampler": None,
+                "batch_size": r.batch_size, "drop_last": r.drop_last, "timeout": r.timeout,
+                "collate_fn": r.collate_fn, "worker_init_fn": r.worker_init_fn,
+                "persistent_workers": r.persistent_workers,
+                "multiprocessing_context": given["multiprocessing_context"] if r.num_workers > 0 else None}
 
     @property
     def num_workers(self) -> int:

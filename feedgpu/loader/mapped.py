@@ -90,6 +90,18 @@ class MapBackend:
         if self.autoscaler is not None:
             self.read_ahead.on_wait = self.autoscaler.add_network_wait
 
+    def torch_attributes(self, given: dict) -> dict:
+        """torch's attributes of the loader (and ``seed``, ``pipeline``, ``auto_workers``), from its
+        keyword arguments ``given``."""
+        o, s = self.options, self.options.settings
+        batch_sampler = given["batch_sampler"] is not None
+        return {"seed": self.seed, "pipeline": o.pipeline, "auto_workers": o.auto_workers, "shuffle": o.shuffle,
+                "timeout": s.timeout, "persistent_workers": s.persistent_workers,
+                "collate_fn": given["collate_fn"] if o.pipeline is None else None,
+                "batch_size": None if o.unbatched or batch_sampler else s.batch_size,
+                "drop_last": False if batch_sampler else s.drop_last, "sampler": self.sampler,
+                "batch_sampler": self.batch_sampler, "multiprocessing_context": given["multiprocessing_context"]}
+
     # -- construction ---------------------------------------------------------------------------
     def _seed(self, seed) -> int:
         if seed is None:

@@ -7,7 +7,7 @@ and the torch samplers it shows to frameworks.
   Lightning and accelerate recognise "the default sampler" and inject their distributed one) and
   ``loader.batch_sampler`` a plain ``torch.utils.data.BatchSampler`` over it.
 * A plain ``torch.utils.data.DistributedSampler`` given as ``sampler`` (what Lightning injects
-  when it re-creates a loader) is read, not iterated: :class:`~feedgpu.sampler_split.SamplerSplit`
+  when it re-creates a loader) is read, not iterated: :class:`~feedgpu.order.sampler_split.SamplerSplit`
   computes the same split from its ``seed``, ``epoch``, ``shuffle``, ``drop_last``, ``rank`` and
   ``num_replicas``, as a seekable order, so the loader gives torch's rows and keeps exact resume
   and the skip budget.
@@ -80,7 +80,7 @@ class OrderSequentialSampler(OrderSampler, tud.SequentialSampler):
 
 
 def reads_as_sharding(sampler) -> bool:
-    """True for a plain ``DistributedSampler``, whose split :mod:`feedgpu.sampler_split` computes."""
+    """True for a plain ``DistributedSampler``, whose split :mod:`feedgpu.order.sampler_split` computes."""
     return type(sampler) is tud.DistributedSampler
 
 
