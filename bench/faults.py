@@ -86,7 +86,7 @@ def pipeline(ds, workers: int, extra=(), **kw):
 
 
 def expected(n: int, epoch: int = 0) -> list[int]:
-    from feedgpu.sampling import ShardedOrder
+    from feedgpu.order.sharded import ShardedOrder
 
     return ShardedOrder(n, BS, shuffle=True, seed=SEED).shard(epoch).tolist()
 
@@ -300,7 +300,7 @@ def f_cache_check(a) -> dict:
     cache = loader.stats()["cache"]
     mismatched = sum(not (torch.equal(x[0], y[0]) and torch.equal(x[1], y[1])) for x, y in zip(ref, got))
     labels = [int(v) for _, y in got for v in y]
-    from feedgpu.sampling import ShardedOrder
+    from feedgpu.order.sharded import ShardedOrder
 
     exp = ShardedOrder(a.cache_samples, BS, shuffle=True, seed=SEED).shard(0).tolist()
     return {**tally(exp, labels), "after_kill": before, "mismatched_batches": mismatched + abs(len(ref) - len(got)),

@@ -4,11 +4,11 @@
     .venv/bin/python -m bench.lookahead_cost --rounds 3
 
 With ``persistent_workers``, once every batch of the epoch is submitted, feedgpu submits the
-next epoch's first batches (``feedgpu.epoch.Ahead``) so the next epoch starts without waiting
+next epoch's first batches (``feedgpu.loader.epoch.Ahead``) so the next epoch starts without waiting
 for the pool to refill. In a run of one epoch those batches are never delivered, and on a CPU
 with no spare core they compete with the epoch's last batches. This runs the JPEG Dataset of
 ``bench/torch_dataset.py`` with torch's loader, feedgpu's, and feedgpu's with the lookahead
-switched off (``EpochIterator._lookahead_ok`` patched to False: a diagnostic, not a setting),
+switched off (``EpochRunner._lookahead_ok`` patched to False: a diagnostic, not a setting),
 rotating the order per round. Recorded per run: samples/s, worker CPU ms per delivered batch
 when the loop ends, and 2 s later (the lookahead's batches finished meanwhile).
 Results: ``bench/results/lookahead_cost.{json,md}``.
@@ -25,7 +25,7 @@ import warnings
 import torch.utils.data as tud
 
 import feedgpu
-import feedgpu.epoch as fe
+import feedgpu.loader.epoch as fe
 from feedgpu.sample_data import default_sample
 from bench.torch_dataset import RESULTS, JpegFolder, cpu_s as _cpu_s
 
@@ -33,9 +33,9 @@ KINDS = ("torch", "feedgpu", "feedgpu-no-lookahead")
 
 
 def run(kind: str, ds, args) -> dict:
-    original = fe.EpochIterator._lookahead_ok
+    original = fe.EpochRunner._lookahead_ok
     if kind == "feedgpu-no-lookahead":
-        fe.EpochIterator._lookahead_ok = lambda self: False
+        fe.EpochRunner._lookahead_ok = lambda self: False
     try:
         make = tud.DataLoader if kind == "torch" else feedgpu.DataLoader
         loader = make(ds, batch_size=args.batch_size, shuffle=True, num_workers=args.workers, persistent_workers=True)
@@ -54,7 +54,7 @@ def run(kind: str, ds, args) -> dict:
         settled = sum(map(_cpu_s, pids)) - w0
         del it, loader
     finally:
-        fe.EpochIterator._lookahead_ok = original
+        fe.EpochRunner._lookahead_ok = original
     return {"rate": n / wall, "workers_ms_at_end": 1e3 * at_end / batches, "workers_ms_settled": 1e3 * settled / batches}
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from feedgpu.sampling import ShardedOrder
+from feedgpu.order.sharded import ShardedOrder
 from feedgpu.shard_ahead import ShardAhead
 
 RESULTS = Path(__file__).resolve().parent / "results"

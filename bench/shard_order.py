@@ -5,7 +5,7 @@
 
 Each round times, one after the other in this process, the plain shuffle's epoch order
 (``ShardedOrder.epoch_order``: ``default_rng([seed, epoch]).permutation(n)``) and
-:func:`feedgpu.shard_order.shard_order` for the same ``n`` samples in shards of ``--shard-size``
+:func:`feedgpu.order.shard_shuffle.shard_order` for the same ``n`` samples in shards of ``--shard-size``
 (epoch = round, so each round draws a new order). Reported: seconds per epoch order (median and
 per-round range) and their ratio per round; for the last round's orders, the most shards open at
 once and the share of consecutive samples from the same shard. Results:
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from feedgpu.sampling import ShardedOrder
-from feedgpu.shard_order import max_open, same_shard_neighbours, shard_order
+from feedgpu.order.sharded import ShardedOrder
+from feedgpu.order.shard_shuffle import max_open, same_shard_neighbours, shard_order
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

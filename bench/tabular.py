@@ -53,7 +53,7 @@ def _batches(subject: str, fit: str, batch_size: int, seed: int):
     import torch
 
     if subject == "pandas":
-        from feedgpu.sampling import ShardedOrder
+        from feedgpu.order.sharded import ShardedOrder
         from bench.tabular_pandas import PandasPipeline
 
         pp = PandasPipeline(_pipeline(fit))

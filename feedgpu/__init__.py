@@ -25,7 +25,7 @@ __all__ = [
 
 #: public name -> the module that defines it, imported when the name is first read
 _LAZY = {
-    "Batch": ".exec.work", "CopyOnReadWarning": ".exec.memory_watch", "DataLoader": ".loader",
+    "Batch": ".exec.work", "CopyOnReadWarning": ".exec.memory_watch", "DataLoader": ".loader.front",
     "DatasetSource": ".sources", "FolderSource": ".sources", "MemoryBudgetWarning": ".exec.memory_budget",
     "ParquetSource": ".sources.parquet", "Pipeline": ".pipeline", "SkippedSampleWarning": ".metrics",
     "TarShardSource": ".sources", "pil_build": ".imaging",

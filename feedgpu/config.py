@@ -20,8 +20,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 from .errors import ConfigError
-from .settings import (CacheSection, EngineSettings, ExecutorSettings, LoaderSettings, OutputSettings,
-                       SourceSettings)
+from .cache.settings import CacheSection
+from .exec.engines import EngineSettings
+from .exec.executors import ExecutorSettings
+from .settings import LoaderSettings, OutputSettings, SourceSettings
 from .settings_base import UNKNOWN_KEY, merge_branches, message, nested
 from .stages.params import param_model
 from .stages.registry import stage_classes

@@ -20,6 +20,10 @@ class ConfigError(FeedgpuError, ValueError):
     """
 
 
+class ArgumentTypeError(ConfigError, TypeError):
+    """A DataLoader argument of the wrong type, where torch's DataLoader raises ``TypeError``."""
+
+
 class SourceError(FeedgpuError):
     """A data source cannot be opened or indexed (missing path, no samples, unreadable shard)."""
 

@@ -12,8 +12,10 @@ from .balancer.autoscale import cpu_cores, fixed_workers
 from .balancer import start_workers
 from .exec.plan import Plan, make_plan
 from .exec.executors import check_executor
-from .settings import (CacheSettings, EngineSettings, ExecutorSettings, LoaderSettings, OutputSettings,
-                       SourceSettings)
+from .cache.settings import CacheSettings
+from .exec.engines import EngineSettings
+from .exec.executors import ExecutorSettings
+from .settings import LoaderSettings, OutputSettings, SourceSettings
 from .settings_base import field_names
 from .sources import DatasetSource, Source, open_source
 from .stages import Normalize, Stage, stage_classes

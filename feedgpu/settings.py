@@ -19,20 +19,20 @@ YAML section   class                                       ``Pipeline`` attribut
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+import dataclasses
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, field_validator
 
 from .cache.settings import CacheSection, CacheSettings
-from .errors import ConfigError
+from .errors import ArgumentTypeError, ConfigError
 from .exec.engines import EngineSettings
 from .exec.executors import ExecutorSettings
 from .exec.memory_budget import parse_worker_memory
 from .settings_base import defaults, settings_class
-from .skips import max_skipped_problem
+from .loader.skips import max_skipped_problem
 
-__all__ = ["CacheSection", "CacheSettings", "EngineSettings", "ExecutorSettings", "LoaderSettings", "OutputSettings",
-           "SECTIONS", "SourceSettings", "defaults"]
+__all__ = ["LoaderSettings", "OutputSettings", "SECTIONS", "SourceSettings", "TORCH_DEFAULTS"]
 
 
 @settings_class("loader")
@@ -42,12 +42,12 @@ class LoaderSettings:
     Args:
         batch_size (int): samples per batch, >= 1 (default 256).
         shuffle (bool | "shards"): reshuffle every epoch (default True); ``"shards"``: reshuffle
-            with about ``shard_window`` shards open at a time (:mod:`feedgpu.shard_order`; for
+            with about ``shard_window`` shards open at a time (:mod:`feedgpu.order.shard_shuffle`; for
             shards fetched from the network).
         shard_window (int): shards open at a time with ``shuffle="shards"``, >= 1 (default 8;
             not used otherwise).
         drop_last (bool): drop each epoch's incomplete tail (default False; see
-            :mod:`feedgpu.sampling`).
+            :mod:`feedgpu.order.sharded`).
         num_workers (int | "auto"): worker processes, >= 0 (0: in the main process), or
             ``"auto"`` (default): the throughput balancer sizes the pool while it runs.
         prefetch_factor (int): batches in flight per worker, >= 1 (default 2).
@@ -58,7 +58,7 @@ class LoaderSettings:
             or ``"raise"`` them.
         max_skipped (float | int | None): skip budget per epoch and rank: a share in [0, 1] of
             the epoch's samples (default 0.01), an int count >= 0, or None (no limit); booleans
-            are refused. See :mod:`feedgpu.skips`.
+            are refused. See :mod:`feedgpu.loader.skips`.
         timeout (float): seconds to wait for a batch before :class:`~feedgpu.errors.LoaderTimeout`,
             >= 0 (default 0: forever).
         worker_memory (int | str): bytes each worker may hold (its own memory and its batches in
@@ -105,6 +105,61 @@ class LoaderSettings:
         except ConfigError as e:
             raise ValueError(str(e)) from None
         return v
+
+    @classmethod
+    def from_torch(cls, given: dict[str, Any], base: "LoaderSettings", remote: bool = False) -> "LoaderSettings":
+        """``base`` (a pipeline's ``loader:`` section, or :data:`TORCH_DEFAULTS`) with the keywords
+        of ``torch.utils.data.DataLoader`` that were given (``given``: name -> value, only those
+        passed; ``prefetch_factor=None`` counts as not passed, as in torch).
+
+        Checked here, in torch's words and in torch's order: ``batch_size``, ``drop_last``,
+        ``num_workers``, ``prefetch_factor`` (only with workers; 0 is refused: no batch would ever
+        be asked for), ``persistent_workers`` (only with workers), ``timeout``. Without a given
+        ``persistent_workers``, workers persist as ``base`` says when there are workers (or
+        ``remote`` ones). Raises :class:`ArgumentTypeError` (a ``TypeError``) where torch raises
+        ``TypeError``, :class:`ConfigError` (a ``ValueError``) otherwise."""
+        g = {k: v for k, v in given.items() if not (k == "prefetch_factor" and v is None)}
+        bs = g.get("batch_size", base.batch_size)
+        if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
+            raise ConfigError(f"batch_size should be a positive integer value, but got batch_size={bs}")
+        if "drop_last" in g and not isinstance(g["drop_last"], bool):
+            raise ConfigError(f"drop_last should be a boolean value, but got drop_last={g['drop_last']}")
+        nw = g.get("num_workers", base.num_workers)
+        if nw != "auto" and (isinstance(nw, bool) or not isinstance(nw, int)):
+            raise ArgumentTypeError(f"num_workers must be an int >= 0 or 'auto', got {nw!r}")
+        if nw != "auto" and nw < 0:
+            raise ConfigError("num_workers option should be non-negative; use num_workers=0 to disable "
+                              "multiprocessing.")
+        workers = nw == "auto" or nw > 0
+        pf = g.get("prefetch_factor")
+        if not workers and pf is not None:
+            raise ConfigError("prefetch_factor option could only be specified in multiprocessing.let num_workers "
+                              "> 0 to enable multiprocessing, otherwise set prefetch_factor to None.")
+        if g.get("persistent_workers") is True and not workers:
+            raise ConfigError("persistent_workers option needs num_workers > 0")
+        if pf is not None and (isinstance(pf, bool) or not isinstance(pf, int)):
+            raise ArgumentTypeError(f"prefetch_factor must be an int, got {pf!r}")
+        if pf is not None and pf < 0:
+            raise ConfigError("prefetch_factor option should be non-negative")
+        if pf == 0:  # torch's loader would wait for ever: no batch is ever asked for
+            raise ConfigError("prefetch_factor=0 asks the workers for no batch; give prefetch_factor >= 1")
+        t = g.get("timeout", base.timeout)
+        if isinstance(t, bool) or not isinstance(t, (int, float)):
+            raise ArgumentTypeError(f"timeout must be a number of seconds, got {t!r}")
+        if t < 0:
+            raise ConfigError("timeout option should be non-negative")
+        if "persistent_workers" not in g:
+            g["persistent_workers"] = bool(base.persistent_workers and (workers or remote))
+        g["timeout"] = float(t)
+        if "shuffle" in g:
+            g["shuffle"] = bool(g["shuffle"])   # torch reads its truth value
+        return dataclasses.replace(base, **g)
+
+
+#: ``torch.utils.data.DataLoader``'s defaults, as the loader settings of a torch Dataset (the only
+#: place they are written): one sample per batch, in order, in the main process, errors raised
+TORCH_DEFAULTS = LoaderSettings(batch_size=1, shuffle=False, drop_last=False, num_workers=0, prefetch_factor=2,
+                                persistent_workers=False, seed=0, on_error="raise", max_skipped=None, timeout=0.0)
 
 
 @settings_class("output")

@@ -1,7 +1,7 @@
 """Read-ahead of shards: fetch the shards an epoch's order needs before its reader gets there.
 
 The sampler knows which samples come next (a rank's view of the epoch order,
-:class:`~feedgpu.sampling.EpochShard`), and the source which shard each is in
+:class:`~feedgpu.order.sharded.EpochShard`), and the source which shard each is in
 (:meth:`~feedgpu.sources.base.Source.shard_of`). :class:`ShardAhead` turns them into the order
 in which shards are first needed and keeps a :class:`Fetcher` (a node-local shard cache) busy
 ahead of the reader, within two budgets:
@@ -77,7 +77,7 @@ class ShardAhead:
             (default): the most shards the order has open at once plus ``max_in_flight``.
         timeout: seconds an :meth:`acquire` waits before :class:`ShardFetchError` (None: no limit).
         on_wait: called with the seconds each blocked :meth:`acquire` waited (for the loader:
-            :meth:`Autoscaler.add_network_wait <feedgpu.exec.autoscale.Autoscaler.add_network_wait>`),
+            :meth:`Autoscaler.add_network_wait <feedgpu.balancer.autoscale.Autoscaler.add_network_wait>`),
             outside the read-ahead's lock; None (default): only :meth:`stats` counts them.
         clock: monotonic clock in seconds (tests inject one).
 
@@ -103,7 +103,7 @@ class ShardAhead:
         self.need = used[np.argsort(first[used], kind="stable")]
         self._refs = np.bincount(self.seq, minlength=shards).astype(np.int64)
         if max_held is None:
-            from .shard_order import max_open
+            from .order.shard_shuffle import max_open
 
             max_held = (max_open(order, shard_of) if len(order) else 1) + max_in_flight
         self.max_in_flight, self.max_held, self.timeout = max_in_flight, max_held, timeout
@@ -129,7 +129,7 @@ class ShardAhead:
 
     @classmethod
     def for_view(cls, view, source, fetcher: Fetcher, **options) -> "ShardAhead":
-        """The read-ahead of one rank's epoch: ``view`` an :class:`~feedgpu.sampling.EpochShard`
+        """The read-ahead of one rank's epoch: ``view`` an :class:`~feedgpu.order.sharded.EpochShard`
         (``order.view(epoch, start)``, so a resumed epoch fetches only what is left), ``source``
         a :class:`~feedgpu.sources.base.Source` (its ``shard_of()`` and ``shard_names()``);
         ``options`` as for the constructor."""
@@ -369,27 +369,12 @@ def attach(loader, fetcher: Fetcher | None, **options) -> None:
     ends the epoch with :class:`ShardFetchError` before any of them is read (:func:`fetch_batch`). The next epoch's first batches are not started early while a fetcher is attached
     (they would need that epoch's shards). Raises :class:`ConfigError` for a loader without a
     pipeline or with a user's sampler."""
-    if fetcher is not None and (loader.pipeline is None or loader._user is not None):
-        raise ConfigError("shard read-ahead needs a feedgpu Pipeline read in feedgpu's own order "
-                          "(not a torch Dataset or a user's sampler)")
     unknown = set(options) - {"max_in_flight", "max_held", "timeout"}
     if unknown:
         raise ConfigError(f"shard read-ahead: unknown options {sorted(unknown)}; allowed: max_held, max_in_flight, "
                           "timeout")
     _check_budgets(options.get("max_in_flight", 4), options.get("max_held"))
-    loader._read_ahead = None if fetcher is None else (fetcher, dict(options))
-
-
-def for_epoch(loader, view) -> ShardAhead | None:
-    """The read-ahead of one pass (``view``: its :class:`~feedgpu.sampling.EpochShard`) when a
-    fetcher is attached (:func:`attach`), else None."""
-    attached = getattr(loader, "_read_ahead", None)
-    if attached is None or getattr(view, "open_ended", False):
-        return None
-    fetcher, options = attached
-    scaler = loader._autoscaler
-    return ShardAhead.for_view(view, loader.pipeline.source, fetcher,
-                               on_wait=scaler.add_network_wait if scaler is not None else None, **options)
+    loader.read_ahead.attach(fetcher, **options)
 
 
 def batch_positions(view, b: int) -> range:
@@ -404,7 +389,7 @@ def fetch_batch(ahead: ShardAhead, view, b: int, warned: set, budget=None, lost:
     and left to the source's reader, whose samples of it become ``"bad shard"`` skips.
 
     A shard whose download failed for good (:class:`~feedgpu.errors.DownloadError`) is lost for
-    the epoch: when the skip budget (``budget``, a :class:`~feedgpu.skips.SkipBudget`) cannot
+    the epoch: when the skip budget (``budget``, a :class:`~feedgpu.loader.skips.SkipBudget`) cannot
     hold the samples the epoch still reads from it (``lost``: shard -> samples, the shards
     already given up this epoch), raises :class:`ShardFetchError` naming it and the cause
     instead, before any of its samples is read (no spare stands in for them)."""

@@ -54,7 +54,7 @@ def epoch_batches(loader, epoch: int | None = None) -> list[tuple[Any, Any]]:
 
 
 def _loader(pipeline, **kwargs):
-    from .loader import DataLoader
+    from .loader.front import DataLoader
 
     return DataLoader(pipeline, **kwargs)
 

@@ -255,7 +255,7 @@ def default_batches(n_batches: int, warmup: int, workers: int) -> int:
 
 
 def epoch_batches(pipeline, batch_size: int) -> int:
-    from ..sampling import ShardedOrder
+    from ..order.sharded import ShardedOrder
 
     return len(ShardedOrder(len(pipeline.source), batch_size, shuffle=False, drop_last=pipeline.drop_last))
 

@@ -178,7 +178,7 @@ def why_idle(p, file: str, path: str, *, model: str | None, consumer_rate: float
     seconds untimed when the balancer sizes the pool), ``workers`` (default ``auto``). Returns the
     ``feedgpu.idle/1`` report. Both or neither of ``model``/``consumer_rate`` raise
     :class:`~feedgpu.errors.BenchUsageError`."""
-    from ..loader import DataLoader
+    from ..loader.front import DataLoader
     from . import idle
 
     if model and consumer_rate:

@@ -49,7 +49,7 @@ def feedgpu_subject(pipeline, workers: int, batch_size: int, device: str = "cpu"
     """feedgpu's loader; ``engine`` overrides the pipeline's (``"python"``, or a DALI mapping:
     its thread count is ``workers``, as the loader does when ``engine.threads`` is unset)."""
     from ..imaging import pil_label
-    from ..loader import DataLoader
+    from ..loader.front import DataLoader
 
     loader = DataLoader(pipeline, batch_size=batch_size, num_workers=workers, device=device,
                         persistent_workers=persistent and workers > 0, engine=engine)
@@ -64,7 +64,7 @@ def feedgpu_subject(pipeline, workers: int, batch_size: int, device: str = "cpu"
     def extra() -> dict:
         st = loader.stats()
         n = max(1, st["samples"])
-        budget = getattr(loader, "_memory_budget", None)
+        budget = loader.memory_budget
         return {"stage_ms_per_sample": {k: round(v / n * 1e3, 4) for k, v in st["stage_s"].items()},
                 "worker_memory_mb": round(budget.worker_bytes / MB, 1) if budget is not None else None,
                 "skipped": st["skipped_total"], "engine": st["engine"],

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 
 from ..errors import ConfigError
 
@@ -137,43 +136,40 @@ def slot_bytes(batch_size: int, sample_shape: tuple, dtype) -> int:
     return int(batch_size) * (math.prod(int(s) for s in sample_shape) * np.dtype(dtype).itemsize + 8)
 
 
-def loader_budget(loader) -> MemoryBudget:
-    """The budget of ``loader`` (its ``worker_memory``, else its pipeline's), for the largest
-    pool it may run: the balancer's maximum under ``num_workers="auto"``, else its workers."""
-    value = getattr(loader, "worker_memory", None)
-    if value is None and loader.pipeline is not None:
-        value = loader.pipeline.worker_memory
-    auto = loader._autoscaler
-    workers = auto.policy.config.max_workers if auto is not None else max(1, loader.num_workers)
-    return MemoryBudget.make(value, workers)
+@dataclasses.dataclass(frozen=True)
+class BudgetPlan:
+    """What a loader's memory budget asks of it, before its workers start (the loader applies it).
+
+    Attributes:
+        budget: the :class:`MemoryBudget`.
+        cache_bytes: a worker's source read cache (:meth:`Source.fit_memory`).
+        slot_bytes: bytes of one batch buffer (0: the loader does not assemble batches in shared
+            memory, and the prefetch depth is not capped).
+        prefetch_cap: the most batches in flight per worker (``1 << 30``: no cap).
+        total_bytes: what the loader's workers may hold together (the balancer's RAM limit).
+    """
+
+    budget: MemoryBudget
+    cache_bytes: int
+    slot_bytes: int
+    prefetch_cap: int
+    total_bytes: int
+
+    def capped_warning(self, prefetch: int) -> str | None:
+        """The warning for a prefetch depth ``prefetch`` over :attr:`prefetch_cap`, else None."""
+        if prefetch <= self.prefetch_cap:
+            return None
+        return (f"prefetch_factor {prefetch} lowered to {self.prefetch_cap}: {prefetch} batches of "
+                f"{_mib(self.slot_bytes)} per worker exceed {SLOT_SHARE:.0%} of the memory budget of "
+                f"{self.budget.describe()}; raise worker_memory or lower batch_size")
 
 
-def apply_budget(loader, sample_shape: tuple | None = None, dtype=None) -> MemoryBudget:
-    """Size ``loader``'s worker-side memory by its budget, before its workers start: the source's
-    read cache, the prefetch depth (batches of ``sample_shape`` in ``dtype``, when the loader
-    assembles them in shared memory) and the balancer's RAM limit. A prefetch depth lowered
-    from what was asked warns (:class:`MemoryBudgetWarning`) once per loader."""
-    budget = loader_budget(loader)
-    p = loader.pipeline
-    if p is not None:
-        p.source.fit_memory(budget.cache_bytes)
-    auto = loader._autoscaler
-    if sample_shape is not None:
-        cap = budget.max_prefetch(slot_bytes(loader._batch_size, sample_shape, dtype))
-        if auto is not None and auto.policy.config.max_prefetch > cap:
-            c = auto.policy.config
-            auto.policy.config = dataclasses.replace(c, max_prefetch=max(c.min_prefetch, cap))
-            auto.prefetch = min(auto.prefetch, auto.policy.config.max_prefetch)
-        if loader._prefetch > cap:
-            if not getattr(loader, "_warned_prefetch_cap", False):
-                loader._warned_prefetch_cap = True
-                warnings.warn(
-                    f"prefetch_factor {loader._prefetch} lowered to {cap}: {loader._prefetch} batches of "
-                    f"{_mib(slot_bytes(loader._batch_size, sample_shape, dtype))} per worker exceed "
-                    f"{SLOT_SHARE:.0%} of the memory budget of {budget.describe()}; raise worker_memory "
-                    "or lower batch_size", MemoryBudgetWarning, stacklevel=4)
-            loader._set_live(loader.num_workers, cap)
-    if auto is not None:
-        auto.memory_budget = budget.total_bytes
-    loader._memory_budget = budget
-    return budget
+def plan_budget(value, workers: int, batch_size: int, sample_shape: tuple | None = None, dtype=None) -> BudgetPlan:
+    """The plan of a budget ``value`` (see :func:`parse_worker_memory`) for a pool of at most
+    ``workers`` (the balancer's maximum under ``num_workers="auto"``): the source's read cache,
+    the prefetch cap for batches of ``batch_size`` samples of ``sample_shape`` in ``dtype`` (when
+    the loader assembles them in shared memory; None: no cap) and the balancer's RAM limit."""
+    budget = MemoryBudget.make(value, workers)
+    slot = slot_bytes(batch_size, sample_shape, dtype) if sample_shape is not None else 0
+    cap = budget.max_prefetch(slot) if slot else 1 << 30
+    return BudgetPlan(budget, budget.cache_bytes, slot, cap, budget.total_bytes)

@@ -17,7 +17,7 @@ or in one call, ``model, optimizer, loader = prepare(accelerator, model, optimiz
 The :class:`AcceleratedLoader` it returns iterates the feedgpu loader itself, and
 
 * shards as feedgpu does (rank and world size of the ``torch.distributed`` group accelerate set
-  up, :mod:`feedgpu.sampling`): every rank gets ``len(loader)`` batches, disjoint apart from
+  up, :mod:`feedgpu.order.sharded`): every rank gets ``len(loader)`` batches, disjoint apart from
   feedgpu's documented padding;
 * tells accelerate's ``GradientState`` which batch ends the epoch, through accelerate's
   ``DataLoaderStateMixin`` (it reads one batch ahead, as accelerate's own loaders do), so under
@@ -43,7 +43,7 @@ from accelerate.state import GradientState
 from accelerate.utils import DistributedType, send_to_device
 
 from ..errors import ConfigError
-from ..loader import DataLoader
+from ..loader.front import DataLoader
 
 __all__ = ["AcceleratedLoader", "prepare", "prepare_data_loader"]
 
@@ -163,7 +163,7 @@ class AcceleratedLoader(DataLoaderStateMixin):
         self.loader.set_epoch(epoch)
 
     def state_dict(self) -> dict:
-        """The feedgpu loader's state (:mod:`feedgpu.loader_state`) counting the batches this
+        """The feedgpu loader's state (:mod:`feedgpu.loader.state`) counting the batches this
         object handed to the training loop; what ``accelerator.save_state`` writes."""
         return dict(self._snapshot) if self._snapshot is not None else self.loader.state_dict()
 

@@ -2,7 +2,7 @@
 
 A loader whose pipeline reads a source from URLs (it has a ``remote``: tar shards or Parquet
 files) in feedgpu's own order gets the shard read-ahead attached when it is made
-(:func:`auto_attach`, through :func:`feedgpu.shard_ahead.attach`): each pass runs a
+(:func:`remote_read_ahead`): each pass runs a
 :class:`~feedgpu.shard_ahead.ShardAhead` in the main process over the rank's view of the epoch
 order (a resumed epoch: from its position on), and the epoch runner hands batch ``b`` to a worker
 once its shards are in the node's shard cache, where the worker finds them through
@@ -31,10 +31,9 @@ from __future__ import annotations
 import os
 import socket
 import threading
-import time
 import warnings
-import weakref
 from concurrent.futures import Future
+from typing import Any, Callable
 
 import numpy as np
 
@@ -53,10 +52,11 @@ class RemoteFetcher:
     fetched shard is pinned in the main process's shard cache until the read-ahead releases it
     (this process's own downloads do not evict it before its batches are read); a shard whose
     samples the loader's pixel cache all holds is not downloaded (its future is done at once,
-    with None)."""
+    with None). ``cache_entry``: the loader's pixel cache entry now (None: no pixel cache, or
+    none opened yet)."""
 
-    def __init__(self, loader, remote, names, shard_of):
-        self._loader = weakref.ref(loader)
+    def __init__(self, cache_entry: Callable[[], Any], remote, names, shard_of):
+        self._cache_entry = cache_entry
         self.remote = remote
         self._id = {n: i for i, n in enumerate(names)}
         self._shard_of = shard_of
@@ -65,14 +65,7 @@ class RemoteFetcher:
         self._memo = (None, None)   # (pixel cache state, per-shard: all samples cached)
 
     def _in_pixel_cache(self, i: int) -> bool:
-        loader = self._loader()
-        if loader is None or loader._cache_settings is None:
-            return False
-        deadline = time.monotonic() + 10.0
-        while loader._work is None and time.monotonic() < deadline:   # the pass makes it just after
-            time.sleep(0.005)                                          # starting the read-ahead
-        work = loader._work
-        entry = work.cache_entry() if work is not None else None
+        entry = self._cache_entry()
         if entry is None:
             return False
         state = (id(entry), entry.cached, len(entry.quarantined))
@@ -139,55 +132,48 @@ class NetworkTotals:
         a["read_ahead_fetched"] += st["fetched"]
         a["read_ahead_failed"] += st["failed"]
 
+    def note_report(self, report) -> None:
+        """A batch report arrived: the first time a worker says it served shards from the shard
+        cache without checking the store (it could not be reached), say so in the main process (a
+        worker's own warning goes to its stderr only)."""
+        net = getattr(report, "network", None)
+        if net is None or self.warned_unchecked:
+            return
+        proc, counters = net
+        if counters.get("unchecked") and proc != f"{_host}:{os.getpid()}":
+            self.warned_unchecked = True
+            warnings.warn(f"feedgpu: the store could not be reached from a worker ({proc}); it serves shards "
+                          f"verified earlier from the shard cache {self.cache.directory} without checking the store "
+                          "for changes", stacklevel=5)
 
-def auto_attach(loader) -> None:
-    """Attach the read-ahead (:func:`feedgpu.shard_ahead.attach`) to a loader whose pipeline's
-    source is read from URLs and whose order is feedgpu's, with :class:`RemoteFetcher` and the
-    shard cache's ``max_downloads`` in flight (with a user's sampler, only its network figures);
-    else do nothing."""
-    pipe = loader.pipeline
-    remote = getattr(pipe.source, "remote", None) if pipe is not None else None
+    def closed(self, ahead) -> None:
+        """A pass's read-ahead ``ahead`` closed: add its figures and let the fetcher's downloads go."""
+        self.add(ahead.stats())
+        if isinstance(ahead.fetcher, RemoteFetcher):   # not a fetcher a user attached
+            ahead.fetcher.close()
+
+
+def remote_read_ahead(pipeline, own_order: bool, cache_entry: Callable[[], Any]) -> tuple:
+    """``(network, fetcher, options)`` for a loader over ``pipeline``: for a source read from URLs,
+    its :class:`NetworkTotals` and, in feedgpu's own order (``own_order``), a
+    :class:`RemoteFetcher` and the shard cache's ``max_downloads`` in flight (with a user's
+    sampler workers download what they read: no fetcher); else ``(None, None, {})``.
+    ``cache_entry``: see :class:`RemoteFetcher`."""
+    remote = getattr(pipeline.source, "remote", None) if pipeline is not None else None
     if remote is None:
-        return
-    loader._network = NetworkTotals(remote.cache)   # stats()["network"], read-ahead or not
-    if loader._user is not None:   # a user's sampler: workers download what they read
-        return
-    from ..shard_ahead import attach
-
-    src = pipe.source
-    fetcher = RemoteFetcher(loader, remote, src.shard_names(), np.asarray(src.shard_of()))
-    attach(loader, fetcher, max_in_flight=remote.cache.max_downloads)
+        return None, None, {}
+    network = NetworkTotals(remote.cache)   # stats()["network"], read-ahead or not
+    if not own_order:
+        return network, None, {}
+    src = pipeline.source
+    fetcher = RemoteFetcher(cache_entry, remote, src.shard_names(), np.asarray(src.shard_of()))
+    return network, fetcher, {"max_in_flight": remote.cache.max_downloads}
 
 
-def note_report(loader, report) -> None:
-    """A batch report arrived: the first time a worker says it served shards from the shard cache
-    without checking the store (it could not be reached), say so in the main process (a worker's
-    own warning goes to its stderr only)."""
-    totals = getattr(loader, "_network", None)
-    net = getattr(report, "network", None)
-    if totals is None or net is None or totals.warned_unchecked:
-        return
-    proc, counters = net
-    if counters.get("unchecked") and proc != f"{_host}:{os.getpid()}":
-        totals.warned_unchecked = True
-        warnings.warn(f"feedgpu: the store could not be reached from a worker ({proc}); it serves shards verified "
-                      f"earlier from the shard cache {totals.cache.directory} without checking the store for "
-                      "changes", stacklevel=4)
-
-
-def closed(loader, ahead) -> None:
-    """A pass's read-ahead ``ahead`` closed: add its figures to the loader's totals and let the
-    fetcher's downloads go."""
-    totals = getattr(loader, "_network", None)
-    if totals is None or ahead is None:
-        return
-    totals.add(ahead.stats())
-    if isinstance(ahead.fetcher, RemoteFetcher):   # not a fetcher a user attached
-        ahead.fetcher.close()
-
-
-def network_stats(loader) -> dict | None:
-    """``loader.stats()["network"]``, None for a loader without a source read from URLs:
+def network_stats(totals: NetworkTotals | None, workers: dict, live=None) -> dict | None:
+    """``loader.stats()["network"]``, None for a loader without a source read from URLs
+    (``totals`` None); ``workers``: each process's latest shard cache counters (``"host:pid"`` ->
+    counters); ``live``: the running pass's read-ahead, if any. Keys:
     ``bytes_downloaded``, ``hits``, ``misses``, ``retries``, ``evictions``, ``failures``,
     ``unchecked`` (cached shards served while the store could not be reached) (summed
     over the main process and every worker's shard cache, workers as of their latest batch),
@@ -196,18 +182,15 @@ def network_stats(loader) -> dict | None:
     ``worker_wait_s``), ``read_ahead_waits`` (blocking waits), ``read_ahead_fetched`` and
     ``read_ahead_failed`` (shards, over all passes), ``processes`` (how many reported),
     ``cached_bytes`` (the shard cache folder now)."""
-    totals = getattr(loader, "_network", None)
     if totals is None:
         return None
     main = f"{_host}:{os.getpid()}"
-    per = dict(loader._stats.network)
+    per = dict(workers)
     per[main] = totals.cache.counters()   # inline batches report this process too: the latest wins
     out = {k: sum(int(c.get(k, 0)) for c in per.values()) for k in _COUNTERS}
     ahead = dict(totals.ahead)
-    live = loader._live() if loader._live is not None else None
-    shards = getattr(live, "shards", None)
-    if shards is not None and not live.closed:
-        st = shards.stats()
+    if live is not None:
+        st = live.stats()
         ahead["read_ahead_wait_s"] += st["network_wait_s"]
         ahead["read_ahead_waits"] += st["waits"]
         ahead["read_ahead_fetched"] += st["fetched"]

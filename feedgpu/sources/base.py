@@ -299,7 +299,7 @@ class Source:
     def shard_of(self) -> np.ndarray:
         """The shard of each sample (int32 array, one entry per sample, ids in
         ``[0, len(shard_names()))``): the unit a shard-aware shuffle keeps together and a shard
-        cache fetches (:mod:`feedgpu.shard_order`). One shard (all zeros) unless the source has
+        cache fetches (:mod:`feedgpu.order.shard_shuffle`). One shard (all zeros) unless the source has
         files of many samples (tar shards, Parquet files)."""
         return np.zeros(len(self), np.int32)
 

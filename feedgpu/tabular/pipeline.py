@@ -301,7 +301,7 @@ class TablePipeline:
 
     def loader(self, **kwargs):
         """A :class:`feedgpu.DataLoader` with the YAML's ``loader`` settings; ``kwargs`` override them."""
-        from ..loader import DataLoader
+        from ..loader.front import DataLoader
 
         lc = self.loader_cfg
         d = dict(batch_size=lc.batch_size, shuffle=lc.shuffle, drop_last=lc.drop_last, num_workers=lc.num_workers,

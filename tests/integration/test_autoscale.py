@@ -209,8 +209,8 @@ class Scripted(Policy):
 def test_auto_is_the_pipeline_default_and_resizes_without_changing_the_batches(no_leaked_workers):
     fixed = labels_of(DataLoader(pipeline(), num_workers=2), epochs=2)
     loader = DataLoader(pipeline())
-    assert loader.auto_workers and loader._autoscaler is not None
-    a = loader._autoscaler
+    assert loader.auto_workers and loader._backend.autoscaler is not None
+    a = loader._backend.autoscaler
     assert type(a.policy) is Policy
     a.window_s, a.min_batches = 0.25, 2
     a._memory_available = lambda: 16 * GIB
@@ -234,7 +234,7 @@ def test_auto_is_the_pipeline_default_and_resizes_without_changing_the_batches(n
 def test_auto_state_dict_resumes_exactly_after_a_resize(no_leaked_workers):
     ref = labels_of(DataLoader(pipeline(), num_workers=1))
     loader = DataLoader(pipeline())
-    loader._autoscaler.window_s, loader._autoscaler.min_batches = 0.2, 2
+    loader._backend.autoscaler.window_s, loader._backend.autoscaler.min_batches = 0.2, 2
     it = iter(loader)
     head = [next(it).labels.clone() for _ in range(30)]
     state = loader.state_dict()
@@ -248,7 +248,7 @@ def test_auto_state_dict_resumes_exactly_after_a_resize(no_leaked_workers):
 def test_stats_callback_receives_each_window(no_leaked_workers):
     events = []
     loader = DataLoader(pipeline(), stats_callback=events.append)
-    loader._autoscaler.window_s, loader._autoscaler.min_batches = 0.2, 2
+    loader._backend.autoscaler.window_s, loader._backend.autoscaler.min_batches = 0.2, 2
     n = sum(1 for _ in loader)
     assert n == len(loader)
     assert events and all(e["decision"]["workers"] >= 1 for e in events)
@@ -275,19 +275,19 @@ def test_next_epoch_is_submitted_while_this_one_ends(no_leaked_workers):
     expect = {e: labels_of_epoch(ref, e) for e in (0, 1, 5)}
     loader = DataLoader(pipeline(), num_workers=2)
     assert torch.equal(labels_of_epoch(loader, 0), expect[0])
-    ahead = loader._ahead
+    ahead = loader._backend.ahead
     assert ahead is not None and ahead.epoch == 1 and len(ahead) > 0 and ahead.submitted == len(ahead)
     assert torch.equal(labels_of_epoch(loader, 1), expect[1])      # adopted
-    assert loader._ahead is not None and loader._ahead.epoch == 2
+    assert loader._backend.ahead is not None and loader._backend.ahead.epoch == 2
     assert torch.equal(labels_of_epoch(loader, 5), expect[5])      # epoch 2's dropped, 5 computed
     it = iter(loader)
     next(it)
     del it                                                         # an abandoned epoch leaves nothing ahead
-    assert loader._ahead is None
+    assert loader._backend.ahead is None
     loader.set_epoch(1)
     assert torch.equal(labels_of_epoch(loader, 1), expect[1])
     loader.shutdown()
-    assert loader._ahead is None
+    assert loader._backend.ahead is None
 
 
 def labels_of_epoch(loader, epoch):

@@ -113,7 +113,7 @@ def test_a_hit_converts_only_where_a_stage_needs_pil(src, name, miss, hit, tmp_p
 def test_every_publication_goes_through_the_flush_policy(src, tmp_path):
     ld = loader(src, PIPELINES["random_after"](), {"dir": str(tmp_path / "c"), "part_bytes": 120_000})
     _, st = epochs(ld, 2)
-    entry = ld._work.cache_entry()
+    entry = ld._backend.work.cache_entry()
     published = dict(entry.policy.published)
     manifest = json.loads((entry.dir / "manifest.json").read_text())
     ld.shutdown()

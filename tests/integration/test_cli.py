@@ -165,7 +165,7 @@ def test_bench_help_names_the_baseline_as_it_runs(cli):
 
 # -- what help and listings import ----------------------------------------------------------------
 #: modules a help or listing command must not import (each costs a second or more to import)
-HEAVY = ("torch", "torchvision", "feedgpu.loader", "pyarrow", "ray", "nvidia.dali", "matplotlib")
+HEAVY = ("torch", "torchvision", "feedgpu.loader.front", "pyarrow", "ray", "nvidia.dali", "matplotlib")
 
 
 def _imported_by(*args: str, prelude: str = "") -> list[str]:

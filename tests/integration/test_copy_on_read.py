@@ -59,12 +59,12 @@ def test_a_list_of_python_objects_warns_a_numpy_array_does_not(monkeypatch):
     assert len(warned) == 1, [str(w.message) for w in warned]
     msg = str(warned[0].message)
     assert "copy-on-read" in msg and "items (list of 2,000,000)" in msg and "numpy" in msg
-    grew = dl._memory_watch.report()["growth_mb"]
+    grew = dl._backend.memory_watch.report()["growth_mb"]
     assert grew and max(grew) > 32, grew
     got, warned, dl = _epoch(ArrayDataset())
     assert sorted(got) == expected
     assert warned == []
-    assert max(dl._memory_watch.report()["growth_mb"]) < 32
+    assert max(dl._backend.memory_watch.report()["growth_mb"]) < 32
 
 
 def test_the_watch_reads_three_times_and_warns_once():

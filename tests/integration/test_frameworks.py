@@ -326,7 +326,7 @@ def test_accelerate_runs_feedgpus_loader_with_its_pool(workdir):
         for r, (got, rk) in enumerate(zip(info(job, name, "loader"), per_rank)):
             where = f"accelerate feedgpu {name}: rank {r}"
             assert got["type"] == "feedgpu.integrations.accelerate.AcceleratedLoader", f"{where}: prepare() returned {got}"
-            assert got["inner"] == "feedgpu.loader.DataLoader", f"{where}: {got}"
+            assert got["inner"] == "feedgpu.loader.front.DataLoader", f"{where}: {got}"
             assert info(job, name, "workers")[r] == 2, f"{where}: feedgpu's pool ran {info(job, name, 'workers')[r]} workers"
             stats = info(job, name, "stats")[r]
             assert stats == {"batches": EPOCHS * ACCELERATE_BATCHES, "samples": EPOCHS * per_epoch} \

@@ -555,7 +555,7 @@ def test_parquet_reads_a_row_group_in_chunks_it_never_joins(tmp_path, monkeypatc
 
 def test_loader_stats_can_count_index_time_rejects(tmp_path):
     """What the loader needs to put index-time rejects in ``stats()["skipped"]``: one call of
-    ``LoaderStats.add_index_skips(source)`` when the loader is made (wired in feedgpu/loader.py)."""
+    ``LoaderStats.add_index_skips(source)`` when the loader is made (wired in feedgpu/loader/front.py)."""
     from feedgpu.metrics import LoaderStats
 
     shard = write_tar(tmp_path / "s.tar", [("a.jpg", small_jpeg(1)), ("a.cls", b"1"), ("b.jpg", b""),

@@ -14,7 +14,7 @@ from PIL import Image
 
 from conftest import N_IMAGES, alive, batches_equal, clone_all, wait_gone
 from feedgpu import Batch, ConfigError, DataLoader, Pipeline, StateError
-from feedgpu.sampling import ShardedOrder
+from feedgpu.order.sharded import ShardedOrder
 from feedgpu.stages import (IMAGENET_MEAN, IMAGENET_STD, Decode, HorizontalFlip, Normalize, RandomResizedCrop,
                             ResizeCenterCrop)
 

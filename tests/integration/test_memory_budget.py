@@ -98,7 +98,7 @@ def test_setting_on_the_pipeline_yaml_and_loader(parquet_ds, tmp_path):
     # the loader's value wins over the pipeline's; it sizes the Parquet row-group cache
     dl = DataLoader(p, worker_memory="40MiB", device="cpu")
     next(iter(dl))
-    assert dl._memory_budget.worker_bytes == 40 * MIB and p.source.cache_bytes == 20 * MIB
+    assert dl.memory_budget.worker_bytes == 40 * MIB and p.source.cache_bytes == 20 * MIB
     dl = DataLoader(p, device="cpu")
     next(iter(dl))
     assert p.source.cache_bytes == 48 * MIB
@@ -126,7 +126,7 @@ def test_prefetch_is_capped_by_the_budget(folder_ds):
         it = iter(dl)
     x, y = next(it)
     assert x.shape == (32, 3, 112, 112) and dl.prefetch_factor == 2
-    assert dl._work.slots.count == 1 * 2 + dl._work.keep_views
+    assert dl._backend.work.slots.count == 1 * 2 + dl._backend.work.keep_views
     del it, x, y
     # a budget that holds the asked depth changes nothing, silently
     dl = DataLoader(p, prefetch_factor=4, worker_memory="1GiB")
@@ -178,7 +178,7 @@ dl = DataLoader(p, persistent_workers=True)
 peak, done = [0], threading.Event()
 def watch():   # the worker's USS, read over and over while the epoch runs: its peak
     while not done.is_set():
-        pool = dl._pool
+        pool = dl._backend.pool
         try:
             if pool is not None and pool.pids():
                 peak[0] = max(peak[0], psutil.Process(pool.pids()[0]).memory_full_info().uss)
@@ -188,10 +188,10 @@ def watch():   # the worker's USS, read over and over while the epoch runs: its 
 t = threading.Thread(target=watch, daemon=True)
 t.start()
 labels = [int(y) for _, ys in dl for y in ys]
-uss = psutil.Process(dl._pool.pids()[0]).memory_full_info().uss
+uss = psutil.Process(dl._backend.pool.pids()[0]).memory_full_info().uss
 done.set()
 t.join()
-dl._release_pool(force=True)
+dl._backend.release_pool(force=True)
 print(json.dumps({"uss": uss, "peak": max(peak[0], uss), "labels": labels}))
 """
 

@@ -356,7 +356,7 @@ def test_import_feedgpu_without_ray():
     code = "import sys\nsys.modules['ray'] = None   # import ray raises ImportError\n" + _FOUR_PIPELINE + \
         textwrap.dedent("""
         try:
-            feedgpu.DataLoader(p, executor={"name": "ray", "remote_workers": 1})._acquire_pool()
+            feedgpu.DataLoader(p, executor={"name": "ray", "remote_workers": 1})._backend.acquire_pool()
         except feedgpu.ConfigError as e:
             print("ConfigError:", e)
     """)
@@ -384,7 +384,7 @@ def test_an_unreachable_address_raises_config_error_quickly(address):
     code = "import time\n" + _FOUR_PIPELINE + textwrap.dedent(f"""
         t = time.monotonic()
         try:
-            feedgpu.DataLoader(p, executor={{"name": "ray", "address": {address!r}, "remote_workers": 1}})._acquire_pool()
+            feedgpu.DataLoader(p, executor={{"name": "ray", "address": {address!r}, "remote_workers": 1}})._backend.acquire_pool()
         except feedgpu.ConfigError as e:
             print("ConfigError:", e)
         print("seconds", time.monotonic() - t)

@@ -14,7 +14,7 @@ import pytest
 
 from feedgpu.errors import ConfigError, ShardFetchError
 from feedgpu.shard_ahead import ShardAhead
-from feedgpu.shard_order import shard_order
+from feedgpu.order.shard_shuffle import shard_order
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -302,7 +302,7 @@ def test_a_loader_view_of_tar_shards_is_read_through_the_read_ahead(tar_ds):
     pipe = Pipeline({"format": "tar", "path": str(tar_ds)}, [Decode(), ResizeCenterCrop(40, 32)], batch_size=10,
                     num_workers=0, device="cpu", shuffle="shards", shard_window=2)
     src = pipe.source
-    order = DataLoader(pipe, rank=1, world_size=2)._sharded_order(collective=False)
+    order = DataLoader(pipe, rank=1, world_size=2)._backend.order(collective=False)
     view = order.view(epoch=1, start=40)              # 40 samples taken before a resume
 
     class LocalCache(FakeFetcher):
@@ -375,14 +375,14 @@ def test_a_loader_with_a_fetcher_attached_fetches_each_batchs_shards_first(tar_d
 
 def test_the_loaders_read_ahead_reports_its_waits_to_the_balancer(tar_ds):
     from feedgpu import DataLoader, Pipeline
-    from feedgpu.shard_ahead import attach, for_epoch
+    from feedgpu.shard_ahead import attach
     from feedgpu.stages import Decode, ResizeCenterCrop
 
     p = Pipeline({"format": "tar", "path": str(tar_ds)}, [Decode(), ResizeCenterCrop(40, 32)], batch_size=10,
                  num_workers="auto", device="cpu", shuffle="shards", shard_window=2)
     loader = DataLoader(p)
     attach(loader, FakeFetcher(), max_held=3)
-    ahead = for_epoch(loader, loader._sharded_order().view(0))
+    ahead = loader.read_ahead.for_view(loader._backend.order().view(0))
     try:
         assert ahead.on_wait == loader.balancer.add_network_wait and ahead.max_held == 3
     finally:

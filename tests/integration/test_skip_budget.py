@@ -10,7 +10,7 @@ from PIL import Image
 
 from conftest import CASES, PHOTOS
 from feedgpu import ConfigError, DataLoader, Pipeline, SkipBudgetExceeded, SkippedSampleWarning
-from feedgpu.skips import SkipBudget, check_max_skipped, skip_limit
+from feedgpu.loader.skips import SkipBudget, check_max_skipped, skip_limit
 from feedgpu.stages import Decode, ResizeCenterCrop
 
 pytestmark = pytest.mark.timeout(120)

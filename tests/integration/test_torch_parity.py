@@ -75,7 +75,7 @@ def test_the_sampler_view_outlives_the_loader_and_follows_set_epoch():
     loader = DataLoader(Items(), batch_size=4, shuffle=True, seed=3)
     bs = loader.batch_sampler
     loader.sampler.set_epoch(2)
-    assert loader._position[0] == 2  # the loader's epoch follows while it lives
+    assert loader._backend.position.epoch == 2  # the loader's epoch follows while it lives
     ref = DataLoader(Items(), batch_size=4, shuffle=True, seed=3)
     ref.set_epoch(2)
     expected = _flat(ref)

@@ -167,7 +167,7 @@ def test_the_default_context_follows_set_start_method_as_torchs(tmp_path):
     script.write_text(GLOBAL_METHOD_SCRIPT.format(repo=str(REPO), tests=str(REPO / "tests" / "integration"), conftest=str(REPO / "tests")))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split("\n")[:2] == ["torch.utils.data.dataloader [False]", "feedgpu.loader [False]"]
+    assert proc.stdout.split("\n")[:2] == ["torch.utils.data.dataloader [False]", "feedgpu.loader.front [False]"]
 
 
 def test_multiprocessing_context_is_checked_as_torch_checks_it():
@@ -194,7 +194,7 @@ def src(sources):
 
 
 def _in_slots(loader, tensor) -> bool:
-    slots = loader._work.slots
+    slots = loader._backend.work.slots
     base = np.frombuffer(slots._mm, np.uint8).ctypes.data
     return base <= tensor.data_ptr() < base + len(slots) * slots.stride
 
@@ -208,14 +208,14 @@ def test_pipeline_under_spawn_uses_shared_memory_and_survives_a_killed_worker(sr
     it = iter(loader)
     first = next(it)
     assert _in_slots(loader, first.images) and _in_slots(loader, first.labels)
-    assert loader._pool.method == "spawn"
+    assert loader._backend.pool.method == "spawn"
     got = [type(first)(first.images.clone(), first.labels.clone())]
     del first
     pids = loader.worker_pids()
     os.kill(pids[0], signal.SIGKILL)
     got += clone_all(it)
     assert batches_equal(got, expected)
-    assert loader._pool.respawns == 1 and pids[0] not in loader.worker_pids()
+    assert loader._backend.pool.respawns == 1 and pids[0] not in loader.worker_pids()
     loader.shutdown()
 
 

@@ -153,7 +153,7 @@ def test_worker_killed_with_sigkill_is_replaced_and_its_batches_redone(src, no_l
     assert len(got) == len(expected)
     for (x, y), (ex, ey) in zip(got, expected):
         assert torch.equal(y, ey) and torch.equal(x, ex)
-    assert loader._pool is not None and loader._pool.respawns == 1
+    assert loader._backend.pool is not None and loader._backend.pool.respawns == 1
     assert pids[0] not in loader.worker_pids() and len(loader.worker_pids()) == 2
     loader.shutdown()
     assert not wait_gone(pids)

@@ -63,7 +63,7 @@ def test_explain_and_one_info_line(folder_ds, caplog):
 def test_compile_false_and_unrecognised_datasets_run_as_plain_datasets(folder_ds, tmp_path):
     ds = ImageFolder(folder_ds, transform=v1_val())
     plain = feedgpu.DataLoader(ds, batch_size=4, compile=False)
-    assert plain._torchvision is None and "compile=False" in plain.explain()
+    assert getattr(plain._backend, "compiled", None) is None and "compile=False" in plain.explain()
     x, y = next(iter(plain))
     x2, y2 = next(iter(TorchLoader(ds, batch_size=4)))
     assert torch.equal(x, x2) and torch.equal(y, y2)
@@ -88,7 +88,7 @@ def test_compile_false_and_unrecognised_datasets_run_as_plain_datasets(folder_ds
 def test_dataset_folder_with_default_loader(folder_ds):
     ds = DatasetFolder(str(folder_ds), loader=default_loader, extensions=(".jpg",), transform=v1_val())
     loader = feedgpu.DataLoader(ds, batch_size=10, num_workers=2, drop_last=True)
-    assert loader._torchvision is not None
+    assert loader._backend.compiled is not None
     got = _batches(loader)
     ref = _batches(TorchLoader(ds, batch_size=10, num_workers=2, drop_last=True))
     assert len(got) == len(ref) == 12

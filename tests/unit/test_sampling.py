@@ -10,7 +10,7 @@ import torch
 from torch.utils.data.distributed import DistributedSampler
 
 from feedgpu import ConfigError
-from feedgpu.sampling import ShardedOrder
+from feedgpu.order.sharded import ShardedOrder
 
 
 def _epoch_batches(order: ShardedOrder, epoch: int) -> list[list[int]]:
@@ -158,7 +158,7 @@ def test_negative_seeds_work():
 def test_a_resumed_view_draws_the_epoch_order_once_and_the_same_spares(monkeypatch):
     """A view from a saved position takes its spares from the same epoch order it sliced (one
     permutation of ``n``, not two); the spares equal those of the view from the epoch's start."""
-    from feedgpu.sampling import ShardedOrder
+    from feedgpu.order.sharded import ShardedOrder
 
     calls = []
     real = ShardedOrder.epoch_order

@@ -14,8 +14,11 @@ from feedgpu import ConfigError, DataLoader, Pipeline
 from feedgpu.cache import CacheSettings, parse_compression
 from feedgpu.config import pipeline_model, validate
 from feedgpu.pipeline import LOADER_KEYS
-from feedgpu.settings import (SECTIONS, CacheSection, EngineSettings, ExecutorSettings, LoaderSettings,
-                              OutputSettings, SourceSettings, defaults)
+from feedgpu.cache.settings import CacheSection
+from feedgpu.exec.engines import EngineSettings
+from feedgpu.exec.executors import ExecutorSettings
+from feedgpu.settings import SECTIONS, LoaderSettings, OutputSettings, SourceSettings
+from feedgpu.settings_base import defaults
 from feedgpu.stages import Decode, Normalize, RandomResizedCrop, ResizeCenterCrop
 
 TRAIN = REPO / "pipelines" / "imagenet_train.yaml"
@@ -165,7 +168,7 @@ def test_the_loader_overrides_through_the_same_validators(folder_ds):
         DataLoader(p, engine={"hw_decoder_load": 3})
     dl = DataLoader(p, engine={"name": "python", "threads": 3}, max_skipped=None)
     assert dl.engine_settings.threads == 3 and dl.pipeline.engine.threads == 3 and p.engine.threads is None
-    assert dl._max_skipped is None and p.max_skipped == 0.01
+    assert dl._backend.max_skipped is None and p.max_skipped == 0.01
 
 
 def test_the_loader_takes_loader_and_output_settings_objects(folder_ds):

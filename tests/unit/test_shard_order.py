@@ -1,4 +1,4 @@
-"""Shard-aware shuffle (feedgpu.shard_order): conservation, the open-shard bound, what it does to
+"""Shard-aware shuffle (feedgpu.order.shard_shuffle): conservation, the open-shard bound, what it does to
 randomness, rank sharding and resume, and the pipeline option ``shuffle: shards``."""
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 
 from feedgpu import ConfigError, DataLoader, Pipeline, StateError
 from feedgpu.config import validate
-from feedgpu.loader_state import read_state
-from feedgpu.sampling import ShardedOrder
-from feedgpu.shard_order import max_open, open_shards, same_shard_neighbours, shard_order
+from feedgpu.loader.state import read_state
+from feedgpu.order.sharded import ShardedOrder
+from feedgpu.order.shard_shuffle import max_open, open_shards, same_shard_neighbours, shard_order
 from feedgpu.stages import Decode, ResizeCenterCrop
 
 pytestmark = pytest.mark.timeout(120)
@@ -208,7 +208,7 @@ def test_loader_reads_in_the_shard_aware_order_and_resumes(tar_ds):
 
 def test_shuffle_false_and_sampler_views(tar_ds):
     pipe = _tar_pipe(tar_ds, shuffle="shards", shard_window=2)
-    assert DataLoader(pipe, shuffle=False)._sharded_order().epoch_order(0).tolist() == list(range(len(pipe.source)))
+    assert DataLoader(pipe, shuffle=False)._backend.order().epoch_order(0).tolist() == list(range(len(pipe.source)))
     loader = DataLoader(pipe)
     loader.set_epoch(1)
     assert list(loader.sampler) == shard_order(pipe.source.shard_of(), 4, 1, 2).tolist()

@@ -367,7 +367,7 @@ def test_cli_validates_and_explains_table_pipelines(tmp_path):
 
 
 def test_loader_batches_are_the_sharded_orders_rows(flights_sub):
-    from feedgpu.sampling import ShardedOrder
+    from feedgpu.order.sharded import ShardedOrder
 
     d, _ = flights_sub
     p = build(d, [{"op": "standardize", "columns": ["distance"]}], dense=["distance"], categorical=["flight", "hour"])

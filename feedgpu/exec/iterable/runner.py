@@ -46,7 +46,7 @@ import multiprocessing as mp
 import warnings
 import weakref
 
-from ...epoch import close_live
+from ...loader.epoch import close_live
 from ...errors import ConfigError, IteratorSuperseded, LoaderTimeout, StateError
 from ..buffers.host import pin
 from . import datapipes

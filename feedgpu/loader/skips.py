@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from .errors import ConfigError, SkipBudgetExceeded
+from ..errors import ConfigError, SkipBudgetExceeded
 
 #: Sample names listed in the error message (all of them are in ``SkipBudgetExceeded.keys``
 #: up to this many too).

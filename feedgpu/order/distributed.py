@@ -1,6 +1,6 @@
 """Checks across ranks before training, so that uneven data fails loudly instead of hanging.
 
-feedgpu shards one dataset over the ranks (:mod:`feedgpu.sampling`): every rank must index the
+feedgpu shards one dataset over the ranks (:mod:`feedgpu.order.sharded`): every rank must index the
 same samples, and then every rank gets the same number of batches (the shard is padded by
 repeating the epoch order's head, up to ``world_size - 1`` repeats per epoch). When a
 :class:`~feedgpu.DataLoader` takes its rank and world size from an initialized
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 def initialized() -> bool:

@@ -1,7 +1,7 @@
 """One pass over an epoch's batches, behind :class:`feedgpu.DataLoader`.
 
 The loader (the torch-facing front, :mod:`feedgpu.loader`) chooses the order and the work; an
-:class:`EpochIterator` submits batches of indices to the pool (or runs them inline), hands the
+:class:`EpochRunner` submits batches of indices to the pool (or runs them inline), hands the
 results to the training loop in order, counts skips against the budget and records the position
 the loader's ``state_dict()`` reports.
 
@@ -18,13 +18,11 @@ import warnings
 
 import numpy as np
 
-from . import shard_ahead
-from .remote import ahead_loader
-from .errors import IteratorSuperseded, ShardFetchError, SkipBudgetExceeded
-from .exec.buffers.host import pin
-from .exec.contract import Control, Elastic
-from .exec.pool.errors import unpack_exception
-from .sampling import ShardedOrder
+from ..errors import IteratorSuperseded, ShardFetchError, SkipBudgetExceeded
+from ..exec.buffers.host import pin
+from ..exec.contract import Control, Elastic
+from ..exec.pool.errors import unpack_exception
+from .listeners import ReadAheadListener, pass_listeners
 from .skips import SkipBudget, epoch_samples
 
 _tags = itertools.count(1)
@@ -66,16 +64,21 @@ class Ahead:
         self.ready.clear()
 
 
-class EpochIterator:
+class EpochRunner:
     """One pass over an epoch's batches, from position ``start`` (see the order's ``view``);
-    batches come out in order."""
+    batches come out in order.
 
-    def __init__(self, loader, order, epoch: int, start: int, deferred_commit: bool = False):
-        self.loader, self.epoch, self.order = loader, epoch, order
+    It owns the in-order window (``pending``, ``ready``), the orphans of abandoned passes (on the
+    work) and the commit of the backend's :class:`~feedgpu.loader.state.Position`; the counters,
+    the skip budget, the shard read-ahead, the copy-on-read watch and the balancer subscribe to
+    its events (:mod:`feedgpu.loader.listeners`). ``host``: the backend
+    (:class:`~feedgpu.loader.mapped.MapBackend`)."""
+
+    def __init__(self, host, order, epoch: int, start: int, deferred_commit: bool = False):
+        self.host, self.epoch, self.order = host, epoch, order
+        self.position = host.position
         self.view = order.view(epoch, start)
-        self.shards = shard_ahead.for_epoch(loader, self.view)   # shards fetched ahead (None: not attached)
-        self._unfetched: set[str] = set()
-        self._lost: dict[int, int] = {}     # shards whose download failed for good -> samples left
+        self.listeners: list = []   # (pass_listeners, once the work and the pool are up)
         self._fatal: tuple | None = None    # (batch, error): a lost shard the skip budget cannot hold
         first = self.next_b = self.view.first   # batches are numbered as in the whole epoch
         # With device prefetch, a batch counts as seen when the prefetcher hands it to the
@@ -94,34 +97,30 @@ class EpochIterator:
         view = self.view   # not self: the generator would hold the iterator in a cycle
         self._batches = iter(view) if self.open else (view.batch(b) for b in range(first, self.nb))
         self.submitted = first
-        self.budget = SkipBudget(loader._max_skipped, epoch_samples(order), epoch)
+        self.budget = SkipBudget(host.max_skipped, epoch_samples(order), epoch)
         self._bad: set[str] = set()   # keys skipped in this epoch
         self._peeked: dict[int, np.ndarray] = {}   # inline mode: batch -> indices, read ahead
         self._peeked_to = first
         self._ahead_to = first   # inline: batches below this were started ahead (Work.lookahead)
         self.submitted_all = False   # an open-ended epoch's sampler is exhausted
-        self.inline = (loader.num_workers == 0 and not loader._executor.remote) or loader._engine.name == "dali"
-        self.work = loader._make_work()
+        self.inline = host.inline
+        self.work = host.make_work()
         self.work.refresh()  # workers forked below inherit an up-to-date cache index
-        self.pool = None if self.inline else loader._acquire_pool()
+        self.pool = None if self.inline else host.acquire_pool()
+        self.shards = host.read_ahead.for_view(self.view)   # shards fetched ahead (None: not attached)
         # the balancer sizes the pool, or the DALI engine's threads (set_threads)
-        self.balanced = loader._autoscaler is not None and (self.pool is not None or isinstance(self.work, Elastic))
-        if self.balanced:
-            loader._autoscaler.start(self._pids())
-        watch = getattr(loader, "_memory_watch", None)   # a torch Dataset's copy-on-read growth
-        if self.pool is not None and watch is not None:
-            watch.start(self.pool.pids(), epoch)
+        self.balanced = host.autoscaler is not None and (self.pool is not None or isinstance(self.work, Elastic))
+        self.listeners = pass_listeners(host, self)
+        self.fetching = next((x for x in self.listeners if isinstance(x, ReadAheadListener)), None)
+        for listener in self.listeners:
+            listener.on_start()
         self.ahead: Ahead | None = None      # the next epoch's batches this iterator submits
-        self._adopt(loader, order, epoch, start)
-        loader._position = (epoch, start)
-        if start == 0:
-            loader._rows_seen = 0
-            loader._batches_seen = 0
-        self._fill()
+        self._adopt(host.take_ahead(), epoch, start)
+        self.position.begin(epoch, start)
+        self.fill()
 
-    def _adopt(self, loader, order, epoch: int, start: int) -> None:
+    def _adopt(self, ahead: "Ahead | None", epoch: int, start: int) -> None:
         """Take over the batches the previous iteration submitted for this epoch, if they fit."""
-        ahead, loader._ahead = loader._ahead, None
         if ahead is None:
             return
         if ahead.epoch != epoch or start != 0 or ahead.pool is not self.pool or self.pool is None:
@@ -133,10 +132,9 @@ class EpochIterator:
         self._batches = (view.batch(b) for b in range(self.submitted, self.nb))
 
     def _lookahead_ok(self) -> bool:
-        loader = self.loader
         # not with a cache: its rows become readable at the epoch-end flush, which must come first
-        return (loader.persistent_workers and isinstance(self.order, ShardedOrder) and self.pool is not None
-                and loader._cache_settings is None and self.shards is None)
+        return (self.host.persistent_workers and self.order.seekable and self.pool is not None
+                and not self.host.cached and self.shards is None)
 
     def _take(self) -> np.ndarray | None:
         """The next batch's indices from the order; None where an open-ended epoch ends."""
@@ -171,35 +169,32 @@ class EpochIterator:
         return self._peeked[b]
 
     def _spares(self, b: int, size: int, epoch: int | None = None) -> np.ndarray:
-        if self.loader.pipeline is None:
+        if not self.host.reports:   # a torch Dataset: no spares
             return np.zeros(0, np.int64)
         view = self.view if epoch is None or epoch == self.epoch else self.order.view(epoch)
         return view.spares(b, max(4, size))
 
-    def _fetch(self, b: int) -> None:
-        if self.shards is not None:
-            shard_ahead.fetch_batch(self.shards, self.view, b, self._unfetched, self.budget, self._lost)
-
-    def _fetched(self, b: int) -> None:
-        if self.shards is not None:
-            shard_ahead.release_batch(self.shards, self.view, b)
+    def _submitting(self, b: int) -> None:
+        for listener in self.listeners:
+            listener.on_submit(b)
 
     def _submit(self, tag: int, seq: int, epoch: int, indices: np.ndarray, pending: dict) -> None:
         task = self.work.task(tag, seq, epoch, indices, self._spares(seq, len(indices), epoch))
         self.pool.submit(task)
         pending[seq] = task
 
-    def _fill(self) -> None:
-        limit = self.loader._inflight_limit()
+    def fill(self) -> None:
+        """Submit batches up to the in-flight limit (and the next epoch's first ones, when this one is all
+        submitted and persistent workers run it)."""
+        limit = self.host.inflight_limit()
         while (self.submitted < self.nb and len(self.pending) + len(self.ready) < limit
                and self.work.can_submit()):
-            if (self.shards is not None and self.submitted > self.next_b
-                    and not shard_ahead.batch_ready(self.shards, self.view, self.submitted)):
+            if self.fetching is not None and self.submitted > self.next_b and not self.fetching.ready(self.submitted):
                 break   # a later batch waits for its shards; only the next one blocks on the network
             if self._fatal is not None:
                 break
             try:
-                self._fetch(self.submitted)   # its shards first: a shard lost for good stops here
+                self._submitting(self.submitted)   # its shards first: a shard lost for good stops here
             except ShardFetchError as e:
                 self._fatal = (self.submitted, e)   # raised when the loop asks for this batch
                 break
@@ -249,7 +244,7 @@ class EpochIterator:
         if self._fatal is not None and b >= self._fatal[0]:   # a shard lost for good, over the skip budget
             error = self._fatal[1]
             self.close()
-            self.loader._release_pool(force=True)
+            self.host.release_pool(force=True)
             raise error
         if self.inline and self._indices(b) is None:  # the user's sampler ended: so does the epoch
             self.close()
@@ -259,14 +254,14 @@ class EpochIterator:
         try:
             if self.inline:
                 indices = self._indices(b)
-                self._fetch(b)
-                window = self.work.lookahead(self.loader._prefetch)
+                self._submitting(b)
+                window = self.work.lookahead(self.host.prefetch)
                 if window:  # DALI: start the batches of its window not started yet, in order
                     for k in range(max(b, self._ahead_to), min(self.nb, b + 1 + window)):
                         ks = self._indices(k)
                         if ks is None:
                             break
-                        self._fetch(k)
+                        self._submitting(k)
                         self.work.prefetch(k, self.epoch, ks, self._spares(k, len(ks)))
                         self._ahead_to = k + 1
                     batch, report = self.work.run_inline(b, self.epoch, indices, self._spares(b, len(indices)))
@@ -282,9 +277,10 @@ class EpochIterator:
             cause = failed.cause
         except BaseException:
             self.close()
-            self.loader._release_pool(force=True)  # after an error, even persistent workers restart
+            self.host.release_pool(force=True)  # after an error, even persistent workers restart
             raise
-        self._fetched(b)
+        for listener in self.listeners:
+            listener.on_result(b)
         if cause is not None:
             self._skip_failed(b)
             # raised outside the handler (no context) and without `self` in this frame, which the
@@ -292,33 +288,23 @@ class EpochIterator:
             # freed and stops its workers at once
             del self
             raise cause
-        loader = self.loader
         if report is not None:
             if report.skipped:  # a bad sample met again as another's spare: one skip per epoch
                 report.skipped = [s for s in report.skipped if s[0] not in self._bad]
                 self._bad.update(key for key, _, _ in report.skipped)
-            loader._stats.add_report(report)
-            ahead_loader.note_report(loader, report)
-            if report.skipped:
-                try:
-                    self.budget.add(report.skipped)
-                except SkipBudgetExceeded:
-                    self.close()
-                    loader._release_pool(force=True)
-                    raise
+            try:
+                for listener in self.listeners:
+                    listener.on_report(b, report)
+            except SkipBudgetExceeded:
+                self.close()
+                self.host.release_pool(force=True)
+                raise
         rows = _rows(batch)
         waited = time.perf_counter() - t0
-        loader._stats.delivered(rows, waited)
-        watch = getattr(loader, "_memory_watch", None)
-        if watch is not None and not watch.done and not self.inline:
-            watch.on_batch(self.epoch, b, self.view.first, self.nb, self.pool.pids())
-        if self.balanced:
-            d = loader._autoscaler.on_batch(rows, waited, self._pids(),
-                                            remote_started=None if self.pool is None else self.pool.remote_started)
-            if d is not None:
-                self._apply(d)
+        for listener in self.listeners:
+            listener.on_delivered(b, rows, waited)
         self.next_b = b + 1
-        if loader.pin_memory:
+        if self.host.pin_memory:
             batch = pin(batch)
         if self.deferred:
             self.uncommitted.append((b, rows))
@@ -328,29 +314,29 @@ class EpochIterator:
             self.close()
         return batch
 
-    def _pids(self) -> list[int]:
+    def pids(self) -> list[int]:
         return [] if self.pool is None else self.pool.pids()
 
-    def _apply(self, d) -> None:
+    def apply(self, d) -> None:
         """Resize the pool (or DALI's threads) and the prefetch depth between two batches (the
         epoch goes on). A worker that an experiment stops using is parked for ``PARK_S``
         seconds, so that undoing the experiment takes it back warm instead of starting one; a
         kept experiment retires it."""
-        loader = self.loader
+        host = self.host
         if self.pool is not None and d.experiment is not None and d.experiment.get("kept"):
             self.pool.retire_parked()
         if not d.changes:
             return
-        if self.pool is None:   # the DALI engine: its batches ahead follow loader._prefetch
+        if self.pool is None:   # the DALI engine: its batches ahead follow the live prefetch depth
             self.work.set_threads(d.workers, d.prefetch)
-            loader._set_live(d.workers, d.prefetch)
+            host.set_live(d.workers, d.prefetch)
             return
         if d.workers != self.pool.num_workers:
             self.pool.resize(d.workers, park_s=PARK_S if d.tentative else 0.0)
         if d.remote_workers != self.pool.remote_workers:
             self.pool.resize_remote(d.remote_workers)
-        loader._set_live(d.workers, d.prefetch)
-        self._fill()
+        host.set_live(d.workers, d.prefetch)
+        self.fill()
 
     def _skip_failed(self, b: int) -> None:
         """Batch ``b`` raised: it counts as consumed (a resume does not meet it again)."""
@@ -362,35 +348,28 @@ class EpochIterator:
         if self.next_b >= self.nb:
             self.close()
         elif not self.inline:
-            self._fill()
+            self.fill()
 
     def commit(self) -> None:
         """The oldest batch handed out by this iterator has reached the training loop."""
         self._commit(*self.uncommitted.pop(0))
 
     def _commit(self, b: int, rows: int) -> None:
-        loader = self.loader
         if b + 1 >= self.nb:  # the epoch is complete: the next iteration starts the next one
             self._complete()
         else:
-            loader._position = (self.epoch, self.view.position(b + 1))
-            loader._rows_seen += rows
-            loader._batches_seen += 1
+            self.position.commit(self.epoch, self.view.position(b + 1), rows)
 
     def _complete(self) -> None:
-        loader = self.loader
-        loader._epoch = self.epoch + 1
-        loader._position = (self.epoch + 1, 0)
-        loader._rows_seen = 0
-        loader._batches_seen = 0
+        self.position.complete(self.epoch)
 
     def _wait(self, b: int):
         while b not in self.ready:
-            if self.shards is not None and self.submitted <= b:   # held back for its shards
-                self._fill()
+            if self.fetching is not None and self.submitted <= b:   # held back for its shards
+                self.fill()
                 if self._fatal is not None and b >= self._fatal[0]:
                     raise self._fatal[1]   # a shard lost for good: __next__ closes and raises it
-            tag, seq, wid, ok, payload = self.pool.get(self.loader.timeout or None)
+            tag, seq, wid, ok, payload = self.pool.get(self.host.timeout or None)
             if tag is Control.START_FAILED:  # worker_init_fn failed
                 raise unpack_exception(payload, "in worker_init_fn")
             if self.ahead is not None and tag == self.ahead.tag:  # the next epoch's, kept for it
@@ -408,22 +387,20 @@ class EpochIterator:
             exc = unpack_exception(payload, f"while assembling batch {b} of epoch {self.epoch}")
             net = getattr(exc, "feedgpu_network", None)
             if net is not None:   # what the worker retried and gave up on, though its batch failed
-                self.loader._stats.network[net[0]] = net[1]
+                self.host.metrics.network[net[0]] = net[1]
             raise BatchFailed(exc)
         batch = self.work.finish(task, payload)
-        self._fill()
-        report = payload if self.loader.pipeline is not None else None
+        self.fill()
+        report = payload if self.host.reports else None
         return batch, report
 
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
-        if self.shards is not None:
-            self.loader._read_ahead_stats = self.shards.stats()
-            self.shards.close()
-            ahead_loader.closed(self.loader, self.shards)   # remote sources: totals, download threads
-        keep_pool = self.loader.persistent_workers
+        for listener in self.listeners:
+            listener.on_close()
+        keep_pool = self.host.persistent_workers
         for seq, task in self.pending.items():
             if keep_pool:  # its result still comes and is dropped on arrival
                 self.work.orphans[(self.tag, seq)] = task
@@ -435,15 +412,15 @@ class EpochIterator:
         self.ready.clear()
         if self.ahead is not None:
             if self.next_b >= self.nb and keep_pool:  # finished: the next iteration may adopt them
-                self.loader._ahead = self.ahead
+                self.host.keep_ahead(self.ahead)
             else:
                 self.ahead.drop(self.work)
             self.ahead = None
         if self.inline:
             self.work.on_exit()  # workers do this when they stop
-        elif keep_pool and self.loader._cache_settings is not None and not self.pool.closed:
+        elif keep_pool and self.host.cached and not self.pool.closed:
             self._flush_workers()
-        self.loader._release_pool()
+        self.host.release_pool()
 
     def _flush_workers(self) -> None:
         """Persistent workers write what they cached this epoch, so the next one reads it."""

@@ -13,7 +13,7 @@ are the sampler's.
 The permutation is taken from torch's own ``DistributedSampler`` (one replica, so unpadded and
 unsplit): a pure function of ``(seed, epoch)``, the same in every process.
 
-Position and resume follow :mod:`feedgpu.sampling`: after ``k`` batches on every rank, the ranks
+Position and resume follow :mod:`feedgpu.order.sharded`: after ``k`` batches on every rank, the ranks
 together have consumed the first ``min(k * num_replicas * batch_size, n)`` entries of the epoch's
 permutation. A state records that prefix, so a resume on the same world size is a seek (exactly
 the batches the run would have got), and a resume on another world size splits the rest of the
@@ -28,8 +28,8 @@ import math
 import numpy as np
 import torch.utils.data as tud
 
-from .errors import ConfigError
-from .sampling import ShardedOrder
+from ..errors import ConfigError
+from .sharded import ShardedOrder
 
 
 class SamplerSplit(ShardedOrder):
@@ -42,7 +42,7 @@ class SamplerSplit(ShardedOrder):
         shuffle, seed, rank, world_size, split_drop_last: the sampler's ``shuffle``, ``seed``,
             ``rank``, ``num_replicas`` and ``drop_last``.
 
-    Unlike :class:`~feedgpu.sampling.ShardedOrder`, an epoch may hold no batch (as in torch).
+    Unlike :class:`~feedgpu.order.sharded.ShardedOrder`, an epoch may hold no batch (as in torch).
     """
 
     def __init__(self, n: int, batch_size: int, *, shuffle: bool, seed: int, rank: int, world_size: int,
@@ -99,16 +99,3 @@ def split_order(sampler, n: int, batch_size: int, drop_last: bool, cached) -> Sa
     if cached is not None and cached.config() == order.config():
         return cached
     return order
-
-
-def follow_sampler_epoch(loader) -> None:
-    """Choose ``loader``'s next epoch from its ``DistributedSampler`` (``loader.sampler``), as
-    torch's loader does: the sampler's ``epoch``, which only its ``set_epoch`` changes (an epoch
-    without ``set_epoch`` repeats the order of the one before). A state loaded since the last
-    iteration keeps its epoch and position unless ``set_epoch`` chose another epoch."""
-    e = int(loader.sampler.epoch)
-    if e != loader._sharding_epoch:
-        loader._sharding_epoch = e
-        loader.set_epoch(e)
-    elif loader._restored is None and loader._epoch != e:
-        loader._epoch, loader._start = e, 0

@@ -1,6 +1,6 @@
 """Shard-aware shuffle: an epoch order that keeps only about ``window`` shards open at a time.
 
-A plain shuffle (:mod:`feedgpu.sampling`) draws every sample of the epoch from anywhere: a source
+A plain shuffle (:mod:`feedgpu.order.sharded`) draws every sample of the epoch from anywhere: a source
 whose shards are fetched from the network then needs every shard from the first batch on. This
 order draws from a window that moves along a shuffled sequence of shards, so a shard is needed
 for a bounded span of the epoch and can be fetched shortly before and released after it
@@ -43,7 +43,7 @@ shuffle: :func:`shard_order` then returns exactly ``default_rng([seed, epoch]).p
 the order of ``shuffle: true``.
 
 The order depends on ``(seed, epoch, shard of each sample, window)`` only: not on the rank,
-world size or worker count. :class:`~feedgpu.sampling.ShardedOrder` shards it over ranks with
+world size or worker count. :class:`~feedgpu.order.sharded.ShardedOrder` shards it over ranks with
 its usual rules (rank ``r`` of ``W`` takes every ``W``-th position, the same padding or drop), so
 every rank reads from the same window of shards at the same time, and a loader state (a global
 position) resumes exactly on any world size. On one node, one download per shard then serves
@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 _SEED_MASK = 0xFFFFFFFFFFFFFFFF
 
@@ -87,7 +87,7 @@ def shard_order(shard_of: np.ndarray, seed: int, epoch: int, window: int) -> np.
     Args:
         shard_of: the shard of each sample (int array of length ``n``, ids in ``[0, S)``); shards
             without samples are allowed.
-        seed: base seed (any int; negative seeds wrap as in :mod:`feedgpu.sampling`).
+        seed: base seed (any int; negative seeds wrap as in :mod:`feedgpu.order.sharded`).
         epoch: the epoch (int >= 0).
         window: shards open at a time (int >= 1).
 

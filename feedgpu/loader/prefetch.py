@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections import deque
 
-from .exec.buffers.handoff import SideStream, hand_over
-from .exec.buffers.host import HostBuffers
-from .exec.work import Batch
+from ..exec.buffers.handoff import SideStream, hand_over
+from ..exec.buffers.host import HostBuffers
+from ..exec.work import Batch
 
 
 class CudaPrefetcher:

@@ -5,7 +5,7 @@ Rules (same as ``torch.utils.data.DistributedSampler`` where it has one):
 * ``shuffle=True``: a permutation of all ``n`` indices drawn from
   ``numpy.random.default_rng([seed, epoch])`` (PCG64 seeded through SeedSequence), so it changes
   every epoch; ``shuffle=False`` keeps index order. With a ``shard_window`` (``shuffle: shards``),
-  the epoch order is :func:`feedgpu.shard_order.shard_order` instead: about ``shard_window``
+  the epoch order is :func:`feedgpu.order.shard_shuffle.shard_order` instead: about ``shard_window``
   shards open at a time; everything below applies to it unchanged.
 * Sharding: rank ``r`` of ``w`` takes every ``w``-th index of the epoch order starting at ``r``.
 * ``drop_last=False`` (remainder rule): the order is padded by repeating its head up to a
@@ -32,10 +32,10 @@ import math
 
 import numpy as np
 
-from .errors import ConfigError
-from .shard_order import shard_order
-
-_SEED_MASK = 0xFFFFFFFFFFFFFFFF  # SeedSequence takes non-negative ints: a negative seed wraps, as in sample_rng
+from ..errors import ConfigError
+from .shard_shuffle import shard_order
+from .spares import SEED_MASK as _SEED_MASK
+from .spares import spares as draw_spares
 
 
 class ShardedOrder:
@@ -49,7 +49,7 @@ class ShardedOrder:
         rank, world_size: this process's shard (default 0 of 1).
         drop_last: drop the incomplete tail (rule in the module docstring).
         shard_window: with ``shuffle``, draw the order shard-aware with this many shards open
-            (int >= 1, :mod:`feedgpu.shard_order`); None (default): the plain permutation.
+            (int >= 1, :mod:`feedgpu.order.shard_shuffle`); None (default): the plain permutation.
         shard_of: the shard of each sample (int array of length ``n``, or a callable giving it,
             called once when first needed); needed with ``shard_window``.
 
@@ -87,8 +87,18 @@ class ShardedOrder:
             self.num_batches = math.ceil(self.per_rank / batch_size)
         self._cached: tuple[int, np.ndarray] | None = None
 
+    #: positions are prefixes of the epoch order (:class:`~feedgpu.order.protocol.Order`)
+    seekable = True
+
     def __len__(self) -> int:
         return self.num_batches
+
+    def known_len(self) -> int:
+        return self.num_batches
+
+    def end(self) -> int:
+        """The position past the epoch's end: ``n``."""
+        return self.n
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         """All ``n`` indices in this epoch's order (int64), before sharding."""
@@ -205,8 +215,8 @@ class EpochShard:
 
     def spares(self, b: int, k: int) -> np.ndarray:
         """``k`` replacement indices for samples of batch ``b`` that get skipped: drawn from this
-        rank's whole-epoch shard with ``default_rng([seed, epoch, rank, position, 1])`` (the
-        position where the batch starts), so they are the same however many workers run and
+        rank's whole-epoch shard by :func:`~feedgpu.order.spares.spares` at the position where
+        the batch starts, so they are the same however many workers run and
         after a resume on the same world size. A replacement repeats a sample of the epoch. The
         first ``min(k, shard size)`` are distinct samples, so a small dataset's good samples are
         all among a batch's spares rather than one bad sample drawn again and again."""
@@ -215,10 +225,5 @@ class EpochShard:
             self._full = o.rank_share(self._order_of_epoch, 0)[1]
             self._order_of_epoch = None
         pos = self.start + (b - self.first) * o.world_size * o.batch_size
-        rng = np.random.default_rng([o.seed & _SEED_MASK, int(self.epoch), o.rank, int(pos), 1])
-        m = len(self._full)
-        pick = rng.choice(m, size=min(k, m), replace=False)
-        if k > m:
-            pick = np.concatenate([pick, rng.integers(0, m, size=k - m)])
-        return self._full[pick]
+        return self._full[draw_spares(o.seed, self.epoch, o.rank, pos, k, len(self._full))]
 

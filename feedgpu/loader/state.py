@@ -7,7 +7,7 @@
                               # (Source.order_identity): another dataset is refused
      "epoch": int,            # the epoch the next batch belongs to
      "samples_seen": int,     # feedgpu's own order: indices of the epoch order consumed by ALL
-                              # ranks together (a prefix, feedgpu.sampling); a user sampler: the
+                              # ranks together (a prefix, feedgpu.order.sharded); a user sampler: the
                               # samples this rank received this epoch
      "batches_seen": int,     # batches this rank received this epoch (informational for
                               # feedgpu's own order; the position for a user sampler)
@@ -24,7 +24,9 @@ too when they were saved on the world size the loader runs with.
 """
 from __future__ import annotations
 
-from .errors import StateError
+import dataclasses
+
+from ..errors import StateError
 
 FORMAT = "feedgpu.loader/2"
 OLD_FORMAT = _OLD = "feedgpu.loader/1"
@@ -87,3 +89,46 @@ def fingerprint_for(state, fingerprint: str, pipeline) -> str:
             and state.get("fingerprint") != fingerprint and state.get("fingerprint") == pipeline.source.identity():
         return state["fingerprint"]
     return fingerprint
+
+
+@dataclasses.dataclass
+class Position:
+    """Where a loader's training loop is, what :func:`make_state` records; the loader owns it and
+    its epoch runner commits to it as batches reach the training loop.
+
+    Attributes:
+        epoch: the epoch the next batch belongs to.
+        start: the position in it: indices of the epoch order consumed by all ranks (feedgpu's
+            order), batches received (a user's sampler).
+        rows_seen, batches_seen: samples and batches this rank received this epoch.
+        next_epoch: the epoch the loader's next iteration starts (one more once an epoch completes).
+    """
+
+    epoch: int = 0
+    start: int = 0
+    rows_seen: int = 0
+    batches_seen: int = 0
+    next_epoch: int = 0
+
+    def begin(self, epoch: int, start: int) -> None:
+        """An iteration starts ``epoch`` at ``start`` (from its first batch: the counts restart)."""
+        self.epoch, self.start = epoch, start
+        if start == 0:
+            self.rows_seen = self.batches_seen = 0
+
+    def commit(self, epoch: int, start: int, rows: int) -> None:
+        """A batch of ``rows`` samples reached the training loop; ``start``: the position after it."""
+        self.epoch, self.start = epoch, start
+        self.rows_seen += rows
+        self.batches_seen += 1
+
+    def complete(self, epoch: int) -> None:
+        """``epoch``'s last batch reached the training loop: the next iteration starts the next one."""
+        self.epoch = self.next_epoch = epoch + 1
+        self.start = self.rows_seen = self.batches_seen = 0
+
+    def seek(self, epoch: int, start: int, rows: int | None = None, batches: int | None = None) -> None:
+        """The position set by ``set_epoch`` (the counts kept) or ``load_state_dict``."""
+        self.epoch, self.start, self.next_epoch = epoch, start, epoch
+        if rows is not None:
+            self.rows_seen, self.batches_seen = rows, batches
