@@ -118,6 +118,10 @@ class TorchvisionSlotWork(TorchvisionWork):
     def land(self, task: tuple, payload):
         return ("batch", payload)
 
+    def run_inline(self, seq: int, epoch: int, indices: np.ndarray, spares: np.ndarray):
+        """In the main process: the batch made as :class:`TorchvisionWork` makes it (no buffer)."""
+        return super().handle((0, seq, epoch, indices)), None
+
     def handle(self, task: tuple):
         seq, epoch, keys, slot = task[1], task[2], task[3].tolist(), task[4]
         images, labels = self.slots.arrays(slot)
