@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -188,7 +189,7 @@ def main(argv=None) -> int:
         for c in children.values():
             c.close()
     doc = {"format": "feedgpu.bench.torchvision_compat/2", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-           "command": "python -m bench.torchvision_compat " + " ".join(sys.argv[1:] if argv is None else argv),
+           "command": shlex.join(["python", "-m", "bench.torchvision_compat", *(sys.argv[1:] if argv is None else argv)]),
            "machine": machine(load_average_start=load_start, note=a.note, pil_stock=f"Pillow {stock}"),
            "data": {"path": str(data), "files": n_files},
            "settings": {k: v for k, v in vars(a).items() if k not in ("out", "note", "serve", "data")},
@@ -208,11 +209,12 @@ def markdown(doc: dict) -> str:
     lines = ["# A torchvision script: torch's DataLoader against feedgpu.DataLoader", "",
              f"Recorded {doc['created']} with `{doc['command'].strip()}` ({doc['total_seconds']:.0f} s). Raw numbers, "
              "every run: `torchvision_compat.json`.", "",
+             *([f"**{m['note']}**", ""] if m.get("note") else []),
              "## Setup", "",
              f"- Machine: {m.get('cpus_usable', m.get('cpus'))} CPUs ({m.get('cpu_model', '?')}), {m['platform']}, "
              f"Python {m['python']}, torch {m['torch']}; PIL builds: {m.get('pil_label', '?')} (feedgpu, torch + "
              f"Pillow-SIMD), stock {m.get('pil_stock')} (torch + stock Pillow). Load average {m.get('load_average_start')} "
-             f"at the start, {m.get('load_average')} at the end. {m.get('note', '')}".rstrip(),
+             f"at the start, {m.get('load_average')} at the end.",
              f"- Data: {doc['data']['files']} ImageNet-like JPEGs (`feedgpu.sample_data.build_imagenet_like` from the "
              "shared photographs, ImageFolder layout).",
              "- Script: `ImageFolder(root, transform=recipe)` and `DataLoader(ds, batch_size, shuffle=(recipe != 'val'), "

@@ -2,10 +2,12 @@
 
 Each sample is read as the dataset's own loader reads it (torchvision's ``pil_loader``: the file
 opened with PIL and converted to RGB; a recipe that starts with ``RandomResizedCrop`` decodes a
-JPEG only down to the window's rows, the same pixels, :mod:`~feedgpu.torchvision.window`), run through the compiled ops with feedgpu's per-sample
-draws, then through the tail (the user's own transform objects) and ``target_transform``,
-and the batch goes through ``collate_fn``, as the dataset's ``__getitem__`` and torch's loader
-would. Results travel back as a plain Dataset's do (:class:`~feedgpu.exec.work.DatasetWork`).
+JPEG only down to the window's rows, the same pixels, :mod:`~feedgpu.torchvision.window`), run
+through the compiled ops with feedgpu's per-sample draws, then through the tail (the user's own
+transform objects) and ``target_transform``, and the batch goes through ``collate_fn``, as the
+dataset's ``__getitem__`` and torch's loader would. Results travel back as a plain Dataset's do
+(:class:`~feedgpu.exec.work.DatasetWork`); with workers and ``default_collate``,
+:class:`~feedgpu.torchvision.slots.TorchvisionSlotWork` writes them into shared memory instead.
 """
 from __future__ import annotations
 
