@@ -22,7 +22,7 @@ from PIL import Image
 
 from ..stages.jpeg_header import frame_rows, with_rows
 
-__all__ = ["load_rgb", "load_window", "read_bytes"]
+__all__ = ["load_rgb", "load_window", "pil_loader", "read_bytes"]
 
 
 def read_bytes(path) -> bytes:
@@ -30,11 +30,23 @@ def read_bytes(path) -> bytes:
         return f.read()
 
 
+def pil_loader(path) -> Image.Image:
+    """torchvision's ``pil_loader`` as it is: what the fast paths fall back to when they fail, so
+    that a bad file raises the error (type and message, naming the file) torch's loader raises."""
+    with open(path, "rb") as f:
+        img = Image.open(f)
+        return img.convert("RGB")
+
+
 def load_rgb(path) -> Image.Image:
     """torchvision's ``pil_loader`` (the file opened with PIL, ``convert("RGB")``), the file read
     in one call (PIL reads an open file in many small pieces) and without the copy ``convert``
-    makes of an image that is RGB already: the same pixels."""
-    return _rgb(Image.open(io.BytesIO(read_bytes(path))))
+    makes of an image that is RGB already: the same pixels. A file that fails is read again by
+    :func:`pil_loader`, which raises torch's error."""
+    try:
+        return _rgb(Image.open(io.BytesIO(read_bytes(path))))
+    except Exception:  # noqa: BLE001 - pil_loader raises what torch's loader raises
+        return pil_loader(path)
 
 
 def _rgb(img: Image.Image) -> Image.Image:
@@ -55,7 +67,15 @@ def load_window(path, op, u) -> Image.Image:
     ``u`` to ``pil_loader(path)``: the window drawn from the stored image's size (what
     ``pil_loader`` gives: torchvision applies no EXIF orientation), the JPEG decoded down to the
     window's last row plus one row of MCUs, the window cropped and resized. The same pixels as
-    ``op.apply(pil_loader(path), u)``; the same errors for files PIL cannot open or decode."""
+    ``op.apply(pil_loader(path), u)``; a file that fails is read again by :func:`pil_loader`, so
+    the errors are torch's."""
+    try:
+        return _load_window(path, op, u)
+    except Exception:  # noqa: BLE001 - pil_loader raises what torch's loader raises
+        return op.apply(pil_loader(path), u)
+
+
+def _load_window(path, op, u) -> Image.Image:
     data = read_bytes(path)
     img = Image.open(io.BytesIO(data))
     width, height = img.size
