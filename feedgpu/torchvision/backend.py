@@ -17,6 +17,7 @@ import textwrap
 from ..errors import ConfigError
 from .compile import FEEDGPU, Compiled, compile_transform
 from .recognise import Found, dataset_key, recognise, same_key
+from .slots import slot_work
 from .work import TorchvisionWork
 
 __all__ = ["TorchvisionBackend", "backend_for", "explain_loader", "follow_dataset", "refuse_changed_origin"]
@@ -39,11 +40,15 @@ class TorchvisionBackend:
         return dataset is self.found.outer and same_key(self.key, dataset_key(dataset))
 
     def make_work(self, loader) -> TorchvisionWork:
-        """The work for ``loader``'s current settings; logs :meth:`summary` at INFO the first time
+        """The work for ``loader``'s current settings (with workers and ``default_collate``,
+        batches written into shared memory: :mod:`~feedgpu.torchvision.slots`); logs :meth:`summary` at INFO the first time
         (when the loader's first iteration starts)."""
         if not self._logged:
             self._logged = True
             log.info("%s", self.summary())
+        work = slot_work(self.found, self.compiled, loader)   # batches written in shared memory
+        if work is not None:
+            return work
         return TorchvisionWork(self.found, self.compiled, loader._collate, loader.seed,
                                batched=loader.batch_sampler is not None, positional=loader._user is not None)
 

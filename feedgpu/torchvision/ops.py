@@ -85,7 +85,16 @@ class RandomResizedCropOp(Op):
 
     def apply(self, img, u):
         h_in, w_in = _hw(img)
-        top, left, h, w = random_resized_crop_params(w_in, h_in, self.t.scale, self.t.ratio, u)
+        return self.crop(img, self.window(w_in, h_in, u))
+
+    def window(self, width: int, height: int, u) -> tuple[int, int, int, int]:
+        """The window ``(top, left, h, w)`` drawn for an input of ``width`` x ``height`` pixels."""
+        return random_resized_crop_params(width, height, self.t.scale, self.t.ratio, u)
+
+    def crop(self, img, window: tuple[int, int, int, int]):
+        """``window`` of ``img`` resized to the output size: torchvision's ``resized_crop``, which
+        reads no pixel below the window's last row (``img`` may lack the rows under it)."""
+        top, left, h, w = window
         return self.F.resized_crop(img, top, left, h, w, list(self.t.size), self.t.interpolation,
                                    antialias=self.t.antialias)
 

@@ -1,22 +1,26 @@
 """The torchvision backend's task: a batch of a recognised dataset, sample by sample.
 
-Each sample is read with the dataset's own loader (torchvision's ``pil_loader``: the file
-opened with PIL and converted to RGB), run through the compiled ops with feedgpu's per-sample
-draws, then through the tail (the user's own transform objects) and ``target_transform``,
-and the batch goes through ``collate_fn``, as the dataset's ``__getitem__`` and torch's loader
-would. Results travel back as a plain Dataset's do (:class:`~feedgpu.exec.work.DatasetWork`).
+Each sample is read as the dataset's own loader reads it (torchvision's ``pil_loader``: the file
+opened with PIL and converted to RGB; a recipe that starts with ``RandomResizedCrop`` decodes a
+JPEG only down to the window's rows, the same pixels, :mod:`~feedgpu.torchvision.window`), run
+through the compiled ops with feedgpu's per-sample draws, then through the tail (the user's own
+transform objects) and ``target_transform``, and the batch goes through ``collate_fn``, as the
+dataset's ``__getitem__`` and torch's loader would. Results travel back as a plain Dataset's do
+(:class:`~feedgpu.exec.work.DatasetWork`); with workers and ``default_collate``,
+:class:`~feedgpu.torchvision.slots.TorchvisionSlotWork` writes them into shared memory instead.
 """
 from __future__ import annotations
 
 import torch.utils.data as tud
-from PIL import Image
 
 from ..exec import progress
 from ..exec.work import DatasetWork
 from ..stages.draws import Draws, stage_draw_ids
 from .fused import FusedConvert, fuse
+from .ops import RandomResizedCropOp
+from .window import load_rgb, load_window
 
-__all__ = ["TorchvisionWork", "load_rgb"]
+__all__ = ["TorchvisionWork"]
 
 
 class TorchvisionWork(DatasetWork):
@@ -44,6 +48,8 @@ class TorchvisionWork(DatasetWork):
         self.base = found.base
         self.ops, self.tail = fuse(compiled.ops), list(compiled.tail)
         self.draw_ids = stage_draw_ids(self.ops)
+        # a first RandomResizedCrop on the loader's PIL image reads only the rows of its window
+        self.window = bool(self.ops) and type(self.ops[0]) is RandomResizedCropOp
         fused = self.ops[-1] if self.ops and isinstance(self.ops[-1], FusedConvert) else None
         # the whole sample is compiled and torch's default_collate batches it: write the batch directly
         self.direct = fused if (fused is not None and not self.tail and batched and found.base.target_transform is None
@@ -56,12 +62,18 @@ class TorchvisionWork(DatasetWork):
         j = self.found.base_index(i)
         path, target = self.base.samples[j]
         progress.at("read", i)
-        x = load_rgb(path)
         key = int(i) % len(self.found.outer)
         if self.positional:
             key += (int(position) + 1) << 40   # indices below 2**40 keep their own keys
-        ops = self.ops[:-1] if stop_before_direct and self.direct is not None else self.ops
-        for op, draw_id in zip(ops, self.draw_ids):
+        ops, ids = self.ops, self.draw_ids
+        if stop_before_direct and self.direct is not None:
+            ops = ops[:-1]
+        if self.window:
+            x = load_window(path, ops[0], Draws(self.seed, epoch, key, ids[0]))
+            ops, ids = ops[1:], ids[1:]
+        else:
+            x = load_rgb(path)
+        for op, draw_id in zip(ops, ids):
             x = op.apply(x, Draws(self.seed, epoch, key, draw_id) if op.draws else None)
         for t in self.tail:
             x = t(x)
@@ -106,13 +118,3 @@ class TorchvisionWork(DatasetWork):
             fused.write(img, rows[k])
         return [out, torch.tensor([t for _, t in items], dtype=torch.int64)]
 
-
-def load_rgb(path) -> Image.Image:
-    """torchvision's ``pil_loader`` (the file opened with PIL, ``convert("RGB")``), without the
-    copy ``convert`` makes of an image that is RGB already: the same pixels."""
-    with open(path, "rb") as f:
-        img = Image.open(f)
-        if img.mode == "RGB":
-            img.load()
-            return img
-        return img.convert("RGB")
