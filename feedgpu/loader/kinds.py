@@ -17,6 +17,7 @@ from ..exec.pool.start import resolve_context
 from ..exec.work import DatasetWork
 from ..torchvision import TorchvisionBackend, backend_for
 from ..torchvision.backend import refuse_changed_origin
+from ..torchvision.slots import slot_work
 from ..torchvision.work import TorchvisionWork
 from .mapped import MapBackend
 
@@ -150,8 +151,15 @@ class TorchvisionDatasetBackend(DatasetBackend):
         if not self._logged:   # when the loader's first iteration starts
             self._logged = True
             log.info("%s", self.compiled.summary())
-        return TorchvisionWork(self.compiled.found, self.compiled.compiled, self.options.collate, self.seed,
-                               batched=self.batched, positional=self.user is not None)
+        found, compiled = self.compiled.found, self.compiled.compiled
+        work = slot_work(found, compiled, collate=self.options.collate, seed=self.seed, batch_size=self.batch_size,
+                         workers=self.num_workers, prefetch=self.prefetch, batched=self.batched,
+                         fixed_pool=self.autoscaler is None and not self.options.executor.remote,
+                         positional=self.user is not None)   # batches written in shared memory
+        if work is not None:
+            return work
+        return TorchvisionWork(found, compiled, self.options.collate, self.seed, batched=self.batched,
+                               positional=self.user is not None)
 
     def explain(self) -> str:
         backend = self.compiled

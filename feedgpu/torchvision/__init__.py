@@ -7,11 +7,11 @@ transform, and compiles the transforms it recognises (:mod:`~feedgpu.torchvision
 Importing this package does not import torchvision: a dataset can only be a torchvision one when
 the user imported torchvision already.
 """
-from .backend import TorchvisionBackend, backend_for, explain_loader, follow_dataset
+from .backend import TorchvisionBackend, backend_for
 from .compile import Compiled, compile_transform
 from .dali import dali_pipeline
 from .pipeline_out import pipeline_config, pipeline_yaml
 from .recognise import recognise
 
-__all__ = ["Compiled", "TorchvisionBackend", "backend_for", "compile_transform", "dali_pipeline", "explain_loader",
-           "follow_dataset", "pipeline_config", "pipeline_yaml", "recognise"]
+__all__ = ["Compiled", "TorchvisionBackend", "backend_for", "compile_transform", "dali_pipeline", "pipeline_config",
+           "pipeline_yaml", "recognise"]

@@ -5,24 +5,19 @@ in feedgpu's workers. The loader keeps torch's behaviour for everything around t
 (samplers, ``collate_fn``, ``pin_memory``, ``drop_last``, ``generator``, sharding,
 ``state_dict()``), as for any map-style Dataset.
 
-The dataset is followed as torch's loader reads it: when an iteration starts, a ``transform``,
-``target_transform`` or ``Subset.indices`` reassigned since the backend was made is recognised and
-compiled again (:func:`follow_dataset`), unless persistent workers are running, which keep the
-dataset as it was when they started, as torch's do."""
+The loader follows the dataset as torch's loader reads it (:class:`~feedgpu.loader.kinds.TorchvisionDatasetBackend`):
+when an iteration starts, a dataset that is no longer :meth:`TorchvisionBackend.current` is
+recognised and compiled again, unless persistent workers are running, which keep the dataset as
+it was when they started, as torch's do."""
 from __future__ import annotations
 
-import logging
 import textwrap
 
 from ..errors import ConfigError
 from .compile import FEEDGPU, Compiled, compile_transform
 from .recognise import Found, dataset_key, recognise, same_key
-from .slots import slot_work
-from .work import TorchvisionWork
 
-__all__ = ["TorchvisionBackend", "backend_for", "explain_loader", "follow_dataset", "refuse_changed_origin"]
-
-log = logging.getLogger("feedgpu.torchvision")
+__all__ = ["TorchvisionBackend", "backend_for", "refuse_changed_origin"]
 
 
 class TorchvisionBackend:
@@ -33,24 +28,10 @@ class TorchvisionBackend:
     def __init__(self, found: Found, compiled: Compiled):
         self.found, self.compiled = found, compiled
         self.key = dataset_key(found.outer)
-        self._logged = False
 
     def current(self, dataset) -> bool:
         """Whether ``dataset`` is still what this backend was made from."""
         return dataset is self.found.outer and same_key(self.key, dataset_key(dataset))
-
-    def make_work(self, loader) -> TorchvisionWork:
-        """The work for ``loader``'s current settings (with workers and ``default_collate``,
-        batches written into shared memory: :mod:`~feedgpu.torchvision.slots`); logs :meth:`summary` at INFO the first time
-        (when the loader's first iteration starts)."""
-        if not self._logged:
-            self._logged = True
-            log.info("%s", self.summary())
-        work = slot_work(self.found, self.compiled, loader)   # batches written in shared memory
-        if work is not None:
-            return work
-        return TorchvisionWork(self.found, self.compiled, loader._collate, loader.seed,
-                               batched=loader.batch_sampler is not None, positional=loader._user is not None)
 
     def summary(self) -> str:
         """One line: how many transforms were compiled and what runs as Python, and why."""
@@ -97,12 +78,6 @@ def backend_for(dataset, compile: bool = True) -> tuple[TorchvisionBackend | Non
     return TorchvisionBackend(found, compile_transform(found.base.transform)), ""
 
 
-def _workers_keep_copy(loader) -> bool:
-    """Persistent workers are running: they keep the dataset they started with (torch's too)."""
-    pool = loader._pool
-    return bool(loader.persistent_workers) and pool is not None and not pool.closed
-
-
 def refuse_changed_origin(pipeline) -> None:
     """Raise :class:`ConfigError` when the torchvision dataset a DALI pipeline was made from
     (:func:`~feedgpu.torchvision.dali.dali_pipeline`) changed since (a ``transform`` or
@@ -113,44 +88,3 @@ def refuse_changed_origin(pipeline) -> None:
         raise ConfigError(f"engine='dali': the {type(origin[0]).__name__}'s transform changed since the loader was "
                           "built, and DALI runs the recipe as it was then; build a new feedgpu.DataLoader for the new "
                           "recipe (or leave engine out: the Python engine follows the dataset at each iteration)")
-
-
-def follow_dataset(loader) -> None:
-    """At the start of an iteration of ``loader``: when its torchvision dataset changed since the
-    backend was made (a ``transform``, ``target_transform``, ``loader`` or ``Subset.indices``
-    reassigned, a transform's parameters changed), recognise and compile it again, so the
-    iteration runs what torch's loader would run. Not while persistent workers run: they keep
-    their copy, as torch's workers do (``loader.shutdown()`` restarts them with the dataset of now).
-    With ``engine="dali"`` (the recipe converted to a pipeline) a changed dataset raises
-    :class:`~feedgpu.errors.ConfigError` instead."""
-    if loader.pipeline is not None:
-        return refuse_changed_origin(loader.dataset)   # engine="dali": the pipeline made at construction
-    backend = getattr(loader, "_torchvision", None)
-    if backend is None or backend.current(loader.dataset) or _workers_keep_copy(loader):
-        return
-    loader._release_pool(force=True)   # the work made from the old dataset goes
-    loader._fingerprint = None   # state_dict()'s: the dataset's length may have changed
-    loader._torchvision, loader._plain_why = backend_for(loader.dataset, loader.compile)
-
-
-def explain_loader(loader) -> str:
-    """:meth:`feedgpu.DataLoader.explain`: a pipeline's plan, a torchvision dataset's transforms
-    (compiled or run as Python, and why), or a plain Dataset and why it was not compiled."""
-    if loader.pipeline is not None:
-        return loader.pipeline.explain(loader._device)
-    backend = getattr(loader, "_torchvision", None)
-    if backend is not None and not backend.current(loader.dataset):
-        if _workers_keep_copy(loader):
-            return backend.explain() + "\nthe dataset changed since the persistent workers started: they keep it as " \
-                                       "it was (as torch's do) until loader.shutdown()"
-        backend, why = backend_for(loader.dataset, loader.compile)   # what the next iteration compiles
-        if backend is None:
-            return _plain(loader, why)
-    if backend is not None:
-        return backend.explain()
-    return _plain(loader, getattr(loader, "_plain_why", "an IterableDataset: run as torch runs it"))
-
-
-def _plain(loader, why: str) -> str:
-    return (f"dataset: {type(loader.dataset).__name__} (dataset[i] in feedgpu's workers, then collate_fn, "
-            f"as torch's loader)\nnot compiled: {why}")

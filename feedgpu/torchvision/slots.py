@@ -178,22 +178,23 @@ class TorchvisionSlotWork(TorchvisionWork):
         self.slots.close()
 
 
-def slot_work(found, compiled, loader) -> TorchvisionSlotWork | None:
-    """A :class:`TorchvisionSlotWork` for ``loader`` when its batches can be written in place:
-    worker processes of its own (no balancer, no remote workers), batches from a batch sampler,
-    torch's ``default_collate`` and a sample layout known in advance; else None (also when the
-    shared memory cannot be had: the collated path needs none in advance)."""
+def slot_work(found, compiled, *, collate, seed: int, batch_size: int, workers: int, prefetch: int,
+              batched: bool, fixed_pool: bool, positional: bool) -> TorchvisionSlotWork | None:
+    """A :class:`TorchvisionSlotWork` when a loader's batches can be written in place: ``workers``
+    processes of its own (``fixed_pool``: no balancer, no remote workers), batches from a batch
+    sampler (``batched``), torch's ``default_collate`` and a sample layout known in advance; slots
+    for ``workers * prefetch`` batches of ``batch_size``. Else None (also when the shared memory
+    cannot be had: the collated path needs none in advance)."""
     from ..errors import SharedMemoryError
     from .fused import fuse
 
-    if (loader.num_workers <= 0 or loader.batch_sampler is None or loader._collate is not tud.default_collate
-            or loader._autoscaler is not None or loader._executor.remote):
+    if workers <= 0 or not batched or collate is not tud.default_collate or not fixed_pool:
         return None
     layout = sample_layout(fuse(compiled.ops), list(compiled.tail))
     if layout is None:
         return None
     try:
-        return TorchvisionSlotWork(found, compiled, loader._collate, loader.seed, loader._batch_size, layout,
-                                   loader.num_workers * loader._prefetch, positional=loader._user is not None)
+        return TorchvisionSlotWork(found, compiled, collate, seed, batch_size, layout, workers * prefetch,
+                                   positional=positional)
     except SharedMemoryError:
         return None

@@ -64,7 +64,7 @@ def test_window_decode_in_the_loader_equals_full_decode(folder_ds):
     full = feedgpu.DataLoader(ds, batch_size=8, num_workers=0, seed=4)
     fast = feedgpu.DataLoader(ds, batch_size=8, num_workers=0, seed=4)
     next(iter(full))
-    full._work.window = False   # the same work reading whole images
+    full._backend.work.window = False   # the same work reading whole images
     for (x, y), (x2, y2) in zip(full, fast, strict=True):
         assert torch.equal(y, y2) and torch.equal(x, x2)
 
@@ -77,14 +77,14 @@ def test_batches_in_shared_buffers_equal_collated_ones(folder_ds, recipe):
     buffered = feedgpu.DataLoader(ds, batch_size=16, num_workers=2, seed=9)
     inline = feedgpu.DataLoader(ds, batch_size=16, num_workers=0, seed=9)
     got = [(x.clone(), y.clone(), type(b)) for b in buffered for x, y in [b]]
-    assert isinstance(buffered._work, TorchvisionSlotWork)
+    assert isinstance(buffered._backend.work, TorchvisionSlotWork)
     ref = [(x, y, type(b)) for b in inline for x, y in [b]]
     assert len(got) == len(ref) == 8
     for (x, y, kind), (x2, y2, kind2) in zip(got, ref):
         assert kind is kind2 is list and type(x) is torch.Tensor
         assert x.dtype == x2.dtype and y.dtype == torch.int64 and torch.equal(y, y2) and torch.equal(x, x2)
     # in the main process (the DALI engine's inline epochs) the buffered work makes its batch without a buffer
-    (x, y), report = buffered._work.run_inline(0, 0, np.arange(16), np.array([], np.int64))
+    (x, y), report = buffered._backend.work.run_inline(0, 0, np.arange(16), np.array([], np.int64))
     assert report is None and torch.equal(x, ref[0][0]) and torch.equal(y, ref[0][1])
 
 
@@ -107,12 +107,12 @@ def test_tail_batches_in_shared_buffers_as_default_collate(folder_ds):
     ds = ImageFolder(folder_ds, transform=jitter_train())
     one = feedgpu.DataLoader(ds, batch_size=20, num_workers=1, seed=2, generator=torch.Generator().manual_seed(5))
     got = [(x.clone(), y.clone()) for x, y in one]
-    assert isinstance(one._work, TorchvisionSlotWork)
+    assert isinstance(one._backend.work, TorchvisionSlotWork)
     one.shutdown()
     plain = feedgpu.DataLoader(ds, batch_size=20, num_workers=1, seed=2, generator=torch.Generator().manual_seed(5),
                                collate_fn=_own_collate)   # not torch's own function: collated, no buffers
     ref = [(x.clone(), y.clone()) for x, y in plain]
-    assert not isinstance(plain._work, TorchvisionSlotWork)
+    assert not isinstance(plain._backend.work, TorchvisionSlotWork)
     for (x, y), (x2, y2) in zip(got, ref, strict=True):
         assert torch.equal(y, y2) and torch.equal(x, x2)
 
@@ -146,7 +146,8 @@ def test_samples_that_do_not_fit_are_collated_as_torch(folder_ds, sizes):
     tf = T.Compose([T.RandomResizedCrop(224), _SizeFromLabel(sizes), T.ToTensor(), T.Normalize(MEAN, STD)])
     ds = Subset(ImageFolder(folder_ds, transform=tf), list(range(24)))
     loader = feedgpu.DataLoader(ds, batch_size=8, num_workers=2)
-    assert sample_layout(loader._make_work().ops, loader._make_work().tail) == ((3, 224, 224), np.dtype("float32"))
+    work = loader._backend.build_work()
+    assert sample_layout(work.ops, work.tail) == ((3, 224, 224), np.dtype("float32"))
     if len(sizes) == 1:
         assert [x.shape for x, _ in loader] == [(8, 3, 224, 224)] * 3
     else:
@@ -165,6 +166,6 @@ def test_spawned_workers_write_the_same_batches(folder_ds):
     fork = [(x.clone(), y.clone()) for x, y in feedgpu.DataLoader(ds, batch_size=8, num_workers=2, seed=1)]
     spawn = feedgpu.DataLoader(ds, batch_size=8, num_workers=2, seed=1, multiprocessing_context="spawn")
     got = [(x.clone(), y.clone()) for x, y in spawn]
-    assert isinstance(spawn._work, TorchvisionSlotWork)
+    assert isinstance(spawn._backend.work, TorchvisionSlotWork)
     for (x, y), (x2, y2) in zip(fork, got, strict=True):
         assert torch.equal(y, y2) and torch.equal(x, x2)

@@ -447,14 +447,6 @@ def reexport_shims(mods: dict[str, Module], root: Path = PACKAGE) -> set[str]:
 #: no longer found, so a fix removes it here in the same commit).
 KNOWN_OFFENDERS = {
     # the torchvision compiler (i42-speed)
-    "feedgpu/torchvision/backend.py: loader._collate",
-    "feedgpu/torchvision/backend.py: loader._device",
-    "feedgpu/torchvision/backend.py: loader._fingerprint",
-    "feedgpu/torchvision/backend.py: loader._plain_why",
-    "feedgpu/torchvision/backend.py: loader._pool",
-    "feedgpu/torchvision/backend.py: loader._release_pool",
-    "feedgpu/torchvision/backend.py: loader._torchvision",
-    "feedgpu/torchvision/backend.py: loader._user",
     "feedgpu/torchvision/ops.py: t._fill",
     # Pillow's private raw encoder packs an image's pixels into one bytes object without the
     # chunked join of Image.tobytes; replacing it needs a bench/ run of the batch write
