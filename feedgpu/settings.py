@@ -24,15 +24,45 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, field_validator
 
-from .cache.settings import CacheSection, CacheSettings
+from .cache.settings import CacheSection, CacheSettings, parse_size
 from .errors import ArgumentTypeError, ConfigError
 from .exec.engines import EngineSettings
 from .exec.executors import ExecutorSettings
-from .exec.memory_budget import parse_worker_memory
 from .settings_base import defaults, settings_class
-from .loader.skips import max_skipped_problem
 
-__all__ = ["LoaderSettings", "OutputSettings", "SECTIONS", "SourceSettings", "TORCH_DEFAULTS"]
+__all__ = ["LoaderSettings", "OutputSettings", "SECTIONS", "SourceSettings", "TORCH_DEFAULTS", "max_skipped_problem",
+           "parse_worker_memory"]
+
+
+def max_skipped_problem(value) -> str | None:
+    """What is wrong with ``value`` as a ``max_skipped`` (float in [0, 1], int >= 0 or None), or
+    None when it is valid."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"expected a share in [0, 1] (float), a count >= 0 (int) or None, got {value!r}"
+    if isinstance(value, float) and not 0.0 <= value <= 1.0:
+        return f"a share must be in [0, 1], got {value!r} (use an int for a count)"
+    if isinstance(value, int) and value < 0:
+        return f"a count must be >= 0, got {value!r}"
+    return None
+
+
+def parse_worker_memory(value) -> int | None:
+    """``worker_memory`` as bytes: an int, a string with a unit (``"512MiB"``, ``"2GB"``), or
+    ``None``/``"auto"`` for the machine's default (returns None). Raises :class:`ConfigError`
+    for anything else or a budget under 1 MiB."""
+    if value is None or value == "auto":
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ConfigError(f"worker_memory must be bytes (int), a size such as '2GiB', or 'auto'; got {value!r}")
+    try:
+        n = parse_size(value)
+    except ConfigError:
+        raise ConfigError(f"worker_memory {value!r}: expected a size such as 512MiB or 2GB, or 'auto'") from None
+    if n < 1 << 20:
+        raise ConfigError(f"worker_memory {value!r} is under 1 MiB: a worker cannot run in it")
+    return n
 
 
 @settings_class("loader")

@@ -27,6 +27,7 @@ import dataclasses
 import math
 
 from ..errors import ConfigError
+from ..settings import parse_worker_memory
 
 #: share of the memory available at start that the loader's workers may hold together (default)
 DEFAULT_SHARE = 0.5
@@ -42,25 +43,6 @@ SLOT_SHARE = 0.25
 
 class MemoryBudgetWarning(UserWarning):
     """A setting was lowered to keep the loader's workers within their memory budget."""
-
-
-def parse_worker_memory(value) -> int | None:
-    """``worker_memory`` as bytes: an int, a string with a unit (``"512MiB"``, ``"2GB"``), or
-    ``None``/``"auto"`` for the machine's default (returns None). Raises :class:`ConfigError`
-    for anything else or a budget under 1 MiB."""
-    from ..cache.settings import parse_size
-
-    if value is None or value == "auto":
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ConfigError(f"worker_memory must be bytes (int), a size such as '2GiB', or 'auto'; got {value!r}")
-    try:
-        n = parse_size(value)
-    except ConfigError:
-        raise ConfigError(f"worker_memory {value!r}: expected a size such as 512MiB or 2GB, or 'auto'") from None
-    if n < 1 << 20:
-        raise ConfigError(f"worker_memory {value!r} is under 1 MiB: a worker cannot run in it")
-    return n
 
 
 def memory_available() -> int | None:

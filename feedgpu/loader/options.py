@@ -20,9 +20,8 @@ from ..errors import ConfigError
 from ..balancer.autoscale import cpu_cores
 from ..exec.engines import EngineSettings
 from ..exec.executors import ExecutorSettings, check_executor
-from ..exec.memory_budget import parse_worker_memory
 from ..pipeline import Pipeline, resolve_device
-from ..settings import TORCH_DEFAULTS, LoaderSettings
+from ..settings import TORCH_DEFAULTS, LoaderSettings, parse_worker_memory
 from .arguments import UNSET, refuse_combinations
 
 __all__ = ["LoaderOptions"]

@@ -20,24 +20,11 @@ import math
 from collections import Counter
 
 from ..errors import ConfigError, SkipBudgetExceeded
+from ..settings import max_skipped_problem
 
 #: Sample names listed in the error message (all of them are in ``SkipBudgetExceeded.keys``
 #: up to this many too).
 LISTED = 20
-
-
-def max_skipped_problem(value) -> str | None:
-    """What is wrong with ``value`` as a ``max_skipped`` (float in [0, 1], int >= 0 or None), or
-    None when it is valid."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return f"expected a share in [0, 1] (float), a count >= 0 (int) or None, got {value!r}"
-    if isinstance(value, float) and not 0.0 <= value <= 1.0:
-        return f"a share must be in [0, 1], got {value!r} (use an int for a count)"
-    if isinstance(value, int) and value < 0:
-        return f"a count must be >= 0, got {value!r}"
-    return None
 
 
 def check_max_skipped(value, where: str = "max_skipped"):
