@@ -20,7 +20,18 @@ from typing import Any, ClassVar
 from ..stages.geometry import RRC_DRAWS, random_resized_crop_params
 
 __all__ = ["CenterCropOp", "ConvertDtypeOp", "FlipOp", "NormalizeOp", "Op", "PureTensorOp", "RandomCropOp", "RandomResizedCropOp",
-           "ResizeOp", "ToDtypeOp", "ToTensorOp", "describe", "functional"]
+           "ResizeOp", "ToDtypeOp", "ToTensorOp", "describe", "fill_for", "functional"]
+
+
+def fill_for(fill, kind: type):
+    """A v2 transform's ``fill`` for an input of type ``kind``, as torchvision resolves it: a
+    mapping gives the value for ``kind`` (else its ``"others"`` entry); a number or None is used
+    as is; a sequence becomes a list of floats."""
+    if isinstance(fill, dict):
+        fill = fill[kind] if kind in fill else fill.get("others")
+    if fill is None or isinstance(fill, (int, float)):
+        return fill
+    return [float(v) for v in fill]
 
 
 def functional(transform) -> Any:
@@ -168,10 +179,8 @@ class RandomCropOp(Op):
             left, right, pw = left + d, right + d, pw + 2 * d
         if ph < ch or pw < cw:
             raise ValueError(f"Required crop size {(ch, cw)} is larger than input image size {(ph, pw)}")
-        from torchvision.transforms.v2._utils import _get_fill
-
         if any((left, top, right, bottom)):
-            img = F.pad(img, padding=[left, top, right, bottom], fill=_get_fill(t._fill, type(img)),
+            img = F.pad(img, padding=[left, top, right, bottom], fill=fill_for(t.fill, type(img)),
                         padding_mode=t.padding_mode)
         y = int(u[0] * (ph - ch + 1)) if ph > ch else 0
         x = int(u[1] * (pw - cw + 1)) if pw > cw else 0

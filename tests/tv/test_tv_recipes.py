@@ -166,3 +166,17 @@ def test_jitter_recipe_runs_the_tail_as_python(folder_ds):
     assert "after ColorJitter" in rows[3] and "after ColorJitter" in rows[4]
     x, y = next(iter(loader))
     assert x.shape == (30, 3, 224, 224) and x.dtype == torch.float32 and y.tolist() == [ds.samples[i][1] for i in range(30)]
+
+
+@pytest.mark.parametrize("fill", [0, 7.5, None, (1, 2, 3), [4, 5, 6], {Image.Image: (9, 8, 7), "others": 0},
+                                  {"others": 3}, {torch.Tensor: 1, "others": (2, 2, 2)}])
+def test_a_v2_fill_resolves_as_torchvision_resolves_it(fill):
+    """RandomCrop's padding fill, read from the transform's public ``fill``: the value
+    torchvision's own v2 code pads a PIL image with (its private per-type mapping)."""
+    from torchvision.transforms import v2
+    from torchvision.transforms.v2._utils import _get_fill   # torchvision's own rule, as the reference
+
+    from feedgpu.torchvision.ops import fill_for
+
+    t = v2.RandomCrop(8, padding=2, fill=fill)
+    assert fill_for(t.fill, Image.Image) == _get_fill(t._fill, Image.Image)

