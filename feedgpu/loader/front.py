@@ -138,9 +138,7 @@ class DataLoader(tud.DataLoader[T_co]):
                  compile: bool = True):
         given = {k: v for k, v in locals().items() if k not in ("self", "dataset")}
         self.loader, self.output, self.compile = loader, output, compile
-        dataset = with_sections(dataset, loader, output)
-        if engine is not None:   # engine="dali" given with a torchvision dataset: run as its pipeline
-            dataset = dali_pipeline(dataset, engine, compile, collate_fn)
+        dataset = dali_pipeline(with_sections(dataset, loader, output), engine, compile, collate_fn)
         self._backend = b = pick_backend(dataset, given)
         for name in _GIVEN:
             setattr(self, name, given[name])

@@ -46,8 +46,7 @@ class PipelineBackend(MapBackend):
         return self.pipeline.source.order_identity()
 
     def begin(self) -> None:
-        if getattr(self.dataset, "torchvision_origin", None) is not None:   # made from a torchvision recipe
-            refuse_changed_origin(self.dataset)   # engine="dali" on a torchvision recipe: unchanged since
+        refuse_changed_origin(self.dataset)   # engine="dali" on a torchvision recipe: unchanged since
 
     def build_work(self):
         o, p = self.options, self.pipeline

@@ -37,9 +37,7 @@ class ReadAhead:
     def for_loader(cls, pipeline, own_order: bool, cache_entry: Callable[[], Any]) -> "ReadAhead":
         """The read-ahead of a loader over ``pipeline`` (None: a torch Dataset) in its own order
         (``own_order``) or a user's sampler; ``cache_entry``: the pixel cache entry now."""
-        network, fetcher, options = None, None, {}
-        if pipeline is not None and getattr(pipeline.source, "remote", None) is not None:   # read from URLs
-            network, fetcher, options = remote_read_ahead(pipeline, own_order, cache_entry)
+        network, fetcher, options = remote_read_ahead(pipeline, own_order, cache_entry)
         ra = cls(pipeline.source if pipeline is not None else None, pipeline is not None and own_order, network)
         if fetcher is not None:
             ra.attach(fetcher, **options)
