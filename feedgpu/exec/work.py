@@ -96,10 +96,7 @@ class PipelineWork(WorkBase):
         return self.assembler.fill(images, labels, task.indices, task.spares, task.epoch)
 
     def finish(self, task: Task, report: BatchReport) -> Batch:
-        slot, rows = task.slot, report.rows
-        if self.slots.held < self.keep_views:
-            return Batch(*self.slots.hand_out(slot, rows))
-        return Batch(*self.slots.copy_out(slot, rows))  # the consumer holds many: do not starve the pool
+        return Batch(*self.slots.deliver(task.slot, report.rows, self.keep_views))
 
     def discard(self, task: Task) -> None:
         self.slots.release(task.slot)

@@ -20,6 +20,7 @@ import numpy as np
 import torch.utils.data as tud
 
 from ..exec import progress
+from ..exec.contract import Task
 from ..exec.buffers.shm import BatchSlots
 from .fused import FusedConvert
 from .ops import CenterCropOp, FlipOp, RandomCropOp, RandomResizedCropOp, ResizeOp
@@ -75,7 +76,7 @@ def sample_layout(ops: list, tail: list) -> tuple[tuple, np.dtype] | None:
 
 class TorchvisionSlotWork(TorchvisionWork):
     """:class:`TorchvisionWork` with shared-memory batch buffers (module docstring). Tasks
-    ``(tag, seq, epoch, indices, slot)``; payload: ``("rows", n)`` when the batch is in the
+    carry their ``slot`` (:class:`~feedgpu.exec.contract.Task`); payload: ``("rows", n)`` when the batch is in the
     slot, else ``("batch", collate_fn's batch)``.
 
     Args:
@@ -106,11 +107,11 @@ class TorchvisionSlotWork(TorchvisionWork):
         """In each worker: map the buffers in (:meth:`~feedgpu.exec.buffers.shm.BatchSlots.map_in`)."""
         self.slots.map_in()
 
-    def task(self, tag: int, seq: int, epoch: int, indices: np.ndarray, spares: np.ndarray) -> tuple:
-        return (tag, seq, epoch, indices, self.slots.acquire())
+    def task(self, tag: int, seq: int, epoch: int, indices: np.ndarray, spares: np.ndarray) -> Task:
+        return Task(tag, seq, epoch, indices, slot=self.slots.acquire())
 
-    def discard(self, task: tuple) -> None:
-        self.slots.release(task[4])
+    def discard(self, task: Task) -> None:
+        self.slots.release(task.slot)
 
     def remote_handler(self):
         return super().handle   # away from the buffers: the collated batch travels back
@@ -120,11 +121,11 @@ class TorchvisionSlotWork(TorchvisionWork):
 
     def run_inline(self, seq: int, epoch: int, indices: np.ndarray, spares: np.ndarray):
         """In the main process: the batch made as :class:`TorchvisionWork` makes it (no buffer)."""
-        return super().handle((0, seq, epoch, indices)), None
+        return super().handle(Task(0, seq, epoch, indices)), None
 
-    def handle(self, task: tuple):
-        seq, epoch, keys, slot = task[1], task[2], task[3].tolist(), task[4]
-        images, labels = self.slots.arrays(slot)
+    def handle(self, task: Task):
+        seq, epoch, keys = task.seq, task.epoch, task.indices.tolist()
+        images, labels = self.slots.arrays(task.slot)
         if len(keys) > len(labels):
             return ("batch", super().handle(task))
         direct = self.direct is not None
@@ -164,15 +165,12 @@ class TorchvisionSlotWork(TorchvisionWork):
 
         return torch.from_numpy(row.copy())
 
-    def finish(self, task: tuple, payload):
+    def finish(self, task: Task, payload):
         kind, value = payload
-        slot = task[4]
         if kind == "batch":
-            self.slots.release(slot)
+            self.slots.release(task.slot)
             return value
-        if self.slots.held < self.keep_views:
-            return list(self.slots.hand_out(slot, value))
-        return list(self.slots.copy_out(slot, value))   # the loop holds many: do not starve the pool
+        return list(self.slots.deliver(task.slot, value, self.keep_views))
 
     def close(self) -> None:
         self.slots.close()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch.utils.data as tud
 
 from ..exec import progress
+from ..exec.contract import Task
 from ..exec.work import DatasetWork
 from ..stages.draws import Draws, stage_draw_ids
 from .fused import FusedConvert, fuse
@@ -88,8 +89,8 @@ class TorchvisionWork(DatasetWork):
         except (IndexError, TypeError, ValueError):
             return super().describe(index)
 
-    def handle(self, task: tuple):
-        seq, epoch, keys = task[1], task[2], task[3].tolist()
+    def handle(self, task: Task):
+        seq, epoch, keys = task.seq, task.epoch, task.indices.tolist()
         direct = self.direct is not None
         items = [self.item(i, epoch, (seq << 20) + row, direct) for row, i in enumerate(keys)]
         progress.at("collate_fn", keys[0] if keys and isinstance(keys[0], int) else -1)

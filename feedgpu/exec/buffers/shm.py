@@ -323,6 +323,13 @@ class BatchSlots(RecycledBuffers):
         self.release(slot)
         return out
 
+    def deliver(self, slot: int, rows: int, keep_views: int):
+        """:meth:`hand_out` while fewer than ``keep_views`` slots are held by the consumer, else
+        :meth:`copy_out` (a consumer holding many batches must not starve the pool of slots)."""
+        if self.held < keep_views:
+            return self.hand_out(slot, rows)
+        return self.copy_out(slot, rows)
+
     def close(self) -> None:
         # Never mmap.close(): numpy views hold the mapping as their base without a buffer
         # export, so closing would unmap memory a tensor still reads. The mapping is unmapped
