@@ -45,7 +45,7 @@ from ..errors import ConfigError, DecodeError
 from ..spec import ImageSpec
 from .base import SampleStage
 from .dct_scale import choose_scale, reduced_box, rows_needed
-from .jpeg_header import frame_rows, jpeg_precision, read_jpeg_header, scan_end_error, with_rows
+from .jpeg_header import frame_rows, has_eoi, jpeg_precision, read_jpeg_header, scan_end_error, with_rows
 from .params import RGB, PositiveInt
 
 IMAGENET_MEAN_PIXEL = (124, 116, 104)
@@ -165,7 +165,7 @@ class Decode(SampleStage):
         # rows are left out only where the box keeps its coordinates (the missing rows are at the
         # upright image's bottom or right): a box moved by whole pixels can resample differently
         # in the last bit. A file cut short is decoded whole, as apply() decodes it.
-        frame = frame_rows(x) if orientation in (1, 2, 5, 8) and _has_eoi(x) else None
+        frame = frame_rows(x) if orientation in (1, 2, 5, 8) and has_eoi(x) else None
         if frame is not None:
             need = rows_needed(box, *out, uw, uh, orientation, scale, 8 * frame[1])
             if need < h:   # the rows below the window are never decoded
@@ -187,7 +187,7 @@ class Decode(SampleStage):
         Pillow's), after the checks :meth:`apply_window` makes on an opened image, in the same
         order (the pixel limit, then the scan's end); None where the reader does not answer, to
         open the image with Pillow."""
-        head = read_jpeg_header(x) if _has_eoi(x) else None
+        head = read_jpeg_header(x) if has_eoi(x) else None
         if head is None:
             return None
         w, h = head.width, head.height
@@ -262,7 +262,7 @@ class Decode(SampleStage):
         img = self._open(data, UNKNOWN_KEY)
         w, h = img.size
         self._check_pixels(w, h, UNKNOWN_KEY)
-        if not (img.format == "JPEG" and img.mode in self.DALI_JPEG_MODES and _has_eoi(data)):
+        if not (img.format == "JPEG" and img.mode in self.DALI_JPEG_MODES and has_eoi(data)):
             # decoded by :meth:`apply`, which finds the size and the errors itself (a PNG's
             # getexif() would decode the whole image here, and raise OSError if it is truncated)
             return Header(w, h, False, False)
@@ -291,7 +291,7 @@ class Decode(SampleStage):
         """:meth:`header` from the markers alone (``head``: what :func:`read_jpeg_header` read
         from ``data``), when the reader answered and the file ends with its EOI marker; None to
         ask Pillow."""
-        if head is None or not _has_eoi(data):
+        if head is None or not has_eoi(data):
             return None
         w, h = head.width, head.height
         limit = Image.MAX_IMAGE_PIXELS
@@ -423,13 +423,6 @@ def _wide_to_8bit(img: Image.Image, key: str) -> np.ndarray:
     if top <= 0 or hi > top:
         top = (1 << max(16, hi.bit_length())) - 1
     return ((a * 255 + top // 2) // top).astype(np.uint8)
-
-
-def _has_eoi(data) -> bool:
-    """True when the JPEG's last bytes hold its end-of-image marker (FF D9; it cannot occur inside
-    entropy-coded data). A file cut short (a partial download) lacks it: such files go to
-    :meth:`Decode.apply`, which names them truncated, instead of failing a whole DALI batch."""
-    return bytes(data[-1024:]).rfind(b"\xff\xd9") != -1
 
 
 def _as_hwc_uint8(x, key: str) -> np.ndarray:

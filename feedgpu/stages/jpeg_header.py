@@ -197,6 +197,15 @@ def _tables_fit(s: bytes) -> bool:
     return True
 
 
+def has_eoi(data) -> bool:
+    """True when the JPEG's last bytes hold its end-of-image marker (FF D9; it cannot occur inside
+    entropy-coded data; trailing bytes after it within the last KiB are allowed, as libjpeg ignores
+    them). ``data``: a whole JPEG file (bytes-like). A file cut short (a partial download) lacks it:
+    the reduced and DALI decode paths leave such files to a whole decode, which names them
+    truncated."""
+    return bytes(data[-1024:]).rfind(b"\xff\xd9") != -1
+
+
 # -- the end of a JPEG: where the first scan's data may stop ---------------------------------------
 # After the first start of scan (SOS) a JPEG holds entropy-coded data, restart markers, the tables
 # and scans of later passes (DHT, DAC, DQT, DRI, SOS, DNL, COM, APPn) and ends with EOI. Any other

@@ -20,7 +20,7 @@ import io
 
 from PIL import Image
 
-from ..stages.jpeg_header import frame_rows, with_rows
+from ..stages.jpeg_header import frame_rows, has_eoi, with_rows
 
 __all__ = ["load_rgb", "load_window", "pil_loader", "read_bytes"]
 
@@ -56,12 +56,6 @@ def _rgb(img: Image.Image) -> Image.Image:
     return img.convert("RGB")
 
 
-def _has_eoi(data: bytes) -> bool:
-    """The file ends with a JPEG end-of-image marker (within its last KiB: trailing data after it
-    is allowed, as libjpeg ignores it)."""
-    return data.rfind(b"\xff\xd9", max(0, len(data) - 1024)) != -1
-
-
 def load_window(path, op, u) -> Image.Image:
     """``op`` (a :class:`~feedgpu.torchvision.ops.RandomResizedCropOp`) applied with draws
     ``u`` to ``pil_loader(path)``: the window drawn from the stored image's size (what
@@ -82,7 +76,7 @@ def _load_window(path, op, u) -> Image.Image:
     window = op.window(width, height, u)
     if img.format == "JPEG":
         frame = frame_rows(data)
-        if frame is not None and _has_eoi(data):
+        if frame is not None and has_eoi(data):
             rows = window[0] + window[2] + 8 * frame[1]
             if rows < height:
                 img = Image.open(io.BytesIO(with_rows(data, frame[0], rows)))
