@@ -743,7 +743,7 @@ def test_a_jpeg_dali_cannot_decode_is_skipped_via_the_python_engine(cases_datase
     DALI raise; the batch is redone on Python, which skips the file as truncated."""
     import feedgpu.stages.decode as dec
 
-    monkeypatch.setattr(dec, "_has_eoi", lambda data: True)
+    monkeypatch.setattr(dec, "has_eoi", lambda data: True)
     src = open_format("folder", cases_datasets["folder"])
     bad = next(i for i in range(len(src)) if src.key(i).endswith("truncated_half.jpg"))
     goods = [i for i in range(len(src)) if src.labels[i] == 1][:7]
