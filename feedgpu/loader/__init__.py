@@ -2,14 +2,14 @@
 
 Rooms:
 
-* ``front``: the torch-facing ``DataLoader`` (torch's arguments and attributes); it resolves its
-  options, picks a backend and delegates to it.
+* ``front``: the torch-facing ``DataLoader`` (torch's arguments and attributes); it picks a
+  backend once (``pick_backend``) and delegates to it.
 * ``options``: :class:`~feedgpu.loader.options.LoaderOptions`, torch's keywords and the pipeline
-  resolved once (validated in :meth:`feedgpu.settings.LoaderSettings.from_torch`).
-* ``arguments``: torch's refusals of argument combinations, in torch's words.
-* ``backend``: the one protocol of the backends, and the choice of one per kind of dataset.
+  resolved once (validated in :meth:`feedgpu.settings.LoaderSettings.from_torch`), and torch's
+  refusals of argument combinations, in torch's words.
+* ``backend``: the one protocol of the backends, and the table of which kind of dataset gets which.
 * ``mapped``: what the map-style backends share: the order, the position, the work and the pool.
-* ``kinds``: the pipeline, torch Dataset and compiled torchvision backends.
+* ``kinds``: the pipeline, torchvision-on-DALI, torch Dataset and compiled torchvision backends.
 * ``iterable``: the ``IterableDataset`` backend (:mod:`feedgpu.exec.iterable` runs it).
 * ``epoch``: :class:`~feedgpu.loader.epoch.EpochRunner`, one pass over an epoch (the in-order
   window, the orphans, the commit of the position).

@@ -1,9 +1,9 @@
 """``feedgpu.DataLoader``: a drop-in replacement for ``torch.utils.data.DataLoader``.
 
-This module is the torch-facing front: torch's arguments and attributes. The loader resolves its
-options once (:mod:`feedgpu.loader.options`), picks a backend for its kind of dataset
-(:mod:`feedgpu.loader.backend`) and delegates to it: iteration, ``len()``, ``set_epoch``,
-``state_dict``, workers and counters.
+This module is the torch-facing front: torch's arguments and attributes. The loader picks a
+backend for its kind of dataset once (:func:`pick_backend`; the kinds and their protocol:
+:mod:`feedgpu.loader.backend`), which resolves the options (:mod:`feedgpu.loader.options`), and
+delegates to it: iteration, ``len()``, ``set_epoch``, ``state_dict``, workers and counters.
 """
 from __future__ import annotations
 
@@ -14,13 +14,17 @@ import torch.utils.data as tud
 
 from ..cache.settings import CacheSettings
 from ..balancer.autoscale import Autoscaler
+from ..errors import ConfigError
 from ..exec.engines import EngineSettings
-from ..torchvision import dali_pipeline
-from .arguments import UNSET, with_sections
-from .backend import pick_backend
+from ..pipeline import Pipeline
+from ..torchvision import backend_for, dali_pipeline
+from .backend import Backend
+from .iterable import IterableBackend
+from .kinds import DatasetBackend, PipelineBackend, TorchvisionDaliBackend, TorchvisionDatasetBackend
+from .options import UNSET, LoaderOptions
 from .read_ahead import ReadAhead
 
-__all__ = ["DataLoader"]
+__all__ = ["DataLoader", "pick_backend"]
 
 T_co = TypeVar("T_co", covariant=True)
 # torch's DataLoader refuses to change these once it is built (ValueError); so does feedgpu's
@@ -138,12 +142,11 @@ class DataLoader(tud.DataLoader[T_co]):
                  compile: bool = True):
         given = {k: v for k, v in locals().items() if k not in ("self", "dataset")}
         self.loader, self.output, self.compile = loader, output, compile
-        dataset = dali_pipeline(with_sections(dataset, loader, output), engine, compile, collate_fn)
         self._backend = b = pick_backend(dataset, given)
         for name in _GIVEN:
             setattr(self, name, given[name])
         self.max_skipped = None if max_skipped is UNSET else max_skipped
-        self.dataset, self.pin_memory, self.num_workers = dataset, b.pin_memory, b.num_workers
+        self.dataset, self.pin_memory, self.num_workers = b.dataset, b.pin_memory, b.num_workers
         self.prefetch_factor = b.prefetch_factor   # (before multiprocessing_context: torch's setter reads them)
         for name, value in b.torch_attributes(given).items():   # multiprocessing_context last: torch's setter
             setattr(self, name, value)                            # reads num_workers
@@ -242,6 +245,32 @@ class DataLoader(tud.DataLoader[T_co]):
     def shutdown(self) -> None:
         """Stop the workers now (also at epoch end unless ``persistent_workers``, on errors, at gc)."""
         self._backend.shutdown()
+
+
+def pick_backend(dataset, given: dict) -> Backend:
+    """The backend of a loader over ``dataset`` made with the keyword arguments ``given`` (the
+    table of kinds: :mod:`feedgpu.loader.backend`); its ``dataset`` is what the loader shows
+    as its own (a pipeline with the ``loader``/``output`` sections given, the pipeline DALI runs
+    for a torchvision dataset). Raises :class:`~feedgpu.errors.ConfigError` for the arguments it
+    refuses (see :meth:`LoaderOptions.resolve <feedgpu.loader.options.LoaderOptions.resolve>`)."""
+    sections = {k: given[k] for k in ("loader", "output") if given[k] is not None}
+    own_order = given["sampler"] is None and given["batch_sampler"] is None
+    if isinstance(dataset, Pipeline):
+        dataset = dataset.replace(**sections) if sections else dataset
+        return PipelineBackend(dataset, LoaderOptions.resolve(dataset, given, own_order), given)
+    if sections:
+        raise ConfigError("loader=/output= settings objects go with a feedgpu Pipeline; a torch Dataset takes "
+                          "torch's keywords (batch_size=, shuffle=, num_workers=, ...)")
+    if isinstance(dataset, tud.IterableDataset):  # run as torch runs it (feedgpu.exec.iterable)
+        return IterableBackend(dataset, given)
+    pipe = dali_pipeline(dataset, given["engine"], given["compile"], given["collate_fn"])
+    if pipe is not None:
+        return TorchvisionDaliBackend(pipe, LoaderOptions.resolve(pipe, given, own_order), given, origin=dataset)
+    compiled, why = backend_for(dataset, given["compile"])
+    options = LoaderOptions.resolve(dataset, given, own_order)
+    if compiled is not None:
+        return TorchvisionDatasetBackend(dataset, options, given, compiled, given["compile"])
+    return DatasetBackend(dataset, options, given, why)
 
 
 def _mirror(loader):

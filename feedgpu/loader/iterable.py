@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..exec.iterable.runner import IterableRunner, runner_for_loader
 from ..settings import TORCH_DEFAULTS
-from .arguments import UNSET
+from .options import UNSET
 from .kinds import plain_explanation
 
 __all__ = ["IterableBackend"]

@@ -2,6 +2,8 @@
 
 * :class:`PipelineBackend`: a feedgpu :class:`~feedgpu.Pipeline` (its stages in shared-memory
   batches, or DALI), with spares for skipped samples and, on CUDA, the device prefetch;
+* :class:`TorchvisionDaliBackend`: the pipeline :mod:`feedgpu.torchvision` made for DALI from a
+  torchvision dataset (``engine="dali"``), refused when the dataset's recipe changed since;
 * :class:`DatasetBackend`: a map-style torch Dataset (``dataset[i]`` and ``collate_fn`` in the
   workers, as torch), or a dataset that assembles its own batches (``make_work``: table pipelines);
 * :class:`TorchvisionDatasetBackend`: a torchvision dataset whose transforms
@@ -17,11 +19,12 @@ from ..exec.pool.start import resolve_context
 from ..exec.work import DatasetWork
 from ..torchvision import TorchvisionBackend, backend_for
 from ..torchvision.backend import refuse_changed_origin
+from ..torchvision.recognise import dataset_key
 from ..torchvision.slots import slot_work
 from ..torchvision.work import TorchvisionWork
 from .mapped import MapBackend
 
-__all__ = ["DatasetBackend", "PipelineBackend", "TorchvisionDatasetBackend"]
+__all__ = ["DatasetBackend", "PipelineBackend", "TorchvisionDaliBackend", "TorchvisionDatasetBackend"]
 
 log = logging.getLogger("feedgpu.torchvision")
 
@@ -44,9 +47,6 @@ class PipelineBackend(MapBackend):
 
     def identity(self) -> str:
         return self.pipeline.source.order_identity()
-
-    def begin(self) -> None:
-        refuse_changed_origin(self.dataset)   # engine="dali" on a torchvision recipe: unchanged since
 
     def build_work(self):
         o, p = self.options, self.pipeline
@@ -82,6 +82,19 @@ class PipelineBackend(MapBackend):
 
     def explain(self) -> str:
         return self.pipeline.explain(self.options.device)
+
+
+class TorchvisionDaliBackend(PipelineBackend):
+    """The DALI pipeline of a torchvision dataset (``origin``), as :class:`PipelineBackend` runs a
+    pipeline; each iteration first checks that ``origin``'s recipe is the one the pipeline was
+    made from (:func:`~feedgpu.torchvision.backend.refuse_changed_origin`)."""
+
+    def __init__(self, dataset, options, given: dict, origin):
+        super().__init__(dataset, options, given)
+        self.origin, self.origin_key = origin, dataset_key(origin)
+
+    def begin(self) -> None:
+        refuse_changed_origin(self.origin, self.origin_key)
 
 
 class DatasetBackend(MapBackend):

@@ -24,9 +24,8 @@ from ..order import distributed
 from ..order.sampler_split import split_order
 from ..order.sharded import ShardedOrder
 from . import state as loader_state
-from .arguments import refuse_unagreed_seed
 from .epoch import Ahead, EpochRunner, close_live
-from .options import LoaderOptions
+from .options import LoaderOptions, refuse_unagreed_seed
 from .read_ahead import ReadAhead
 from ..order.user import UserOrder
 from .samplers import (OrderRandomSampler, OrderSampler, OrderSequentialSampler, reads_as_sharding, shard_settings,

@@ -6,12 +6,15 @@
 ``loader:`` section, or over torch's defaults for a torch Dataset, checked there in torch's words),
 the device, the cache, the engine and the executor, the collate function. The loader's live
 worker count and prefetch depth (which the balancer changes) start from it.
+
+The argument combinations torch refuses are refused here too, in torch's words
+(:func:`refuse_combinations`), and :data:`UNSET` marks a keyword that was not given.
 """
 from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Callable
+from typing import Any, Callable
 
 import torch.utils.data as tud
 
@@ -22,9 +25,43 @@ from ..exec.engines import EngineSettings
 from ..exec.executors import ExecutorSettings, check_executor
 from ..pipeline import Pipeline, resolve_device
 from ..settings import TORCH_DEFAULTS, LoaderSettings, parse_worker_memory
-from .arguments import UNSET, refuse_combinations
 
-__all__ = ["LoaderOptions"]
+__all__ = ["LoaderOptions", "UNSET", "refuse_combinations", "refuse_unagreed_seed"]
+
+#: an argument not given (``None`` means something for several of them)
+UNSET: Any = object()
+
+
+def refuse_unagreed_seed(shuffle: bool, rank, world_size) -> None:
+    """Refuse a shuffled order sharded by the loader's own ``rank``/``world_size`` whose seed
+    would be drawn from each process's torch RNG: given explicitly, the ranks do not exchange
+    rank 0's seed (as they do when the shards come from ``torch.distributed``), and ranks whose
+    RNGs differ would read overlapping shards (samples repeated, others never read). Called when
+    neither ``seed``, a ``generator`` nor a pipeline gives the seed. Raises :class:`ConfigError`."""
+    if shuffle and (world_size or 1) > 1:
+        raise ConfigError(f"rank={rank}, world_size={world_size} shard a shuffled order whose seed each process "
+                          "draws from its own torch RNG: "
+                          "give seed= (the same on every rank) or a generator seeded alike, so that every rank "
+                          "draws the same permutation")
+
+
+def refuse_combinations(in_order, pin_memory_device, batch_size, shuffle, sampler, batch_sampler, drop_last) -> None:
+    """Raise :class:`ConfigError` for the argument combinations torch refuses (its own words) and
+    for the two feedgpu cannot honour (``in_order=False``, ``pin_memory_device``)."""
+    if not in_order:
+        raise ConfigError("in_order=False: feedgpu always delivers batches in order (exact resume needs it)")
+    if pin_memory_device:
+        raise ConfigError("pin_memory_device is deprecated in torch; use device='cuda:N' instead")
+    dropping = drop_last is not UNSET and bool(drop_last)   # torch tests truthiness, before drop_last's type
+    if sampler is not None and shuffle:
+        raise ConfigError("sampler option is mutually exclusive with shuffle")
+    if batch_sampler is not None:
+        if batch_size is not UNSET and batch_size != 1 or shuffle or sampler is not None or dropping:
+            raise ConfigError("batch_sampler option is mutually exclusive with batch_size, shuffle, sampler, "
+                              "and drop_last")
+    elif batch_size is None and dropping:
+        raise ConfigError("batch_size=None option disables auto-batching and is mutually exclusive with drop_last")
+
 
 #: torch's keywords that the loader settings hold (feedgpu's ``seed``, ``on_error``,
 #: ``max_skipped`` and ``worker_memory`` too)

@@ -2,12 +2,12 @@
 
 Rooms:
 
-* ``sharded``: :class:`ShardedOrder`, feedgpu's seeded, sharded, resumable order.
+* ``sharded``: :class:`ShardedOrder`, feedgpu's seeded, sharded, resumable order, and the one
+  draw of spare samples both orders use.
 * ``shard_shuffle``: the shard-aware shuffle (``shuffle: shards``) the order may draw instead.
 * ``sampler_split``: a ``DistributedSampler``'s split, computed as a seekable order.
 * ``user``: :class:`~feedgpu.order.user.UserOrder`, a user's ``sampler`` or ``batch_sampler``.
 * ``protocol``: :class:`~feedgpu.order.protocol.Order`, what the loader asks of both.
-* ``spares``: the one draw of spare samples both use.
 * ``distributed``: the rank and world size, and the ranks' agreement on data and seed.
 
 It is a package of its own, not part of :mod:`feedgpu.loader`, because it is a pure function of

@@ -25,6 +25,12 @@ order after such a prefix over this loader's ranks with the same rules (padding 
 the epoch order, or dropping the incomplete tail), so a run resumed on another world size
 delivers the rest of the epoch exactly once (plus the documented padding), and a run resumed on
 the same world size gets exactly the batches it would have got.
+
+Spare samples (what stands in for the samples of a batch that get skipped) are drawn by one
+function, :func:`draw_spares`, for this order (from the rank's whole-epoch shard) and for a user's
+sampler (:class:`~feedgpu.order.user.UserOrder`, from the dataset): a spare depends only on
+(seed, epoch, rank, the position where the batch starts) and on the pool it is drawn from, the
+same however many workers run, and after a resume on the same world size.
 """
 from __future__ import annotations
 
@@ -34,8 +40,24 @@ import numpy as np
 
 from ..errors import ConfigError
 from .shard_shuffle import shard_order
-from .spares import SEED_MASK as _SEED_MASK
-from .spares import spares as draw_spares
+
+__all__ = ["SEED_MASK", "ShardedOrder", "draw_spares"]
+
+#: SeedSequence takes non-negative ints: a negative seed wraps (as in the stages' sample RNG)
+SEED_MASK = 0xFFFFFFFFFFFFFFFF
+
+
+def draw_spares(order_seed: int, epoch: int, rank: int, pos: int, k: int, pool: int) -> np.ndarray:
+    """``k`` positions in ``[0, pool)`` (int64) drawn with ``default_rng([seed, epoch, rank, pos, 1])``.
+
+    The first ``min(k, pool)`` are distinct, so a small dataset's good samples are all among a
+    batch's spares rather than one bad sample drawn again and again; the rest (``k > pool``) are
+    drawn with replacement. A spare repeats a sample of the epoch."""
+    rng = np.random.default_rng([int(order_seed) & SEED_MASK, int(epoch), int(rank), int(pos), 1])
+    pick = rng.choice(pool, size=min(k, pool), replace=False)
+    if k > pool:
+        pick = np.concatenate([pick, rng.integers(0, pool, size=k - pool)])
+    return pick
 
 
 class ShardedOrder:
@@ -106,7 +128,7 @@ class ShardedOrder:
             return np.arange(self.n, dtype=np.int64)
         if self.shard_window is not None:
             return shard_order(self.shard_of(), self.seed, epoch, self.shard_window)
-        return np.random.default_rng([self.seed & _SEED_MASK, int(epoch)]).permutation(self.n).astype(np.int64)
+        return np.random.default_rng([self.seed & SEED_MASK, int(epoch)]).permutation(self.n).astype(np.int64)
 
     def shard_of(self) -> np.ndarray:
         """The shard of each sample (with a ``shard_window``; raises :class:`ConfigError` when
@@ -215,7 +237,7 @@ class EpochShard:
 
     def spares(self, b: int, k: int) -> np.ndarray:
         """``k`` replacement indices for samples of batch ``b`` that get skipped: drawn from this
-        rank's whole-epoch shard by :func:`~feedgpu.order.spares.spares` at the position where
+        rank's whole-epoch shard by :func:`draw_spares` at the position where
         the batch starts, so they are the same however many workers run and
         after a resume on the same world size. A replacement repeats a sample of the epoch. The
         first ``min(k, shard size)`` are distinct samples, so a small dataset's good samples are

@@ -7,7 +7,7 @@ import operator
 
 import numpy as np
 
-from .spares import spares as draw_spares
+from .sharded import draw_spares
 
 __all__ = ["UserOrder", "UserView", "as_keys"]
 
@@ -119,6 +119,6 @@ class UserView:
 
     def spares(self, b: int, k: int) -> np.ndarray:
         """``k`` replacement indices for samples of batch ``b`` that get skipped, drawn from the
-        whole dataset by :func:`~feedgpu.order.spares.spares` (rank 0: a user's sampler shards
+        whole dataset by :func:`~feedgpu.order.sharded.draw_spares` (rank 0: a user's sampler shards
         itself; the position is the batch's number)."""
         return draw_spares(self.order.seed, self.epoch, 0, b, k, self.order.n)

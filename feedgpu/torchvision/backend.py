@@ -78,13 +78,13 @@ def backend_for(dataset, compile: bool = True) -> tuple[TorchvisionBackend | Non
     return TorchvisionBackend(found, compile_transform(found.base.transform)), ""
 
 
-def refuse_changed_origin(pipeline) -> None:
-    """Raise :class:`ConfigError` when the torchvision dataset a DALI pipeline was made from
-    (:func:`~feedgpu.torchvision.dali.dali_pipeline`) changed since (a ``transform`` or
+def refuse_changed_origin(dataset, key) -> None:
+    """Raise :class:`ConfigError` when ``dataset``, the torchvision dataset a DALI pipeline was
+    made from (:func:`~feedgpu.torchvision.dali.dali_pipeline`), changed since its
+    :func:`~feedgpu.torchvision.recognise.dataset_key` was ``key`` (a ``transform`` or
     ``target_transform`` reassigned, a parameter set in place): the pipeline holds the recipe as
     it was, and running it would give other samples than torch's loader gives."""
-    origin = getattr(pipeline, "torchvision_origin", None)
-    if origin is not None and not same_key(origin[1], dataset_key(origin[0])):
-        raise ConfigError(f"engine='dali': the {type(origin[0]).__name__}'s transform changed since the loader was "
+    if not same_key(key, dataset_key(dataset)):
+        raise ConfigError(f"engine='dali': the {type(dataset).__name__}'s transform changed since the loader was "
                           "built, and DALI runs the recipe as it was then; build a new feedgpu.DataLoader for the new "
                           "recipe (or leave engine out: the Python engine follows the dataset at each iteration)")

@@ -10,13 +10,15 @@ so the loader's arguments mean what they mean for torch's loader; batches are
 :class:`~feedgpu.exec.work.Batch` ``(images, labels)``. Pixels are DALI's: within about a level
 of torchvision's on average (resampling), not equal. The recipe is converted when the loader is
 built: a transform changed later is refused when the next iteration starts
-(:func:`feedgpu.torchvision.backend.refuse_changed_origin`), never run as it was silently.
+(:func:`feedgpu.torchvision.backend.refuse_changed_origin`, given the dataset and its
+:func:`~feedgpu.torchvision.recognise.dataset_key` when the loader was built), never run as it
+was silently.
 """
 from __future__ import annotations
 
 from ..errors import ConfigError
 from .pipeline_out import pipeline_config
-from .recognise import dataset_key, recognise
+from .recognise import recognise
 
 __all__ = ["dali_pipeline"]
 
@@ -34,13 +36,13 @@ def _wants_dali(engine) -> bool:
 
 def dali_pipeline(dataset, engine, compile: bool = True, collate_fn=None):
     """``dataset`` as a :class:`~feedgpu.Pipeline` on ``engine`` when ``engine`` is DALI and
-    ``dataset`` a torchvision dataset feedgpu compiles; else ``dataset`` as given. Raises
-    :class:`ConfigError` when DALI is asked for a torchvision dataset it cannot run whole."""
+    ``dataset`` a torchvision dataset feedgpu compiles; else None. Raises :class:`ConfigError`
+    when DALI is asked for a torchvision dataset it cannot run whole."""
     if not _wants_dali(engine) or not compile:
-        return dataset
+        return None
     found, _ = recognise(dataset)
     if found is None:
-        return dataset
+        return None
     data, left_out = pipeline_config(dataset)
     blocking = [x for x in left_out if not x.startswith(_ACCEPTED)]
     if collate_fn is not None:
@@ -57,7 +59,5 @@ def dali_pipeline(dataset, engine, compile: bool = True, collate_fn=None):
     data["loader"] = {"batch_size": 1, "shuffle": False, "drop_last": False, "num_workers": 0,
                       "persistent_workers": False, "seed": seed, "on_error": "raise"}
     data["output"]["device"] = "cpu"
-    pipe = Pipeline.from_config(data, where=f"{type(found.base).__name__} (torchvision, engine dali)")
-    pipe.torchvision_origin = (dataset, dataset_key(dataset))   # checked when each iteration starts (backend)
-    return pipe
+    return Pipeline.from_config(data, where=f"{type(found.base).__name__} (torchvision, engine dali)")
 

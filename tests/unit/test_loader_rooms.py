@@ -14,7 +14,7 @@ from feedgpu.loader.kinds import DatasetBackend
 from feedgpu.loader.listeners import BalancerListener, Counters, SkipBudgetListener
 from feedgpu.loader.state import Position
 from feedgpu.order.sharded import ShardedOrder
-from feedgpu.order.spares import spares
+from feedgpu.order.sharded import draw_spares
 from feedgpu.order.user import UserOrder
 from feedgpu.settings import TORCH_DEFAULTS, LoaderSettings
 
@@ -123,7 +123,7 @@ def test_the_sharded_spares_are_the_seeded_draw_of_before():
 def test_a_user_samplers_spares_come_from_the_same_draw_distinct_first():
     order = UserOrder(5, list(range(5)), None, 2, False, seed=11)
     got = order.view(1).spares(2, 8)
-    assert got.tolist() == spares(11, 1, 0, 2, 8, 5).tolist()
+    assert got.tolist() == draw_spares(11, 1, 0, 2, 8, 5).tolist()
     assert sorted(got[:5].tolist()) == [0, 1, 2, 3, 4] and all(0 <= x < 5 for x in got)
 
 
