@@ -55,7 +55,7 @@ from bench.harness import REPO, machine, write_results  # noqa: E402
 import torch  # noqa: E402
 
 from feedgpu import DataLoader, Pipeline  # noqa: E402
-from feedgpu.balancer.autoscale import cpu_cores  # noqa: E402
+from feedgpu.host import cpu_cores  # noqa: E402
 from feedgpu.balancer import start_workers  # noqa: E402
 from feedgpu.sample_data import default_sample  # noqa: E402
 

@@ -38,7 +38,7 @@ from pathlib import Path
 from bench.harness import REPO, busy_seconds, git_commit, machine, wait_quiet, write_results  # noqa: E402
 
 from feedgpu import DataLoader, Pipeline  # noqa: E402
-from feedgpu.balancer.autoscale import cpu_cores  # noqa: E402
+from feedgpu.host import cpu_cores  # noqa: E402
 from feedgpu.bench.idle import RateConsumer, run_loader  # noqa: E402
 from feedgpu.sample_data import default_sample  # noqa: E402
 

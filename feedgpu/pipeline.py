@@ -8,11 +8,12 @@ from typing import Any
 
 from . import config as cfg
 from .errors import ConfigError
-from .balancer.autoscale import cpu_cores, fixed_workers
+from .balancer.autoscale import fixed_workers
 from .balancer import start_workers
 from .exec.plan import Plan, make_plan
 from .exec.executors import check_executor
 from .cache.settings import CacheSettings
+from .host import cpu_cores
 from .exec.engines import EngineSettings
 from .exec.executors import ExecutorSettings
 from .settings import LoaderSettings, OutputSettings, SourceSettings

@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from .host import default_cache_dir
+
 RECIPE_VERSION = 1
 DEFAULT_IMAGES = 2000
 
@@ -26,12 +28,6 @@ DEFAULT_IMAGES = 2000
 def packaged_photos() -> Path:
     """Folder of the photographs shipped with feedgpu."""
     return Path(str(resources.files("feedgpu") / "assets" / "photos"))
-
-
-def default_cache_dir() -> Path:
-    from platformdirs import user_cache_dir
-
-    return Path(os.environ.get("FEEDGPU_CACHE_DIR") or user_cache_dir("feedgpu"))
 
 
 def _photos(photos_dir: Path) -> list[Path]:

@@ -33,8 +33,8 @@ Around the core:
 
 * :mod:`.autoscale`: :class:`~.autoscale.Autoscaler`, the impure half: it reads the clock and
   the process's CPU and memory, builds each window's :class:`Measurement` and hands the
-  policy's decision to the loader; also the core count (:func:`~.autoscale.cpu_cores`) and
-  the starting worker count.
+  policy's decision to the loader; also the starting worker count (from the cores,
+  :func:`feedgpu.host.cpu_cores`).
 * :mod:`.simulate`: a simulated producer and consumer (throughput curves, noise) that drives a
   :class:`Policy` over windows, for the balancer's tests and ``bench/policy_sim.py``.
 

@@ -27,6 +27,7 @@ import time
 from collections import deque
 from typing import Callable
 
+from ..host import cpu_cores
 from .diagnosis import diagnose
 from .measurement import Decision, Measurement
 from .policy import Policy
@@ -40,14 +41,6 @@ log = logging.getLogger("feedgpu.balancer")
 #: noisy to decide.
 WINDOW_S = 1.0
 MIN_BATCHES = 3
-
-
-def cpu_cores() -> int:
-    """Cores this process may run on (its CPU affinity), at least 1."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover - not Linux
-        return max(1, os.cpu_count() or 1)
 
 
 def fixed_workers(num_workers) -> int:

@@ -215,7 +215,7 @@ def placement(make_loader: Callable[..., Any], alone: dict, duration_s: float, d
     workers). ``alone``: the configured loader measured alone, with its ``engine`` label and
     ``workers`` (:func:`engine_label`), so a pipeline configured for DALI is not reported as the
     Python engine. A Python loader that sizes its pool itself runs ``warmup_s`` untimed first."""
-    from ..balancer.autoscale import cpu_cores
+    from ..host import cpu_cores
     from ..balancer import EngineRate, choose_placement
 
     mine = alone.get("engine", "python")
@@ -294,7 +294,7 @@ def recommend(idle: float, diag: dict | None, costs: dict, on_gpu: bool) -> str:
 def _fixed_diagnosis(both: dict, model: dict, workers: int) -> dict:
     """Without a balancer: :func:`diagnose` of phase 3 as one window (CPU of the main process
     and the workers against all cores)."""
-    from ..balancer.autoscale import cpu_cores
+    from ..host import cpu_cores
     from ..balancer import Measurement
 
     m = Measurement(t=0.0, workers=max(1, workers), delivered_rate=both["samples_per_s"],

@@ -139,7 +139,7 @@ def compare(p, file: str, path: str, *, workers: int | None, batch_size: int | N
     Returns the ``feedgpu.bench/1`` document (machine, data, settings, summary, speed-ups, runs)."""
     t0 = time.perf_counter()
     if workers is None:  # a side-by-side comparison needs one fixed count for both loaders
-        from ..balancer.autoscale import cpu_cores
+        from ..host import cpu_cores
 
         workers = cpu_cores() if p.num_workers == "auto" else p.num_workers
     batch_size = p.batch_size if batch_size is None else batch_size

@@ -59,7 +59,7 @@ def parse_compression(value: str) -> tuple[str, int]:
 
 
 def default_cache_root() -> Path:
-    from ..sample_data import default_cache_dir
+    from ..host import default_cache_dir
 
     return default_cache_dir() / "cache"
 

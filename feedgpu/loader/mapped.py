@@ -15,10 +15,11 @@ import weakref
 
 import torch.utils.data as tud
 
-from ..balancer.autoscale import Autoscaler, cpu_cores, default_config
+from ..balancer.autoscale import Autoscaler, default_config
 from ..balancer.measurement import count_unit
 from ..exec.build import make_pool
 from ..exec.memory_budget import BudgetPlan, MemoryBudgetWarning, plan_budget
+from ..host import cpu_cores
 from ..metrics import ExecutorTotals, LoaderStats
 from ..order import distributed
 from ..order.sampler_split import split_order

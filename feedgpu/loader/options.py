@@ -20,7 +20,7 @@ import torch.utils.data as tud
 
 from ..cache.settings import CacheSettings
 from ..errors import ConfigError
-from ..balancer.autoscale import cpu_cores
+from ..host import cpu_cores
 from ..exec.engines import EngineSettings
 from ..exec.executors import ExecutorSettings, check_executor
 from ..pipeline import Pipeline, resolve_device

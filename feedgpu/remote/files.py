@@ -39,7 +39,7 @@ class RemoteFile:
 
 
 def default_cache_dir() -> str:
-    from ..sample_data import default_cache_dir as root
+    from ..host import default_cache_dir as root
 
     return os.path.join(os.fspath(root()), "shards")
 

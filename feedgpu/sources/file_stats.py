@@ -16,6 +16,8 @@ import sys
 
 import numpy as np
 
+from ..host import cpu_cores
+
 log = logging.getLogger("feedgpu.sources")
 
 #: Fewer files than this are stat-ed in this process (starting processes costs more).
@@ -44,13 +46,6 @@ def change_stamp(st: os.stat_result) -> int:
     return v - (1 << 64) if v >> 63 else v
 
 
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def _can_fork() -> bool:
     """Linux (fork is the start method there; elsewhere it is unsafe or absent), and not in a
     daemonic process (a DataLoader worker), which may not have children."""
@@ -75,7 +70,7 @@ def stat_paths(prefix: bytes, blob: np.ndarray, offsets: np.ndarray, processes: 
     """
     n = len(offsets) - 1
     job = (prefix, blob.tobytes(), offsets.tolist())
-    procs = min(MAX_PROCESSES, _cores()) if processes is None else max(1, processes)
+    procs = min(MAX_PROCESSES, cpu_cores()) if processes is None else max(1, processes)
     if procs > 1 and n >= PARALLEL_MIN and _can_fork():
         try:
             return _in_processes(job, n, procs)

@@ -1,7 +1,7 @@
 """A folder source's saved index: one file per dataset root beside feedgpu's cache.
 
 Where: ``<cache dir>/folder-index/<key>.idx``, the cache dir being the one feedgpu already uses
-(``$FEEDGPU_CACHE_DIR``, else the user cache dir, :func:`feedgpu.sample_data.default_cache_dir`).
+(``$FEEDGPU_CACHE_DIR``, else the user cache dir, :func:`feedgpu.host.default_cache_dir`).
 The key hashes the root's real path (``os.path.realpath``) and the index settings (extensions,
 ``allow_empty``, ``flat``), so two spellings of one root share a file and other settings do not.
 
@@ -58,7 +58,7 @@ RACY_NS = 2_000_000_000
 
 
 def default_index_dir() -> Path:
-    from ..sample_data import default_cache_dir
+    from ..host import default_cache_dir
 
     return default_cache_dir() / "folder-index"
 

@@ -39,7 +39,7 @@ pytest.importorskip("nvidia.dali")
 from conftest import CASES, REPO, batches_equal, clone_all, open_format  # noqa: E402
 from feedgpu import Batch, ConfigError, DataLoader, Pipeline, SkippedSampleWarning  # noqa: E402
 from feedgpu.errors import DecodeError  # noqa: E402
-from feedgpu.balancer.autoscale import cpu_cores  # noqa: E402
+from feedgpu.host import cpu_cores  # noqa: E402
 from feedgpu.stages import (Decode, HorizontalFlip, Normalize, PythonStage, RandomResizedCrop,  # noqa: E402
                             Resize, ResizeCenterCrop)
 from feedgpu.stages.draws import sample_uniforms, stage_draw_ids  # noqa: E402

@@ -338,7 +338,7 @@ def test_windows_span_short_epochs_of_non_persistent_workers(no_leaked_workers):
 
 
 def test_more_workers_than_cores_warns():
-    from feedgpu.balancer.autoscale import cpu_cores
+    from feedgpu.host import cpu_cores
 
     n = cpu_cores() + 1
     with pytest.warns(UserWarning) as caught:   # torch's words, which log filters and tests look for

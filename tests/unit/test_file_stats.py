@@ -69,7 +69,7 @@ def test_a_folder_indexed_in_processes_is_the_same_index(tree, monkeypatch):
             return FolderSource(tree, index_dir=False)
     here = index()
     monkeypatch.setattr(file_stats, "PARALLEL_MIN", 1)
-    monkeypatch.setattr(file_stats, "_cores", lambda: 2)
+    monkeypatch.setattr(file_stats, "cpu_cores", lambda: 2)
     there = index()
     assert [here.key(i) for i in range(len(here))] == [there.key(i) for i in range(len(there))]
     assert here.labels.tolist() == there.labels.tolist() == [0] * 5 + [1] * 5

@@ -1,7 +1,7 @@
 """A local tar shard's saved index: one file per shard beside feedgpu's cache.
 
 Where: ``<cache dir>/tar-index/<key>.idx``, the cache dir being the one feedgpu already uses
-(``$FEEDGPU_CACHE_DIR``, else the user cache dir, :func:`feedgpu.sample_data.default_cache_dir`).
+(``$FEEDGPU_CACHE_DIR``, else the user cache dir, :func:`feedgpu.host.default_cache_dir`).
 The key hashes the shard's real path (``os.path.realpath``).
 
 What the file holds: the shard's part of the index as :class:`~feedgpu.sources.tar.TarShardSource`
@@ -45,7 +45,7 @@ RACY_NS = 2_000_000_000
 
 
 def default_index_dir() -> Path:
-    from ...sample_data import default_cache_dir
+    from ...host import default_cache_dir
 
     return default_cache_dir() / "tar-index"
 
