@@ -37,8 +37,11 @@ class ReadAhead:
     def for_loader(cls, pipeline, own_order: bool, cache_entry: Callable[[], Any]) -> "ReadAhead":
         """The read-ahead of a loader over ``pipeline`` (None: a torch Dataset) in its own order
         (``own_order``) or a user's sampler; ``cache_entry``: the pixel cache entry now."""
-        network, fetcher, options = remote_read_ahead(pipeline, own_order, cache_entry)
-        ra = cls(pipeline.source if pipeline is not None else None, pipeline is not None and own_order, network)
+        source = pipeline.source if pipeline is not None else None
+        if source is None or source.remote is None:   # nothing to fetch until a user attaches a fetcher
+            return cls(source, source is not None and own_order)
+        network, fetcher, options = remote_read_ahead(source, own_order, cache_entry)
+        ra = cls(source, own_order, network)
         if fetcher is not None:
             ra.attach(fetcher, **options)
         return ra

@@ -153,19 +153,16 @@ class NetworkTotals:
             ahead.fetcher.close()
 
 
-def remote_read_ahead(pipeline, own_order: bool, cache_entry: Callable[[], Any]) -> tuple:
-    """``(network, fetcher, options)`` for a loader over ``pipeline``: for a source read from URLs,
-    its :class:`NetworkTotals` and, in feedgpu's own order (``own_order``), a
+def remote_read_ahead(src, own_order: bool, cache_entry: Callable[[], Any]) -> tuple:
+    """``(network, fetcher, options)`` for a loader over a source read from URLs (``src.remote``
+    set): its :class:`NetworkTotals` and, in feedgpu's own order (``own_order``), a
     :class:`RemoteFetcher` and the shard cache's ``max_downloads`` in flight (with a user's
-    sampler workers download what they read: no fetcher); else ``(None, None, {})``.
+    sampler workers download what they read: no fetcher, no options).
     ``cache_entry``: see :class:`RemoteFetcher`."""
-    remote = getattr(pipeline.source, "remote", None) if pipeline is not None else None
-    if remote is None:
-        return None, None, {}
+    remote = src.remote
     network = NetworkTotals(remote.cache)   # stats()["network"], read-ahead or not
     if not own_order:
         return network, None, {}
-    src = pipeline.source
     fetcher = RemoteFetcher(cache_entry, remote, src.shard_names(), np.asarray(src.shard_of()))
     return network, fetcher, {"max_in_flight": remote.cache.max_downloads}
 

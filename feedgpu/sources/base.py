@@ -249,6 +249,9 @@ class Source:
     format: str = "base"
     labels: np.ndarray
     classes: Sequence[str]
+    #: the :class:`~feedgpu.remote.files.RemoteFiles` of a source read from URLs (tar shards and
+    #: Parquet files can be), else None
+    remote = None
 
     def __init__(self) -> None:
         self.rejected: list[tuple[str, str]] = []
