@@ -1,7 +1,7 @@
 """The execution side: a batch's indices turned into a batch, in worker processes or in DALI, and
 its memory handed to the training loop without a copy.
 
-- :mod:`.contract`: the engine contract (``Work``, ``Pool``, ``Elastic``; ``Task``, ``Result``,
+- :mod:`.contract`: the engine contract (``Work``, ``Pool``, ``Elastic``, ``RunsAhead``; ``Task``, ``Result``,
   ``Control``) between the epoch runner, the work and the pool.
 - :mod:`.work`, :mod:`.assemble`, :mod:`.steps`, :mod:`.cache_step`, :mod:`.plan`,
   :mod:`.pixels`: the Python engine (a pipeline's samples through its steps, or a torch

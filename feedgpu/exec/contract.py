@@ -1,4 +1,4 @@
-"""The engine contract: what the epoch runner (:mod:`feedgpu.epoch`) asks of the work it runs
+"""The engine contract: what the epoch runner (:mod:`feedgpu.loader.epoch`) asks of the work it runs
 and of the pool that runs it, and the messages between them.
 
 A *work* object holds what one batch needs and turns task results into batches:
@@ -7,7 +7,7 @@ A *work* object holds what one batch needs and turns task results into batches:
 :class:`~feedgpu.exec.dali.engine.DaliWork` (DALI, in the main process) and
 :class:`~feedgpu.tabular.work.TableWork` (table features). They derive from :class:`WorkBase`,
 whose defaults say what a work object does not do, so the runner never probes with ``hasattr``;
-what only some engines can do is a protocol of its own (:class:`Elastic`).
+what only some engines can do is a protocol of its own (:class:`Elastic`, :class:`RunsAhead`).
 
 A *pool* runs tasks in workers: :class:`~feedgpu.exec.pool.process_pool.ProcessPool` (local
 processes) and :class:`~feedgpu.exec.remote.mixed_pool.MixedPool` (local and Ray workers). It sends a
@@ -90,14 +90,6 @@ class Work(Protocol):
     def run_inline(self, seq: int, epoch: int, indices: np.ndarray, spares: np.ndarray) -> tuple[Any, Any]:
         """Run a batch in the main process: ``(batch, report or None)``."""
 
-    def lookahead(self, depth: int) -> int:
-        """How many batches after the one asked for the work starts ahead itself (each once,
-        through :meth:`prefetch`, in order), given the loader's prefetch depth ``depth``
-        (``prefetch_factor``, or the balancer's); 0: none."""
-
-    def prefetch(self, seq: int, epoch: int, indices: np.ndarray, spares: np.ndarray) -> None:
-        """Start batch ``seq`` ahead (only where :meth:`lookahead` is above 0)."""
-
     def describe(self, index: int) -> str:
         """The sample's name for messages (a path, ``shard.tar:member``, ``Dataset[i]``)."""
 
@@ -125,12 +117,6 @@ class Work(Protocol):
 
 class WorkBase:
     """Defaults of the :class:`Work` contract for what a work object does not do."""
-
-    def lookahead(self, depth: int) -> int:
-        return 0
-
-    def prefetch(self, seq: int, epoch: int, indices: np.ndarray, spares: np.ndarray) -> None:
-        raise NotImplementedError(f"{type(self).__name__} does not run batches ahead")
 
     def describe(self, index: int) -> str:
         return f"sample {index}"
@@ -161,6 +147,20 @@ class Elastic(Protocol):
 
     def set_threads(self, threads: int, ahead: int | None = None) -> None:
         """Run with ``threads`` (>= 1) threads and ``ahead`` batches ahead (None: unchanged)."""
+
+
+@runtime_checkable
+class RunsAhead(Protocol):
+    """A work that runs batches ahead itself when the loader runs it inline (the DALI engine,
+    on its own threads): the loader starts each batch of the window once, in order, through
+    :meth:`prefetch`, before it runs the one asked for."""
+
+    def lookahead(self, depth: int) -> int:
+        """How many batches after the one asked for to start ahead, given the loader's prefetch
+        depth ``depth`` (``prefetch_factor``, or the balancer's); 0: none now."""
+
+    def prefetch(self, seq: int, epoch: int, indices: np.ndarray, spares: np.ndarray) -> None:
+        """Start batch ``seq`` of ``epoch`` (``indices``, ``spares`` as for :meth:`Work.task`)."""
 
 
 @runtime_checkable

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..errors import IteratorSuperseded, ShardFetchError, SkipBudgetExceeded
 from ..exec.buffers.host import pin
-from ..exec.contract import Control, Elastic
+from ..exec.contract import Control, Elastic, RunsAhead
 from ..exec.pool.errors import unpack_exception
 from .listeners import ReadAheadListener, pass_listeners
 from .skips import SkipBudget, epoch_samples
@@ -101,7 +101,7 @@ class EpochRunner:
         self._bad: set[str] = set()   # keys skipped in this epoch
         self._peeked: dict[int, np.ndarray] = {}   # inline mode: batch -> indices, read ahead
         self._peeked_to = first
-        self._ahead_to = first   # inline: batches below this were started ahead (Work.lookahead)
+        self._ahead_to = first   # inline: batches below this were started ahead (RunsAhead.lookahead)
         self.submitted_all = False   # an open-ended epoch's sampler is exhausted
         self.inline = host.inline
         self.work = host.make_work()
@@ -255,7 +255,7 @@ class EpochRunner:
             if self.inline:
                 indices = self._indices(b)
                 self._submitting(b)
-                window = self.work.lookahead(self.host.prefetch)
+                window = self.work.lookahead(self.host.prefetch) if isinstance(self.work, RunsAhead) else 0
                 if window:  # DALI: start the batches of its window not started yet, in order
                     for k in range(max(b, self._ahead_to), min(self.nb, b + 1 + window)):
                         ks = self._indices(k)

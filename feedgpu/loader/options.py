@@ -168,8 +168,10 @@ class LoaderOptions:
         for k in ("on_error", "max_skipped"):   # checked below with the other pipeline-only keywords
             if p is None:
                 torch_kw.pop(k, None)
-        executor = ExecutorSettings.make(given["executor"] if given["executor"] is not None
-                                         else (p.executor if p is not None else None))
+        if given["executor"] is not None:
+            executor = ExecutorSettings.make(given["executor"])
+        else:   # the pipeline's, validated when it was made
+            executor = p.executor if p is not None else ExecutorSettings()
         settings = LoaderSettings.from_torch(torch_kw, base, remote=executor.remote)
         if settings.num_workers != "auto":
             warn_many_workers(settings.num_workers)
