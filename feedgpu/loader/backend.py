@@ -26,6 +26,8 @@ class Backend(Protocol):
     #: what the loader shows as its ``dataset``
     dataset: Any
     num_workers: int
+    #: the skip budget in force (a pipeline's, or the one given); None: no limit, or no budget
+    max_skipped: Any
 
     def __iter__(self) -> Iterator: ...
 

@@ -145,7 +145,7 @@ class DataLoader(tud.DataLoader[T_co]):
         self._backend = b = pick_backend(dataset, given)
         for name in _GIVEN:
             setattr(self, name, given[name])
-        self.max_skipped = None if max_skipped is UNSET else max_skipped
+        self.max_skipped = b.max_skipped   # the budget in force: the same loader when passed back
         self.dataset, self.pin_memory, self.num_workers = b.dataset, b.pin_memory, b.num_workers
         self.prefetch_factor = b.prefetch_factor   # (before multiprocessing_context: torch's setter reads them)
         for name, value in b.torch_attributes(given).items():   # multiprocessing_context last: torch's setter

@@ -25,6 +25,7 @@ class IterableBackend:
     and for feedgpu's own keywords."""
 
     reports = False
+    max_skipped = None   # an IterableDataset skips nothing itself: no budget
 
     def __init__(self, dataset, given: dict):
         defaulted = {k: getattr(TORCH_DEFAULTS, k) if given[k] is UNSET else given[k] for k in _TORCH_DEFAULTED}

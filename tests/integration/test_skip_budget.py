@@ -149,6 +149,18 @@ def test_yaml_key_and_errors(tmp_path):
             Pipeline.from_config({**base, "loader": {"max_skipped": v}})
 
 
+def test_the_loaders_max_skipped_is_the_budget_in_force_and_makes_the_same_loader_again():
+    # frameworks (Lightning) re-create a loader from its attributes: a budget not given must come
+    # back as the pipeline's, not as None (no limit)
+    p = pipe(Mixed(10, {}))
+    assert DataLoader(p).max_skipped == 0.01
+    assert DataLoader(p, max_skipped=3).max_skipped == 3
+    assert DataLoader(p, max_skipped=None).max_skipped is None
+    again = DataLoader(p, max_skipped=DataLoader(p).max_skipped)
+    assert again.max_skipped == 0.01
+    assert DataLoader(torch.utils.data.TensorDataset(torch.zeros(4))).max_skipped is None
+
+
 def test_max_skipped_is_for_pipelines_only():
     with pytest.raises(ConfigError, match="max_skipped"):
         DataLoader(torch.utils.data.TensorDataset(torch.zeros(4)), max_skipped=0.1)
