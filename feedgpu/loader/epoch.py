@@ -81,6 +81,7 @@ class EpochRunner:
         self.listeners: list = []   # (pass_listeners, once the work and the pool are up)
         self._fatal: tuple | None = None    # (batch, error): a lost shard the skip budget cannot hold
         first = self.next_b = self.view.first   # batches are numbered as in the whole epoch
+        self.first_b, self.start, self.seeks = first, start, host.seeks
         # With device prefetch, a batch counts as seen when the prefetcher hands it to the
         # training loop (it calls commit()), not when it leaves the CPU pool.
         self.deferred = deferred_commit
@@ -421,6 +422,8 @@ class EpochRunner:
         elif keep_pool and self.host.cached and not self.pool.closed:
             self._flush_workers()
         self.host.release_pool()
+        if self.next_b == self.first_b and self.start:   # no batch taken: the restored position stays
+            self.host.unused_start(self.epoch, self.start, self.seeks)
 
     def _flush_workers(self) -> None:
         """Persistent workers write what they cached this epoch, so the next one reads it."""

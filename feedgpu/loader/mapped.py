@@ -80,6 +80,7 @@ class MapBackend:
         self.memory_watch = None   # a torch Dataset's copy-on-read watch (DatasetBackend)
         self.mirror = None   # writes the live values onto the loader's attributes (set by the loader)
         self.start, self.restored = 0, None   # the next iteration's start; a loaded state until then
+        self.seeks = 0   # set_epoch / load_state_dict calls so far (a pass started before one is older)
         self.agreed: set[int] = set()    # world sizes whose ranks checked their data (and seed)
         self.order_cache: ShardedOrder | None = None
         self.drives_sampler_epoch = False   # set_epoch() was called: a user sampler's set_epoch follows it
@@ -247,6 +248,7 @@ class MapBackend:
             self.sampler.set_epoch(epoch)
             self.sharding_epoch = epoch
         self.drives_sampler_epoch = self.user is not None
+        self.seeks += 1
         if self.restored is not None and self.restored[0] == epoch:
             epoch, self.start = self.restored
         else:
@@ -333,6 +335,14 @@ class MapBackend:
         self.start = start
         self.position.seek(epoch, start, rows, batches)
         self.restored = (epoch, start) if start else None
+        self.seeks += 1
+
+    def unused_start(self, epoch: int, start: int, seeks: int) -> None:
+        """A pass that began ``epoch`` at the restored position ``start`` ended before its first
+        batch (an iterator made and dropped, as ``len(iter(loader))`` does): the next pass starts
+        there again, unless ``set_epoch`` or ``load_state_dict`` chose since (``seeks``)."""
+        if seeks == self.seeks and self.start == 0 and self.restored is None and self.position.next_epoch == epoch:
+            self.start, self.restored = start, (epoch, start)
 
     # -- workers ------------------------------------------------------------------------------------
     def make_work(self):

@@ -208,6 +208,29 @@ def test_torch_dataset_resume_mid_epoch(nw_before, nw_after):
     assert again.state_dict()["epoch"] == 2 and again.state_dict()["batches_seen"] == 0
 
 
+@pytest.mark.parametrize("nw", [0, 2])
+def test_an_iterator_dropped_before_its_first_batch_leaves_the_restored_position(nw):
+    # len(iter(loader)) (the batches left, see differences.md) makes an iterator and drops it
+    ds = IndexDataset(20)
+    first = DataLoader(ds, batch_size=4, shuffle=True, seed=3, num_workers=nw)
+    it = iter(first)
+    seen = [next(it) for _ in range(2)]
+    state = first.state_dict()
+    del it, first
+    again = DataLoader(ds, batch_size=4, shuffle=True, seed=3, num_workers=nw)
+    again.load_state_dict(state)
+    assert len(iter(again)) == 3
+    unused = iter(again)   # made, superseded by the next one, never asked for a batch
+    rest = _collect(again)
+    del unused
+    assert len(rest) == 3
+    idx = torch.cat([y for _, y in seen + rest]).tolist()
+    assert sorted(idx) == list(range(20)), "no sample lost or repeated"
+    again.load_state_dict(state)
+    again.set_epoch(state["epoch"] + 1)   # a choice made since: the next epoch from its start
+    assert len(iter(again)) == 5
+
+
 @pytest.mark.parametrize("fmt", ["folder", "parquet"])
 def test_pipeline_resume_mid_epoch(sources, fmt):
     s = sources[fmt]
