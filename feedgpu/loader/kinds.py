@@ -18,8 +18,7 @@ from ..exec.memory_watch import CopyOnReadWatch
 from ..exec.pool.start import resolve_context
 from ..exec.work import DatasetWork
 from ..torchvision import TorchvisionBackend, backend_for
-from ..torchvision.backend import refuse_changed_origin
-from ..torchvision.recognise import dataset_key
+from ..torchvision.dali import recipe_key, refuse_changed_recipe
 from ..torchvision.slots import slot_work
 from ..torchvision.work import TorchvisionWork
 from .mapped import MapBackend
@@ -85,16 +84,18 @@ class PipelineBackend(MapBackend):
 
 
 class TorchvisionDaliBackend(PipelineBackend):
-    """The DALI pipeline of a torchvision dataset (``origin``), as :class:`PipelineBackend` runs a
-    pipeline; each iteration first checks that ``origin``'s recipe is the one the pipeline was
-    made from (:func:`~feedgpu.torchvision.backend.refuse_changed_origin`)."""
+    """The DALI pipeline ``pipe`` made from a torchvision dataset (``origin``), run as
+    :class:`PipelineBackend` runs a pipeline. The loader shows ``origin`` as its ``dataset``, as
+    torch's does (a loader made again from its attributes compiles the dataset as it is then);
+    each iteration first checks that ``origin``'s recipe is the one the pipeline was made from
+    (:func:`~feedgpu.torchvision.dali.refuse_changed_recipe`)."""
 
-    def __init__(self, dataset, options, given: dict, origin):
-        super().__init__(dataset, options, given)
-        self.origin, self.origin_key = origin, dataset_key(origin)
+    def __init__(self, pipe, options, given: dict, origin):
+        super().__init__(pipe, options, given)
+        self.dataset, self.origin_key = origin, recipe_key(origin)
 
     def begin(self) -> None:
-        refuse_changed_origin(self.origin, self.origin_key)
+        refuse_changed_recipe(self.dataset, self.origin_key)
 
 
 class DatasetBackend(MapBackend):

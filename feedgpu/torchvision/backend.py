@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import textwrap
 
-from ..errors import ConfigError
 from .compile import FEEDGPU, Compiled, compile_transform
 from .recognise import Found, dataset_key, recognise, same_key
 
-__all__ = ["TorchvisionBackend", "backend_for", "refuse_changed_origin"]
+__all__ = ["TorchvisionBackend", "backend_for"]
 
 
 class TorchvisionBackend:
@@ -77,14 +76,3 @@ def backend_for(dataset, compile: bool = True) -> tuple[TorchvisionBackend | Non
         return None, why
     return TorchvisionBackend(found, compile_transform(found.base.transform)), ""
 
-
-def refuse_changed_origin(dataset, key) -> None:
-    """Raise :class:`ConfigError` when ``dataset``, the torchvision dataset a DALI pipeline was
-    made from (:func:`~feedgpu.torchvision.dali.dali_pipeline`), changed since its
-    :func:`~feedgpu.torchvision.recognise.dataset_key` was ``key`` (a ``transform`` or
-    ``target_transform`` reassigned, a parameter set in place): the pipeline holds the recipe as
-    it was, and running it would give other samples than torch's loader gives."""
-    if not same_key(key, dataset_key(dataset)):
-        raise ConfigError(f"engine='dali': the {type(dataset).__name__}'s transform changed since the loader was "
-                          "built, and DALI runs the recipe as it was then; build a new feedgpu.DataLoader for the new "
-                          "recipe (or leave engine out: the Python engine follows the dataset at each iteration)")

@@ -10,17 +10,25 @@ so the loader's arguments mean what they mean for torch's loader; batches are
 :class:`~feedgpu.exec.work.Batch` ``(images, labels)``. Pixels are DALI's: within about a level
 of torchvision's on average (resampling), not equal. The recipe is converted when the loader is
 built: a transform changed later is refused when the next iteration starts
-(:func:`feedgpu.torchvision.backend.refuse_changed_origin`, given the dataset and its
-:func:`~feedgpu.torchvision.recognise.dataset_key` when the loader was built), never run as it
-was silently.
+(:func:`refuse_changed_recipe`, given the dataset and its :func:`recipe_key` when the loader
+was built), never run as it was silently.
+
+The pipeline reads the dataset's ``root`` with feedgpu's folder source, so it is taken only
+when that source lists the dataset's own ``samples``: the same files, in the same order, with
+the same labels. A dataset made with ``is_valid_file`` or an overridden ``find_classes``, whose
+``samples`` were edited, or whose folder the folder source reads otherwise (hidden folders,
+other file endings: :mod:`feedgpu.sources.folder`) is refused with what differs; ``samples``
+edited after the loader was built are a change like a transform's.
 """
 from __future__ import annotations
 
+import os
+
 from ..errors import ConfigError
 from .pipeline_out import pipeline_config
-from .recognise import recognise
+from .recognise import dataset_key, recognise, same_key
 
-__all__ = ["dali_pipeline"]
+__all__ = ["dali_pipeline", "recipe_key", "refuse_changed_recipe"]
 
 #: what pipeline_config may leave out and DALI still runs with torchvision's meaning
 _ACCEPTED = ("Resize + CenterCrop: resize_center_crop",)
@@ -59,5 +67,55 @@ def dali_pipeline(dataset, engine, compile: bool = True, collate_fn=None):
     data["loader"] = {"batch_size": 1, "shuffle": False, "drop_last": False, "num_workers": 0,
                       "persistent_workers": False, "seed": seed, "on_error": "raise"}
     data["output"]["device"] = "cpu"
-    return Pipeline.from_config(data, where=f"{type(found.base).__name__} (torchvision, engine dali)")
+    pipe = Pipeline.from_config(data, where=f"{type(found.base).__name__} (torchvision, engine dali)")
+    differs = _other_samples(found.base.samples, pipe.source)
+    if differs:
+        raise ConfigError(f"engine='dali' reads the {type(found.base).__name__}'s root with feedgpu's folder source, "
+                          f"which lists other samples than the dataset: {differs} (is_valid_file, find_classes, "
+                          "edited samples, hidden folders or other file endings). Leave engine out: the Python "
+                          "engine reads the dataset's own samples")
+    return pipe
+
+
+def _other_samples(samples, source) -> str | None:
+    """None when ``source`` (a folder source) lists ``samples`` (``[(path, label)]``) in order,
+    else the first difference, in words."""
+    n = len(source.labels)
+    if len(samples) != n:
+        return f"{len(samples)} samples in the dataset, {n} images in the folder source"
+    for i, (path, label) in enumerate(samples):
+        mine, mine_label = source.key(i), int(source.labels[i])
+        if os.path.normpath(path) != os.path.normpath(mine) or int(label) != mine_label:
+            return f"sample {i} is {path!r} with label {label} in the dataset, {mine!r} with label {mine_label} there"
+    return None
+
+
+def recipe_key(dataset) -> tuple:
+    """What the DALI pipeline made from ``dataset`` depends on: its
+    :func:`~feedgpu.torchvision.recognise.dataset_key` (the objects and the transform's repr) and
+    its ``samples`` (the list object, its length and a hash of its entries)."""
+    samples = getattr(dataset, "samples", None)
+    return dataset_key(dataset), (id(samples), len(samples), hash(tuple(map(tuple, samples)))) if samples is not None \
+        else None
+
+
+def refuse_changed_recipe(dataset, key: tuple) -> None:
+    """Raise :class:`ConfigError` naming what changed (``transform``, ``target_transform``,
+    ``loader``, ``samples``) when ``dataset``'s :func:`recipe_key` is no longer ``key``: the
+    pipeline holds the recipe as it was, and running it would give other samples than torch's
+    loader gives."""
+    now = recipe_key(dataset)
+    if same_key(key[0], now[0]) and key[1] == now[1]:
+        return
+    (objs, text), (new_objs, new_text) = key[0], now[0]
+    changed = [name for name, k in (("transform", -3), ("target_transform", -2), ("loader", -1))
+               if objs[k] is not new_objs[k]]
+    if "transform" not in changed and text != new_text:
+        changed.insert(0, "transform")
+    if key[1] != now[1]:
+        changed.append("samples")
+    what = " and ".join(changed) or "recipe"
+    raise ConfigError(f"engine='dali': the {type(dataset).__name__}'s {what} changed since the loader was built, and "
+                      "DALI runs the recipe as it was then; build a new feedgpu.DataLoader for the new recipe (or "
+                      "leave engine out: the Python engine follows the dataset at each iteration)")
 

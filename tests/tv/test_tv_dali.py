@@ -72,3 +72,52 @@ def test_dali_refuses_a_recipe_changed_after_the_loader_was_built(folder_ds):
     ds.transform = v1_train()   # DALI holds the val recipe it was built with: refused, not run as it was
     with pytest.raises(feedgpu.ConfigError, match="transform changed since the loader was built"):
         next(iter(loader))
+
+
+def test_dali_names_what_changed_and_refuses_edited_samples(folder_ds):
+    ds = ImageFolder(folder_ds, transform=v1_val())
+    loader = feedgpu.DataLoader(ds, batch_size=40, engine="dali")
+    ds.target_transform = int
+    with pytest.raises(feedgpu.ConfigError, match="target_transform changed since"):
+        next(iter(loader))
+    ds.target_transform = None
+    assert len(next(iter(loader))[1]) == 40   # as it was: runs again
+    ds.samples[0] = (ds.samples[0][0], 1 - ds.samples[0][1])   # relabelled in place
+    with pytest.raises(feedgpu.ConfigError, match="samples changed since"):
+        next(iter(loader))
+    ds.samples = ds.samples[:8]   # cut: a new list
+    with pytest.raises(feedgpu.ConfigError, match="samples changed since"):
+        next(iter(loader))
+
+
+def test_dali_refuses_a_dataset_whose_samples_the_folder_source_does_not_list(folder_ds):
+    # the pipeline reads the root itself: a sample list of the dataset's own must not be replaced silently
+    left_out = ImageFolder(folder_ds).samples[0][0]
+    kept = ImageFolder(folder_ds, transform=v1_val(), is_valid_file=lambda p: p != left_out)
+    assert len(kept) == len(ImageFolder(folder_ds)) - 1
+    with pytest.raises(feedgpu.ConfigError, match="other samples than the dataset"):
+        feedgpu.DataLoader(kept, engine="dali")
+
+    class Reversed(ImageFolder):
+        def find_classes(self, directory):
+            classes, _ = super().find_classes(directory)
+            return classes, {c: len(classes) - 1 - i for i, c in enumerate(classes)}
+
+    with pytest.raises(feedgpu.ConfigError, match="with label"):
+        feedgpu.DataLoader(Reversed(folder_ds, transform=v1_val()), engine="dali")
+    edited = ImageFolder(folder_ds, transform=v1_val())
+    edited.samples = edited.samples[:10]
+    with pytest.raises(feedgpu.ConfigError, match="10 samples in the dataset"):
+        feedgpu.DataLoader(edited, engine="dali")
+
+
+def test_a_dali_loader_shows_its_dataset_and_made_again_compiles_it_as_it_is(folder_ds):
+    ds = ImageFolder(folder_ds, transform=v1_val())
+    loader = feedgpu.DataLoader(ds, batch_size=40, engine="dali")
+    assert loader.dataset is ds and loader.dataset.classes == ds.classes
+    ds.transform = v1_train(size=96)
+    with pytest.raises(feedgpu.ConfigError, match="transform changed"):
+        next(iter(loader))
+    again = feedgpu.DataLoader(loader.dataset, batch_size=loader.batch_size, engine=loader.engine)   # as Lightning
+    x, _ = next(iter(again))
+    assert x.shape[1:] == (3, 96, 96)   # the recipe as it is now, not the one the first loader holds
