@@ -21,13 +21,12 @@ import collections
 import logging
 import multiprocessing.connection as mpc
 import os
-import signal
 import time
 import weakref
 
 from ...errors import LoaderTimeout, WorkerError
 from ..pool import fd_limit
-from ..pool.errors import torch_death
+from ..pool.errors import death_message, timeout_message
 from ..pool.lifetime import end_processes
 from ..pool.start import FORK_START_S, frozen_gc, stuck_fork
 from .worker import worker_loop
@@ -35,6 +34,7 @@ from .worker import worker_loop
 POLL_S = 0.1
 GRACE_S = 1.0   # seconds the workers get to stop by themselves before they are terminated
 MAX_STUCK = 3   # forks of one worker that never started before the pass gives up
+KIND = "IterableDataset"   # how messages name a worker: "IterableDataset worker 0 (pid N) ..."
 DYING_S = 5.0   # seconds a worker whose pipe closed gets to exit before it is killed
 
 
@@ -55,21 +55,6 @@ def _close(owner: int, procs: list, conns: list, grace_s: float = GRACE_S) -> No
             c.close()
         except OSError:
             pass
-
-
-def death_message(pid: int, exitcode: int, wid: int) -> str:
-    """torch's wording for a dead worker (:func:`~feedgpu.exec.pool.errors.torch_death`, with the
-    advice torch gives after an exit code), then feedgpu's detail."""
-    msg = torch_death(pid, exitcode)
-    if exitcode is not None and exitcode < 0:
-        if -exitcode == signal.SIGKILL:
-            msg += "(feedgpu: SIGKILL often comes from the kernel's out-of-memory killer, see dmesg; "
-        else:
-            msg += "(feedgpu: "
-    else:
-        msg += ("Details are lost due to multiprocessing. Rerunning with num_workers=0 may give better error "
-                "trace. (feedgpu: ")
-    return msg + f"it was IterableDataset worker {wid})"
 
 
 class WorkerSet:
@@ -194,7 +179,7 @@ class WorkerSet:
         for w, p in enumerate(self.procs):
             if w not in self.stopped and p.exitcode is not None:
                 self.stopped.add(w)
-                raise WorkerError(death_message(p.pid, p.exitcode, w))
+                raise WorkerError(death_message(p, w, KIND))
 
     def get(self, w: int, epoch: int, timeout: float = 0) -> tuple:
         """Worker ``w``'s next message of pass ``epoch``. Raises :class:`LoaderTimeout` after
@@ -218,8 +203,8 @@ class WorkerSet:
             self._pump(wait)
             q = self.queues[w]
             if not q and deadline is not None and time.monotonic() >= deadline:
-                raise LoaderTimeout(f"DataLoader timed out after {timeout} seconds (feedgpu: waiting for "
-                                    f"IterableDataset worker {w}, pid {self.procs[w].pid})")
+                pid = self.procs[w].pid
+                raise LoaderTimeout(timeout_message(timeout, f"{KIND} worker {w} (pid {pid}) sent none"))
 
     def wait_ready(self, w: int, epoch: int, pos: dict, timeout: float | None = None) -> None:
         """Read worker ``w``'s "ready" of pass ``epoch`` (its start state) into

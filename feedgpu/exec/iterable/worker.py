@@ -17,11 +17,9 @@ which ``torch.multiprocessing`` registers tensor reductions: tensors travel in s
 """
 from __future__ import annotations
 
-import os
-import pickle
 import signal
-import traceback
 
+from ..pool.errors import pack_exception
 from ..pool.lifetime import orphan_check, watch_parent
 from ..pool.start import seed_worker
 
@@ -88,36 +86,6 @@ class Fetcher:
         return self.collate_fn(items)
 
 
-def pack_error(e: BaseException, wid: int) -> tuple:
-    """A worker's exception for the trip to the main process: (pickled or None, type name,
-    message, formatted traceback, worker id, pid)."""
-    tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-    try:
-        blob = pickle.dumps(e)
-        pickle.loads(blob)
-    except Exception:  # noqa: BLE001 - an exception that does not pickle travels as text
-        blob = None
-    return (blob, type(e).__name__, str(e), tb, wid, os.getpid())
-
-
-def unpack_error(packed: tuple) -> BaseException:
-    """The worker's exception, same type where it pickled (else :class:`WorkerError`), with
-    torch's wording and the worker's traceback as a note."""
-    from ...errors import WorkerError
-    from ..pool.errors import with_note
-
-    blob, name, msg, tb, wid, pid = packed
-    exc = None
-    if blob is not None:
-        try:
-            exc = pickle.loads(blob)
-        except Exception:  # noqa: BLE001
-            exc = None
-    if exc is None:
-        exc = WorkerError(f"{name}: {msg}")
-    return with_note(exc, f"Caught {name} in DataLoader worker process {wid} (pid {pid}).\nOriginal {tb}")
-
-
 def _send(conn, msg: tuple, wid: int, epoch) -> None:
     try:
         conn.send(msg)
@@ -137,7 +105,7 @@ def _send(conn, msg: tuple, wid: int, epoch) -> None:
         else:
             err = WorkerError(f"a worker could not send its batch to the main process ({type(e).__name__}: "
                               f"{e}); a batch must be picklable")
-        conn.send(("error", epoch, pack_error(err, wid), msg[3] if len(msg) > 3 else None))
+        conn.send(("error", epoch, pack_exception(err, wid), msg[3] if len(msg) > 3 else None))
 
 
 def worker_loop(wid: int, num_workers: int, dataset, conn, base_seed: int, init_fn, batch_size, drop_last: bool,
@@ -190,7 +158,7 @@ def worker_loop(wid: int, num_workers: int, dataset, conn, base_seed: int, init_
                     fetcher = Fetcher(dataset, batch_size, drop_last, collate_fn, stateful, state)
                 except Exception as e:  # noqa: BLE001
                     init_error, ended = None, True
-                    conn.send(("error", epoch, pack_error(e, wid), None))
+                    conn.send(("error", epoch, pack_exception(e, wid), None))
                     conn.send(("end", epoch, None, None))
                     continue
                 conn.send(("ready", epoch, fetcher.start, None))
@@ -206,7 +174,7 @@ def worker_loop(wid: int, num_workers: int, dataset, conn, base_seed: int, init_
                 conn.send(("end", epoch, None, None))
                 continue
             except Exception as e:  # noqa: BLE001 - the batch's error, raised in the main process
-                msg = ("error", epoch, pack_error(e, wid), _safe_snapshot(fetcher))
+                msg = ("error", epoch, pack_exception(e, wid), _safe_snapshot(fetcher))
             else:
                 msg = ("batch", epoch, data, _safe_snapshot(fetcher))
                 del data

@@ -70,13 +70,14 @@ from ..progress import MAX_WORKERS, Board
 from . import fd_limit
 from .fd_channel import Channel
 from .lifetime import end_processes
-from .errors import exit_text, seconds_text, torch_death, unpack_exception
+from .errors import death_message, timeout_message, unpack_exception, worker_death
 from .start import FORK_START_S, frozen_gc, resolve_context, stuck_fork
 from .worker import WorkerLoad, worker_main
 
 log = logging.getLogger("feedgpu.pool")
 POLL_S = 0.1
 MAX_SEED = 2**63 - 1               # worker seeds stay int64 (collatable, torch.manual_seed accepts them)
+KIND = "feedgpu"                   # how a death names a worker: "feedgpu worker 3 (pid N) died ..."
 EXIT_PRIORITY = 20                 # multiprocessing finalizers: before queues (10) and daemon termination
 
 
@@ -370,8 +371,7 @@ class ProcessPool:
             for w in [w for w in self._workers.values() if not w.proc.is_alive() or self._stuck(w)]:
                 self._ended(w)
             if deadline is not None and time.monotonic() > deadline:
-                raise LoaderTimeout(f"DataLoader timed out after {seconds_text(timeout)} seconds. No batch from the "
-                                    f"workers within timeout={timeout} s: {self.holding()}")
+                raise LoaderTimeout(timeout_message(timeout, self.holding()))
 
     def _stuck(self, w: _Worker) -> bool:
         """``w`` was forked ``fork_start_s`` ago and has run nothing: kill it (``_ended`` then
@@ -430,26 +430,20 @@ class ProcessPool:
         w.drop()
         if w.retiring and not w.held and w.proc.exitcode == 0:
             return
-        how = exit_text(w.proc)
-        if w.stuck:
-            how = stuck_fork(self.fork_start_s)
-        elif how == "signal SIGKILL":
-            how += ": killed from outside, often by the kernel's out-of-memory killer (see dmesg)"
-        elif how == "signal SIGBUS":
-            how += ": often shared memory running out (the container's memory limit, or /dev/shm for torch tensors)"
-        what = f"feedgpu worker {w.wid} (pid {w.proc.pid}) died unexpectedly ({how})"
-        torch_says = torch_death(w.proc.pid, w.proc.exitcode)
+        why = stuck_fork(self.fork_start_s) if w.stuck else None
+        what = worker_death(w.proc, w.wid, KIND, why)
+        died = death_message(w.proc, w.wid, KIND, why)
         if not self.respawn or self.closed:
-            raise WorkerError(torch_says + what)
+            raise WorkerError(died)
         key = w.running(self.board)
         if key in w.held:  # the task it was running when it died
             self._task_deaths[key] = self._task_deaths.get(key, 0) + 1
             if self._task_deaths[key] >= self.max_task_deaths:
-                raise WorkerError(f"{torch_says}{what}; task {key[1]} has now killed {self._task_deaths[key]} "
+                raise WorkerError(f"{died}; task {key[1]} has now killed {self._task_deaths[key]} "
                                   "workers, so it is not retried (a sample that crashes a stage?)")
         self.respawns += 1
         if self.respawns > self.max_respawns:
-            raise WorkerError(f"{torch_says}{what}; {self.respawns} workers have died, more than max_respawns="
+            raise WorkerError(f"{died}; {self.respawns} workers have died, more than max_respawns="
                               f"{self.max_respawns}")
         if w.retiring and not w.held:
             log.warning("%s while retiring; nothing was lost", what)

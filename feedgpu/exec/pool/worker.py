@@ -15,26 +15,16 @@ import logging
 import pickle
 import queue
 import signal
-import traceback
 
 from ...errors import WorkerError
 from .. import progress
 from ..contract import Control, Result
+from .errors import pack_exception
 from .lifetime import orphan_check, watch_parent
 from .start import seed_worker
 
 log = logging.getLogger("feedgpu.pool")
 IDLE_S = 0.5   # a worker with no task for this long runs its on_idle hook (e.g. writes buffered cache rows)
-
-
-def pack_exception(e: BaseException, wid: int) -> tuple:
-    tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-    try:
-        blob = pickle.dumps(e)
-        pickle.loads(blob)
-    except Exception:
-        blob = None
-    return (blob, f"{type(e).__name__}: {e}", tb, wid, getattr(e, "feedgpu_network", None))
 
 
 def _unsendable(e: Exception) -> Exception:
