@@ -27,15 +27,18 @@ each worker holds. That is what makes the rest possible:
   run its first line ``fork_start_s`` seconds after its fork (it is killed first): on CPython
   3.11 releases without the fix of gh-112275 such a child is deadlocked (see
   :func:`~feedgpu.exec.pool.start.stuck_fork`) and would hold its tasks for ever. A task whose worker died
-  ``max_task_deaths`` times, or more than ``max_respawns`` deaths in all, raises
+  ``max_task_deaths`` times, more than ``max_respawns`` deaths in all, or a worker id whose forks
+  never started :data:`~feedgpu.exec.pool.processes.MAX_STUCK` times raises
   :class:`WorkerError` naming the exit code or signal, never a hang. A result that a dead worker
   sent completely is kept; its task is not run again.
 * A worker's exception is sent back with its traceback and re-raised in the main process
   (same type where it pickles, else :class:`WorkerError`), with the worker id and traceback
-  attached as an exception note.
+  attached as an exception note (see :func:`~feedgpu.exec.pool.errors.unpack_exception`).
 * Workers ignore SIGINT (Ctrl-C interrupts the main process, which shuts them down) and exit
   by themselves when their parent dies.
-* :meth:`ProcessPool.close` runs on normal end, on exceptions, at garbage collection and at
+* The processes themselves (start, stuck forks, deaths, close) are the core this pool shares with
+  an ``IterableDataset``'s workers, :class:`~feedgpu.exec.pool.processes.WorkerProcesses`.
+  :meth:`ProcessPool.close` runs on normal end, on exceptions, at garbage collection and at
   interpreter exit (also when the pool lives in a multiprocessing child, whose exit runs
   multiprocessing's finalizers: the pool's comes before the child's daemonic workers are
   terminated); it asks, then terminates, then kills, so no process is left behind. Task queues
@@ -155,11 +158,11 @@ class ProcessPool:
         max_respawns: deaths replaced over the pool's life before :class:`WorkerError` (default 8).
         describe: ``describe(sample_index) -> name`` for timeout messages, which name the stage and
             sample each busy worker is in (see :mod:`feedgpu.exec.progress`).
-        context: start method or multiprocessing context (see :func:`resolve_context`; default
+        context: start method or multiprocessing context (see :func:`~feedgpu.exec.pool.start.resolve_context`; default
             ``fork``). With ``spawn`` and ``forkserver``, ``handler``, ``worker_init_fn``,
             ``on_exit``, ``on_idle``, ``on_start`` and ``dataset`` must pickle; they are pickled together for
             each worker started (replacements and added workers too).
-        base_seed: when given (an int, e.g. :func:`draw_base_seed`), worker ``i`` seeds torch and
+        base_seed: when given (an int, e.g. :func:`~feedgpu.exec.pool.start.draw_base_seed`), worker ``i`` seeds torch and
             ``random`` with ``base_seed + i`` and numpy's global RNG as torch does, before
             ``on_start`` and ``worker_init_fn``, and sets torch's ``WorkerInfo(id=i,
             num_workers=<the pool's size then>, seed=base_seed + i, dataset=dataset)`` for
