@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import signal
 
-from ..pool.errors import pack_exception
+from ..pool.errors import pack_exception, unsendable
 from ..pool.lifetime import orphan_check, watch_parent
 from ..pool.start import seed_worker
 
@@ -92,19 +92,7 @@ def _send(conn, msg: tuple, wid: int, epoch) -> None:
     except (BrokenPipeError, EOFError, ConnectionResetError):
         raise
     except Exception as e:  # noqa: BLE001 - the batch cannot travel: say why instead of dying
-        from ...errors import SharedMemoryError, WorkerError
-
-        from ..pool import fd_limit
-
-        if fd_limit.out_of_descriptors(e):
-            err: Exception = fd_limit.error(e)
-        elif isinstance(e, OSError) and "space" in str(e).lower():
-            err = SharedMemoryError(
-                f"a worker could not put its batch in shared memory ({type(e).__name__}: {e}); torch shares "
-                "tensors through /dev/shm: give the container more (docker --shm-size) or lower batch_size")
-        else:
-            err = WorkerError(f"a worker could not send its batch to the main process ({type(e).__name__}: "
-                              f"{e}); a batch must be picklable")
+        err = unsendable(e)
         conn.send(("error", epoch, pack_exception(err, wid), msg[3] if len(msg) > 3 else None))
 
 

@@ -1,14 +1,15 @@
 """How the worker pools word what went wrong, the same for the map-style pool and an
 ``IterableDataset``'s workers: a worker's exception packed for the trip to the main process and
-rebuilt there, a dead worker's exit and a timeout as torch's DataLoader words them, each followed
-by feedgpu's detail."""
+rebuilt there, a batch that could not be sent, and a dead worker's exit and a timeout as torch's
+DataLoader words them, each followed by feedgpu's detail."""
 from __future__ import annotations
 
+import errno
 import pickle
 import signal
 import traceback
 
-from ...errors import WorkerError
+from ...errors import SharedMemoryError, WorkerError
 
 
 def seconds_text(t) -> str:
@@ -34,6 +35,24 @@ def pack_exception(e: BaseException, wid: int) -> tuple:
     except Exception:  # noqa: BLE001 - an exception that does not pickle travels as text
         blob = None
     return (blob, type(e).__name__, str(e), tb, wid, getattr(e, "feedgpu_network", None))
+
+
+def unsendable(e: Exception) -> Exception:
+    """Why a worker could not send its result back (``e``: what sending raised), as the error the
+    main process raises: :class:`~feedgpu.errors.TooManyOpenFiles` when descriptors ran out,
+    :class:`~feedgpu.errors.SharedMemoryError` when shared memory did, else
+    :class:`~feedgpu.errors.WorkerError` (the batch does not pickle)."""
+    from . import fd_limit
+
+    if fd_limit.out_of_descriptors(e):
+        return fd_limit.error(e)
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.ENOMEM) or "No space left" in str(e):
+        return SharedMemoryError(
+            f"a worker could not put its batch in shared memory ({type(e).__name__}: {e}). torch shares tensors "
+            "through /dev/shm: give the container more (docker --shm-size), use "
+            "torch.multiprocessing.set_sharing_strategy('file_system'), or lower batch_size / prefetch_factor")
+    return WorkerError(f"a worker could not send its batch back to the main process ({type(e).__name__}: {e}); "
+                       "the batch must be picklable")
 
 
 def unpack_exception(packed: tuple, context: str) -> BaseException:

@@ -162,8 +162,9 @@ class ProcessPool:
             ``fork``). With ``spawn`` and ``forkserver``, ``handler``, ``worker_init_fn``,
             ``on_exit``, ``on_idle``, ``on_start`` and ``dataset`` must pickle; they are pickled together for
             each worker started (replacements and added workers too).
-        base_seed: when given (an int, e.g. :func:`~feedgpu.exec.pool.start.draw_base_seed`), worker ``i`` seeds torch and
-            ``random`` with ``base_seed + i`` and numpy's global RNG as torch does, before
+        base_seed: when given (an int, e.g. :func:`~feedgpu.exec.pool.start.draw_base_seed`),
+            worker ``i`` seeds torch and ``random`` with ``base_seed + i`` and numpy's global RNG
+            as torch does, before
             ``on_start`` and ``worker_init_fn``, and sets torch's ``WorkerInfo(id=i,
             num_workers=<the pool's size then>, seed=base_seed + i, dataset=dataset)`` for
             ``torch.utils.data.get_worker_info()``. Lowered to keep every seed below 2**63.

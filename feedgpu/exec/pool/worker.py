@@ -19,31 +19,12 @@ import signal
 from ...errors import WorkerError
 from .. import progress
 from ..contract import Control, Result
-from .errors import pack_exception
+from .errors import pack_exception, unsendable
 from .lifetime import orphan_check, watch_parent
 from .start import seed_worker
 
 log = logging.getLogger("feedgpu.pool")
 IDLE_S = 0.5   # a worker with no task for this long runs its on_idle hook (e.g. writes buffered cache rows)
-
-
-def _unsendable(e: Exception) -> Exception:
-    """Why a worker could not send its result back, as the error the main process raises."""
-    import errno
-
-    from . import fd_limit
-
-    if fd_limit.out_of_descriptors(e):
-        return fd_limit.error(e)
-    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.ENOMEM) or "No space left" in str(e):
-        from ...errors import SharedMemoryError
-
-        return SharedMemoryError(
-            f"a worker could not put its batch in shared memory ({type(e).__name__}: {e}). torch shares tensors "
-            "through /dev/shm: give the container more (docker --shm-size), use "
-            "torch.multiprocessing.set_sharing_strategy('file_system'), or lower batch_size / prefetch_factor")
-    return WorkerError(f"a worker could not send its batch back to the main process ({type(e).__name__}: {e}); "
-                       "the batch must be picklable")
 
 
 def _run_hook(hook, wid: int, what: str) -> None:
@@ -148,4 +129,4 @@ def worker_main(wid: int, load: WorkerLoad, tasks, conn, parent: int, board, see
         try:
             conn.send(result)
         except Exception as e:  # noqa: BLE001 - the result cannot travel: say why instead of dying
-            conn.send(Result(tag, seq, wid, False, pack_exception(_unsendable(e), wid)))
+            conn.send(Result(tag, seq, wid, False, pack_exception(unsendable(e), wid)))
