@@ -17,10 +17,9 @@ which ``torch.multiprocessing`` registers tensor reductions: tensors travel in s
 """
 from __future__ import annotations
 
-import signal
 
 from ..pool.errors import pack_exception, unsendable
-from ..pool.lifetime import orphan_check, watch_parent
+from ..pool.lifetime import enter_worker
 from ..pool.start import seed_worker
 
 POLL_S = 0.2   # how often an idle worker checks that its parent is alive
@@ -102,14 +101,8 @@ def worker_loop(wid: int, num_workers: int, dataset, conn, base_seed: int, init_
     over its copy of ``dataset`` as the main process asks (module doc). An exception from
     ``init_fn`` or ``iter(dataset)`` is sent as the first batch of the pass, which then ends;
     one from producing a batch is that batch, and the pass goes on."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C interrupts the main process, which stops us
-    conn.send(("started", None))                   # before anything slow: the main process watches for it
-    import torch
-    import torch.multiprocessing  # noqa: F401  registers the tensor reductions used by conn.send
-
-    torch.set_num_threads(1)
-    orphaned = orphan_check(parent_pid)
-    watch_parent(orphaned)   # exits even in the middle of a batch once the main process is gone
+    conn.send(("started", None))   # first, before anything slow: the main process watches for it
+    orphaned = enter_worker(parent_pid)   # exits even in the middle of a batch once the main process is gone
     seed_worker(wid, base_seed, num_workers, dataset)
     init_error = None
     if init_fn is not None:

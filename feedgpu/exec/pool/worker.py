@@ -14,13 +14,12 @@ from __future__ import annotations
 import logging
 import pickle
 import queue
-import signal
 
 from ...errors import WorkerError
 from .. import progress
 from ..contract import Control, Result
 from .errors import pack_exception, unsendable
-from .lifetime import orphan_check, watch_parent
+from .lifetime import enter_worker
 from .start import seed_worker
 
 log = logging.getLogger("feedgpu.pool")
@@ -67,18 +66,8 @@ class WorkerLoad:
 
 def worker_main(wid: int, load: WorkerLoad, tasks, conn, parent: int, board, seeding: tuple | None,
                  method: str) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # spawn and forkserver children do not have the parent's exit-time finalizers, forked ones skip them
-    orphaned = orphan_check(parent)
-    watch_parent(orphaned)
-    board.attach(wid)
-    try:
-        import torch
-        import torch.multiprocessing  # noqa: F401  tensors in results go through shared memory
-
-        torch.set_num_threads(1)
-    except ImportError:  # pragma: no cover
-        pass
+    board.attach(wid)   # first: the main process sees this worker has started
+    orphaned = enter_worker(parent)
     try:
         handler, init_fn, on_exit, on_idle, on_start, dataset = load.load()
     except BaseException as e:  # noqa: BLE001 - say why instead of dying with a bare exit code
