@@ -197,7 +197,7 @@ class WorkerSet:
             q = self.queues[w]
             if not q and deadline is not None and time.monotonic() >= deadline:
                 pid = self._worker(w).proc.pid
-                raise LoaderTimeout(timeout_message(timeout, f"{KIND} worker {w} (pid {pid}) sent none"))
+                raise LoaderTimeout(timeout_message(timeout, f"{KIND} worker {w} (pid {pid}) sent none", as_given=True))
 
     def wait_ready(self, w: int, epoch: int, pos: dict, timeout: float | None = None) -> None:
         """Read worker ``w``'s "ready" of pass ``epoch`` (its start state) into

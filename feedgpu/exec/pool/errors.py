@@ -17,11 +17,12 @@ def seconds_text(t) -> str:
     return str(int(t)) if isinstance(t, float) and t.is_integer() else str(t)
 
 
-def timeout_message(timeout: float, detail: str) -> str:
+def timeout_message(timeout: float, detail: str, as_given: bool = False) -> str:
     """torch's words for no batch within ``timeout`` seconds (``DataLoader timed out after T
-    seconds``), then feedgpu's ``detail`` (what each busy worker is doing)."""
-    return (f"DataLoader timed out after {seconds_text(timeout)} seconds. No batch from the workers within "
-            f"timeout={timeout} s: {detail}")
+    seconds``, T as :func:`seconds_text` prints it, or ``as_given`` when the caller holds the
+    value the user gave), then feedgpu's ``detail`` (what each busy worker is doing)."""
+    t = str(timeout) if as_given else seconds_text(timeout)
+    return f"DataLoader timed out after {t} seconds. No batch from the workers within timeout={timeout} s: {detail}"
 
 
 def pack_exception(e: BaseException, wid: int) -> tuple:
