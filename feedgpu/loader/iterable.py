@@ -4,7 +4,7 @@ round-robin order over the workers)."""
 from __future__ import annotations
 
 from ..exec.iterable.runner import IterableRunner, runner_for_loader
-from ..settings import TORCH_DEFAULTS
+from ..settings import LoaderSettings
 from .options import UNSET
 from .kinds import plain_explanation
 
@@ -13,7 +13,7 @@ __all__ = ["IterableBackend"]
 #: feedgpu's keywords, which an IterableDataset refuses (it orders, shards and seeds itself)
 _FEEDGPU_ONLY = ("seed", "rank", "world_size", "device", "on_error", "cache", "engine", "executor", "stats_callback",
                  "max_skipped")
-#: torch's keywords whose default, when not given, is torch's (:data:`~feedgpu.settings.TORCH_DEFAULTS`)
+#: torch's keywords whose default, when not given, is torch's (:meth:`~feedgpu.settings.LoaderSettings.torch_keywords`)
 _TORCH_DEFAULTED = ("batch_size", "num_workers", "drop_last", "timeout", "persistent_workers")
 _PASSED = ("shuffle", "sampler", "batch_sampler", "collate_fn", "pin_memory", "worker_init_fn",
            "multiprocessing_context", "generator", "prefetch_factor", "in_order", "pin_memory_device")
@@ -28,9 +28,10 @@ class IterableBackend:
     max_skipped = None   # an IterableDataset skips nothing itself: no budget
 
     def __init__(self, dataset, given: dict):
-        defaulted = {k: getattr(TORCH_DEFAULTS, k) if given[k] is UNSET else given[k] for k in _TORCH_DEFAULTED}
-        opts = {k: None if given[k] is UNSET else given[k] for k in _FEEDGPU_ONLY}
-        self.runner: IterableRunner = runner_for_loader(dataset, **defaulted, **{k: given[k] for k in _PASSED},
+        passed = {k: v for k, v in given.items() if v is not UNSET}
+        torch_kw = LoaderSettings.torch_keywords(passed, _TORCH_DEFAULTED)
+        opts = {k: passed.get(k) for k in _FEEDGPU_ONLY}
+        self.runner: IterableRunner = runner_for_loader(dataset, **torch_kw, **{k: given[k] for k in _PASSED},
                                                         feedgpu_options=opts)
         self.dataset = dataset
         self.mirror = None   # (the loader's attributes never change: the runner's settings are fixed)

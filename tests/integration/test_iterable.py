@@ -431,6 +431,18 @@ def test_timeout_raises_runtime_error_as_torch():
     assert isinstance(info.value, LoaderTimeout)
 
 
+def test_a_whole_float_timeout_is_printed_as_torch_prints_it():
+    messages = []
+    for make in (tud.DataLoader, IterableRunner):
+        it = iter(make(Stuck(), batch_size=2, num_workers=1, timeout=1.0))
+        with pytest.raises(RuntimeError) as info:
+            next(it)
+        messages.append(str(info.value))
+        del it
+    assert messages[0] == "DataLoader timed out after 1.0 seconds"
+    assert messages[1].startswith(messages[0] + ". ") and "IterableDataset worker 0" in messages[1], messages
+
+
 def test_killed_worker_raises_torchs_message():
     for make, pattern in ((tud.DataLoader, r"DataLoader worker \(pid"),
                           (IterableRunner, r"^DataLoader worker \(pid \d+\) is killed by signal: Killed\.")):

@@ -262,3 +262,16 @@ def test_the_plan_is_made_once_per_device_and_again_when_what_it_was_made_from_c
     p.engine = EngineSettings(threads=2)                            # another engine section: planned again
     p.plan("cpu")
     assert len(made) == n + 1
+
+
+def test_torch_keywords_are_the_given_ones_else_torchs_defaults_as_torchs_loader_has_them():
+    import torch.utils.data as tud
+
+    names = ("batch_size", "num_workers", "drop_last", "timeout", "persistent_workers")
+    theirs = tud.DataLoader(range(4))
+    assert LoaderSettings.torch_keywords({}, names) == {k: getattr(theirs, k) for k in names}
+    given = {"batch_size": None, "timeout": 3, "shuffle": True}   # None is a value (unbatched), not "unset"
+    assert LoaderSettings.torch_keywords(given, names) == {"batch_size": None, "num_workers": 0, "drop_last": False,
+                                                           "timeout": 3, "persistent_workers": False}
+    with pytest.raises(AttributeError):
+        LoaderSettings.torch_keywords({}, ("rank",))

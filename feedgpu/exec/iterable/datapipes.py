@@ -19,6 +19,8 @@ import functools
 
 import torch
 
+from ..pool.start import draw_base_seed
+
 
 def is_datapipe(dataset) -> bool:
     try:
@@ -37,11 +39,6 @@ def with_shuffle(dataset, shuffle):
     return graph_settings.apply_shuffle_settings(dataset, shuffle=bool(shuffle))
 
 
-def draw(generator) -> int:
-    """One int64 seed from ``generator`` (torch's global RNG when None)."""
-    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
-
-
 def apply_seed(dataset, seed: int) -> None:
     """Seed an ``IterDataPipe``'s random stages with ``seed`` (in place)."""
     from torch.utils.data import graph_settings
@@ -52,7 +49,7 @@ def apply_seed(dataset, seed: int) -> None:
 def reseed(dataset, generator) -> None:
     """Seed an ``IterDataPipe``'s random stages for a new pass from ``generator``."""
     if is_datapipe(dataset):
-        apply_seed(dataset, draw(generator))
+        apply_seed(dataset, draw_base_seed(generator))
 
 
 def distributed() -> tuple[int, int]:

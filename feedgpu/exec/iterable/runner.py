@@ -42,45 +42,19 @@ delivered next. A restore needs the same ``num_workers``, ``batch_size`` and ``d
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
 import warnings
 import weakref
 
 from ...loader.epoch import close_live
 from ...errors import ConfigError, IteratorSuperseded, LoaderTimeout, StateError
 from ..buffers.host import pin
+from ..pool.errors import unpack_exception
+from ..pool.start import draw_base_seed, resolve_context
 from . import datapipes
 from .pool import WorkerSet
-from .worker import Fetcher, is_stateful, unpack_error
+from .worker import Fetcher, is_stateful
 
 STATE_FORMAT = "feedgpu.iterable/1"
-
-
-def _context(ctx, num_workers: int):
-    """torch's checks of ``multiprocessing_context``; returns a context object."""
-    if ctx is None:
-        return mp.get_context() if num_workers > 0 else None
-    if num_workers == 0:
-        raise ConfigError("multiprocessing_context can only be used with multi-process loading "
-                          f"(num_workers > 0), but got num_workers={num_workers}")
-    if isinstance(ctx, str):
-        methods = mp.get_all_start_methods()
-        if ctx not in methods:
-            raise ConfigError(f"multiprocessing_context option should specify a valid start method in {methods!r}, "
-                              f"but got multiprocessing_context={ctx!r}")
-        ctx = mp.get_context(ctx)
-    if not isinstance(ctx, mp.context.BaseContext):
-        raise TypeError("multiprocessing_context option should be a valid context object or a string specifying "
-                        f"the start method, but got multiprocessing_context={ctx}")
-    return ctx
-
-
-def draw_base_seed(generator) -> int:
-    """The workers' base seed, drawn as torch's loader draws it (one int64 from ``generator``,
-    or from torch's global RNG when it is None)."""
-    import torch
-
-    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
 
 
 class IterableRunner:
@@ -96,7 +70,9 @@ class IterableRunner:
         prefetch_factor: batches in flight per worker (default 2 with workers; must be None
             without).
         worker_init_fn: ``worker_init_fn(worker_id)`` in each worker, after seeding.
-        multiprocessing_context: None (the default start method), ``"fork"``, ``"spawn"``,
+        multiprocessing_context: None (the start method set with
+            ``multiprocessing.set_start_method``, else fork: see
+            :func:`~feedgpu.exec.pool.start.resolve_context`), ``"fork"``, ``"spawn"``,
             ``"forkserver"`` or a context object.
         generator: ``torch.Generator`` the base seed is drawn from (default torch's global RNG).
         timeout: seconds to wait for a worker's batch, 0 for ever (default 0).
@@ -140,7 +116,10 @@ class IterableRunner:
         self.num_workers = int(num_workers)
         self.prefetch_factor = prefetch_factor
         self.worker_init_fn = worker_init_fn
-        self.multiprocessing_context = _context(multiprocessing_context, self.num_workers)
+        if multiprocessing_context is not None and self.num_workers == 0:
+            raise ConfigError("multiprocessing_context can only be used with multi-process loading "
+                              f"(num_workers > 0), but got num_workers={self.num_workers}")
+        self.multiprocessing_context = resolve_context(multiprocessing_context) if self.num_workers > 0 else None
         self.generator = generator
         self.timeout = timeout
         self.persistent_workers = bool(persistent_workers)
@@ -331,7 +310,7 @@ class _WorkerIter:
         else:
             base_seed = draw_base_seed(runner.generator)
         # torch draws one more pipe seed per pass: persistent workers get it with the pass
-        pipe_seed = datapipes.draw(runner.generator) if restore is None and datapipes.is_datapipe(runner.dataset) \
+        pipe_seed = draw_base_seed(runner.generator) if restore is None and datapipes.is_datapipe(runner.dataset) \
             else None
         if workers is None or workers.closed:
             workers = WorkerSet(runner, base_seed)
@@ -401,7 +380,7 @@ class _WorkerIter:
             self.workers.credit(w, self.epoch)
             pos["workers"][w] = snap
             if kind == "error":
-                raise unpack_error(payload)
+                raise unpack_exception(payload, "while iterating its copy of the IterableDataset")
             pos["batches_seen"] += 1
             self.yielded += 1
             _len_warning(self.runner, self.yielded)

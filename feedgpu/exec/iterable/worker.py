@@ -17,12 +17,9 @@ which ``torch.multiprocessing`` registers tensor reductions: tensors travel in s
 """
 from __future__ import annotations
 
-import os
-import pickle
-import signal
-import traceback
 
-from ..pool.lifetime import orphan_check, watch_parent
+from ..pool.errors import pack_exception, unsendable
+from ..pool.lifetime import enter_worker
 from ..pool.start import seed_worker
 
 POLL_S = 0.2   # how often an idle worker checks that its parent is alive
@@ -88,56 +85,14 @@ class Fetcher:
         return self.collate_fn(items)
 
 
-def pack_error(e: BaseException, wid: int) -> tuple:
-    """A worker's exception for the trip to the main process: (pickled or None, type name,
-    message, formatted traceback, worker id, pid)."""
-    tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-    try:
-        blob = pickle.dumps(e)
-        pickle.loads(blob)
-    except Exception:  # noqa: BLE001 - an exception that does not pickle travels as text
-        blob = None
-    return (blob, type(e).__name__, str(e), tb, wid, os.getpid())
-
-
-def unpack_error(packed: tuple) -> BaseException:
-    """The worker's exception, same type where it pickled (else :class:`WorkerError`), with
-    torch's wording and the worker's traceback as a note."""
-    from ...errors import WorkerError
-    from ..pool.errors import with_note
-
-    blob, name, msg, tb, wid, pid = packed
-    exc = None
-    if blob is not None:
-        try:
-            exc = pickle.loads(blob)
-        except Exception:  # noqa: BLE001
-            exc = None
-    if exc is None:
-        exc = WorkerError(f"{name}: {msg}")
-    return with_note(exc, f"Caught {name} in DataLoader worker process {wid} (pid {pid}).\nOriginal {tb}")
-
-
 def _send(conn, msg: tuple, wid: int, epoch) -> None:
     try:
         conn.send(msg)
     except (BrokenPipeError, EOFError, ConnectionResetError):
         raise
     except Exception as e:  # noqa: BLE001 - the batch cannot travel: say why instead of dying
-        from ...errors import SharedMemoryError, WorkerError
-
-        from ..pool import fd_limit
-
-        if fd_limit.out_of_descriptors(e):
-            err: Exception = fd_limit.error(e)
-        elif isinstance(e, OSError) and "space" in str(e).lower():
-            err = SharedMemoryError(
-                f"a worker could not put its batch in shared memory ({type(e).__name__}: {e}); torch shares "
-                "tensors through /dev/shm: give the container more (docker --shm-size) or lower batch_size")
-        else:
-            err = WorkerError(f"a worker could not send its batch to the main process ({type(e).__name__}: "
-                              f"{e}); a batch must be picklable")
-        conn.send(("error", epoch, pack_error(err, wid), msg[3] if len(msg) > 3 else None))
+        err = unsendable(e)
+        conn.send(("error", epoch, pack_exception(err, wid), msg[3] if len(msg) > 3 else None))
 
 
 def worker_loop(wid: int, num_workers: int, dataset, conn, base_seed: int, init_fn, batch_size, drop_last: bool,
@@ -146,14 +101,8 @@ def worker_loop(wid: int, num_workers: int, dataset, conn, base_seed: int, init_
     over its copy of ``dataset`` as the main process asks (module doc). An exception from
     ``init_fn`` or ``iter(dataset)`` is sent as the first batch of the pass, which then ends;
     one from producing a batch is that batch, and the pass goes on."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C interrupts the main process, which stops us
-    conn.send(("started", None))                   # before anything slow: the main process watches for it
-    import torch
-    import torch.multiprocessing  # noqa: F401  registers the tensor reductions used by conn.send
-
-    torch.set_num_threads(1)
-    orphaned = orphan_check(parent_pid)
-    watch_parent(orphaned)   # exits even in the middle of a batch once the main process is gone
+    conn.send(("started", None))   # first, before anything slow: the main process watches for it
+    orphaned = enter_worker(parent_pid)   # exits even in the middle of a batch once the main process is gone
     seed_worker(wid, base_seed, num_workers, dataset)
     init_error = None
     if init_fn is not None:
@@ -190,7 +139,7 @@ def worker_loop(wid: int, num_workers: int, dataset, conn, base_seed: int, init_
                     fetcher = Fetcher(dataset, batch_size, drop_last, collate_fn, stateful, state)
                 except Exception as e:  # noqa: BLE001
                     init_error, ended = None, True
-                    conn.send(("error", epoch, pack_error(e, wid), None))
+                    conn.send(("error", epoch, pack_exception(e, wid), None))
                     conn.send(("end", epoch, None, None))
                     continue
                 conn.send(("ready", epoch, fetcher.start, None))
@@ -206,7 +155,7 @@ def worker_loop(wid: int, num_workers: int, dataset, conn, base_seed: int, init_
                 conn.send(("end", epoch, None, None))
                 continue
             except Exception as e:  # noqa: BLE001 - the batch's error, raised in the main process
-                msg = ("error", epoch, pack_error(e, wid), _safe_snapshot(fetcher))
+                msg = ("error", epoch, pack_exception(e, wid), _safe_snapshot(fetcher))
             else:
                 msg = ("batch", epoch, data, _safe_snapshot(fetcher))
                 del data

@@ -1,15 +1,36 @@
 """A worker process's life around its work, the same for the map-style pool's workers and an
-``IterableDataset``'s: its exit when the main process is gone (even in the middle of a task or a
-batch), and the end of processes that do not stop when asked."""
+``IterableDataset``'s: its first steps (:func:`enter_worker`), its exit when the main process is
+gone (even in the middle of a task or a batch), and the end of processes that do not stop when
+asked."""
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from typing import Callable
 
 ORPHAN_POLL_S = 1.0   # how often a worker checks that its main process lives
 KILL_WAIT_S = 1.0     # seconds a terminated (then killed) process gets to go
+
+
+def enter_worker(main_pid: int) -> Callable[[], bool]:
+    """A worker process's first steps, the same in both pools: Ctrl-C is left to the main process
+    ``main_pid`` (which stops its workers), the worker exits by itself once that process is gone
+    (:func:`watch_parent`), and torch runs on one thread with its tensor reductions registered
+    (tensors travel in shared memory), as in torch's DataLoader workers. Returns the worker's
+    orphan check (:func:`orphan_check`)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    orphaned = orphan_check(main_pid)
+    watch_parent(orphaned)
+    try:
+        import torch
+        import torch.multiprocessing  # noqa: F401  registers the tensor reductions
+
+        torch.set_num_threads(1)
+    except ImportError:  # pragma: no cover - feedgpu imports without torch only in tools
+        pass
+    return orphaned
 
 
 def pid_alive(pid: int) -> bool:

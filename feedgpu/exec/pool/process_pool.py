@@ -27,15 +27,18 @@ each worker holds. That is what makes the rest possible:
   run its first line ``fork_start_s`` seconds after its fork (it is killed first): on CPython
   3.11 releases without the fix of gh-112275 such a child is deadlocked (see
   :func:`~feedgpu.exec.pool.start.stuck_fork`) and would hold its tasks for ever. A task whose worker died
-  ``max_task_deaths`` times, or more than ``max_respawns`` deaths in all, raises
+  ``max_task_deaths`` times, more than ``max_respawns`` deaths in all, or a worker id whose forks
+  never started :data:`~feedgpu.exec.pool.processes.MAX_STUCK` times raises
   :class:`WorkerError` naming the exit code or signal, never a hang. A result that a dead worker
   sent completely is kept; its task is not run again.
 * A worker's exception is sent back with its traceback and re-raised in the main process
   (same type where it pickles, else :class:`WorkerError`), with the worker id and traceback
-  attached as an exception note.
+  attached as an exception note (see :func:`~feedgpu.exec.pool.errors.unpack_exception`).
 * Workers ignore SIGINT (Ctrl-C interrupts the main process, which shuts them down) and exit
   by themselves when their parent dies.
-* :meth:`ProcessPool.close` runs on normal end, on exceptions, at garbage collection and at
+* The processes themselves (start, stuck forks, deaths, close) are the core this pool shares with
+  an ``IterableDataset``'s workers, :class:`~feedgpu.exec.pool.processes.WorkerProcesses`.
+  :meth:`ProcessPool.close` runs on normal end, on exceptions, at garbage collection and at
   interpreter exit (also when the pool lives in a multiprocessing child, whose exit runs
   multiprocessing's finalizers: the pool's comes before the child's daemonic workers are
   terminated); it asks, then terminates, then kills, so no process is left behind. Task queues
@@ -58,7 +61,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing.connection as mpc
-import multiprocessing.util as mputil
 import os
 import pickle
 import time
@@ -69,15 +71,15 @@ from ..contract import Control, Result, Task
 from ..progress import MAX_WORKERS, Board
 from . import fd_limit
 from .fd_channel import Channel
-from .lifetime import end_processes
-from .errors import exit_text, seconds_text, torch_death, unpack_exception
-from .start import FORK_START_S, frozen_gc, resolve_context, stuck_fork
+from .errors import timeout_message, unpack_exception
+from .processes import WorkerProcesses
+from .start import FORK_START_S
 from .worker import WorkerLoad, worker_main
 
 log = logging.getLogger("feedgpu.pool")
 POLL_S = 0.1
 MAX_SEED = 2**63 - 1               # worker seeds stay int64 (collatable, torch.manual_seed accepts them)
-EXIT_PRIORITY = 20                 # multiprocessing finalizers: before queues (10) and daemon termination
+KIND = "feedgpu"                   # how a death names a worker: "feedgpu worker 3 (pid N) died ..."
 
 
 class _Worker:
@@ -91,8 +93,6 @@ class _Worker:
         self.parked_until: float | None = None   # parked (takes no task) until then, then retired; never retiring
         self.put_count = 0                    # items put on its queue (tasks, flushes, the sentinel)
         self.ordinal: dict[tuple, int] = {}   # (tag, seq) -> which item of the queue it was
-        self.started = time.monotonic()
-        self.stuck = False                    # killed for never starting (see ProcessPool.fork_start_s)
 
     @property
     def taking(self) -> bool:
@@ -113,44 +113,23 @@ class _Worker:
         n = board.taken(self.wid)
         return next((k for k, i in self.ordinal.items() if i == n), None) if n else None
 
+    # -- as a member of the pool's WorkerProcesses ---------------------------------------------------
+    def ask_stop(self) -> None:
+        self.put(None)
+
+    def drain(self, seconds: float) -> None:
+        try:  # read and drop results, so a worker blocked writing one can see its sentinel
+            if self.conn.poll(seconds):
+                self.conn.skip()
+        except (EOFError, OSError, ValueError):
+            self.proc.join(seconds)
+
     def drop(self) -> None:
         for closer in (self.tasks.cancel_join_thread, self.tasks.close, self.conn.close):
             try:
                 closer()
             except (OSError, ValueError):
                 pass
-
-
-class _State:
-    """What shutdown needs, kept apart from the pool so a finalizer can hold it."""
-
-    def __init__(self):
-        self.workers: dict[int, _Worker] = {}
-        self.closed = False
-
-    def close(self, grace_s: float = 1.0) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        workers = list(self.workers.values())
-        for w in workers:
-            try:
-                w.put(None)
-            except (OSError, ValueError):
-                pass
-        deadline = time.monotonic() + grace_s
-        for w in workers:
-            while w.proc.is_alive() and time.monotonic() < deadline:
-                try:  # drain so a worker blocked writing a result can see its sentinel
-                    if w.conn.poll(0.02):
-                        w.conn.skip()
-                except (EOFError, OSError, ValueError):
-                    w.proc.join(0.05)
-                w.proc.join(0.01)
-        end_processes([w.proc for w in workers])
-        for w in workers:
-            w.drop()
-        self.workers.clear()
 
 
 class ProcessPool:
@@ -179,12 +158,13 @@ class ProcessPool:
         max_respawns: deaths replaced over the pool's life before :class:`WorkerError` (default 8).
         describe: ``describe(sample_index) -> name`` for timeout messages, which name the stage and
             sample each busy worker is in (see :mod:`feedgpu.exec.progress`).
-        context: start method or multiprocessing context (see :func:`resolve_context`; default
+        context: start method or multiprocessing context (see :func:`~feedgpu.exec.pool.start.resolve_context`; default
             ``fork``). With ``spawn`` and ``forkserver``, ``handler``, ``worker_init_fn``,
             ``on_exit``, ``on_idle``, ``on_start`` and ``dataset`` must pickle; they are pickled together for
             each worker started (replacements and added workers too).
-        base_seed: when given (an int, e.g. :func:`draw_base_seed`), worker ``i`` seeds torch and
-            ``random`` with ``base_seed + i`` and numpy's global RNG as torch does, before
+        base_seed: when given (an int, e.g. :func:`~feedgpu.exec.pool.start.draw_base_seed`),
+            worker ``i`` seeds torch and ``random`` with ``base_seed + i`` and numpy's global RNG
+            as torch does, before
             ``on_start`` and ``worker_init_fn``, and sets torch's ``WorkerInfo(id=i,
             num_workers=<the pool's size then>, seed=base_seed + i, dataset=dataset)`` for
             ``torch.utils.data.get_worker_info()``. Lowered to keep every seed below 2**63.
@@ -211,8 +191,10 @@ class ProcessPool:
             raise WorkerError(f"a process pool runs at most {MAX_WORKERS} workers, got {num_workers}")
         import torch.multiprocessing  # noqa: F401  registers tensor reductions for the pipes
 
-        self._ctx = resolve_context(context)
-        self.method = self._ctx.get_start_method()
+        self.fork_start_s = FORK_START_S if fork_start_s is None else fork_start_s
+        self.grace_s = grace_s
+        self._procs = WorkerProcesses(context, KIND, self.fork_start_s, grace_s)
+        self.method = self._procs.method
         objs = (handler, worker_init_fn, on_exit, on_idle, on_start, dataset)
         self._load = WorkerLoad(objs, pickled=self.method != "fork")
         self.base_seed = None if base_seed is None else min(int(base_seed), MAX_SEED - MAX_WORKERS)
@@ -226,12 +208,7 @@ class ProcessPool:
         self._task_deaths: dict[tuple, int] = {}
         self._flushes = 0
         self._salvaged: list[Result] = []   # complete results read from a worker found dead
-        self._state = _State()
-        self.grace_s = grace_s
-        self.fork_start_s = FORK_START_S if fork_start_s is None else fork_start_s
-        # at garbage collection, and at exit before multiprocessing terminates daemonic children
-        # (the main process's atexit, or a multiprocessing child's own exit)
-        self._finalizer = mputil.Finalize(self, self._state.close, args=(grace_s,), exitpriority=EXIT_PRIORITY)
+        self._procs.close_with(self)   # at garbage collection and at exit
         try:
             for _ in range(num_workers):
                 self._spawn()
@@ -243,7 +220,7 @@ class ProcessPool:
     # -- size -----------------------------------------------------------------------------------
     @property
     def _workers(self) -> dict[int, _Worker]:
-        return self._state.workers
+        return self._procs.members
 
     remote_workers = 0      # the pool contract (exec/contract.py): local workers only
     remote_started = None
@@ -259,7 +236,7 @@ class ProcessPool:
 
     @property
     def closed(self) -> bool:
-        return self._state.closed
+        return self._procs.closed
 
     def pids(self) -> list[int]:
         """Process ids of the workers taking tasks, by worker id."""
@@ -268,22 +245,19 @@ class ProcessPool:
     def _spawn(self, wid: int | None = None) -> _Worker:
         if wid is None:
             wid = next(i for i in range(len(self._workers) + 1) if i not in self._workers)
-        tasks = self._ctx.Queue()
+        tasks = self._procs.ctx.Queue()
         # Never wait for its feeder thread at exit: blocked writing a large task to a worker that
         # is gone, it would be joined for ever. Undelivered tasks of a pool that goes are moot.
         tasks.cancel_join_thread()
         reader, writer = Channel.pair()
         seeding = None if self.base_seed is None else (self.base_seed, self._target)
-        p = self._ctx.Process(target=worker_main, name=f"{self._name}-{wid}", daemon=True,
-                              args=(wid, self._load, tasks, writer, self._parent, self.board, seeding, self.method))
         self.board.expect(wid)
         try:
-            with frozen_gc(self.method):
-                p.start()
+            return self._procs.start(
+                wid, worker_main, (wid, self._load, tasks, writer, self._parent, self.board, seeding, self.method),
+                f"{self._name}-{wid}", lambda p: _Worker(wid, p, tasks, reader))
         finally:
             writer.close()  # the worker holds the only other end: its death reads as EOF here
-        w = self._workers[wid] = _Worker(wid, p, tasks, reader)
-        return w
 
     def resize(self, n: int, park_s: float = 0.0) -> None:
         """Run ``n`` (>= 1) workers from now on. Parked workers are taken back first (the last
@@ -367,20 +341,11 @@ class ProcessPool:
                     raise
                 if self._accept(w, result):
                     return result
-            for w in [w for w in self._workers.values() if not w.proc.is_alive() or self._stuck(w)]:
-                self._ended(w)
+            self._procs.overdue(self.board.started)   # a stuck fork is killed: ended below
+            for wid in self._procs.ended():
+                self._ended(self._workers[wid])
             if deadline is not None and time.monotonic() > deadline:
-                raise LoaderTimeout(f"DataLoader timed out after {seconds_text(timeout)} seconds. No batch from the "
-                                    f"workers within timeout={timeout} s: {self.holding()}")
-
-    def _stuck(self, w: _Worker) -> bool:
-        """``w`` was forked ``fork_start_s`` ago and has run nothing: kill it (``_ended`` then
-        replaces it or raises)."""
-        if self.method != "fork" or self.board.started(w.wid) or time.monotonic() - w.started < self.fork_start_s:
-            return False
-        w.stuck = True
-        w.proc.kill()
-        return True
+                raise LoaderTimeout(timeout_message(timeout, self.holding()))
 
     def holding(self) -> str:
         """What each busy worker is doing, from its progress slot."""
@@ -422,34 +387,22 @@ class ProcessPool:
                     self._salvaged.append(result)
         except Exception:  # noqa: BLE001 - e.g. a tensor whose memory died with the worker: redone
             pass
-        w.proc.join(1.0)
-        if w.proc.is_alive():  # pipe closed but still running: treat as dead
-            w.proc.kill()
-            w.proc.join(1.0)
-        del self._workers[w.wid]
-        w.drop()
+        self._procs.reap(w, 1.0)   # its pipe closed but it still runs: it is treated as dead
+        self._procs.remove(w)
         if w.retiring and not w.held and w.proc.exitcode == 0:
             return
-        how = exit_text(w.proc)
-        if w.stuck:
-            how = stuck_fork(self.fork_start_s)
-        elif how == "signal SIGKILL":
-            how += ": killed from outside, often by the kernel's out-of-memory killer (see dmesg)"
-        elif how == "signal SIGBUS":
-            how += ": often shared memory running out (the container's memory limit, or /dev/shm for torch tensors)"
-        what = f"feedgpu worker {w.wid} (pid {w.proc.pid}) died unexpectedly ({how})"
-        torch_says = torch_death(w.proc.pid, w.proc.exitcode)
+        what, died = self._procs.death(w, torch_words=False), self._procs.death(w)
         if not self.respawn or self.closed:
-            raise WorkerError(torch_says + what)
+            raise WorkerError(died)
         key = w.running(self.board)
         if key in w.held:  # the task it was running when it died
             self._task_deaths[key] = self._task_deaths.get(key, 0) + 1
             if self._task_deaths[key] >= self.max_task_deaths:
-                raise WorkerError(f"{torch_says}{what}; task {key[1]} has now killed {self._task_deaths[key]} "
+                raise WorkerError(f"{died}; task {key[1]} has now killed {self._task_deaths[key]} "
                                   "workers, so it is not retried (a sample that crashes a stage?)")
         self.respawns += 1
         if self.respawns > self.max_respawns:
-            raise WorkerError(f"{torch_says}{what}; {self.respawns} workers have died, more than max_respawns="
+            raise WorkerError(f"{died}; {self.respawns} workers have died, more than max_respawns="
                               f"{self.max_respawns}")
         if w.retiring and not w.held:
             log.warning("%s while retiring; nothing was lost", what)
@@ -488,6 +441,4 @@ class ProcessPool:
     def close(self, grace_s: float | None = None) -> None:
         """Ask workers to stop, wait ``grace_s`` seconds (default: the pool's), then terminate
         and kill."""
-        if self._finalizer.still_active():
-            self._finalizer.cancel()
-            self._state.close(self.grace_s if grace_s is None else grace_s)
+        self._procs.close(grace_s)

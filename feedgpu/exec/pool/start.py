@@ -1,13 +1,16 @@
 """How pool workers start: the multiprocessing context a ``DataLoader`` argument names, the
 workers' base seed (drawn as torch draws it) and each worker's seeding from it, the garbage
 collector frozen around a fork, and how long a forked worker may take to run its first line.
-Shared by the map-style pool and an ``IterableDataset``'s workers."""
+Shared by the map-style pool and an ``IterableDataset``'s workers (the base seed also seeds an
+``IterDataPipe``'s random stages)."""
 from __future__ import annotations
 
 import contextlib
 import gc
 import multiprocessing as mp
 import multiprocessing.context as mpcontext
+
+from ...errors import ConfigError
 
 #: seconds a forked worker may take to run its first line before the pool takes it for stuck
 #: (see :func:`stuck_fork`); a healthy fork gets there at once, whatever the dataset
@@ -30,8 +33,8 @@ def resolve_context(value) -> mpcontext.BaseContext:
     method (``"fork"``, ``"spawn"``, ``"forkserver"``). A context object (``multiprocessing`` or
     ``torch.multiprocessing``): itself.
 
-    Raises ``ValueError`` for an unknown start method and ``TypeError`` for anything else, with
-    torch's wording."""
+    Raises :class:`~feedgpu.errors.ConfigError` (a ``ValueError``) for an unknown start method and
+    ``TypeError`` for anything else, with torch's wording."""
     if value is None:
         method = mp.get_start_method(allow_none=True)
         if method is None:
@@ -40,7 +43,7 @@ def resolve_context(value) -> mpcontext.BaseContext:
     if isinstance(value, str):
         valid = mp.get_all_start_methods()
         if value not in valid:
-            raise ValueError("multiprocessing_context option should specify a valid start method in "
+            raise ConfigError("multiprocessing_context option should specify a valid start method in "
                              f"{valid!r}, but got multiprocessing_context={value!r}")
         return mp.get_context(value)
     if isinstance(value, mpcontext.BaseContext):

@@ -14,46 +14,16 @@ from __future__ import annotations
 import logging
 import pickle
 import queue
-import signal
-import traceback
 
 from ...errors import WorkerError
 from .. import progress
 from ..contract import Control, Result
-from .lifetime import orphan_check, watch_parent
+from .errors import pack_exception, unsendable
+from .lifetime import enter_worker
 from .start import seed_worker
 
 log = logging.getLogger("feedgpu.pool")
 IDLE_S = 0.5   # a worker with no task for this long runs its on_idle hook (e.g. writes buffered cache rows)
-
-
-def pack_exception(e: BaseException, wid: int) -> tuple:
-    tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-    try:
-        blob = pickle.dumps(e)
-        pickle.loads(blob)
-    except Exception:
-        blob = None
-    return (blob, f"{type(e).__name__}: {e}", tb, wid, getattr(e, "feedgpu_network", None))
-
-
-def _unsendable(e: Exception) -> Exception:
-    """Why a worker could not send its result back, as the error the main process raises."""
-    import errno
-
-    from . import fd_limit
-
-    if fd_limit.out_of_descriptors(e):
-        return fd_limit.error(e)
-    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.ENOMEM) or "No space left" in str(e):
-        from ...errors import SharedMemoryError
-
-        return SharedMemoryError(
-            f"a worker could not put its batch in shared memory ({type(e).__name__}: {e}). torch shares tensors "
-            "through /dev/shm: give the container more (docker --shm-size), use "
-            "torch.multiprocessing.set_sharing_strategy('file_system'), or lower batch_size / prefetch_factor")
-    return WorkerError(f"a worker could not send its batch back to the main process ({type(e).__name__}: {e}); "
-                       "the batch must be picklable")
 
 
 def _run_hook(hook, wid: int, what: str) -> None:
@@ -96,18 +66,8 @@ class WorkerLoad:
 
 def worker_main(wid: int, load: WorkerLoad, tasks, conn, parent: int, board, seeding: tuple | None,
                  method: str) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # spawn and forkserver children do not have the parent's exit-time finalizers, forked ones skip them
-    orphaned = orphan_check(parent)
-    watch_parent(orphaned)
-    board.attach(wid)
-    try:
-        import torch
-        import torch.multiprocessing  # noqa: F401  tensors in results go through shared memory
-
-        torch.set_num_threads(1)
-    except ImportError:  # pragma: no cover
-        pass
+    board.attach(wid)   # first: the main process sees this worker has started
+    orphaned = enter_worker(parent)
     try:
         handler, init_fn, on_exit, on_idle, on_start, dataset = load.load()
     except BaseException as e:  # noqa: BLE001 - say why instead of dying with a bare exit code
@@ -158,4 +118,4 @@ def worker_main(wid: int, load: WorkerLoad, tasks, conn, parent: int, board, see
         try:
             conn.send(result)
         except Exception as e:  # noqa: BLE001 - the result cannot travel: say why instead of dying
-            conn.send(Result(tag, seq, wid, False, pack_exception(_unsendable(e), wid)))
+            conn.send(Result(tag, seq, wid, False, pack_exception(unsendable(e), wid)))

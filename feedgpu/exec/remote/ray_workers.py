@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 from ...errors import ConfigError, WorkerError
 from ..executors import ExecutorSettings
-from ..pool.worker import pack_exception
+from ..pool.errors import pack_exception
 
 log = logging.getLogger("feedgpu.ray")
 #: Seconds one ``ray.wait`` blocks before the collector thread picks up new calls.
