@@ -188,11 +188,12 @@ class LoaderSettings:
     @classmethod
     def torch_keywords(cls, given: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
         """The keywords ``names`` of ``torch.utils.data.DataLoader`` resolved as torch resolves them,
-        for a loader that checks them itself in torch's words (an ``IterableDataset``'s runner,
-        :func:`feedgpu.exec.iterable.runner.runner_for_loader`): the value in ``given`` (name ->
-        value, only the keywords passed) where there is one, else torch's default
-        (:data:`TORCH_DEFAULTS`). Values are not checked here. Raises ``AttributeError`` for a
-        name that is not a field of :class:`LoaderSettings`."""
+        for a loader that passes them on as they are (an ``IterableDataset``'s runner,
+        :func:`feedgpu.exec.iterable.runner.runner_for_loader`, which takes ``batch_size=None``):
+        the value in ``given`` (name -> value, only the keywords passed) where there is one, else
+        torch's default (:data:`TORCH_DEFAULTS`). Values are not checked here (:meth:`from_torch`
+        checks them). Raises ``AttributeError`` for a name that is not a field of
+        :class:`LoaderSettings`."""
         return {k: given[k] if k in given else getattr(TORCH_DEFAULTS, k) for k in names}
 
 

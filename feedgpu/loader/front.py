@@ -27,8 +27,9 @@ from .read_ahead import ReadAhead
 __all__ = ["DataLoader", "pick_backend"]
 
 T_co = TypeVar("T_co", covariant=True)
-# torch's DataLoader refuses to change these once it is built (ValueError); so does feedgpu's
-_FROZEN = ("batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers")
+# torch's DataLoader refuses to change these once it is built (ValueError); so does feedgpu's, and
+# its skip budget, which the backend holds
+_FROZEN = ("batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers", "max_skipped")
 #: torch's attributes a map-style backend reads when a pass starts (its name for them): assigned after
 #: construction (Lightning sets ``worker_init_fn``), they reach the backend, as torch reads its own
 _FORWARDED = {"worker_init_fn": "worker_init_fn", "multiprocessing_context": "context", "generator": "generator",
@@ -116,7 +117,8 @@ class DataLoader(tud.DataLoader[T_co]):
     ...), and frameworks that re-create a loader from them (Lightning) get a feedgpu loader back.
     ``sampler`` is a ``RandomSampler``/``SequentialSampler`` view of feedgpu's order unless you
     give one; assigning ``batch_size``, ``sampler``, ``batch_sampler``, ``drop_last``,
-    ``dataset`` or ``persistent_workers`` after construction raises ``ValueError`` as in torch.
+    ``dataset`` or ``persistent_workers`` after construction raises ``ValueError`` as in torch
+    (and ``max_skipped``, the skip budget in force).
     ``state_dict()`` records the global position (any rank can load it, on any world size).
     Where it differs from torch, and why: ``docs/guides/differences.md``.
 

@@ -159,6 +159,8 @@ def test_the_loaders_max_skipped_is_the_budget_in_force_and_makes_the_same_loade
     again = DataLoader(p, max_skipped=DataLoader(p).max_skipped)
     assert again.max_skipped == 0.01
     assert DataLoader(torch.utils.data.TensorDataset(torch.zeros(4))).max_skipped is None
+    with pytest.raises(ValueError, match="max_skipped attribute should not be set"):
+        again.max_skipped = None   # the budget in force would no longer be what it says
 
 
 def test_max_skipped_is_for_pipelines_only():

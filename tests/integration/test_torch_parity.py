@@ -144,6 +144,30 @@ def test_bad_arguments_raise_the_kind_of_error_torch_raises(kwargs):
     assert kind(DataLoader) is kind(tud.DataLoader)
 
 
+class _Stream(tud.IterableDataset):
+    def __iter__(self):
+        return iter(range(10))
+
+
+@pytest.mark.parametrize("kwargs", [dict(batch_size=2.5), dict(batch_size="4"), dict(batch_size=0), dict(drop_last="yes"),
+                                    dict(drop_last=0), dict(num_workers="2"), dict(num_workers=-1),
+                                    dict(prefetch_factor=-1, num_workers=2), dict(timeout=-1), dict(timeout="x"),
+                                    dict(persistent_workers=True), dict(batch_size=None, drop_last=True)])
+def test_an_iterable_datasets_bad_arguments_raise_what_torch_raises(kwargs):
+    def raised(make):
+        try:
+            list(make(_Stream(), **kwargs))
+        except (TypeError, ValueError) as e:
+            return e
+        return None
+
+    theirs, ours = raised(tud.DataLoader), raised(DataLoader)
+    assert theirs is not None and ours is not None, (theirs, ours)
+    assert isinstance(ours, TypeError) == isinstance(theirs, TypeError), (theirs, ours)
+    if isinstance(theirs, ValueError):   # torch's words where torch has some (not a bare comparison's TypeError)
+        assert str(ours).split()[:3] == str(theirs).split()[:3], (theirs, ours)
+
+
 def test_a_num_workers_of_the_wrong_type_is_a_type_error_as_in_torch():
     with pytest.raises(TypeError):
         tud.DataLoader(Items(), num_workers="many")
