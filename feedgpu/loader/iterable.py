@@ -6,7 +6,6 @@ from __future__ import annotations
 from ..exec.iterable.runner import IterableRunner, runner_for_loader
 from ..settings import TORCH_DEFAULTS, LoaderSettings
 from .options import UNSET
-from .kinds import plain_explanation
 
 __all__ = ["IterableBackend"]
 
@@ -89,4 +88,7 @@ class IterableBackend:
                         "batches are run as torch runs them and are not counted")
 
     def explain(self) -> str:
-        return plain_explanation(self.dataset, "an IterableDataset: run as torch runs it")
+        where = "each worker iterates its own copy; batches in round-robin order over the workers" \
+            if self.runner.num_workers else "iterated in the main process"
+        return (f"dataset: {type(self.dataset).__name__} (an IterableDataset, run as torch's loader runs it: "
+                f"{where}; then collate_fn)\nnot compiled: an IterableDataset gives its samples itself")

@@ -719,3 +719,9 @@ def test_workers_busy_in_a_batch_exit_when_the_main_process_dies():
     pids = [int(p) for p in proc.stdout.split()]
     assert len(pids) == 2
     assert wait_gone(pids, budget_s=15) == [], "orphaned workers keep running"
+
+
+def test_explain_says_how_an_iterable_dataset_runs():
+    inline = feedgpu.DataLoader(Shards(0, 8)).explain()
+    assert "Shards (an IterableDataset" in inline and "main process" in inline and "dataset[i]" not in inline
+    assert "round-robin" in feedgpu.DataLoader(Shards(0, 8), num_workers=2).explain()
