@@ -96,9 +96,12 @@ class MapBackend:
         keyword arguments ``given``."""
         o, s = self.options, self.options.settings
         batch_sampler = given["batch_sampler"] is not None
+        collate = given["collate_fn"]
+        if collate is None and o.pipeline is None and not hasattr(self.dataset, "make_work"):
+            collate = tud.default_convert if o.unbatched else tud.default_collate   # torch's, as torch shows it
         return {"seed": self.seed, "pipeline": o.pipeline, "auto_workers": o.auto_workers, "shuffle": o.shuffle,
                 "timeout": s.timeout, "persistent_workers": s.persistent_workers,
-                "collate_fn": given["collate_fn"] if o.pipeline is None else None,
+                "collate_fn": collate,
                 "batch_size": None if o.unbatched or batch_sampler else s.batch_size,
                 "drop_last": False if batch_sampler else s.drop_last, "sampler": self.sampler,
                 "batch_sampler": self.batch_sampler, "multiprocessing_context": given["multiprocessing_context"]}

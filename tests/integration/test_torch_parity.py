@@ -105,6 +105,16 @@ def test_len_follows_a_growing_dataset(make):
     assert _flat(loader) == list(range(21))
 
 
+@pytest.mark.parametrize("kwargs", [dict(), dict(batch_size=None), dict(batch_size=4, collate_fn=list)])
+def test_collate_fn_attribute_is_torchs(kwargs):
+    # code written for torch's loader reads loader.collate_fn (to wrap it, or to re-create the loader)
+    ours, theirs = DataLoader(Items(), **kwargs), tud.DataLoader(Items(), **kwargs)
+    assert ours.collate_fn is theirs.collate_fn
+    again = DataLoader(Items(), batch_size=ours.batch_size, collate_fn=ours.collate_fn)
+    assert [x.tolist() if hasattr(x, "tolist") else x for x in again] == \
+        [x.tolist() if hasattr(x, "tolist") else x for x in ours]
+
+
 def test_batch_sampler_sets_batch_size_and_drop_last_as_torch():
     bs = tud.BatchSampler(tud.SequentialSampler(range(23)), 5, True)
     ours, theirs = DataLoader(Items(), batch_sampler=bs), tud.DataLoader(Items(), batch_sampler=bs)
