@@ -24,11 +24,11 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, field_validator
 
-from .cache.settings import CacheSection, CacheSettings, parse_size
+from .cache.settings import CacheSection, parse_size
 from .errors import ArgumentTypeError, ConfigError
 from .exec.engines import EngineSettings
 from .exec.executors import ExecutorSettings
-from .settings_base import defaults, settings_class
+from .settings_base import settings_class
 
 __all__ = ["LoaderSettings", "OutputSettings", "SECTIONS", "SourceSettings", "TORCH_DEFAULTS", "max_skipped_problem",
            "parse_worker_memory"]

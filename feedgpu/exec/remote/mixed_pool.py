@@ -17,7 +17,7 @@ from typing import Callable
 
 from ...errors import LoaderTimeout
 from ..executors import ExecutorSettings
-from ..pool.errors import seconds_text
+from ..pool.errors import timeout_message
 from ..pool.process_pool import ProcessPool
 
 
@@ -96,8 +96,7 @@ class MixedPool:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 where = self.local.holding() + "; " if self.local is not None else ""
-                raise LoaderTimeout(f"DataLoader timed out after {seconds_text(timeout)} seconds. No batch from the "
-                                    f"workers within timeout={timeout} s: {where}{self.remote.holding()}")
+                raise LoaderTimeout(timeout_message(timeout, where + self.remote.holding()))
             if self.local is None:
                 r = self.remote.poll(block_s=0.5 if left is None else min(0.5, left))
                 if r is not None:
