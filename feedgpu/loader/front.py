@@ -265,7 +265,7 @@ def pick_backend(dataset, given: dict) -> Backend:
                           "torch's keywords (batch_size=, shuffle=, num_workers=, ...)")
     if isinstance(dataset, tud.IterableDataset):  # run as torch runs it (feedgpu.exec.iterable)
         return IterableBackend(dataset, given)
-    pipe = dali_pipeline(dataset, given["engine"], given["compile"], given["collate_fn"])
+    pipe = dali_pipeline(dataset, given["engine"], given["compile"], given["collate_fn"], given["batch_size"] is None)
     if pipe is not None:
         return TorchvisionDaliBackend(pipe, LoaderOptions.resolve(pipe, given, own_order), given, origin=dataset)
     compiled, why = backend_for(dataset, given["compile"])

@@ -42,7 +42,7 @@ def _wants_dali(engine) -> bool:
     return name == "dali"
 
 
-def dali_pipeline(dataset, engine, compile: bool = True, collate_fn=None):
+def dali_pipeline(dataset, engine, compile: bool = True, collate_fn=None, unbatched: bool = False):
     """``dataset`` as a :class:`~feedgpu.Pipeline` on ``engine`` when ``engine`` is DALI and
     ``dataset`` a torchvision dataset feedgpu compiles; else None. Raises :class:`ConfigError`
     when DALI is asked for a torchvision dataset it cannot run whole."""
@@ -55,6 +55,8 @@ def dali_pipeline(dataset, engine, compile: bool = True, collate_fn=None):
     blocking = [x for x in left_out if not x.startswith(_ACCEPTED)]
     if collate_fn is not None:
         blocking.append("collate_fn: DALI assembles the batches")
+    if unbatched:
+        blocking.append("batch_size=None: DALI assembles whole batches")
     if blocking:
         raise ConfigError("engine='dali' runs a torchvision dataset only when feedgpu has a stage for all of it; "
                           "here: " + "; ".join(blocking) + ". Leave engine out (the Python engine compiles what it "

@@ -63,6 +63,8 @@ def test_dali_refuses_what_it_cannot_run_whole(folder_ds):
         feedgpu.DataLoader(Subset(ImageFolder(folder_ds, transform=v1_val()), [0, 1]), engine="dali")
     with pytest.raises(feedgpu.ConfigError, match="collate_fn"):
         feedgpu.DataLoader(ImageFolder(folder_ds, transform=v1_val()), engine="dali", collate_fn=list)
+    with pytest.raises(feedgpu.ConfigError, match="engine='dali' runs a torchvision dataset only.*batch_size=None"):
+        feedgpu.DataLoader(ImageFolder(folder_ds, transform=v1_val()), engine="dali", batch_size=None)
 
 
 def test_dali_refuses_a_recipe_changed_after_the_loader_was_built(folder_ds):
