@@ -66,6 +66,7 @@ class MapBackend:
     def __init__(self, dataset, options: LoaderOptions, given: dict):
         self.dataset, self.options, self.pipeline = dataset, options, options.pipeline
         self.batch_size, self.shuffle = options.batch_size, options.shuffle
+        given = self._read_order_view(given)
         self.drop_last, self.max_skipped = options.settings.drop_last, options.settings.max_skipped
         self.timeout, self.cached = options.settings.timeout, options.cache is not None
         self.persistent_workers = options.settings.persistent_workers
@@ -99,7 +100,7 @@ class MapBackend:
         collate = given["collate_fn"]
         if collate is None and o.pipeline is None and not hasattr(self.dataset, "make_work"):
             collate = tud.default_convert if o.unbatched else tud.default_collate   # torch's, as torch shows it
-        return {"seed": self.seed, "pipeline": o.pipeline, "auto_workers": o.auto_workers, "shuffle": o.shuffle,
+        return {"seed": self.seed, "pipeline": o.pipeline, "auto_workers": o.auto_workers, "shuffle": self.shuffle,
                 "timeout": s.timeout, "persistent_workers": s.persistent_workers,
                 "collate_fn": collate,
                 "batch_size": None if o.unbatched or batch_sampler else s.batch_size,
@@ -116,6 +117,19 @@ class MapBackend:
             seed = self.options.settings.seed if self.pipeline is not None and self.generator is None else \
                 int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
         return int(seed)
+
+    def _read_order_view(self, given: dict) -> dict:
+        """``given``, where its ``sampler`` is the order view of a feedgpu loader over the same
+        dataset (``loader.sampler``, passed back by a framework that re-creates the loader from its
+        attributes) read as that loader's order: its ``shuffle`` and seed, so this loader orders
+        its own epochs as that one does (a view iterated as a user's sampler would give the other
+        loader's epoch every time). A ``seed`` given that differs keeps the view a user's sampler."""
+        view = given["sampler"]
+        if not isinstance(view, OrderSampler) or view.data_source is not self.dataset or \
+                given["batch_sampler"] is not None or given["seed"] not in (None, view.seed):
+            return given
+        self.shuffle = view.shuffle
+        return {**given, "sampler": None, "seed": view.seed}
 
     def _init_order(self, given: dict) -> None:
         sampler, batch_sampler = given["sampler"], given["batch_sampler"]

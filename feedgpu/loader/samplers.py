@@ -11,6 +11,9 @@ and the torch samplers it shows to frameworks.
   computes the same split from its ``seed``, ``epoch``, ``shuffle``, ``drop_last``, ``rank`` and
   ``num_replicas``, as a seekable order, so the loader gives torch's rows and keeps exact resume
   and the skip budget.
+* A loader's own :class:`OrderSampler` given back as ``sampler`` over the same dataset (a framework
+  re-creating the loader from its attributes) is read as that loader's order: its shuffle and
+  seed (``MapBackend._read_order_view``).
 * Any other ``sampler`` or ``batch_sampler`` is a :class:`~feedgpu.order.user.UserOrder`: iterated
   as torch does.
 """

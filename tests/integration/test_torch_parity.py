@@ -68,6 +68,25 @@ def test_the_sampler_view_iterates_the_loaders_order():
     assert list(loader.sampler) != upcoming  # now the epoch after
 
 
+def test_a_loader_made_again_with_the_sampler_view_orders_its_own_epochs():
+    """A framework that re-creates a loader from its attributes passes ``loader.sampler`` back."""
+    import gc
+
+    first = DataLoader(Items(), batch_size=4, shuffle=True, seed=3)
+    expected = [_flat(first) for _ in range(3)]   # epochs 0, 1, 2 of the first loader
+    assert expected[0] != expected[1] != expected[2]
+    for keep_first in (True, False):
+        original = DataLoader(Items(), batch_size=4, shuffle=True, seed=3)
+        again = DataLoader(original.dataset, batch_size=original.batch_size, sampler=original.sampler)
+        if not keep_first:
+            del original
+            gc.collect()
+        assert [_flat(again) for _ in range(3)] == expected   # reshuffled each epoch, as the first one
+        assert again.seed == 3 and again.shuffle is True and isinstance(again.sampler, tud.RandomSampler)
+    other = DataLoader(Items(), batch_size=4, sampler=DataLoader(Items(), shuffle=True, seed=3).sampler)
+    assert other.shuffle is False   # another dataset object: the view is a user's sampler, iterated
+
+
 def test_the_sampler_view_outlives_the_loader_and_follows_set_epoch():
     """accelerate's prepare() keeps loader.batch_sampler and drops the loader."""
     import gc
