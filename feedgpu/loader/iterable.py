@@ -4,7 +4,7 @@ round-robin order over the workers)."""
 from __future__ import annotations
 
 from ..exec.iterable.runner import IterableRunner, runner_for_loader
-from ..settings import TORCH_DEFAULTS, LoaderSettings
+from ..settings import LoaderSettings
 from .options import UNSET
 
 __all__ = ["IterableBackend"]
@@ -14,8 +14,6 @@ _FEEDGPU_ONLY = ("seed", "rank", "world_size", "device", "on_error", "cache", "e
                  "max_skipped")
 #: torch's keywords whose default, when not given, is torch's (:meth:`~feedgpu.settings.LoaderSettings.torch_keywords`)
 _TORCH_DEFAULTED = ("batch_size", "num_workers", "drop_last", "timeout", "persistent_workers")
-#: torch's keywords checked by :meth:`~feedgpu.settings.LoaderSettings.from_torch`
-_CHECKED = ("batch_size", "drop_last", "num_workers", "prefetch_factor", "persistent_workers", "timeout")
 _PASSED = ("shuffle", "sampler", "batch_sampler", "collate_fn", "pin_memory", "worker_init_fn",
            "multiprocessing_context", "generator", "prefetch_factor", "in_order", "pin_memory_device")
 
@@ -30,9 +28,6 @@ class IterableBackend:
 
     def __init__(self, dataset, given: dict):
         passed = {k: v for k, v in given.items() if v is not UNSET}
-        # torch's checks of its keywords, in its words, as for any other dataset (batch_size=None:
-        # unbatched, which an IterableDataset may be)
-        LoaderSettings.from_torch({k: passed[k] for k in _CHECKED if passed.get(k) is not None}, TORCH_DEFAULTS)
         torch_kw = LoaderSettings.torch_keywords(passed, _TORCH_DEFAULTED)
         opts = {k: passed.get(k) for k in _FEEDGPU_ONLY}
         self.runner: IterableRunner = runner_for_loader(dataset, **torch_kw, **{k: given[k] for k in _PASSED},

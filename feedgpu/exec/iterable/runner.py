@@ -89,24 +89,17 @@ class IterableRunner:
                  pin_memory: bool = False):
         import torch.utils.data as tud
 
-        if num_workers < 0:
-            raise ConfigError("num_workers option should be non-negative; use num_workers=0 to disable "
-                              "multiprocessing.")
-        if timeout < 0:
-            raise ConfigError("timeout option should be non-negative")
-        if num_workers == 0 and prefetch_factor is not None:
-            raise ConfigError("prefetch_factor option could only be specified in multiprocessing.let num_workers > 0 "
-                              "to enable multiprocessing, otherwise set prefetch_factor to None.")
+        from ...settings import TORCH_DEFAULTS, LoaderSettings
+
+        # torch's checks of its keywords, in its words, as for every other kind of dataset
+        # (batch_size=None: unbatched, which an IterableDataset may be)
+        given = {"batch_size": batch_size, "drop_last": drop_last, "num_workers": num_workers,
+                 "prefetch_factor": prefetch_factor, "persistent_workers": persistent_workers, "timeout": timeout}
+        LoaderSettings.from_torch({k: v for k, v in given.items() if v is not None}, TORCH_DEFAULTS)
         if num_workers > 0 and prefetch_factor is None:
             prefetch_factor = 2
-        if prefetch_factor is not None and prefetch_factor <= 0:
-            raise ConfigError(f"prefetch_factor must be > 0 with workers, got {prefetch_factor}")
-        if persistent_workers and num_workers == 0:
-            raise ConfigError("persistent_workers option needs num_workers > 0")
         if batch_size is None and drop_last:
             raise ConfigError("batch_size=None option disables auto-batching and is mutually exclusive with drop_last")
-        if batch_size is not None and (isinstance(batch_size, bool) or int(batch_size) < 1):
-            raise ConfigError(f"batch_size should be a positive integer value, but got batch_size={batch_size}")
         self.dataset = dataset
         self.batch_size = None if batch_size is None else int(batch_size)
         self.drop_last = bool(drop_last)
@@ -468,8 +461,6 @@ def runner_for_loader(dataset, *, shuffle=None, sampler=None, batch_sampler=None
         raise ConfigError("num_workers='auto' cannot run an IterableDataset: each worker iterates its own shard "
                           "(chosen with get_worker_info()), so the worker count cannot change during a pass; "
                           "give an int")
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int):
-        raise ConfigError(f"num_workers must be an int >= 0, got {num_workers!r}")
     given = sorted(k for k, v in (feedgpu_options or {}).items() if v is not None)
     if given:
         raise ConfigError(f"{', '.join(given)}: feedgpu's options for map-style datasets and Pipelines; an "
